@@ -1,0 +1,46 @@
+"""ferrox_driver: single-sequence GQA attention decode on NVIDIA GPUs, over the raw CUDA
+driver API (cuda.bindings), with kernels compiled at run time by NVRTC.
+
+    import ferrox_driver as fd
+    out = fd.gqa_decode(q, k, v, n_heads=32, n_kv_heads=8, head_dim=128)
+"""
+
+from __future__ import annotations
+
+from .attention import gqa_decode
+from .compiler import KernelResources, Program, compile_source
+from .device import Device, cuda_available, device_count
+from .errors import CompileError, CudaError, FerroxError, KVCapacityError, NoDeviceError
+from .launch import Kernel, Module
+from .memory import DeviceArray, empty, pinned_empty, to_device, zeros
+from .module_cache import ensure_module_loaded
+from .reference import reference_gqa_decode
+from .stream import Event, Stream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompileError",
+    "CudaError",
+    "Device",
+    "DeviceArray",
+    "Event",
+    "FerroxError",
+    "KVCapacityError",
+    "Kernel",
+    "KernelResources",
+    "Module",
+    "NoDeviceError",
+    "Program",
+    "Stream",
+    "compile_source",
+    "cuda_available",
+    "device_count",
+    "empty",
+    "ensure_module_loaded",
+    "gqa_decode",
+    "pinned_empty",
+    "reference_gqa_decode",
+    "to_device",
+    "zeros",
+]

@@ -1,0 +1,5 @@
+"""``python -m ferrox_driver info|demo|bench``."""
+
+from .cli import main
+
+raise SystemExit(main())

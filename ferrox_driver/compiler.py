@@ -1,0 +1,185 @@
+"""NVRTC: kernel source -> cubin for one architecture, with the ptxas resource report."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from ._driver import nvrtc_compile, nvrtc_version, rtc
+from .errors import CompileError
+
+__all__ = [
+    "KernelResources",
+    "Program",
+    "compile_source",
+    "kernel_source",
+    "source_dir",
+    "PRELUDE_NAME",
+]
+
+PRELUDE_NAME = "ferrox_prelude.cuh"
+_ARCH_RE = re.compile(r"^(sm|compute)_(\d{2,3})[af]?$")
+
+
+@cache
+def source_dir() -> Path:
+    """Where the .cu files are: inside the installed package, or cuda_src/ of a checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
+        if (candidate / PRELUDE_NAME).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"kernel sources not found next to {here}: reinstall ferrox-driver "
+        f"(the wheel ships ferrox_driver/cuda_src/*.cu)"
+    )
+
+
+@cache
+def kernel_source(filename: str) -> str:
+    """The text of one kernel file from the source directory."""
+    return (source_dir() / filename).read_text()
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reported for one kernel."""
+
+    registers: int = 0
+    stack_bytes: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    shared_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Program:
+    """A compiled kernel source.
+
+    Attributes:
+        cubin: the machine code, loadable with cuModuleLoadData.
+        log: NVRTC's log (warnings and the ptxas report).
+        arch: the target, e.g. ``"sm_90"``.
+        resources: per-kernel ptxas report, by kernel name.
+        options: the full option list NVRTC was given.
+        name: the source's file name.
+    """
+
+    cubin: bytes
+    log: str
+    arch: str
+    options: tuple[str, ...]
+    name: str = "kernel.cu"
+    resources: dict[str, KernelResources] = field(default_factory=dict)
+
+
+_ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS_RE = re.compile(r"Function properties for (\S+)")
+_STACK_RE = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+_USED_RE = re.compile(r"Used (\d+) registers")
+_SMEM_RE = re.compile(r"(\d+) bytes smem")
+
+
+def parse_resources(log: str) -> dict[str, KernelResources]:
+    """Parse ptxas ``-v`` output into a per-entry-function report."""
+    entries: dict[str, dict[str, int]] = {}
+    current: str | None = None
+    for line in log.splitlines():
+        if m := _ENTRY_RE.search(line):
+            current = m.group(1)
+            entries.setdefault(current, {})
+        elif m := _PROPS_RE.search(line):
+            current = m.group(1) if m.group(1) in entries else None
+        elif current is not None and (m := _STACK_RE.search(line)):
+            stack, stores, loads = (int(g) for g in m.groups())
+            entries[current].update(stack_bytes=stack, spill_stores=stores, spill_loads=loads)
+        elif current is not None and (m := _USED_RE.search(line)):
+            entries[current]["registers"] = int(m.group(1))
+            if s := _SMEM_RE.search(line):
+                entries[current]["shared_bytes"] = int(s.group(1))
+    return {name: KernelResources(**vals) for name, vals in entries.items()}
+
+
+def normalize_arch(arch: str) -> str:
+    """Validate an architecture name like ``sm_90`` (``compute_XY`` is refused: PTX is not
+    loadable on drivers older than NVRTC, so ferrox always builds cubin)."""
+    if not isinstance(arch, str) or not _ARCH_RE.match(arch):
+        raise ValueError(f"arch: expected a name like 'sm_90', got {arch!r}")
+    if arch.startswith("compute_"):
+        raise ValueError(
+            f"arch: {arch!r} asks for PTX; ferrox compiles to cubin (sm_XY) because a driver "
+            f"older than NVRTC refuses newer PTX"
+        )
+    return arch
+
+
+def compile_source(
+    source: str,
+    *,
+    arch: str | None = None,
+    options: Sequence[str] = (),
+    name: str = "kernel.cu",
+) -> Program:
+    """Compile CUDA C++ to a cubin with NVRTC.
+
+    The source is compiled with ferrox's prelude pre-included (INFINITY, NAN, fp16/bf16
+    conversions), C++17, and ``--ptxas-options=-v`` so the resource report is available.
+
+    Args:
+        source: the kernel source text.
+        arch: target such as ``"sm_90"``; default: the current device's. No GPU is needed
+            when it is given.
+        options: extra NVRTC options, e.g. ``("-DBLOCK=128",)``.
+        name: file name used in the log.
+
+    Returns:
+        The Program (cubin, log, per-kernel resources).
+
+    Raises:
+        CompileError: NVRTC rejected the source; the error carries the log.
+        ValueError: bad ``arch`` or options.
+        NoDeviceError: ``arch`` omitted and no GPU present.
+    """
+    if not isinstance(source, str):
+        raise TypeError(f"source: expected str, got {type(source).__name__}")
+    if isinstance(options, str) or not all(isinstance(o, str) for o in options):
+        raise TypeError(f"options: expected a sequence of str, got {options!r}")
+    if arch is None:
+        from .device import default_device
+
+        arch = default_device().arch
+    arch = normalize_arch(arch)
+    opts = (
+        f"--gpu-architecture={arch}",
+        "--std=c++17",
+        "--ptxas-options=-v",
+        f"--pre-include={PRELUDE_NAME}",
+        *options,
+    )
+    prelude = kernel_source(PRELUDE_NAME).encode()
+    prog = rtc(
+        "nvrtcCreateProgram", source.encode(), name.encode(), 1, [prelude], [PRELUDE_NAME.encode()]
+    )
+    try:
+        status = nvrtc_compile(prog, opts)
+        size = rtc("nvrtcGetProgramLogSize", prog)
+        buf = b" " * size
+        rtc("nvrtcGetProgramLog", prog, buf)
+        log = buf.rstrip(b"\0 ").decode(errors="replace")
+        if status is not None:
+            raise CompileError(name, log or str(status), opts)
+        size = rtc("nvrtcGetCUBINSize", prog)
+        cubin = b" " * size
+        rtc("nvrtcGetCUBIN", prog, cubin)
+    finally:
+        rtc("nvrtcDestroyProgram", prog)
+    return Program(cubin, log, arch, opts, name, parse_resources(log))
+
+
+def nvrtc_version_string() -> str:
+    major, minor = nvrtc_version()
+    return f"{major}.{minor}"

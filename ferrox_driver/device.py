@@ -1,0 +1,144 @@
+"""Devices and their primary contexts; whether CUDA is usable at all."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ._driver import cu, drv, finalizer, init
+from .errors import CudaError, NoDeviceError
+
+__all__ = ["Device", "cuda_available", "device_count", "default_device"]
+
+_A = cu.CUdevice_attribute
+_tls = threading.local()
+
+
+def cuda_available() -> bool:
+    """True when a CUDA driver is installed and sees at least one device. Never raises."""
+    try:
+        return device_count() > 0
+    except Exception:
+        return False
+
+
+def device_count() -> int:
+    """Number of CUDA devices the driver sees.
+
+    Raises:
+        NoDeviceError: without a usable driver.
+    """
+    init()
+    return int(drv("cuDeviceGetCount"))
+
+
+class Device:
+    """One CUDA device, holding a reference on its primary context.
+
+    The primary context is the one PyTorch, CuPy and Numba use too, so device memory and
+    streams can be shared with them in one process.
+
+    Args:
+        ordinal: the device index, 0-based.
+
+    Raises:
+        NoDeviceError: no driver or no such device.
+    """
+
+    def __init__(self, ordinal: int = 0) -> None:
+        if not isinstance(ordinal, int) or isinstance(ordinal, bool):
+            raise TypeError(f"ordinal: expected an int, got {type(ordinal).__name__}")
+        count = device_count()
+        if not 0 <= ordinal < count:
+            raise NoDeviceError(f"ordinal: device {ordinal} does not exist ({count} device(s))")
+        self.ordinal = ordinal
+        self._dev = drv("cuDeviceGet", ordinal)
+        self._ctx = drv("cuDevicePrimaryCtxRetain", self._dev)
+        self._ctx_int = int(self._ctx)
+        self._finalizer = finalizer(self, "cuDevicePrimaryCtxRelease", self._dev)
+        self.activate()
+        self.name: str = drv("cuDeviceGetName", 256, self._dev).split(b"\0", 1)[0].decode()
+        self.compute_capability: tuple[int, int] = (
+            self.attribute(_A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+            self.attribute(_A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+        )
+        self.multiprocessor_count: int = self.attribute(_A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.l2_cache_bytes: int = self.attribute(_A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        self.max_shared_per_block_optin: int = self.attribute(
+            _A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        )
+        self.total_memory: int = int(drv("cuDeviceTotalMem", self._dev))
+
+    @property
+    def arch(self) -> str:
+        """The NVRTC target of this device, e.g. ``"sm_90"``."""
+        major, minor = self.compute_capability
+        return f"sm_{major}{minor}"
+
+    @property
+    def context_handle(self) -> int:
+        """The primary context as an integer handle."""
+        return self._ctx_int
+
+    def attribute(self, attr: Any) -> int:
+        """Read one ``CU_DEVICE_ATTRIBUTE_*`` value."""
+        return int(drv("cuDeviceGetAttribute", attr, self._dev))
+
+    def activate(self) -> None:
+        """Make this device's primary context current on the calling thread (cached)."""
+        if getattr(_tls, "ctx", None) != self._ctx_int:
+            if not self._finalizer.alive:
+                raise CudaError(0, "CLOSED", "Device.activate", f"device {self.ordinal} is closed")
+            drv("cuCtxSetCurrent", self._ctx)
+            _tls.ctx = self._ctx_int
+
+    def synchronize(self) -> None:
+        """Wait for all work on this device to finish."""
+        self.activate()
+        drv("cuCtxSynchronize")
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) device memory in bytes."""
+        self.activate()
+        free, total = drv("cuMemGetInfo")
+        return int(free), int(total)
+
+    def close(self) -> None:
+        """Release this object's reference on the primary context."""
+        if getattr(_tls, "ctx", None) == self._ctx_int:
+            _tls.ctx = None
+        self._finalizer()
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Device({self.ordinal}: {self.name}, {self.arch})"
+
+
+_default_lock = threading.Lock()
+_default: Device | None = None
+
+
+def default_device() -> Device:
+    """The process-wide Device(0) that calls without ``device=`` use, made current here."""
+    global _default
+    dev = _default
+    if dev is None:
+        with _default_lock:
+            if _default is None:
+                _default = Device(0)
+            dev = _default
+    dev.activate()
+    return dev
+
+
+def resolve(device: Device | None) -> Device:
+    """The given device made current, or the default one."""
+    if device is None:
+        return default_device()
+    device.activate()
+    return device

@@ -1,0 +1,68 @@
+"""Exception types raised by ferrox_driver."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class FerroxError(Exception):
+    """Base class of every error ferrox_driver raises (besides ValueError/TypeError)."""
+
+
+class NoDeviceError(FerroxError):
+    """No NVIDIA driver or no CUDA device: GPU work is impossible in this process."""
+
+
+class CudaError(FerroxError):
+    """A CUDA driver or NVRTC call failed.
+
+    Attributes:
+        code: the numeric CUresult / nvrtcResult.
+        name: its symbolic name, e.g. ``CUDA_ERROR_INVALID_IMAGE``.
+        call: the API function that returned it, e.g. ``cuModuleLoadData``.
+        description: the driver's own explanation.
+    """
+
+    def __init__(self, code: int, name: str, call: str, description: str, hint: str = "") -> None:
+        self.code = code
+        self.name = name
+        self.call = call
+        self.description = description
+        self.hint = hint
+        text = f"{call} failed: {name} ({code}): {description}"
+        if hint:
+            text += f". {hint}"
+        super().__init__(text)
+
+
+class CompileError(FerroxError):
+    """NVRTC rejected a kernel source.
+
+    Attributes:
+        log: the full NVRTC log (errors with file and line).
+        options: the options the compiler was given.
+        source_name: the file name the source was compiled under.
+    """
+
+    def __init__(self, source_name: str, log: str, options: Sequence[str]) -> None:
+        self.source_name = source_name
+        self.log = log
+        self.options = tuple(options)
+        super().__init__(
+            f"NVRTC could not compile {source_name} (options: {' '.join(self.options)}):\n"
+            f"{log.strip()}"
+        )
+
+
+class KVCapacityError(FerroxError):
+    """A KV cache is full: appending would go past its capacity. Nothing was written."""
+
+    def __init__(self, seq_len: int, capacity: int, adding: int = 1) -> None:
+        self.seq_len = seq_len
+        self.capacity = capacity
+        self.adding = adding
+        super().__init__(
+            f"KV cache is full: seq_len={seq_len}, capacity={capacity}, cannot add {adding} "
+            f"token(s); nothing was written. Create the cache with a larger capacity "
+            f"or clear() it for a new sequence."
+        )

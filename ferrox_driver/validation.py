@@ -1,0 +1,169 @@
+"""Argument checks shared by the decode entry points: run before any device work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["DecodeSpec", "SUPPORTED_DTYPES", "check_decode_args", "check_dims", "dtype_name"]
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = {
+    np.dtype(np.float32): "f32",
+    np.dtype(np.float16): "f16",
+    np.dtype(ml_dtypes.bfloat16): "bf16",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The kernel suffix of a supported dtype: ``f32``, ``f16`` or ``bf16``."""
+    return SUPPORTED_DTYPES[np.dtype(dtype)]
+
+
+def check_int(value: Any, name: str, low: int = 1, high: int | None = None) -> int:
+    """``value`` as an int within [low, high], or a TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name}: expected {bound}, got {value}")
+    return int(value)
+
+
+def check_dims(n_heads: Any, n_kv_heads: Any, head_dim: Any) -> tuple[int, int, int]:
+    """Validate the attention shape (before any device work)."""
+    n_heads = check_int(n_heads, "n_heads")
+    n_kv_heads = check_int(n_kv_heads, "n_kv_heads")
+    head_dim = check_int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
+    if n_heads % n_kv_heads:
+        raise ValueError(
+            f"n_heads: must be a multiple of n_kv_heads, got n_heads={n_heads}, "
+            f"n_kv_heads={n_kv_heads} (each KV head serves a whole group of query heads)"
+        )
+    return n_heads, n_kv_heads, head_dim
+
+
+def check_dtype(dtype: Any, name: str) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {dt}")
+    return dt
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    on_device: bool
+
+
+def array_info(obj: Any, name: str, *, allow_device: bool = True) -> ArrayInfo:
+    """Shape, dtype and placement of a numpy or device array, checking contiguity."""
+    from .memory import DeviceArray, check_c_contiguous
+
+    if isinstance(obj, DeviceArray):
+        return ArrayInfo(obj.shape, obj.dtype, True)
+    cai = getattr(obj, "__cuda_array_interface__", None) if allow_device else None
+    if cai is not None:
+        shape = tuple(int(d) for d in cai["shape"])
+        dtype = np.dtype(cai["typestr"])
+        check_c_contiguous(shape, cai.get("strides"), dtype.itemsize, name)
+        return ArrayInfo(shape, dtype, True)
+    if not isinstance(obj, np.ndarray):
+        kind = "a numpy array or a device array" if allow_device else "a numpy array"
+        raise TypeError(f"{name}: expected {kind}, got {type(obj).__name__}")
+    if not obj.flags.c_contiguous:
+        raise ValueError(
+            f"{name}: must be C-contiguous, got strides {obj.strides} for shape {obj.shape} "
+            f"(use numpy.ascontiguousarray)"
+        )
+    return ArrayInfo(obj.shape, obj.dtype, False)
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """What validation learned about a decode call."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    seq_len: int
+    dtype: np.dtype
+    q_shape: tuple[int, ...]
+    on_device: bool
+
+
+def check_q(info: ArrayInfo, n_heads: int, head_dim: int, name: str = "q") -> None:
+    flat = (n_heads * head_dim,)
+    if info.shape not in (flat, (n_heads, head_dim)):
+        raise ValueError(
+            f"{name}: expected shape {flat} or {(n_heads, head_dim)} for n_heads={n_heads}, "
+            f"head_dim={head_dim}, got {info.shape}"
+        )
+
+
+def kv_rows(info: ArrayInfo, n_kv_heads: int, head_dim: int, name: str) -> int:
+    """Number of tokens in a flat or (seq_len, n_kv_heads, head_dim) K/V array."""
+    row = n_kv_heads * head_dim
+    if len(info.shape) == 1:
+        if info.shape[0] % row:
+            raise ValueError(
+                f"{name}: length {info.shape[0]} is not a multiple of n_kv_heads*head_dim = "
+                f"{n_kv_heads}*{head_dim} = {row}"
+            )
+        return info.shape[0] // row
+    if len(info.shape) == 3 and info.shape[1:] == (n_kv_heads, head_dim):
+        return info.shape[0]
+    raise ValueError(
+        f"{name}: expected shape (seq_len*{row},) or (seq_len, {n_kv_heads}, {head_dim}), "
+        f"got {info.shape}"
+    )
+
+
+def check_decode_args(
+    q: Any,
+    k: Any,
+    v: Any,
+    n_heads: Any,
+    n_kv_heads: Any,
+    head_dim: Any,
+    *,
+    allow_device: bool = True,
+) -> DecodeSpec:
+    """Validate a decode call's arguments; raise naming the first bad one."""
+    n_heads, n_kv_heads, head_dim = check_dims(n_heads, n_kv_heads, head_dim)
+    qi = array_info(q, "q", allow_device=allow_device)
+    ki = array_info(k, "k_cache", allow_device=allow_device)
+    vi = array_info(v, "v_cache", allow_device=allow_device)
+    if allow_device:
+        dtype = check_dtype(
+            qi.dtype, "q"
+        )  # the reference takes any float input; kernels need one dtype
+        for info, name in ((ki, "k_cache"), (vi, "v_cache")):
+            check_dtype(info.dtype, name)
+            if info.dtype != dtype:
+                raise TypeError(f"{name}: expected q's dtype {dtype}, got {info.dtype}")
+        if not qi.on_device == ki.on_device == vi.on_device:
+            raise TypeError(
+                "q, k_cache, v_cache: pass all three as numpy arrays or all three as device "
+                f"arrays (got q on {'device' if qi.on_device else 'host'}, k_cache on "
+                f"{'device' if ki.on_device else 'host'}, v_cache on "
+                f"{'device' if vi.on_device else 'host'})"
+            )
+    else:
+        dtype = qi.dtype
+        for info, name in ((qi, "q"), (ki, "k_cache"), (vi, "v_cache")):
+            if info.dtype.kind != "f" and info.dtype != np.dtype(ml_dtypes.bfloat16):
+                raise TypeError(f"{name}: expected a floating-point array, got {info.dtype}")
+    check_q(qi, n_heads, head_dim)
+    seq_k = kv_rows(ki, n_kv_heads, head_dim, "k_cache")
+    seq_v = kv_rows(vi, n_kv_heads, head_dim, "v_cache")
+    if ki.shape != vi.shape:
+        raise ValueError(
+            f"v_cache: expected k_cache's shape {ki.shape} ({seq_k} tokens), got {vi.shape} "
+            f"({seq_v} tokens)"
+        )
+    return DecodeSpec(n_heads, n_kv_heads, head_dim, seq_k, dtype, qi.shape, qi.on_device)

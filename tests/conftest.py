@@ -1,0 +1,47 @@
+"""Shared test set-up: the `gpu` marker, an isolated kernel cache, random inputs."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import ferrox_driver as fd
+
+REQUIRE_GPU = os.environ.get("FERROX_REQUIRE_GPU") == "1"
+
+
+_AVAILABLE: bool | None = None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """GPU tests skip without a GPU, and fail instead when FERROX_REQUIRE_GPU=1."""
+    global _AVAILABLE
+    if item.get_closest_marker("gpu") is None:
+        return
+    if _AVAILABLE is None:
+        _AVAILABLE = fd.cuda_available()
+    if _AVAILABLE:
+        return
+    if REQUIRE_GPU:
+        pytest.fail("FERROX_REQUIRE_GPU=1 but no CUDA driver/device is available", pytrace=False)
+    pytest.skip("needs an NVIDIA GPU (no CUDA driver/device)")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Keep the tests' disk cache out of the user's."""
+    os.environ["FERROX_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    os.environ.pop("FERROX_DISK_CACHE", None)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """Fresh random inputs every run (the seed is printed on failure by numpy's repr)."""
+    return np.random.default_rng()
+
+
+@pytest.fixture(scope="session")
+def device() -> fd.Device:
+    return fd.Device(0)

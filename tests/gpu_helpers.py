@@ -1,0 +1,49 @@
+"""Helpers for GPU tests: random inputs, poisoned outputs, error measures."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+import ferrox_driver as fd
+
+DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+TOL = {"f32": 1e-5, "f16": 1e-2, "bf16": 1e-2}
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert not np.isnan(out).any(), "NaN in output (unwritten or poisoned element)"
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(out - ref) / denom) if denom else float(np.linalg.norm(out))
+
+
+def random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dtype, q_scale=1.0):
+    q = (rng.standard_normal((n_heads, head_dim)) * q_scale).astype(dtype)
+    k = rng.standard_normal((seq_len, n_kv_heads, head_dim)).astype(dtype)
+    v = rng.standard_normal((seq_len, n_kv_heads, head_dim)).astype(dtype)
+    return q, k, v
+
+
+def poisoned(shape, dtype) -> fd.DeviceArray:
+    """A device array whose every byte is 0xFF: NaN in fp32, fp16 and bf16."""
+    out = fd.empty(shape, dtype)
+    out.fill_bytes(0xFF)
+    return out
+
+
+def torch_or_cupy():
+    """PyTorch if importable, else CuPy; fail (not skip) when neither is there."""
+    try:
+        import torch
+
+        return "torch", torch
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        return "cupy", cupy
+    except ImportError as exc:
+        raise AssertionError("GPU tests need PyTorch or CuPy for interop checks") from exc

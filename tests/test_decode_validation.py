@@ -1,0 +1,87 @@
+"""gqa_decode rejects bad input before any device work (runs with no GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ferrox_driver as fd
+
+H, KV, D, S = 8, 2, 16, 5
+
+
+def args(**over):
+    a = dict(
+        q=np.zeros(H * D, np.float32),
+        k_cache=np.zeros(S * KV * D, np.float32),
+        v_cache=np.zeros(S * KV * D, np.float32),
+        n_heads=H,
+        n_kv_heads=KV,
+        head_dim=D,
+    )
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize(
+    "over,exc,pattern",
+    [
+        (dict(n_heads=6, n_kv_heads=4), ValueError, "n_heads: must be a multiple of n_kv_heads"),
+        (dict(head_dim=0), ValueError, r"head_dim: expected 1\.\.256, got 0"),
+        (dict(head_dim=257), ValueError, r"head_dim: expected 1\.\.256, got 257"),
+        (dict(n_heads=0), ValueError, "n_heads"),
+        (dict(n_kv_heads=-1), ValueError, "n_kv_heads"),
+        (dict(n_heads=8.0), TypeError, "n_heads: expected an int"),
+        (dict(head_dim=True), TypeError, "head_dim: expected an int"),
+        (dict(q=np.zeros(H * D + 1, np.float32)), ValueError, r"q: expected shape \(128,\)"),
+        (dict(q=np.zeros((D, H), np.float32)), ValueError, "q: expected shape"),
+        (
+            dict(k_cache=np.zeros(S * KV * D + 3, np.float32)),
+            ValueError,
+            "k_cache: length 163 is not a multiple of n_kv_heads\\*head_dim",
+        ),
+        (dict(k_cache=np.zeros((S, KV + 1, D), np.float32)), ValueError, "k_cache: expected shape"),
+        (
+            dict(v_cache=np.zeros((S + 1) * KV * D, np.float32)),
+            ValueError,
+            "v_cache: expected k_cache's shape",
+        ),
+        (dict(q=np.zeros((H * D * 2,), np.float32)[::2]), ValueError, "q: must be C-contiguous"),
+        (
+            dict(k_cache=np.zeros((S, KV, 2 * D), np.float32)[:, :, :D]),
+            ValueError,
+            "k_cache: must be C-contiguous",
+        ),
+        (dict(q=np.zeros(H * D, np.float64)), TypeError, "q: expected float32, float16"),
+        (dict(q=np.zeros(H * D, np.int32)), TypeError, "q: expected float32"),
+        (
+            dict(k_cache=np.zeros(S * KV * D, np.float16)),
+            TypeError,
+            "k_cache: expected q's dtype float32, got float16",
+        ),
+        (dict(v_cache=np.zeros(S * KV * D, object)), TypeError, "v_cache: expected float32"),
+        (dict(q=[0.0] * (H * D)), TypeError, "q: expected a numpy array or a device array"),
+    ],
+)
+def test_bad_argument_is_rejected_naming_it(over, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fd.gqa_decode(**args(**over))
+
+
+def test_unknown_algorithm_is_rejected():
+    with pytest.raises(ValueError, match="algorithm"):
+        fd.gqa_decode(**args(), algorithm="fastest")
+
+
+def test_seq_len_zero_returns_zeros_of_q_shape_and_dtype_without_a_gpu():
+    q = np.ones((H, D), np.float16)
+    empty = np.zeros((0, KV, D), np.float16)
+    out = fd.gqa_decode(q, empty, empty, n_heads=H, n_kv_heads=KV, head_dim=D)
+    assert out.shape == (H, D) and out.dtype == np.float16
+    assert not out.any()
+
+
+def test_reference_validates_like_the_kernel_path():
+    with pytest.raises(ValueError, match="n_heads: must be a multiple"):
+        a = args(n_heads=6, n_kv_heads=4)
+        fd.reference_gqa_decode(a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), **a)

@@ -1,0 +1,114 @@
+"""gqa_decode on the GPU against the float64 reference, outputs poisoned before each launch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ferrox_driver as fd
+
+from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err, torch_or_cupy
+
+pytestmark = pytest.mark.gpu
+
+SEQ_LENS = [0, 1, 2, 31, 33, 1000, 4097]
+HEAD_DIMS = [1, 8, 64, 96, 100, 128, 256]
+HEADS = [(32, 8), (64, 8), (28, 4), (32, 32), (8, 1), (7, 7)]
+ALGORITHMS = ["parity"]
+
+CASES = (
+    [(32, 8, 128, s) for s in SEQ_LENS]
+    + [(8, 1, d, 1000) for d in HEAD_DIMS]
+    + [(16, 4, d, 33) for d in HEAD_DIMS]
+    + [(h, kv, 100, 31) for h, kv in HEADS]
+    + [(h, kv, 128, 4097) for h, kv in HEADS]
+)
+
+
+def decode_on_device(q, k, v, n_heads, n_kv_heads, head_dim, algorithm):
+    out = poisoned(q.shape, q.dtype)
+    got = fd.gqa_decode(
+        fd.to_device(q),
+        fd.to_device(k),
+        fd.to_device(v),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        out=out,
+        algorithm=algorithm,
+    )
+    assert got.ptr == out.ptr
+    return got.to_host()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,seq_len", CASES)
+def test_decode_matches_reference(rng, algorithm, dtype, n_heads, n_kv_heads, head_dim, seq_len):
+    q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, DTYPES[dtype])
+    ref = fd.reference_gqa_decode(
+        q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
+    )
+    got = decode_on_device(q, k, v, n_heads, n_kv_heads, head_dim, algorithm)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    if seq_len == 0:
+        assert not got.astype(np.float64).any()
+    else:
+        assert rel_err(got, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("q_scale", [1e3, 1e-6], ids=["huge-scores", "tiny-scores"])
+def test_extreme_scores_stay_finite_and_correct(rng, algorithm, dtype, q_scale):
+    q, k, v = random_decode_inputs(rng, 32, 8, 128, 777, DTYPES[dtype], q_scale=q_scale)
+    ref = fd.reference_gqa_decode(q, k, v, n_heads=32, n_kv_heads=8, head_dim=128)
+    got = decode_on_device(q, k, v, 32, 8, 128, algorithm)
+    assert np.isfinite(got.astype(np.float64)).all()
+    assert rel_err(got, ref) < TOL[dtype]
+
+
+def test_numpy_inputs_give_numpy_output_equal_to_the_device_path(rng):
+    q, k, v = random_decode_inputs(rng, 28, 4, 128, 513, np.float32)
+    host = fd.gqa_decode(
+        q.reshape(-1), k.reshape(-1), v.reshape(-1), n_heads=28, n_kv_heads=4, head_dim=128
+    )
+    assert isinstance(host, np.ndarray) and host.shape == (28 * 128,)
+    dev = decode_on_device(q, k, v, 28, 4, 128, "auto")
+    np.testing.assert_array_equal(host.reshape(28, 128), dev)
+
+
+def test_nan_input_propagates_as_in_the_reference(rng):
+    q, k, v = random_decode_inputs(rng, 8, 2, 64, 40, np.float32)
+    k[3, 0, 5] = np.nan  # poisons query heads 0..3 (KV head 0) only
+    got = fd.gqa_decode(q, k, v, n_heads=8, n_kv_heads=2, head_dim=64)
+    ref = fd.reference_gqa_decode(q, k, v, n_heads=8, n_kv_heads=2, head_dim=64)
+    assert np.isnan(got[:4]).all() and np.isnan(ref[:4]).all()
+    assert rel_err(got[4:], ref[4:]) < 1e-5
+
+
+def test_foreign_device_inputs_give_the_numpy_result_without_a_host_round_trip(rng):
+    kind, lib = torch_or_cupy()
+    q, k, v = random_decode_inputs(rng, 32, 8, 128, 300, np.float32)
+    expect = fd.gqa_decode(q, k, v, n_heads=32, n_kv_heads=8, head_dim=128)
+    if kind == "torch":
+        tq, tk, tv = (lib.as_tensor(a, device="cuda") for a in (q, k, v))
+    else:
+        tq, tk, tv = (lib.asarray(a) for a in (q, k, v))
+    got = fd.gqa_decode(tq, tk, tv, n_heads=32, n_kv_heads=8, head_dim=128)
+    assert isinstance(got, fd.DeviceArray)
+    np.testing.assert_array_equal(got.to_host(), expect)
+
+
+def test_out_of_wrong_size_is_rejected_before_launch(rng):
+    q, k, v = random_decode_inputs(rng, 8, 2, 64, 4, np.float32)
+    with pytest.raises(ValueError, match="out"):
+        fd.gqa_decode(
+            fd.to_device(q),
+            fd.to_device(k),
+            fd.to_device(v),
+            n_heads=8,
+            n_kv_heads=2,
+            head_dim=64,
+            out=fd.empty(7, np.float32),
+        )

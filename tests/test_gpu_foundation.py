@@ -1,0 +1,130 @@
+"""Foundation on the GPU: context sharing, cached kernels on streams, copies, interop."""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ferrox_driver as fd
+from ferrox_driver import _driver, module_cache
+from ferrox_driver.compiler import kernel_source
+
+from .gpu_helpers import torch_or_cupy
+
+pytestmark = pytest.mark.gpu
+
+
+def test_device_reports_its_properties(device):
+    assert device.compute_capability >= (7, 0)
+    assert device.arch == "sm_{}{}".format(*device.compute_capability)
+    assert device.multiprocessor_count > 0
+    assert device.total_memory > 2**30
+    assert device.name
+
+
+def test_primary_context_is_shared_with_another_cuda_python_user(device):
+    kind, lib = torch_or_cupy()
+    seen = {}
+
+    def other_user() -> None:  # a fresh thread: only the other library sets the context
+        if kind == "torch":
+            lib.zeros(1, device="cuda").add_(1)
+            lib.cuda.synchronize()
+        else:
+            lib.zeros(1).sum()
+        seen["ctx"] = int(_driver.drv("cuCtxGetCurrent"))
+
+    t = threading.Thread(target=other_user)
+    t.start()
+    t.join()
+    assert seen["ctx"] == device.context_handle
+
+
+def test_cached_kernel_launches_on_a_stream_and_is_timed_with_events(device, rng):
+    src = kernel_source("util.cu")
+    module = fd.ensure_module_loaded(src, "util.cu", "ferrox_axpy_f32")
+    loads = module_cache.stats.loads
+    assert fd.ensure_module_loaded(src, "util.cu", "ferrox_axpy_f32") is module
+    assert module_cache.stats.loads == loads  # loaded once per context
+    kernel = module.get_function("ferrox_axpy_f32")
+
+    n = 1 << 22
+    x = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    with fd.Stream() as stream, fd.Event() as start, fd.Event() as end:
+        dx = fd.to_device(x, stream)
+        dy = fd.to_device(y, stream)
+        start.record(stream)
+        kernel.launch(256, 256, (np.float32(2.5), dx, dy, np.int64(n)), stream=stream)
+        end.record(stream)
+        end.synchronize()
+        ms = start.elapsed_ms(end)
+        got = dy.to_host(stream)
+    np.testing.assert_allclose(got, 2.5 * x + y, rtol=1e-6, atol=1e-6)
+    assert 0 < ms < 1000
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int32, np.uint8])
+def test_round_trip_through_pageable_memory(rng, dtype):
+    x = (rng.standard_normal((37, 5)) * 100).astype(dtype)
+    d = fd.to_device(x)
+    assert d.shape == x.shape and d.dtype == x.dtype and d.nbytes == x.nbytes
+    back = d.to_host()
+    assert back.dtype == x.dtype
+    assert np.array_equal(back.view(np.uint8), x.view(np.uint8))
+
+
+def test_round_trip_through_pinned_memory_on_a_stream(rng):
+    src = fd.pinned_empty((1000, 3), np.float32)
+    dst = fd.pinned_empty((1000, 3), np.float32)
+    src[...] = rng.standard_normal(src.shape)
+    dst[...] = np.nan
+    with fd.Stream() as stream:
+        d = fd.empty(src.shape, np.float32)
+        d.copy_from_host(src, stream)
+        d.to_host(stream, out=dst)
+    assert np.array_equal(src, dst)
+
+
+def test_zeros_are_zero_and_empty_arrays_round_trip():
+    assert not fd.zeros((3, 4), np.float32).to_host().any()
+    assert fd.to_device(np.zeros((0, 4), np.float32)).to_host().shape == (0, 4)
+
+
+def test_cuda_array_interface_is_read_without_a_copy(rng):
+    kind, lib = torch_or_cupy()
+    x = rng.standard_normal(64).astype(np.float32)
+    d = fd.to_device(x)
+    if kind == "torch":
+        t = lib.as_tensor(d, device="cuda")
+        assert t.data_ptr() == d.ptr
+        t.mul_(2)
+        lib.cuda.synchronize()
+    else:
+        t = lib.asarray(d)
+        assert t.data.ptr == d.ptr
+        t *= 2
+        lib.cuda.runtime.deviceSynchronize()
+    np.testing.assert_array_equal(d.to_host(), 2 * x)
+
+
+def test_foreign_device_array_is_wrapped_without_a_copy(rng):
+    kind, lib = torch_or_cupy()
+    x = rng.standard_normal(10).astype(np.float32)
+    t = lib.as_tensor(x, device="cuda") if kind == "torch" else lib.asarray(x)
+    wrapped = fd.memory.as_device_array(t)
+    ptr = t.data_ptr() if kind == "torch" else t.data.ptr
+    assert wrapped.ptr == ptr
+    np.testing.assert_array_equal(wrapped.to_host(), x)
+
+
+def test_closed_resources_free_device_memory(device):
+    free_before, _ = device.mem_info()
+    arrays = [fd.empty((64, 1 << 20), np.float32) for _ in range(4)]  # 1 GiB
+    assert device.mem_info()[0] < free_before - (1 << 29)
+    for a in arrays:
+        a.close()
+    assert device.mem_info()[0] > free_before - (1 << 27)

@@ -1,0 +1,139 @@
+"""The in-process and on-disk kernel caches (no GPU needed: get_program compiles only)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from ferrox_driver import module_cache
+from ferrox_driver.compiler import nvrtc_version_string
+
+ARCH = "sm_90"
+
+
+def _source(tag: str) -> str:
+    # A unique source per test, so no test sees another's cached program.
+    return f'extern "C" __global__ void k_{tag}(float* x) {{ x[threadIdx.x] *= 2.0f; }}'
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("FERROX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FERROX_DISK_CACHE", raising=False)
+    module_cache.clear_memory_cache()
+    monkeypatch.setattr(module_cache, "stats", module_cache.CacheStats())
+    return tmp_path
+
+
+def _cached_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.cubin"))
+
+
+def test_second_request_is_a_memory_hit_and_compiles_once(cache: Path) -> None:
+    a = module_cache.get_program(_source("hit"), arch=ARCH)
+    b = module_cache.get_program(_source("hit"), arch=ARCH)
+    assert a is b
+    assert module_cache.stats.compiles == 1
+    assert module_cache.stats.memory_hits == 1
+
+
+def test_new_process_reads_the_disk_cache_instead_of_compiling(cache: Path) -> None:
+    first = module_cache.get_program(_source("disk"), arch=ARCH)
+    assert len(_cached_files(cache)) == 1
+    module_cache.clear_memory_cache()  # as if a new process started
+    second = module_cache.get_program(_source("disk"), arch=ARCH)
+    assert module_cache.stats.compiles == 1
+    assert module_cache.stats.disk_hits == 1
+    assert second.cubin == first.cubin
+    assert second.resources == first.resources
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda b: b[: len(b) // 2],  # truncated
+        lambda b: b[:-1] + bytes([b[-1] ^ 0xFF]),  # one flipped byte in the cubin
+        lambda b: b"",  # empty
+        lambda b: b"garbage" * 10,  # not a cache file at all
+    ],
+    ids=["truncated", "flipped-byte", "empty", "garbage"],
+)
+def test_damaged_disk_file_is_a_miss_that_recompiles_and_rewrites(cache: Path, damage) -> None:
+    good = module_cache.get_program(_source("corrupt"), arch=ARCH)
+    (path,) = _cached_files(cache)
+    path.write_bytes(damage(path.read_bytes()))
+    module_cache.clear_memory_cache()
+    again = module_cache.get_program(_source("corrupt"), arch=ARCH)
+    assert module_cache.stats.compiles == 2
+    assert again.cubin == good.cubin
+    assert module_cache._decode(path.read_bytes()) is not None  # rewritten intact
+
+
+def test_sixteen_threads_asking_at_once_compile_once(cache: Path) -> None:
+    barrier = threading.Barrier(16)
+    results: list[object] = []
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            barrier.wait()
+            results.append(module_cache.get_program(_source("threads"), arch=ARCH))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(results) == 16
+    assert all(r is results[0] for r in results)
+    assert module_cache.stats.compiles == 1
+
+
+def test_disk_cache_off_writes_nothing(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERROX_DISK_CACHE", "0")
+    assert module_cache.cache_dir() is None
+    module_cache.get_program(_source("off"), arch=ARCH)
+    assert _cached_files(cache) == []
+
+
+def test_unwritable_cache_dir_falls_back_to_memory_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("FERROX_CACHE_DIR", str(blocker / "cache"))
+    module_cache.clear_memory_cache()
+    with pytest.warns(RuntimeWarning, match="cannot write the kernel cache"):
+        program = module_cache.get_program(_source("ro1"), arch=ARCH)
+    assert program.cubin
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module_cache.get_program(_source("ro2"), arch=ARCH)  # no second warning
+
+
+def test_key_changes_with_every_labelled_field() -> None:
+    base = module_cache.cache_key("src", ("-DA",), "sm_90", "13.0")
+    variants = [
+        module_cache.cache_key("src2", ("-DA",), "sm_90", "13.0"),
+        module_cache.cache_key("src", ("-DB",), "sm_90", "13.0"),
+        module_cache.cache_key("src", ("-DA",), "sm_80", "13.0"),
+        module_cache.cache_key("src", ("-DA",), "sm_90", "13.1"),
+        # length prefixes keep field boundaries: moving text between fields changes the key
+        module_cache.cache_key("src-DA", (), "sm_90", "13.0"),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+    assert base == module_cache.cache_key("src", ("-DA",), "sm_90", "13.0")
+
+
+def test_key_depends_on_the_nvrtc_version_in_use(cache: Path) -> None:
+    module_cache.get_program(_source("ver"), arch=ARCH)
+    (path,) = _cached_files(cache)
+    expected = module_cache.cache_key(_source("ver"), (), ARCH, nvrtc_version_string())
+    assert path.name == f"{expected}.cubin"

@@ -1,0 +1,49 @@
+"""A wheel built from the repository carries the kernels and works outside the checkout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_installed_wheel_compiles_the_kernels_outside_the_checkout(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(ROOT),
+        ],
+        check=True,
+    )
+    (wheel,) = wheels.glob("ferrox_driver-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    # A fresh environment: the wheel and its declared dependencies, nothing from the checkout.
+    subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], check=True)
+    script = (
+        "import ferrox_driver as fd, ferrox_driver.compiler as c, pathlib, sys;"
+        "assert str(pathlib.Path(fd.__file__)).startswith(sys.prefix), fd.__file__;"
+        "assert c.source_dir().is_relative_to(sys.prefix), c.source_dir();"
+        "p = fd.compile_source(c.kernel_source('gqa_decode.cu'), arch='sm_90');"
+        "print(sorted(p.resources))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [python, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "gqa_decode_f32" in done.stdout
