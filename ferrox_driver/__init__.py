@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from .attention import gqa_decode
 from .compiler import KernelResources, Program, compile_source
+from .decode_graph import DecodeGraph, gqa_decode_async, kv_append_async
 from .device import Device, cuda_available, device_count
 from .errors import CompileError, CudaError, FerroxError, KVCapacityError, NoDeviceError
+from .graph import Graph, GraphExec
+from .kv_cache import KVCache, LayerKVCache
 from .launch import Kernel, Module
 from .memory import DeviceArray, empty, pinned_empty, to_device, zeros
 from .module_cache import ensure_module_loaded
 from .reference import reference_gqa_decode
+from .resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
 from .stream import Event, Stream
 
 __version__ = "0.1.0"
@@ -22,23 +26,33 @@ __version__ = "0.1.0"
 __all__ = [
     "CompileError",
     "CudaError",
+    "DecodeGraph",
     "Device",
     "DeviceArray",
     "Event",
     "FerroxError",
+    "Graph",
+    "GraphExec",
+    "KVCache",
     "KVCapacityError",
     "Kernel",
     "KernelResources",
+    "LayerKVCache",
     "Module",
     "NoDeviceError",
     "Program",
     "Stream",
+    "clear_layer_kv",
     "compile_source",
     "cuda_available",
     "device_count",
     "empty",
+    "ensure_layer_kv",
     "ensure_module_loaded",
     "gqa_decode",
+    "gqa_decode_async",
+    "gqa_decode_resident",
+    "kv_append_async",
     "pinned_empty",
     "reference_gqa_decode",
     "to_device",

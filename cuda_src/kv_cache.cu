@@ -1,0 +1,41 @@
+// KV cache maintenance on the device. The cache state is two int32s in device memory:
+// state[0] = seq_len (tokens in the cache), state[1] = overflow flag. Kernels read the
+// sequence length from there, so a captured CUDA graph stays valid for every token.
+
+// Append one token: copy a staged K row and V row (row_bytes each) to position state[0]
+// of the caches and bump it. When the cache is full nothing is written: the overflow flag
+// is set for the host to report. Launch ONE block (the bump must follow every copy).
+extern "C" __global__ void kv_append_row(
+    const uint4* __restrict__ k_row, const uint4* __restrict__ v_row,
+    char* __restrict__ k_cache, char* __restrict__ v_cache, int* __restrict__ state,
+    long long row_bytes, int capacity) {
+    const int seq = state[0];
+    __syncthreads();  // every thread has read seq before thread 0 may bump it
+    if (seq < 0 || seq >= capacity) {
+        if (threadIdx.x == 0) state[1] = 1;
+        return;
+    }
+    // row_bytes is a multiple of 16 for fp32 rows with head_dim*n_kv % 4 == 0; the tail
+    // loop covers every other size byte by byte.
+    const long long n16 = row_bytes / 16;
+    uint4* k_dst = reinterpret_cast<uint4*>(k_cache + (long long)seq * row_bytes);
+    uint4* v_dst = reinterpret_cast<uint4*>(v_cache + (long long)seq * row_bytes);
+    const bool aligned = (row_bytes % 16) == 0;
+    if (aligned) {
+        for (long long i = threadIdx.x; i < n16; i += blockDim.x) {
+            k_dst[i] = k_row[i];
+            v_dst[i] = v_row[i];
+        }
+    } else {
+        const char* ks = reinterpret_cast<const char*>(k_row);
+        const char* vs = reinterpret_cast<const char*>(v_row);
+        char* kd = k_cache + (long long)seq * row_bytes;
+        char* vd = v_cache + (long long)seq * row_bytes;
+        for (long long i = threadIdx.x; i < row_bytes; i += blockDim.x) {
+            kd[i] = ks[i];
+            vd[i] = vs[i];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) state[0] = seq + 1;
+}

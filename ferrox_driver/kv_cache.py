@@ -1,0 +1,430 @@
+"""Device-resident KV caches: one-row asynchronous appends, multi-layer caches.
+
+Layout is the seed's, [token][kv_head][head_dim], so one token is one contiguous row and
+one copy. The sequence length lives on the device as well as on the host: kernels and
+captured graphs read it there, so one captured graph serves every token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from ._driver import drv
+from .attention import check_algorithm, launch_decode
+from .compiler import kernel_source
+from .device import Device, resolve
+from .errors import KVCapacityError
+from .launch import Kernel
+from .memory import DeviceArray, empty, pinned_empty
+from .module_cache import ensure_module_loaded
+from .stream import Event, Stream, stream_handle
+from .validation import (
+    MAX_HEAD_DIM,
+    ArrayInfo,
+    check_dims,
+    check_dtype,
+    check_int,
+    check_q,
+)
+
+__all__ = ["KVCache", "LayerKVCache"]
+
+STAGING_SLOTS = 64
+
+
+def check_kv_shape(n_kv_heads: Any, head_dim: Any) -> tuple[int, int]:
+    """Validate the per-token KV shape."""
+    return check_int(n_kv_heads, "n_kv_heads"), check_int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
+
+
+def append_kernel(device: Device) -> Kernel:
+    """The device-side append kernel (reads and bumps the device sequence length)."""
+    name = "kv_append_row"
+    return ensure_module_loaded(
+        kernel_source("kv_cache.cu"), "kv_cache.cu", name, device=device
+    ).get_function(name)
+
+
+class KVCache:
+    """K and V of one attention layer, resident on the GPU, grown a token at a time.
+
+    Args:
+        n_kv_heads, head_dim: the KV shape of one token (``1 <= head_dim <= 256``).
+        capacity: the most tokens it will hold (memory is allocated once, up front).
+        dtype: float32 (as the seed), float16 or ``ml_dtypes.bfloat16``.
+        device: the device (default: device 0).
+        stream: the stream appends and decodes run on (default: a stream of its own).
+
+    Appends stage each row in page-locked memory and queue ``cuMemcpyHtoDAsync`` of that
+    row: the host never waits, except when all staging slots are still in flight.
+    """
+
+    def __init__(
+        self,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        *,
+        dtype: Any = np.float32,
+        device: Device | None = None,
+        stream: Stream | None = None,
+        staging_slots: int = STAGING_SLOTS,
+    ) -> None:
+        self.n_kv_heads, self.head_dim = check_kv_shape(n_kv_heads, head_dim)
+        self.capacity = check_int(capacity, "capacity", 1, 2**31 - 1)
+        self.dtype = check_dtype(dtype, "dtype")
+        slots = check_int(staging_slots, "staging_slots", 1)
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(f"stream: expected a ferrox_driver.Stream, got {type(stream)}")
+        self.device = resolve(device)
+        self._owns_stream = stream is None
+        self.stream = Stream(self.device) if stream is None else stream
+        self.row_elems = self.n_kv_heads * self.head_dim
+        self.row_bytes = self.row_elems * self.dtype.itemsize
+        shape = (self.capacity, self.n_kv_heads, self.head_dim)
+        self._k = empty(shape, self.dtype, device=self.device)
+        self._v = empty(shape, self.dtype, device=self.device)
+        # state[0] = seq_len, state[1] = overflow flag (set by kernels, read by the host).
+        self.state = empty((2,), np.int32, device=self.device)
+        self.state.fill_bytes(0, self.stream)
+        self._stage_k = pinned_empty((slots, self.row_elems), self.dtype)
+        self._stage_v = pinned_empty((slots, self.row_elems), self.dtype)
+        self._stage_seq = pinned_empty((slots,), np.int32)
+        self._slot_events = [Event(timing=False, device=self.device) for _ in range(slots)]
+        self._slot_busy = [False] * slots
+        self._next_slot = 0
+        self._seq_len = 0
+        self._host_seq_valid = True
+        self._scratch: dict[int, tuple[DeviceArray, DeviceArray]] = {}
+        self.stream.synchronize()
+
+    # -- state ---------------------------------------------------------------------
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the cache. After device-side appends (graphs, ``kv_append_async``)
+        this waits for the cache's stream and reads the device counter."""
+        if not self._host_seq_valid:
+            self.synchronize()
+        return self._seq_len
+
+    def synchronize(self) -> None:
+        """Wait for queued work and refresh the sequence length from the device.
+
+        Raises:
+            KVCapacityError: a device-side append found the cache full (nothing was
+                written); the flag is cleared once reported.
+        """
+        self.stream.synchronize()
+        state = self.state.to_host(self.stream)
+        self._seq_len = int(state[0])
+        self._host_seq_valid = True
+        if state[1]:
+            self._reset_overflow()
+            raise KVCapacityError(self._seq_len, self.capacity)
+
+    def _reset_overflow(self) -> None:
+        drv("cuMemsetD32Async", self.state.ptr + 4, 0, 1, stream_handle(self.stream))
+
+    def mark_device_appends(self) -> None:
+        """Note that device-side work may have changed the sequence length."""
+        self._host_seq_valid = False
+
+    @property
+    def k(self) -> DeviceArray:
+        """Device view of the ``seq_len`` K rows, shape (seq_len, n_kv_heads, head_dim)."""
+        return self._k.view((self.seq_len, self.n_kv_heads, self.head_dim))
+
+    @property
+    def v(self) -> DeviceArray:
+        """Device view of the ``seq_len`` V rows, shape (seq_len, n_kv_heads, head_dim)."""
+        return self._v.view((self.seq_len, self.n_kv_heads, self.head_dim))
+
+    @property
+    def k_buffer(self) -> DeviceArray:
+        """The whole K buffer, (capacity, n_kv_heads, head_dim)."""
+        return self._k
+
+    @property
+    def v_buffer(self) -> DeviceArray:
+        """The whole V buffer, (capacity, n_kv_heads, head_dim)."""
+        return self._v
+
+    # -- writing -------------------------------------------------------------------
+    def _check_rows(self, rows: Any, name: str, *, one: bool) -> np.ndarray:
+        if not isinstance(rows, np.ndarray):
+            raise TypeError(f"{name}: expected a numpy array, got {type(rows).__name__}")
+        if rows.dtype != self.dtype:
+            raise TypeError(f"{name}: expected dtype {self.dtype} (the cache's), got {rows.dtype}")
+        if one:
+            if rows.size != self.row_elems or rows.shape not in (
+                (self.row_elems,),
+                (self.n_kv_heads, self.head_dim),
+            ):
+                raise ValueError(
+                    f"{name}: expected one token of shape ({self.row_elems},) or "
+                    f"({self.n_kv_heads}, {self.head_dim}), got {rows.shape}"
+                )
+        elif not (
+            (rows.ndim == 1 and rows.size % self.row_elems == 0)
+            or (rows.ndim == 2 and rows.shape[1] == self.row_elems)
+            or (rows.ndim == 3 and rows.shape[1:] == (self.n_kv_heads, self.head_dim))
+        ):
+            raise ValueError(
+                f"{name}: expected tokens of shape (n, {self.n_kv_heads}, {self.head_dim}), "
+                f"(n, {self.row_elems}) or (n*{self.row_elems},), got {rows.shape}"
+            )
+        return rows
+
+    def _take_slot(self) -> int:
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % len(self._slot_events)
+        if self._slot_busy[slot]:
+            self._slot_events[slot].synchronize()  # only when every slot is in flight
+        return slot
+
+    def _queue_seq(self, slot: int, seq_len: int) -> None:
+        self._stage_seq[slot] = seq_len
+        drv(
+            "cuMemcpyHtoDAsync",
+            self.state.ptr,
+            self._stage_seq[slot:].ctypes.data,
+            4,
+            stream_handle(self.stream),
+        )
+
+    def append(self, k_tok: np.ndarray, v_tok: np.ndarray) -> None:
+        """Append one token's K and V rows (``n_kv_heads*head_dim`` each, cache dtype).
+
+        Queued on the cache's stream; returns without waiting for the copies.
+
+        Raises:
+            TypeError, ValueError: a row of the wrong type, dtype or size.
+            KVCapacityError: the cache is full. Nothing was written in either case.
+        """
+        self._check_rows(k_tok, "k_tok", one=True)
+        self._check_rows(v_tok, "v_tok", one=True)
+        seq = self.seq_len
+        if seq >= self.capacity:
+            raise KVCapacityError(seq, self.capacity)
+        self.device.activate()
+        slot = self._take_slot()
+        self._stage_k[slot] = k_tok.reshape(-1)
+        self._stage_v[slot] = v_tok.reshape(-1)
+        h = stream_handle(self.stream)
+        offset = seq * self.row_bytes
+        k_src, v_src = self._stage_k[slot].ctypes.data, self._stage_v[slot].ctypes.data
+        drv("cuMemcpyHtoDAsync", self._k.ptr + offset, k_src, self.row_bytes, h)
+        drv("cuMemcpyHtoDAsync", self._v.ptr + offset, v_src, self.row_bytes, h)
+        self._queue_seq(slot, seq + 1)
+        self._slot_events[slot].record(self.stream)
+        self._slot_busy[slot] = True
+        self._seq_len = seq + 1
+
+    def extend(self, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
+        """Append many tokens (a prefill): one copy for K, one for V.
+
+        Raises:
+            TypeError, ValueError: bad arrays, or K and V with different token counts.
+            KVCapacityError: they would not fit. Nothing was written in either case.
+        """
+        self._check_rows(k_rows, "k_rows", one=False)
+        self._check_rows(v_rows, "v_rows", one=False)
+        n = k_rows.size // self.row_elems
+        if v_rows.size != k_rows.size:
+            raise ValueError(
+                f"v_rows: expected {n} tokens like k_rows, got {v_rows.size // self.row_elems}"
+            )
+        seq = self.seq_len
+        if seq + n > self.capacity:
+            raise KVCapacityError(seq, self.capacity, n)
+        if n == 0:
+            return
+        self.device.activate()
+        k_src = np.ascontiguousarray(k_rows)
+        v_src = np.ascontiguousarray(v_rows)
+        h = stream_handle(self.stream)
+        offset, nbytes = seq * self.row_bytes, n * self.row_bytes
+        # From pageable memory the driver stages the bytes before returning, so the
+        # caller may reuse its arrays at once.
+        drv("cuMemcpyHtoDAsync", self._k.ptr + offset, k_src.ctypes.data, nbytes, h)
+        drv("cuMemcpyHtoDAsync", self._v.ptr + offset, v_src.ctypes.data, nbytes, h)
+        slot = self._take_slot()
+        self._queue_seq(slot, seq + n)
+        self._slot_events[slot].record(self.stream)
+        self._slot_busy[slot] = True
+        self._seq_len = seq + n
+
+    def clear(self) -> None:
+        """Forget every token (a new sequence); the memory stays allocated."""
+        self.device.activate()
+        slot = self._take_slot()
+        self._queue_seq(slot, 0)
+        self._slot_events[slot].record(self.stream)
+        self._slot_busy[slot] = True
+        self._reset_overflow()
+        self._seq_len = 0
+        self._host_seq_valid = True
+
+    # -- reading -------------------------------------------------------------------
+    def to_host(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the cached K and V, each (seq_len, n_kv_heads, head_dim)."""
+        seq = self.seq_len
+        return self.k.to_host(self.stream), self._v.view(
+            (seq, self.n_kv_heads, self.head_dim)
+        ).to_host(self.stream)
+
+    def decode(
+        self, q: np.ndarray, *, n_heads: int, stream: Any = None, algorithm: str = "auto"
+    ) -> np.ndarray:
+        """Decode one query against the resident cache.
+
+        Args:
+            q: ``(n_heads*head_dim,)`` or ``(n_heads, head_dim)`` numpy array, cache dtype.
+            n_heads: query heads, a multiple of ``n_kv_heads``.
+            stream: ignored unless given; the work always follows queued appends.
+            algorithm: ``"auto"`` or ``"parity"``.
+
+        Returns:
+            A numpy array of q's shape and dtype.
+        """
+        n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
+        algorithm = check_algorithm(algorithm)
+        if not isinstance(q, np.ndarray):
+            raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
+        if q.dtype != self.dtype:
+            raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {q.dtype}")
+        check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
+        seq = self.seq_len
+        if seq == 0:
+            return np.zeros(q.shape, q.dtype)
+        run_on = self.stream
+        q_d, out = self._decode_scratch(n_heads)
+        q_d.copy_from_host(np.ascontiguousarray(q).reshape(-1), run_on)
+        launch_decode(
+            q_d,
+            self._k,
+            self._v,
+            out,
+            n_heads=n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            seq_len=seq,
+            stream=run_on,
+            algorithm=algorithm,
+        )
+        return out.to_host(run_on).reshape(q.shape)
+
+    def _decode_scratch(self, n_heads: int) -> tuple[DeviceArray, DeviceArray]:
+        """Device q and out buffers for ``n_heads``, allocated once and reused."""
+        pair = self._scratch.get(n_heads)
+        if pair is None:
+            shape = (n_heads * self.head_dim,)
+            pair = (
+                empty(shape, self.dtype, device=self.device),
+                empty(shape, self.dtype, device=self.device),
+            )
+            self._scratch[n_heads] = pair
+        return pair
+
+    # -- lifetime ------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the device buffers, the staging memory and (if its own) the stream."""
+        with contextlib.suppress(Exception):  # closing must not fail on a broken context
+            self.stream.synchronize()
+        for arr in (self._k, self._v, self.state, *(a for p in self._scratch.values() for a in p)):
+            arr.close()
+        self._scratch.clear()
+        for ev in self._slot_events:
+            ev.close()
+        self._stage_k = self._stage_v = self._stage_seq = np.empty(0)
+        if self._owns_stream:
+            self.stream.close()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+            f"capacity={self.capacity}, dtype={self.dtype.name}, seq_len={self._seq_len})"
+        )
+
+
+class LayerKVCache:
+    """One :class:`KVCache` per layer, sharing one stream; memory allocated once.
+
+    Args:
+        n_layers: number of layers.
+        n_kv_heads, head_dim, capacity, dtype, device: as :class:`KVCache`.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        *,
+        dtype: Any = np.float32,
+        device: Device | None = None,
+        stream: Stream | None = None,
+    ) -> None:
+        n_layers = check_int(n_layers, "n_layers", 1)
+        check_kv_shape(n_kv_heads, head_dim)
+        check_int(capacity, "capacity", 1, 2**31 - 1)
+        check_dtype(dtype, "dtype")
+        self.device = resolve(device)
+        self._owns_stream = stream is None
+        self.stream = Stream(self.device) if stream is None else stream
+        self.layers: list[KVCache] = []
+        try:
+            for _ in range(n_layers):
+                self.layers.append(
+                    KVCache(
+                        n_kv_heads,
+                        head_dim,
+                        capacity,
+                        dtype=dtype,
+                        device=self.device,
+                        stream=self.stream,
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.n_kv_heads, self.head_dim, self.capacity = n_kv_heads, head_dim, capacity
+        self.dtype = np.dtype(dtype)
+
+    def __getitem__(self, layer: int) -> KVCache:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Any:
+        return iter(self.layers)
+
+    def clear(self) -> None:
+        """Clear every layer (a new sequence)."""
+        for layer in self.layers:
+            layer.clear()
+
+    def close(self) -> None:
+        """Free every layer's memory."""
+        for layer in self.layers:
+            layer.close()
+        self.layers = []
+        if self._owns_stream:
+            self.stream.close()
+
+    def __enter__(self) -> LayerKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
