@@ -14,7 +14,7 @@ from .memory import DeviceArray, empty
 from .stream import Event, Stream
 from .validation import check_dims
 
-__all__ = ["Timing", "time_decode", "READ_CEILING_TBS"]
+__all__ = ["READ_CEILING_TBS", "AppendTiming", "Timing", "time_appends", "time_decode"]
 
 READ_CEILING_TBS = 4.26  # measured H200 read ceiling (a 4 GiB sum), see BASELINE.md
 ROTATE_BYTES = 400 * 2**20  # > 6x the H200's 60 MB L2
@@ -111,3 +111,77 @@ def time_decode(
         statistics.median(times),
         kv_bytes,
     )
+
+
+@dataclass(frozen=True)
+class AppendTiming:
+    strategy: str
+    capacity: int
+    append_us: float  # host time per appended token
+    append_decode_us: float  # host time per append + decode (decode returns to the host)
+
+
+def time_appends(
+    capacity: int,
+    n_heads: int = 32,
+    n_kv_heads: int = 8,
+    head_dim: int = 128,
+    *,
+    tokens: int = 1000,
+    seed_tokens: int = 20,
+) -> list[AppendTiming]:
+    """Host time per token: our one-row async append vs the seed's full re-upload."""
+    import time
+
+    from .kv_cache import KVCache
+
+    rng = np.random.default_rng(0)
+    row = (n_kv_heads, head_dim)
+    k = rng.standard_normal((tokens, *row), dtype=np.float32)
+    v = rng.standard_normal((tokens, *row), dtype=np.float32)
+    q = rng.standard_normal((n_heads, head_dim), dtype=np.float32)
+    prefill = capacity - tokens - 1  # measure near the end of the cache, where it hurts
+    results = []
+    with KVCache(n_kv_heads, head_dim, capacity) as kv:
+        fill = rng.standard_normal((prefill, *row), dtype=np.float32)
+        kv.extend(fill, fill)
+        kv.synchronize()
+        t0 = time.perf_counter()
+        for i in range(tokens):
+            kv.append(k[i], v[i])
+        append_us = (time.perf_counter() - t0) / tokens * 1e6
+        kv.synchronize()
+        kv.clear()
+        kv.extend(fill, fill)
+        kv.decode(q, n_heads=n_heads)
+        t0 = time.perf_counter()
+        for i in range(tokens):
+            kv.append(k[i], v[i])
+            kv.decode(q, n_heads=n_heads)
+        both_us = (time.perf_counter() - t0) / tokens * 1e6
+        decode_us = both_us - append_us
+    results.append(AppendTiming("ours: one row, pinned async", capacity, append_us, both_us))
+
+    # The seed's CudaKvBuffers::append: extend a host mirror, clone it, pad to capacity and
+    # upload both buffers whole (freshly allocated), on every token.
+    k_host = [fill.reshape(-1)]
+    v_host = [fill.reshape(-1)]
+    bufs: list[DeviceArray] = []
+    t0 = time.perf_counter()
+    for i in range(seed_tokens):
+        k_host.append(k[i].reshape(-1))
+        v_host.append(v[i].reshape(-1))
+        for host in (k_host, v_host):
+            full = np.zeros(capacity * n_kv_heads * head_dim, np.float32)
+            flat = np.concatenate(host)
+            full[: flat.size] = flat
+            dev = empty(full.shape, np.float32)
+            dev.copy_from_host(full)
+            bufs.append(dev)
+        while len(bufs) > 2:
+            bufs.pop(0).close()
+    seed_us = (time.perf_counter() - t0) / seed_tokens * 1e6
+    for b in bufs:
+        b.close()
+    results.append(AppendTiming("seed: full re-upload", capacity, seed_us, seed_us + decode_us))
+    return results

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
-KERNEL_FILES = ("gqa_decode.cu",)
+KERNEL_FILES = ("gqa_decode.cu", "kv_cache.cu")
 DEFAULT_ARCH = "sm_90"
 
 
@@ -73,14 +73,64 @@ def show_resources(arch: str) -> None:
             )
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The decode loop on the GPU; without one, the compiled kernels' report."""
+    import ferrox_driver as fd
+
+    if not fd.cuda_available():
+        _print("no CUDA driver/device found: showing the kernels compiled for " + args.arch)
+        show_resources(args.arch)
+        return 0
+    from .demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(
+        layers=args.layers,
+        tokens=args.tokens,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+    )
+    return run_demo(cfg)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Benchmarks (GPU only)."""
+    import ferrox_driver as fd
+
+    if not fd.cuda_available():
+        _print("no CUDA driver/device found: the benchmark needs a GPU")
+        return 0
+    from .bench import time_appends
+
+    if args.only in ("append", "all"):
+        _print(f"{'strategy':<30} {'capacity':>8} {'append us':>10} {'append+decode us':>17}")
+        for cap in (4096, 32768):
+            for r in time_appends(cap):
+                _print(
+                    f"{r.strategy:<30} {r.capacity:>8} {r.append_us:>10.1f} "
+                    f"{r.append_decode_us:>17.1f}"
+                )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ferrox_driver", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices and the kernel cache")
+    demo = sub.add_parser("demo", help="multi-layer decode loop: eager vs CUDA graph")
+    demo.add_argument("--layers", type=int, default=32)
+    demo.add_argument("--tokens", type=int, default=256)
+    demo.add_argument("--heads", type=int, default=32)
+    demo.add_argument("--kv-heads", type=int, default=8)
+    demo.add_argument("--head-dim", type=int, default=128)
+    demo.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="bf16")
+    demo.add_argument("--arch", default=DEFAULT_ARCH, help="arch to compile for without a GPU")
+    bench = sub.add_parser("bench", help="decode and append benchmarks")
+    bench.add_argument("--only", choices=("all", "append", "decode"), default="all")
     args = parser.parse_args(argv)
-    if args.command == "info":
-        return cmd_info(args)
-    return 2
+    commands = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,172 @@
+"""CUDA graphs: capture, DecodeGraph replay per token, async ops inside foreign graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ferrox_driver as fd
+from ferrox_driver.compiler import kernel_source
+from ferrox_driver.graph import graph_stats
+
+from .gpu_helpers import DTYPES, TOL, rel_err, torch_or_cupy
+
+pytestmark = pytest.mark.gpu
+
+N_HEADS, N_KV, HD = 32, 8, 128
+
+
+def axpy_kernel():
+    src = kernel_source("util.cu")
+    return fd.ensure_module_loaded(src, "util.cu", "ferrox_axpy_f32").get_function(
+        "ferrox_axpy_f32"
+    )
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_decode_graph_matches_reference_and_eager_for_500_tokens_captured_once(rng, dtype):
+    dt = DTYPES[dtype]
+    steps = 500
+    qs = rng.standard_normal((steps, N_HEADS, HD)).astype(dt)
+    ks = rng.standard_normal((steps, N_KV, HD)).astype(dt)
+    vs = rng.standard_normal((steps, N_KV, HD)).astype(dt)
+    with (
+        fd.KVCache(N_KV, HD, steps, dtype=dt) as kv_graph,
+        fd.KVCache(N_KV, HD, steps, dtype=dt) as kv_eager,
+    ):
+        before = graph_stats.instantiations
+        with fd.DecodeGraph(kv_graph, n_heads=N_HEADS) as step:
+            for t in range(steps):
+                got = step(qs[t], ks[t], vs[t])
+                kv_eager.append(ks[t], vs[t])
+                eager = kv_eager.decode(qs[t], n_heads=N_HEADS)
+                assert np.array_equal(got.view(np.uint8), eager.view(np.uint8)), t
+                ref = fd.reference_gqa_decode(
+                    qs[t], ks[: t + 1], vs[: t + 1], n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HD
+                )
+                assert rel_err(got, ref) < TOL[dtype], t
+        assert graph_stats.instantiations - before == 1
+        assert kv_graph.seq_len == steps
+
+
+def test_overflow_inside_a_graph_raises_and_leaves_the_cache_intact(rng):
+    cap = 16
+    k = rng.standard_normal((cap, N_KV, HD)).astype(np.float32)
+    v = rng.standard_normal((cap, N_KV, HD)).astype(np.float32)
+    with fd.KVCache(N_KV, HD, cap) as kv, fd.DecodeGraph(kv, n_heads=N_HEADS) as step:
+        kv.extend(k, v)
+        step.q[...] = rng.standard_normal(step.q.shape)
+        step.k[...] = 7.0
+        step.v[...] = 7.0
+        step.launch()  # bypasses the host-side check: the device must refuse
+        with pytest.raises(fd.KVCapacityError):
+            step.synchronize()
+        assert kv.seq_len == cap
+        got_k, got_v = kv.to_host()
+        assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
+        with pytest.raises(fd.KVCapacityError):  # the host-side check
+            step(step.q.copy(), step.k.copy(), step.v.copy())
+        kv.synchronize()  # the flag was reported once and cleared
+
+
+def test_async_ops_inside_a_foreign_cuda_graph_give_the_reference_for_100_replays(rng):
+    kind, lib = torch_or_cupy()
+    steps = 100
+    qs = rng.standard_normal((steps, N_HEADS * HD)).astype(np.float32)
+    ks = rng.standard_normal((steps, N_KV * HD)).astype(np.float32)
+    vs = rng.standard_normal((steps, N_KV * HD)).astype(np.float32)
+    with fd.KVCache(N_KV, HD, steps + 1) as kv:
+        if kind == "torch":
+            torch = lib
+            q_t, k_t, v_t = (
+                torch.zeros(n, device="cuda") for n in (N_HEADS * HD, N_KV * HD, N_KV * HD)
+            )
+            out_t = torch.zeros(N_HEADS * HD, device="cuda")
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up: load the kernels outside the capture
+                fd.kv_append_async(kv, k_t, v_t, stream=side.cuda_stream)
+                fd.gqa_decode_async(q_t, kv, out_t, n_heads=N_HEADS, stream=side.cuda_stream)
+            torch.cuda.synchronize()
+            kv.clear()
+            kv.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                s = torch.cuda.current_stream().cuda_stream
+                fd.kv_append_async(kv, k_t, v_t, stream=s)
+                fd.gqa_decode_async(q_t, kv, out_t, n_heads=N_HEADS, stream=s)
+            for t in range(steps):
+                q_t.copy_(torch.from_numpy(qs[t]))
+                k_t.copy_(torch.from_numpy(ks[t]))
+                v_t.copy_(torch.from_numpy(vs[t]))
+                graph.replay()
+                got = out_t.cpu().numpy()
+                ref = fd.reference_gqa_decode(
+                    qs[t], ks[: t + 1], vs[: t + 1], n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HD
+                )
+                assert rel_err(got, ref) < 1e-5, t
+        else:
+            cp = lib
+            q_t, k_t, v_t = (cp.zeros(n, cp.float32) for n in (N_HEADS * HD, N_KV * HD, N_KV * HD))
+            out_t = cp.zeros(N_HEADS * HD, cp.float32)
+            stream = cp.cuda.Stream(non_blocking=True)
+            fd.kv_append_async(kv, k_t, v_t, stream=stream.ptr)
+            fd.gqa_decode_async(q_t, kv, out_t, n_heads=N_HEADS, stream=stream.ptr)
+            stream.synchronize()
+            kv.clear()
+            kv.synchronize()
+            with stream:
+                stream.begin_capture()
+                fd.kv_append_async(kv, k_t, v_t, stream=stream.ptr)
+                fd.gqa_decode_async(q_t, kv, out_t, n_heads=N_HEADS, stream=stream.ptr)
+                graph = stream.end_capture()
+            for t in range(steps):
+                q_t.set(qs[t], stream=stream)
+                k_t.set(ks[t], stream=stream)
+                v_t.set(vs[t], stream=stream)
+                graph.launch(stream)
+                got = out_t.get(stream=stream)
+                ref = fd.reference_gqa_decode(
+                    qs[t], ks[: t + 1], vs[: t + 1], n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HD
+                )
+                assert rel_err(got, ref) < 1e-5, t
+        assert kv.seq_len == steps
+
+
+def test_exception_inside_capture_ends_it_and_leaves_the_stream_usable(rng):
+    kernel = axpy_kernel()
+    x = fd.to_device(np.ones(1024, np.float32))
+    y = fd.to_device(np.zeros(1024, np.float32))
+    with fd.Stream() as stream:
+        with pytest.raises(RuntimeError, match="boom"), stream.capture():
+            kernel.launch(4, 256, (np.float32(1), x, y, np.int64(1024)), stream=stream)
+            raise RuntimeError("boom")
+        kernel.launch(4, 256, (np.float32(2), x, y, np.int64(1024)), stream=stream)
+        stream.synchronize()
+        assert (y.to_host(stream) == 2).all()  # the captured launch never ran
+
+
+def test_captured_graph_replays_and_updates_in_place(rng):
+    kernel = axpy_kernel()
+    x = fd.to_device(np.ones(256, np.float32))
+    y = fd.zeros(256, np.float32)
+    with fd.Stream() as stream:
+        with stream.capture() as g1:
+            kernel.launch(1, 256, (np.float32(1), x, y, np.int64(256)), stream=stream)
+        with stream.capture() as g2:
+            kernel.launch(1, 256, (np.float32(10), x, y, np.int64(256)), stream=stream)
+        with stream.capture() as g3:
+            kernel.launch(1, 256, (np.float32(1), x, y, np.int64(256)), stream=stream)
+            kernel.launch(1, 256, (np.float32(1), x, y, np.int64(256)), stream=stream)
+        assert g3.node_count() == 2
+        exe = g1.instantiate()
+        exe.launch(stream)
+        exe.launch(stream)
+        exe.update(g2)
+        exe.launch(stream)
+        stream.synchronize()
+        assert (y.to_host() == 12).all()
+        with pytest.raises(fd.CudaError, match="cuGraphExecUpdate") as info:
+            exe.update(g3)
+        assert "CU_GRAPH_EXEC_UPDATE" in info.value.name
+        exe.close()
