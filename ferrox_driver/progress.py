@@ -12,13 +12,17 @@ T = TypeVar("T")
 
 def progress(items: Iterable[T], total: int, label: str, width: int = 30) -> Iterator[T]:
     """Yield ``items`` while drawing ``label [#####.....] i/total elapsed`` on stderr."""
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     stream = sys.stderr
     for i, item in enumerate(items):
         yield item
         done = i + 1
+        now = time.perf_counter()
+        if now - last < 0.25 and done < total:  # redraw at most 4 times a second
+            continue
+        last = now
         filled = width * done // max(total, 1)
-        elapsed = time.perf_counter() - start
+        elapsed = now - start
         stream.write(
             f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {elapsed:5.1f}s"
         )
