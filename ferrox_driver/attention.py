@@ -1,22 +1,33 @@
-"""GQA decode: one query token attending over a KV cache, on the GPU."""
+"""GQA decode: one query token attending over a KV cache, on the GPU.
+
+Two kernel families: the split-KV kernels (default; tensor cores for fp16/bf16) and the
+parity kernel (the seed's algorithm, corrected), kept as the reference path.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .compiler import kernel_source
+from ._driver import drv
 from .device import Device, resolve
 from .launch import Kernel
 from .memory import DeviceArray, as_device_array, empty, to_device
-from .module_cache import ensure_module_loaded
+from .module_cache import get_kernel
+from .stream import stream_handle
 from .validation import array_info, check_decode_args, dtype_name
 
-__all__ = ["ALGORITHMS", "gqa_decode", "launch_decode"]
+__all__ = ["ALGORITHMS", "SplitPlan", "gqa_decode", "launch_decode", "plan_split"]
 
-ALGORITHMS = ("auto", "parity")
+ALGORITHMS = ("auto", "split", "parity")
+SPLIT_FILE = "gqa_decode_split.cu"
+TILE = 64  # tokens; chunk sizes are multiples of it (FX_TILE in the kernels)
+MAX_SPLITS = 1024  # FX_MAX_SPLITS
+THREADS = 128  # FX_THREADS
+MMA_HEAD_DIMS = (64, 128, 256)
 
 
 def check_algorithm(algorithm: Any) -> str:
@@ -42,11 +53,138 @@ def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype, on_device: bool
 
 def parity_kernel(dtype: np.dtype, device: Device | None = None) -> Kernel:
     """The seed-equivalent kernel (one warp per query head) for ``dtype``."""
-    name = f"gqa_decode_{dtype_name(dtype)}"
-    module = ensure_module_loaded(
-        kernel_source("gqa_decode.cu"), "gqa_decode.cu", name, device=device
+    return get_kernel("gqa_decode.cu", f"gqa_decode_{dtype_name(dtype)}", device)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How a split-KV decode is launched: which kernel, how many chunks."""
+
+    kernel: str
+    tensor_cores: bool
+    head_tiles: int  # blocks per KV head along the group (1 on the tensor-core path)
+    lanes_per_token: int
+    splits: int
+
+    def workspace_floats(self, n_heads: int, head_dim: int) -> int:
+        """Floats of scratch the launch needs: partial outputs, maxima and sums."""
+        return n_heads * self.splits * (head_dim + 2)
+
+
+_resident_blocks: dict[tuple[int, str], int] = {}
+
+
+def _blocks_per_sm(kernel: Kernel, device: Device) -> int:
+    key = (device.context_handle, kernel.name)
+    n = _resident_blocks.get(key)
+    if n is None:
+        n = int(drv("cuOccupancyMaxActiveBlocksPerMultiprocessor", kernel.handle, THREADS, 0))
+        n = _resident_blocks[key] = max(n, 1)
+    return n
+
+
+def plan_split(
+    device: Device,
+    dtype: np.dtype,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    plan_seq: int,
+    aligned: bool = True,
+) -> SplitPlan:
+    """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens.
+
+    The grid is one full wave of resident blocks; each block's chunk is a multiple of 64
+    tokens, computed on the device from the actual length (which may be shorter, as in a
+    captured graph sized for the cache's capacity).
+    """
+    group = n_heads // n_kv_heads
+    name = dtype_name(dtype)
+    if name != "f32" and head_dim in MMA_HEAD_DIMS and group <= 8 and aligned:
+        kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
+    else:
+        gt = next(g for g in (1, 2, 4, 8) if g >= min(group, 8))
+        tiles = -(-group // gt)
+        lpt = 1
+        while lpt * 8 < head_dim:
+            lpt *= 2
+        vec = "vec" if head_dim % 8 == 0 and aligned else "any"
+        kname, tc = f"gqa_split_{name}_g{gt}_{vec}", False
+    kernel = get_kernel(SPLIT_FILE, kname, device)
+    wave = _blocks_per_sm(kernel, device) * device.multiprocessor_count
+    splits = -(-wave // (n_kv_heads * tiles))
+    splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // TILE)))
+    return SplitPlan(kname, tc, tiles, lpt, splits)
+
+
+_workspaces: dict[tuple[int, int], DeviceArray] = {}
+
+
+def stream_workspace(device: Device, stream: Any, floats: int) -> DeviceArray:
+    """Scratch for split partials, one buffer per stream (work on one stream is ordered, so
+    its calls can share it); grown when too small."""
+    key = (device.context_handle, int(stream_handle(stream)))
+    ws = _workspaces.get(key)
+    if ws is None or ws.size < floats:
+        if ws is not None:
+            ws.close()  # cuMemFree waits for work that may still read it
+        ws = _workspaces[key] = empty((floats,), np.float32, device=device)
+    return ws
+
+
+def launch_split(
+    plan: SplitPlan,
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    workspace: DeviceArray,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    seq_len_dev: DeviceArray | None,
+    stream: Any,
+) -> None:
+    """Queue the split kernel of ``plan`` and the kernel combining its chunks."""
+    dev = q.device
+    n_partial = n_heads * plan.splits
+    ws_o = workspace
+    ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
+    heads = (np.int32(n_heads), np.int32(n_kv_heads))
+    splits = np.int32(plan.splits)
+    args: tuple[Any, ...]
+    if plan.tensor_cores:
+        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits)
+    else:
+        args = (
+            q,
+            k,
+            v,
+            ws_o,
+            ws_ml,
+            *heads,
+            np.int32(head_dim),
+            np.int32(seq_len),
+            seq_len_dev,
+            splits,
+            np.int32(plan.lanes_per_token),
+        )
+    grid = (plan.splits, n_kv_heads, plan.head_tiles)
+    get_kernel(SPLIT_FILE, plan.kernel, dev).launch(grid, THREADS, args, stream=stream)
+    combine = get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
+    combine.launch(
+        n_heads,
+        THREADS,
+        (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits),
+        stream=stream,
     )
-    return module.get_function(name)
+
+
+def is_aligned(*arrays: DeviceArray) -> bool:
+    """True when every array starts on a 16-byte boundary (needed for vector loads)."""
+    return all(a.ptr % 16 == 0 for a in arrays)
 
 
 def launch_decode(
@@ -62,27 +200,53 @@ def launch_decode(
     seq_len_dev: DeviceArray | None = None,
     stream: Any = None,
     algorithm: str = "auto",
+    workspace: DeviceArray | None = None,
+    plan_seq: int | None = None,
 ) -> None:
     """Queue a decode on device arrays already validated (no checks, no host work).
 
-    ``seq_len_dev``, when given, is an int32 device scalar the kernel reads instead of
-    ``seq_len`` (which then only bounds the work the launch is sized for).
+    ``seq_len_dev``, when given, is an int32 device scalar the kernels read instead of
+    ``seq_len``, which then only sizes the launch (the most tokens it may see).
+    ``workspace`` (float32) holds the split partials; default: a buffer kept per stream.
+    ``plan_seq`` sizes the split grid (default ``seq_len``); decodes planned for the same
+    length chunk the sequence identically, so their results agree bit for bit.
     """
-    kernel = parity_kernel(q.dtype, q.device)
-    kernel.launch(
-        n_heads,
-        32,
-        (
-            q,
-            k,
-            v,
-            out,
-            np.int32(n_heads),
-            np.int32(n_kv_heads),
-            np.int32(head_dim),
-            np.int32(seq_len),
-            seq_len_dev,
-        ),
+    if algorithm == "parity":
+        parity_kernel(q.dtype, q.device).launch(
+            n_heads,
+            32,
+            (
+                q,
+                k,
+                v,
+                out,
+                np.int32(n_heads),
+                np.int32(n_kv_heads),
+                np.int32(head_dim),
+                np.int32(seq_len),
+                seq_len_dev,
+            ),
+            stream=stream,
+        )
+        return
+    plan_for = seq_len if plan_seq is None else plan_seq
+    plan = plan_split(
+        q.device, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, is_aligned(q, k, v)
+    )
+    if workspace is None:
+        workspace = stream_workspace(q.device, stream, plan.workspace_floats(n_heads, head_dim))
+    launch_split(
+        plan,
+        q,
+        k,
+        v,
+        out,
+        workspace,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        seq_len=seq_len,
+        seq_len_dev=seq_len_dev,
         stream=stream,
     )
 
@@ -110,7 +274,8 @@ def gqa_decode(
         n_heads, n_kv_heads, head_dim: attention shape; ``n_heads % n_kv_heads == 0``,
             ``1 <= head_dim <= 256``.
         stream: stream for the work (default: the legacy default stream).
-        algorithm: ``"auto"`` (fastest) or ``"parity"`` (the seed's kernel, corrected).
+        algorithm: ``"auto"``/``"split"`` (split-KV kernels; tensor cores for fp16/bf16)
+            or ``"parity"`` (the seed's algorithm, corrected; slow, the reference path).
         device: the device for numpy inputs (default: device 0).
         out: with device inputs, a device array of q's shape and dtype to write into
             (default: a new one).

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
-KERNEL_FILES = ("gqa_decode.cu", "kv_cache.cu")
+KERNEL_FILES = ("gqa_decode.cu", "gqa_decode_split.cu", "kv_cache.cu")
 DEFAULT_ARCH = "sm_90"
 
 
@@ -101,7 +101,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not fd.cuda_available():
         _print("no CUDA driver/device found: the benchmark needs a GPU")
         return 0
-    from .bench import time_appends
+    from pathlib import Path
+
+    from .bench import time_appends, time_decode
+    from .bench_decode import SEQ_LENS, SHAPES, measure_growing_graph, run_decode_bench
 
     if args.only in ("append", "all"):
         _print(f"{'strategy':<30} {'capacity':>8} {'append us':>10} {'append+decode us':>17}")
@@ -111,6 +114,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     f"{r.strategy:<30} {r.capacity:>8} {r.append_us:>10.1f} "
                     f"{r.append_decode_us:>17.1f}"
                 )
+    if args.only in ("parity", "all"):
+        _print(f"{'kernel':<8} {'shape':<9} {'dtype':<5} {'seq_len':>7} {'us':>9} {'TB/s':>7}")
+        for seq in (4096, 32768):
+            t = time_decode(32, 8, 128, seq, algorithm="parity", iters=10)
+            _print(f"parity   32/8/128  f32   {seq:>7} {t.median_us:9.1f} {t.tbs:7.4f}")
+    if args.only in ("decode", "all"):
+        shapes = SHAPES[:1] if args.quick else SHAPES
+        seqs = SEQ_LENS[:2] if args.quick else SEQ_LENS
+        run_decode_bench(Path(args.out) if args.out else None, shapes, seqs)
+        grown = measure_growing_graph()
+        _print("gqa_decode_async captured once at seq_len 1 (capacity 32768, 32/8/128 bf16):")
+        for seq, us in grown.items():
+            _print(f"  replayed at seq_len {seq:>6}: {us:7.1f} us")
     return 0
 
 
@@ -127,7 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="bf16")
     demo.add_argument("--arch", default=DEFAULT_ARCH, help="arch to compile for without a GPU")
     bench = sub.add_parser("bench", help="decode and append benchmarks")
-    bench.add_argument("--only", choices=("all", "append", "decode"), default="all")
+    bench.add_argument("--only", choices=("all", "append", "parity", "decode"), default="all")
+    bench.add_argument("--out", help="directory for bench_decode.json and bench_decode.png")
+    bench.add_argument("--quick", action="store_true", help="one shape, two lengths")
     args = parser.parse_args(argv)
     commands = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench}
     return commands[args.command](args)

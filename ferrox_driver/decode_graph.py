@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ._driver import drv
-from .attention import check_algorithm, launch_decode
+from .attention import check_algorithm, is_aligned, launch_decode, plan_split
 from .errors import KVCapacityError
 from .graph import GraphExec
 from .kv_cache import KVCache, append_kernel
@@ -79,13 +79,25 @@ def gqa_decode_async(
         out_dev: device array like ``q_dev``, written with the result.
         n_heads: query heads, a multiple of ``kv.n_kv_heads``.
         stream: the stream to queue on.
-        algorithm: ``"auto"`` or ``"parity"``.
+        algorithm: ``"auto"``/``"split"`` or ``"parity"``.
     """
     kv = _check_cache(kv)
     n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
     algorithm = check_algorithm(algorithm)
     q = _check_device_operand(q_dev, "q_dev", n_heads * kv.head_dim, kv.dtype)
     out = _check_device_operand(out_dev, "out_dev", n_heads * kv.head_dim, kv.dtype)
+    workspace = None
+    if algorithm != "parity":  # sized for the capacity: valid for every later length
+        plan = plan_split(
+            kv.device,
+            kv.dtype,
+            n_heads,
+            kv.n_kv_heads,
+            kv.head_dim,
+            kv.capacity,
+            is_aligned(q, kv.k_buffer, kv.v_buffer),
+        )
+        workspace = kv.split_workspace(n_heads, plan.workspace_floats(n_heads, kv.head_dim))
     launch_decode(
         q,
         kv.k_buffer,
@@ -98,6 +110,8 @@ def gqa_decode_async(
         seq_len_dev=kv.state,
         stream=stream,
         algorithm=algorithm,
+        workspace=workspace,
+        plan_seq=kv.capacity,
     )
 
 

@@ -13,13 +13,12 @@ from typing import Any
 import numpy as np
 
 from ._driver import drv
-from .attention import check_algorithm, launch_decode
-from .compiler import kernel_source
+from .attention import check_algorithm, is_aligned, launch_decode, plan_split
 from .device import Device, resolve
 from .errors import KVCapacityError
 from .launch import Kernel
 from .memory import DeviceArray, empty, pinned_empty
-from .module_cache import ensure_module_loaded
+from .module_cache import get_kernel
 from .stream import Event, Stream, stream_handle
 from .validation import (
     MAX_HEAD_DIM,
@@ -42,10 +41,7 @@ def check_kv_shape(n_kv_heads: Any, head_dim: Any) -> tuple[int, int]:
 
 def append_kernel(device: Device) -> Kernel:
     """The device-side append kernel (reads and bumps the device sequence length)."""
-    name = "kv_append_row"
-    return ensure_module_loaded(
-        kernel_source("kv_cache.cu"), "kv_cache.cu", name, device=device
-    ).get_function(name)
+    return get_kernel("kv_cache.cu", "kv_append_row", device)
 
 
 class KVCache:
@@ -99,6 +95,7 @@ class KVCache:
         self._seq_len = 0
         self._host_seq_valid = True
         self._scratch: dict[int, tuple[DeviceArray, DeviceArray]] = {}
+        self._workspaces: dict[int, DeviceArray] = {}
         self.stream.synchronize()
 
     # -- state ---------------------------------------------------------------------
@@ -303,6 +300,20 @@ class KVCache:
         run_on = self.stream
         q_d, out = self._decode_scratch(n_heads)
         q_d.copy_from_host(np.ascontiguousarray(q).reshape(-1), run_on)
+        # Planned for the capacity, like graph-captured decodes of this cache: the eager
+        # and the captured paths chunk the sequence identically and agree bit for bit.
+        workspace = None
+        if algorithm != "parity":
+            plan = plan_split(
+                self.device,
+                self.dtype,
+                n_heads,
+                self.n_kv_heads,
+                self.head_dim,
+                self.capacity,
+                is_aligned(q_d, self._k, self._v),
+            )
+            workspace = self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
         launch_decode(
             q_d,
             self._k,
@@ -314,8 +325,20 @@ class KVCache:
             seq_len=seq,
             stream=run_on,
             algorithm=algorithm,
+            workspace=workspace,
+            plan_seq=self.capacity,
         )
         return out.to_host(run_on).reshape(q.shape)
+
+    def split_workspace(self, n_heads: int, floats: int) -> DeviceArray:
+        """Scratch for device-side decodes of ``n_heads`` query heads (graphs bake its
+        address in, so it is allocated once and lives as long as the cache)."""
+        ws = self._workspaces.get(n_heads)
+        if ws is None:
+            ws = self._workspaces[n_heads] = empty((floats,), np.float32, device=self.device)
+        elif ws.size < floats:
+            raise ValueError(f"n_heads: workspace of {ws.size} floats < {floats} needed")
+        return ws
 
     def _decode_scratch(self, n_heads: int) -> tuple[DeviceArray, DeviceArray]:
         """Device q and out buffers for ``n_heads``, allocated once and reused."""
@@ -334,9 +357,11 @@ class KVCache:
         """Free the device buffers, the staging memory and (if its own) the stream."""
         with contextlib.suppress(Exception):  # closing must not fail on a broken context
             self.stream.synchronize()
-        for arr in (self._k, self._v, self.state, *(a for p in self._scratch.values() for a in p)):
+        scratch = [a for pair in self._scratch.values() for a in pair]
+        for arr in (self._k, self._v, self.state, *scratch, *self._workspaces.values()):
             arr.close()
         self._scratch.clear()
+        self._workspaces.clear()
         for ev in self._slot_events:
             ev.close()
         self._stage_k = self._stage_v = self._stage_seq = np.empty(0)

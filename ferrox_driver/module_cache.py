@@ -21,12 +21,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compiler import KernelResources, Program, compile_source, normalize_arch
+from .compiler import KernelResources, Program, compile_source, kernel_source, normalize_arch
 from .compiler import nvrtc_version_string as _nvrtc_version
 from .device import Device, resolve
-from .launch import Module
+from .launch import Kernel, Module
 
-__all__ = ["cache_dir", "cache_key", "clear_memory_cache", "ensure_module_loaded", "get_program"]
+__all__ = [
+    "cache_dir",
+    "cache_key",
+    "clear_memory_cache",
+    "ensure_module_loaded",
+    "get_kernel",
+    "get_program",
+]
 
 CACHE_FORMAT = 1
 _MAGIC = b"FERROX-CUBIN\n"
@@ -234,6 +241,7 @@ def clear_memory_cache() -> None:
             module.close()
         _modules.clear()
         _programs.clear()
+        _kernels.clear()
         _key_locks.clear()
 
 
@@ -244,3 +252,18 @@ def disk_usage() -> tuple[int, int]:
         return 0, 0
     files = list(directory.glob("*.cubin"))
     return len(files), sum(f.stat().st_size for f in files if f.is_file())
+
+
+_kernels: dict[tuple[int, str, str], Kernel] = {}
+
+
+def get_kernel(filename: str, function_name: str, device: Device | None = None) -> Kernel:
+    """A kernel from one of the package's ``cuda_src`` files, memoised per context so hot
+    paths skip hashing the source."""
+    dev = resolve(device)
+    key = (dev.context_handle, filename, function_name)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        module = ensure_module_loaded(kernel_source(filename), filename, function_name, device=dev)
+        kernel = _kernels.setdefault(key, module.get_function(function_name))
+    return kernel

@@ -5,28 +5,38 @@ from __future__ import annotations
 import pytest
 
 import ferrox_driver as fd
+from ferrox_driver import module_cache
 from ferrox_driver.compiler import kernel_source, parse_resources
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
-KERNEL_FILES = ["gqa_decode.cu", "util.cu"]
+KERNEL_FILES = ["gqa_decode.cu", "gqa_decode_split.cu", "kv_cache.cu", "util.cu"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("filename", KERNEL_FILES)
 def test_every_kernel_file_compiles_for_arch_without_gpu(filename: str, arch: str) -> None:
-    program = fd.compile_source(kernel_source(filename), arch=arch, name=filename)
+    program = module_cache.get_program(kernel_source(filename), arch=arch, name=filename)
     assert program.arch == arch
     assert program.cubin[:4] == b"\x7fELF"
     assert program.resources, program.log
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_decode_kernels_use_no_stack_and_never_spill(arch: str) -> None:
-    program = fd.compile_source(kernel_source("gqa_decode.cu"), arch=arch)
-    names = {"gqa_decode_f32", "gqa_decode_f16", "gqa_decode_bf16"}
-    assert names <= set(program.resources)
-    for name in names:
-        r = program.resources[name]
+@pytest.mark.parametrize(
+    "filename,expected",
+    [
+        ("gqa_decode.cu", {"gqa_decode_f32", "gqa_decode_f16", "gqa_decode_bf16"}),
+        (
+            "gqa_decode_split.cu",
+            {"gqa_split_f32_g8_vec", "gqa_split_mma_bf16_d128", "gqa_split_combine_f16"},
+        ),
+        ("kv_cache.cu", {"kv_append_row"}),
+    ],
+)
+def test_decode_kernels_use_no_stack_and_never_spill(arch, filename, expected) -> None:
+    program = module_cache.get_program(kernel_source(filename), arch=arch, name=filename)
+    assert expected <= set(program.resources)
+    for name, r in program.resources.items():
         assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (name, r)
         assert 0 < r.registers <= 255
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 SEQ_LENS = [0, 1, 2, 31, 33, 1000, 4097]
 HEAD_DIMS = [1, 8, 64, 96, 100, 128, 256]
 HEADS = [(32, 8), (64, 8), (28, 4), (32, 32), (8, 1), (7, 7)]
-ALGORITHMS = ["parity"]
+ALGORITHMS = ["split", "parity"]
 
 CASES = (
     [(32, 8, 128, s) for s in SEQ_LENS]
@@ -112,3 +112,37 @@ def test_out_of_wrong_size_is_rejected_before_launch(rng):
             head_dim=64,
             out=fd.empty(7, np.float32),
         )
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(32, 8, 128), (28, 4, 64), (8, 1, 256)])
+def test_split_kernels_agree_with_the_parity_kernel(rng, dtype, n_heads, n_kv_heads, head_dim):
+    q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, 5000, DTYPES[dtype])
+    split = decode_on_device(q, k, v, n_heads, n_kv_heads, head_dim, "split")
+    parity = decode_on_device(q, k, v, n_heads, n_kv_heads, head_dim, "parity")
+    assert rel_err(split, parity.astype(np.float64)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("seq_len", [63, 64, 65, 127, 129, 4095, 20001])
+def test_split_handles_lengths_that_are_not_multiples_of_the_chunk(rng, seq_len):
+    q, k, v = random_decode_inputs(rng, 16, 2, 64, seq_len, DTYPES["bf16"])
+    ref = fd.reference_gqa_decode(q, k, v, n_heads=16, n_kv_heads=2, head_dim=64)
+    assert rel_err(decode_on_device(q, k, v, 16, 2, 64, "split"), ref) < 1e-2
+    q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+    assert rel_err(decode_on_device(q32, k32, v32, 16, 2, 64, "split"), ref) < 1e-5
+
+
+def test_misaligned_foreign_arrays_take_the_generic_path(rng):
+    kind, lib = torch_or_cupy()
+    q, k, v = random_decode_inputs(rng, 32, 8, 128, 300, np.float16)
+    ref = fd.reference_gqa_decode(q, k, v, n_heads=32, n_kv_heads=8, head_dim=128)
+
+    def offset_by_one(a):  # a view starting 2 bytes into a buffer: not 16-byte aligned
+        flat = np.concatenate([np.zeros(1, a.dtype), a.reshape(-1)])
+        t = lib.as_tensor(flat, device="cuda") if kind == "torch" else lib.asarray(flat)
+        return t[1:]
+
+    got = fd.gqa_decode(
+        offset_by_one(q), offset_by_one(k), offset_by_one(v), n_heads=32, n_kv_heads=8, head_dim=128
+    )
+    assert rel_err(got.to_host(), ref) < 1e-2

@@ -170,3 +170,33 @@ def test_captured_graph_replays_and_updates_in_place(rng):
             exe.update(g3)
         assert "CU_GRAPH_EXEC_UPDATE" in info.value.name
         exe.close()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_decode_captured_at_seq_len_one_stays_correct_as_the_cache_grows(rng, dtype):
+    dt = DTYPES[dtype]
+    cap = 3000
+    k = rng.standard_normal((cap, N_KV, HD)).astype(dt)
+    v = rng.standard_normal((cap, N_KV, HD)).astype(dt)
+    q = rng.standard_normal((N_HEADS, HD)).astype(dt)
+    with fd.KVCache(N_KV, HD, cap, dtype=dt) as kv, fd.Stream() as stream:
+        kv.extend(k[:1], v[:1])
+        kv.synchronize()
+        q_d = fd.to_device(q)
+        out = fd.empty((N_HEADS, HD), dt)
+        fd.gqa_decode_async(q_d, kv, out, n_heads=N_HEADS, stream=stream)  # loads kernels
+        stream.synchronize()
+        with stream.capture() as graph:
+            fd.gqa_decode_async(q_d, kv, out, n_heads=N_HEADS, stream=stream)
+        exe = graph.instantiate()
+        for seq in [1, 63, 64, 65, 200, 1000, 2999, 3000]:
+            kv.extend(k[kv.seq_len : seq], v[kv.seq_len : seq])
+            kv.synchronize()
+            out.fill_bytes(0xFF)
+            exe.launch(stream)
+            stream.synchronize()
+            ref = fd.reference_gqa_decode(
+                q, k[:seq], v[:seq], n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HD
+            )
+            assert rel_err(out.to_host(), ref) < TOL[dtype], seq
+        exe.close()

@@ -1,0 +1,316 @@
+"""``python -m ferrox_driver bench``: decode speed against the read ceiling and PyTorch.
+
+Method: inputs filled on the device with pseudo-random values (never zeros); KV sets
+rotated so more than 400 MB separate two reads of one set (the H200's L2 is 60 MB); CUDA
+events around each call after warm-up; medians of >= 30. Each point is timed eagerly and
+replayed from a captured graph; PyTorch's scaled_dot_product_attention(enable_gqa=True),
+also replayed from a graph, runs on the same shapes in the same process when importable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .attention import launch_decode
+from .device import Device, default_device
+from .graph import GraphExec
+from .memory import DeviceArray, empty, zeros
+from .module_cache import get_kernel
+from .progress import progress
+from .stream import Event, Stream
+from .validation import SUPPORTED_DTYPES, dtype_name
+
+__all__ = ["DecodePoint", "SHAPES", "SEQ_LENS", "measure_read_ceiling", "run_decode_bench"]
+
+READ_CEILING_TBS = 4.26
+ROTATE_BYTES = 400 * 2**20
+SHAPES = [(32, 8, 128), (64, 8, 128), (28, 4, 128), (32, 32, 128), (16, 2, 64), (8, 1, 256)]
+SEQ_LENS = [512, 4096, 32768, 131072]
+DTYPES = ["f32", "f16", "bf16"]
+
+
+@dataclass
+class DecodePoint:
+    shape: str
+    dtype: str
+    seq_len: int
+    kv_bytes: int
+    graph_us: float
+    eager_us: float
+    torch_us: float | None
+
+    def tbs(self, us: float | None) -> float | None:
+        return None if not us else self.kv_bytes / (us * 1e-6) / 1e12
+
+
+def fill_uniform(arr: DeviceArray, seed: int, stream: Stream) -> None:
+    """Fill a float32/float16/bfloat16 device array with values uniform in [-1, 1)."""
+    kernel = get_kernel("util.cu", f"ferrox_fill_uniform_{dtype_name(arr.dtype)}", arr.device)
+    kernel.launch(1024, 256, (arr, np.int64(arr.size), np.uint32(seed)), stream=stream)
+
+
+def time_events(run: Callable[[int], None], stream: Stream, iters: int, warmup: int) -> float:
+    """Median microseconds of ``run(i)`` on ``stream`` between two events."""
+    for i in range(warmup):
+        run(i)
+    start, end = Event(), Event()
+    times = []
+    for i in range(iters):
+        start.record(stream)
+        run(i)
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_ms(end) * 1e3)
+    return statistics.median(times)
+
+
+def measure_read_ceiling(device: Device, gib: float = 4.0) -> float:
+    """TB/s of reading ``gib`` GiB once (a sum over 16-byte loads)."""
+    stream = Stream(device)
+    n = int(gib * 2**30) // 4
+    data = empty((n,), np.float32, device=device)
+    fill_uniform(data, 1, stream)
+    total = zeros((1,), np.float32, device=device)
+    kernel = get_kernel("util.cu", "ferrox_read_sum", device)
+    blocks = device.multiprocessor_count * 8
+
+    def run(_: int) -> None:
+        kernel.launch(blocks, 256, (data, np.int64(n // 4), total), stream=stream)
+
+    us = time_events(run, stream, 20, 3)
+    data.close()
+    return n * 4 / (us * 1e-6) / 1e12
+
+
+def _torch_sdpa_us(shape: tuple[int, int, int], seq: int, dtype: str, iters: int) -> float | None:
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    n_heads, n_kv, hd = shape
+    tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    kv_bytes = 2 * seq * n_kv * hd * torch.finfo(tdt).bits // 8
+    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
+    q = torch.rand(1, n_heads, 1, hd, device="cuda", dtype=tdt) * 2 - 1
+    sets = [
+        tuple(torch.rand(1, n_kv, seq, hd, device="cuda", dtype=tdt) * 2 - 1 for _ in range(2))
+        for _ in range(n_sets)
+    ]
+    side = torch.cuda.Stream()
+    graphs = []
+    with torch.cuda.stream(side):
+        for k, v in sets:  # warm-up outside capture
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        torch.cuda.synchronize()
+        for k, v in sets:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=side):
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            graphs.append(g)
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(iters + 5):
+        start.record()
+        graphs[i % n_sets].replay()
+        end.record()
+        end.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end) * 1e3)
+    del graphs, sets
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def measure_point(
+    shape: tuple[int, int, int], seq: int, dtype: str, iters: int, device: Device
+) -> DecodePoint:
+    n_heads, n_kv, hd = shape
+    dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
+    stream = Stream(device)
+    kv_bytes = 2 * seq * n_kv * hd * dt.itemsize
+    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
+    q = empty((n_heads, hd), dt, device=device)
+    out = empty((n_heads, hd), dt, device=device)
+    fill_uniform(q, 7, stream)
+    sets = []
+    for i in range(n_sets):
+        k = empty((seq, n_kv, hd), dt, device=device)
+        v = empty((seq, n_kv, hd), dt, device=device)
+        fill_uniform(k, 100 + 2 * i, stream)
+        fill_uniform(v, 101 + 2 * i, stream)
+        sets.append((k, v))
+
+    def eager(i: int) -> None:
+        k, v = sets[i % n_sets]
+        launch_decode(
+            q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd, seq_len=seq, stream=stream
+        )
+
+    eager(0)
+    stream.synchronize()
+    execs: list[GraphExec] = []
+    for i in range(n_sets):
+        with stream.capture() as graph:
+            eager(i)
+        execs.append(graph.instantiate())
+        graph.close()
+    graph_us = time_events(lambda i: execs[i % n_sets].launch(stream), stream, iters, 5)
+    eager_us = time_events(eager, stream, iters, 5)
+    for e in execs:
+        e.close()
+    for k, v in sets:
+        k.close()
+        v.close()
+    q.close()
+    out.close()
+    stream.close()
+    torch_us = _torch_sdpa_us(shape, seq, dtype, iters)
+    return DecodePoint(f"{n_heads}/{n_kv}/{hd}", dtype, seq, kv_bytes, graph_us, eager_us, torch_us)
+
+
+def run_decode_bench(
+    out_dir: Path | None,
+    shapes: Sequence[tuple[int, int, int]] = SHAPES,
+    seq_lens: Sequence[int] = SEQ_LENS,
+    dtypes: Sequence[str] = DTYPES,
+    iters: int = 30,
+) -> dict[str, Any]:
+    """Measure every point, print the table, write JSON and a PNG plot into ``out_dir``."""
+    device = default_device()
+    ceiling = measure_read_ceiling(device)
+    print(f"measured read ceiling: {ceiling:.2f} TB/s (BASELINE.md: {READ_CEILING_TBS})")
+    grid = [(s, n, d) for s in shapes for d in dtypes for n in seq_lens]
+    points = []
+    for shape, seq, dtype in progress(grid, len(grid), "decode bench"):
+        points.append(measure_point(shape, seq, dtype, iters, device))
+    header = (
+        f"{'shape':<10} {'dtype':<5} {'seq_len':>7} {'graph us':>9} {'TB/s':>6} {'%ceil':>6} "
+        f"{'eager us':>9} {'torch us':>9} {'torch %':>7} {'speed-up':>8}"
+    )
+    print(header)
+    for p in points:
+        tbs = p.tbs(p.graph_us) or 0.0
+        t_tbs = p.tbs(p.torch_us)
+        torch_us = f"{p.torch_us:9.1f}" if p.torch_us else f"{'-':>9}"
+        torch_pct = f"{100 * t_tbs / ceiling:7.1f}" if t_tbs else f"{'-':>7}"
+        speedup = f"{p.torch_us / p.graph_us:7.2f}x" if p.torch_us else f"{'-':>8}"
+        print(
+            f"{p.shape:<10} {p.dtype:<5} {p.seq_len:>7} {p.graph_us:9.1f} {tbs:6.2f} "
+            f"{100 * tbs / ceiling:6.1f} {p.eager_us:9.1f} {torch_us} {torch_pct} {speedup}"
+        )
+    result = {
+        "device": device.name,
+        "read_ceiling_tbs": ceiling,
+        "points": [asdict(p) for p in points],
+    }
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench_decode.json").write_text(json.dumps(result, indent=1))
+        plot(result, out_dir / "bench_decode.png")
+    return result
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """% of the read ceiling against seq_len, ours and PyTorch's, one panel per shape."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written")
+        return
+    ceiling = result["read_ceiling_tbs"]
+    pts = result["points"]
+    shapes = list(dict.fromkeys(p["shape"] for p in pts))
+    cols = 3
+    rows = math.ceil(len(shapes) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    colors = {"f32": "tab:blue", "f16": "tab:green", "bf16": "tab:red"}
+    for ax, shape in zip(axes.flat, shapes, strict=False):
+        for dtype, color in colors.items():
+            sel = sorted(
+                (p for p in pts if p["shape"] == shape and p["dtype"] == dtype),
+                key=lambda p: p["seq_len"],
+            )
+            if not sel:
+                continue
+            xs = [p["seq_len"] for p in sel]
+            ours = [100 * p["kv_bytes"] / p["graph_us"] / 1e6 / ceiling for p in sel]
+            ax.plot(xs, ours, "-o", color=color, label=f"ferrox {dtype}")
+            if all(p["torch_us"] for p in sel):
+                theirs = [100 * p["kv_bytes"] / p["torch_us"] / 1e6 / ceiling for p in sel]
+                ax.plot(xs, theirs, "--x", color=color, alpha=0.6, label=f"torch {dtype}")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 105)
+        ax.set_title(f"{shape} (q heads/kv heads/head_dim)")
+        ax.set_xlabel("seq_len")
+        ax.set_ylabel("% of read ceiling")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    for ax in list(axes.flat)[len(shapes) :]:
+        ax.axis("off")
+    fig.suptitle(f"GQA decode on {result['device']}: graph-replayed, % of {ceiling:.2f} TB/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def measure_growing_graph(
+    shape: tuple[int, int, int] = (32, 8, 128),
+    dtype: str = "bf16",
+    capacity: int = 32768,
+    seq_lens: Sequence[int] = (4096, 32768),
+    iters: int = 30,
+) -> dict[int, float]:
+    """Capture ``gqa_decode_async`` once at seq_len 1, then time replays as the cache grows.
+
+    Returns:
+        Median microseconds per replay at each length.
+    """
+    from .decode_graph import gqa_decode_async
+    from .kv_cache import KVCache
+
+    n_heads, n_kv, hd = shape
+    dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
+    device = default_device()
+    stream = Stream(device)
+    used = 2 * min(seq_lens) * n_kv * hd * dt.itemsize
+    n_sets = max(1, min(32, math.ceil(ROTATE_BYTES / used)))
+    caches = [KVCache(n_kv, hd, capacity, dtype=dt, device=device) for _ in range(n_sets)]
+    q = empty((n_heads * hd,), dt, device=device)
+    out = empty((n_heads * hd,), dt, device=device)
+    fill_uniform(q, 3, stream)
+    execs = []
+    for i, kv in enumerate(caches):
+        fill_uniform(kv.k_buffer, 200 + 2 * i, stream)
+        fill_uniform(kv.v_buffer, 201 + 2 * i, stream)
+        kv.extend(np.zeros((1, n_kv, hd), dt), np.zeros((1, n_kv, hd), dt))  # seq_len 1
+        kv.synchronize()
+        stream.synchronize()
+        gqa_decode_async(q, kv, out, n_heads=n_heads, stream=stream)  # warm-up, loads kernels
+        with stream.capture() as graph:
+            gqa_decode_async(q, kv, out, n_heads=n_heads, stream=stream)
+        execs.append(graph.instantiate())
+        graph.close()
+    results = {}
+    for seq in seq_lens:
+        for kv in caches:
+            kv.state.copy_from_host(np.array([seq, 0], np.int32))
+            kv.mark_device_appends()
+        results[seq] = time_events(lambda i: execs[i % n_sets].launch(stream), stream, iters, 5)
+    for e in execs:
+        e.close()
+    for kv in caches:
+        kv.close()
+    stream.close()
+    return results
