@@ -109,8 +109,6 @@ __device__ __forceinline__ void gqa_split_generic(
     const int d0 = l * 8;
     const int valid = max(0, min(8, head_dim - d0));
 
-    for (int i = threadIdx.x; i < GT * 256; i += FX_THREADS) (&o_s[0][0])[i] = 0.f;
-
     const float qscale = rsqrtf((float)head_dim) * FX_LOG2E;
     float qf[GT][8], acc[GT][8], m[GT], lsum[GT];
 #pragma unroll
@@ -186,7 +184,8 @@ __device__ __forceinline__ void gqa_split_generic(
         }
     }
 
-    // Merge the lane groups: scale each to the block's max, sum into shared memory.
+    // Merge the lane groups: scale each to the block's max, sum them in a fixed order
+    // (shuffles inside a warp, then warp by warp) so results are bitwise reproducible.
     if (l == 0) {
 #pragma unroll
         for (int j = 0; j < GT; ++j) {
@@ -195,26 +194,41 @@ __device__ __forceinline__ void gqa_split_generic(
         }
     }
     __syncthreads();
+    float mb[GT];
 #pragma unroll
     for (int j = 0; j < GT; ++j) {
-        float mb = -INFINITY;
-        for (int i = 0; i < n_groups; ++i) mb = fmaxf(mb, m_s[i][j]);
-        const float sc = (m[j] == -INFINITY) ? 0.f : fx_exp2(m[j] - mb);
-        if (j < nh && active) {
+        mb[j] = -INFINITY;
+        for (int i = 0; i < n_groups; ++i) mb[j] = fmaxf(mb[j], m_s[i][j]);
+        const float sc = (m[j] == -INFINITY) ? 0.f : fx_exp2(m[j] - mb[j]);
 #pragma unroll
-            for (int e = 0; e < 8; ++e)
-                if (e < valid) atomicAdd(&o_s[j][d0 + e], acc[j][e] * sc);
+        for (int e = 0; e < 8; ++e) {
+            float x = acc[j][e] * sc;
+            for (int off = lpt; off < 32; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+            acc[j][e] = x;
         }
-        if (threadIdx.x == 0 && j < nh) {
+    }
+    for (int w = 0; w < FX_WARPS; ++w) {
+        if (warp == w && sub == 0 && active) {
+#pragma unroll
+            for (int j = 0; j < GT; ++j)
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    if (e < valid) o_s[j][d0 + e] = (w == 0 ? 0.f : o_s[j][d0 + e]) + acc[j][e];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int j = 0; j < GT; ++j) {
+            if (j >= nh) continue;
             float lb = 0.f;
             for (int i = 0; i < n_groups; ++i)
-                if (m_s[i][j] != -INFINITY) lb += l_s[i][j] * fx_exp2(m_s[i][j] - mb);
+                if (m_s[i][j] != -INFINITY) lb += l_s[i][j] * fx_exp2(m_s[i][j] - mb[j]);
             float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
-            ml[0] = mb;
+            ml[0] = mb[j];
             ml[1] = lb;
         }
     }
-    __syncthreads();
     for (int i = threadIdx.x; i < nh * head_dim; i += FX_THREADS) {
         const int j = i / head_dim, d = i % head_dim;
         ws_o[((long long)(h0 + j) * splits + split) * head_dim + d] = o_s[j][d];
@@ -300,8 +314,6 @@ __device__ __forceinline__ void gqa_split_mma(
     const int h0 = g_kv * group;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
-
-    for (int i = threadIdx.x; i < 8 * D; i += FX_THREADS) (&o_s[0][0])[i] = 0.f;
 
     // Q^T as the B operand: head g, d = kb*32 + tig*8 .. +8 (zero rows for padded heads).
     uint4 qb[D / 32];
@@ -409,17 +421,25 @@ __device__ __forceinline__ void gqa_split_mma(
         // above, and p_s/alpha_s are rewritten only after the next tile's first barrier.
     }
 
-    // Sum the warps' partial outputs (all relative to the same running max).
+    // Sum the warps' partial outputs (all relative to the same running max), warp by warp
+    // in a fixed order so results are bitwise reproducible.
+    for (int w = 0; w < FX_WARPS; ++w) {
+        if (warp == w) {
 #pragma unroll
-    for (int hb = 0; hb < D / 64; ++hb)
+            for (int hb = 0; hb < D / 64; ++hb)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int d = hb * 64 + g * 8 + 2 * i;
-            atomicAdd(&o_s[tig * 2][d], oacc[hb][i][0]);
-            atomicAdd(&o_s[tig * 2 + 1][d], oacc[hb][i][1]);
-            atomicAdd(&o_s[tig * 2][d + 1], oacc[hb][i][2]);
-            atomicAdd(&o_s[tig * 2 + 1][d + 1], oacc[hb][i][3]);
+                for (int i = 0; i < 4; ++i) {
+                    const int d = hb * 64 + g * 8 + 2 * i;
+                    float* o0 = &o_s[tig * 2][d];
+                    float* o1 = &o_s[tig * 2 + 1][d];
+                    o0[0] = (w == 0 ? 0.f : o0[0]) + oacc[hb][i][0];
+                    o1[0] = (w == 0 ? 0.f : o1[0]) + oacc[hb][i][1];
+                    o0[1] = (w == 0 ? 0.f : o0[1]) + oacc[hb][i][2];
+                    o1[1] = (w == 0 ? 0.f : o1[1]) + oacc[hb][i][3];
+                }
         }
+        __syncthreads();
+    }
     if (lane == 0) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -431,7 +451,6 @@ __device__ __forceinline__ void gqa_split_mma(
             }
         }
     }
-    __syncthreads();
     for (int i = threadIdx.x; i < group * D; i += FX_THREADS) {
         const int j = i / D, d = i % D;
         ws_o[((long long)(h0 + j) * splits + split) * D + d] = o_s[j][d];

@@ -71,7 +71,9 @@ def gqa_decode_async(
     q_dev: Any, kv: KVCache, out_dev: Any, *, n_heads: int, stream: Any, algorithm: str = "auto"
 ) -> None:
     """Queue a decode of ``q_dev`` against the cache, reading seq_len on the device.
-    No host work: capturable in a graph, valid for every sequence length.
+    No host work: capturable in a graph, valid for every sequence length. Before the
+    first capture call ``kv.prepare(n_heads)`` (or run it once eagerly): loading kernels
+    and allocating its scratch cannot happen inside a capture.
 
     Args:
         q_dev: device array of ``n_heads*head_dim`` elements, cache dtype.
@@ -156,8 +158,8 @@ class DecodeGraph:
     def _capture(self, algorithm: str) -> GraphExec:
         kv, s = self.kv, self.stream
         h = stream_handle(s)
-        # Compile and load outside the capture: module loading is not capturable.
-        append_kernel(kv.device)
+        # Load kernels and allocate scratch first: neither is capturable.
+        kv.prepare(self.n_heads, algorithm)
         with s.capture() as graph:
             for dev, host in ((self._q_d, self.q), (self._k_d, self.k), (self._v_d, self.v)):
                 drv("cuMemcpyHtoDAsync", dev.ptr, host.ctypes.data, dev.nbytes, h)

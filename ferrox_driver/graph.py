@@ -79,6 +79,7 @@ class GraphExec:
         self._handle = drv("cuGraphInstantiate", graph.handle, 0)
         self._finalizer = finalizer(self, "cuGraphExecDestroy", self._handle)
         self._keep = list(graph._keep)  # what the nodes point at outlives the graph
+        self.node_count = graph.node_count()
         graph_stats.instantiations += 1
 
     @property
@@ -102,16 +103,30 @@ class GraphExec:
         result = cu.cuGraphExecUpdate(self._handle, graph.handle)
         status, info = result[0], result[1] if len(result) > 1 else None
         if status != cu.CUresult.CUDA_SUCCESS:
-            why = getattr(getattr(info, "result", None), "name", "unknown update result")
             raise CudaError(
                 int(status),
-                why,
+                status.name,
                 "cuGraphExecUpdate",
-                f"the executable graph cannot take the new graph's changes ({status.name})",
+                f"the executable graph cannot take the new graph's changes "
+                f"(update result: {self._update_result(info, graph)})",
                 "capture the new graph with the same kernels and copies, or instantiate it",
             )
         self._keep = list(graph._keep)
         graph_stats.updates += 1
+
+    def _update_result(self, info: Any, graph: Graph) -> str:
+        """The driver's CUgraphExecUpdateResult, or our best reading of it: cuda-bindings
+        returns no result info when the update fails."""
+        result = getattr(info, "result", None)
+        if result is not None:
+            return str(getattr(result, "name", result))
+        new_nodes = graph.node_count()
+        if new_nodes != self.node_count:
+            return (
+                f"CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED ({self.node_count} nodes "
+                f"instantiated, {new_nodes} in the new graph)"
+            )
+        return "CU_GRAPH_EXEC_UPDATE_ERROR (a node's kind, function or context changed)"
 
     def close(self) -> None:
         """Destroy the executable graph."""

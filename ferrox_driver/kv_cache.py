@@ -15,7 +15,7 @@ import numpy as np
 from ._driver import drv
 from .attention import check_algorithm, is_aligned, launch_decode, plan_split
 from .device import Device, resolve
-from .errors import KVCapacityError
+from .errors import CudaError, FerroxError, KVCapacityError
 from .launch import Kernel
 from .memory import DeviceArray, empty, pinned_empty
 from .module_cache import get_kernel
@@ -27,6 +27,7 @@ from .validation import (
     check_dtype,
     check_int,
     check_q,
+    dtype_name,
 )
 
 __all__ = ["KVCache", "LayerKVCache"]
@@ -330,12 +331,47 @@ class KVCache:
         )
         return out.to_host(run_on).reshape(q.shape)
 
+    def prepare(self, n_heads: int, algorithm: str = "auto") -> None:
+        """Load the kernels and allocate the scratch that decodes of ``n_heads`` query heads
+        need, so that they can then be captured into a graph (allocation and module loading
+        are not capturable). DecodeGraph does this itself."""
+        n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
+        append_kernel(self.device)
+        if check_algorithm(algorithm) == "parity":
+            return
+        plan = plan_split(
+            self.device,
+            self.dtype,
+            n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.capacity,
+            is_aligned(self._k, self._v),
+        )
+        get_kernel("gqa_decode_split.cu", f"gqa_split_combine_{self.dtype_name}", self.device)
+        self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
+
+    @property
+    def dtype_name(self) -> str:
+        """``f32``, ``f16`` or ``bf16``."""
+        return dtype_name(self.dtype)
+
     def split_workspace(self, n_heads: int, floats: int) -> DeviceArray:
         """Scratch for device-side decodes of ``n_heads`` query heads (graphs bake its
         address in, so it is allocated once and lives as long as the cache)."""
         ws = self._workspaces.get(n_heads)
         if ws is None:
-            ws = self._workspaces[n_heads] = empty((floats,), np.float32, device=self.device)
+            try:
+                ws = empty((floats,), np.float32, device=self.device)
+            except CudaError as exc:
+                if exc.name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED":
+                    raise FerroxError(
+                        f"n_heads: the decode scratch for {n_heads} heads must exist before "
+                        f"a capture starts: call kv.prepare(n_heads={n_heads}) (or decode "
+                        f"once) before capturing"
+                    ) from exc
+                raise
+            self._workspaces[n_heads] = ws
         elif ws.size < floats:
             raise ValueError(f"n_heads: workspace of {ws.size} floats < {floats} needed")
         return ws

@@ -145,4 +145,4 @@ def test_misaligned_foreign_arrays_take_the_generic_path(rng):
     got = fd.gqa_decode(
         offset_by_one(q), offset_by_one(k), offset_by_one(v), n_heads=32, n_kv_heads=8, head_dim=128
     )
-    assert rel_err(got.to_host(), ref) < 1e-2
+    assert rel_err(got.to_host().reshape(ref.shape), ref) < 1e-2
