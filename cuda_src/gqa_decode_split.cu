@@ -236,7 +236,7 @@ __device__ __forceinline__ void gqa_split_generic(
 }
 
 #define FX_GENERIC_ENTRY(NAME, T, GT, VEC)                                                  \
-    extern "C" __global__ void __launch_bounds__(FX_THREADS) NAME(                          \
+    extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int head_dim, int seq_len, const int* seq_len_dev, int splits,      \
         int lpt) {                                                                          \
@@ -458,7 +458,7 @@ __device__ __forceinline__ void gqa_split_mma(
 }
 
 #define FX_MMA_ENTRY(NAME, T, D)                                                            \
-    extern "C" __global__ void __launch_bounds__(FX_THREADS) NAME(                          \
+    extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {                  \
         gqa_split_mma<T, D>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, seq_len,             \
@@ -532,7 +532,7 @@ __device__ __forceinline__ void gqa_split_combine(
 }
 
 #define FX_COMBINE_ENTRY(NAME, T)                                                           \
-    extern "C" __global__ void __launch_bounds__(FX_THREADS) NAME(                          \
+    extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
         T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
         const int* seq_len_dev, int splits) {                                               \
         gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits);     \
