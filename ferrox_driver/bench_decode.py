@@ -90,12 +90,30 @@ def measure_read_ceiling(device: Device, gib: float = 4.0) -> float:
     return n * 4 / (us * 1e-6) / 1e12
 
 
+def import_torch() -> Any:
+    """PyTorch for the side-by-side comparison, or None (it is optional). Imported before
+    any CUDA work of ours: seen on the H200 image, importing it later can fail."""
+    global _torch
+    if _torch is False:
+        try:
+            import torch
+
+            _torch = torch if torch.cuda.is_available() else None
+        except Exception as exc:  # any failure just drops the comparison
+            print(f"PyTorch unavailable for the comparison: {exc!r}")
+            _torch = None
+    return _torch
+
+
+_torch: Any = False
+
+
 def _torch_sdpa_us(shape: tuple[int, int, int], seq: int, dtype: str, iters: int) -> float | None:
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
+    torch = import_torch()
+    if torch is None:
         return None
+    import torch.nn.functional as F
+
     n_heads, n_kv, hd = shape
     tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
     kv_bytes = 2 * seq * n_kv * hd * torch.finfo(tdt).bits // 8

@@ -104,7 +104,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench import time_appends, time_decode
-    from .bench_decode import SEQ_LENS, SHAPES, measure_growing_graph, run_decode_bench
+    from .bench_decode import (
+        SEQ_LENS,
+        SHAPES,
+        import_torch,
+        measure_growing_graph,
+        run_decode_bench,
+    )
+
+    if args.only in ("decode", "all"):
+        import_torch()
 
     if args.only in ("append", "all"):
         _print(f"{'strategy':<30} {'capacity':>8} {'append us':>10} {'append+decode us':>17}")
