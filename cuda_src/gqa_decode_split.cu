@@ -260,36 +260,63 @@ FX_GENERIC_FOR_TYPE(bf16, fx_bf16)
 
 // ---------------------------------------------------------------------------------------
 // Tensor-core split kernel for fp16/bf16 caches, head_dim 64/128/256, groups of up to 8.
-// Per 64-token tile each warp takes 16 tokens: S^T = K Q^T (mma m16n8k16: tokens x heads),
-// a shared-memory softmax step per head, then O^T += V^T P^T (d x heads). The mma's K
-// dimension is permuted to match 16-byte row loads (a dot product does not care about the
-// order of its terms); V is transposed in registers with byte permutes.
+// Each warp streams through its own 16-token steps with no block barrier in the loop:
+//   S = Q K^T   (mma m16n8k16: 16 head rows, 8 of them padding, x 8 tokens x 16 d),
+//   an online softmax in registers (a row's four lanes share its max),
+//   O += P V    (the S accumulators are, repacked, exactly the A operand: no shuffles).
+// The mma's K dimension is permuted so each lane feeds it from whole 16-byte row loads (a
+// dot product does not care about the order of its terms); V is transposed in registers
+// with byte permutes. The warps merge in a fixed order at the end.
 template <class T> struct FxMma;
-template <> struct FxMma<fx_half> {
-    __device__ static __forceinline__ void run(float (&c)[4], unsigned a0, unsigned a1,
-                                               unsigned a2, unsigned a3, unsigned b0,
-                                               unsigned b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
-template <> struct FxMma<fx_bf16> {
-    __device__ static __forceinline__ void run(float (&c)[4], unsigned a0, unsigned a1,
-                                               unsigned a2, unsigned a3, unsigned b0,
-                                               unsigned b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
+// D(16x8, f32) += A(16x16) B(16x8); c0..c3 as in the PTX fragment layout.
+#define FX_MMA_STRUCT(T, PTX_TYPE)                                                          \
+    template <> struct FxMma<T> {                                                           \
+        __device__ static __forceinline__ void run(float& c0, float& c1, float& c2,         \
+                                                   float& c3, unsigned a0, unsigned a1,     \
+                                                   unsigned a2, unsigned a3, unsigned b0,   \
+                                                   unsigned b1) {                           \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE    \
+                         ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"       \
+                         : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)                           \
+                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));           \
+        }                                                                                   \
+    };
+FX_MMA_STRUCT(fx_half, "f16")
+FX_MMA_STRUCT(fx_bf16, "bf16")
 
 __device__ __forceinline__ uint4 fx_ldg16(const void* p, bool ok) {
     return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+template <class T>
+__device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
+    return (unsigned)fx_from_float<T>(lo).bits | ((unsigned)fx_from_float<T>(hi).bits << 16);
+}
+
+// V rows of tokens ta, ta+1, tc, tc+1 at columns d..d+7 (zeros past the end).
+template <class T>
+__device__ __forceinline__ void fx_load_v4(uint4 (&out)[4], const T* vg, long long row, int d,
+                                           int ta, int tc, int end) {
+    out[0] = fx_ldg16(vg + ta * row + d, ta < end);
+    out[1] = fx_ldg16(vg + (ta + 1) * row + d, ta + 1 < end);
+    out[2] = fx_ldg16(vg + tc * row + d, tc < end);
+    out[3] = fx_ldg16(vg + (tc + 1) * row + d, tc + 1 < end);
+}
+
+// K row t at columns kb*32 + tig*8 .. +8 for every kb (zeros past the end).
+template <class T, int NKB>
+__device__ __forceinline__ void fx_load_k(uint4 (&out)[NKB], const T* kg, long long row, int t,
+                                          int tig, int end) {
+#pragma unroll
+    for (int kb = 0; kb < NKB; ++kb) out[kb] = fx_ldg16(kg + t * row + kb * 32 + tig * 8, t < end);
+}
+
+// The largest of the warps' maxima for head j.
+__device__ __forceinline__ float mb_of(const float (*m_s)[8], int j) {
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < FX_WARPS; ++w) mb = fmaxf(mb, m_s[w][j]);
+    return mb;
 }
 
 template <class T, int D>
@@ -297,9 +324,8 @@ __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
     int seq_len, const int* __restrict__ seq_len_dev, int splits) {
-    __shared__ float s_s[8][FX_TILE];
-    __shared__ __align__(16) T p_s[8][FX_TILE];
-    __shared__ float alpha_s[8];
+    __shared__ float m_s[FX_WARPS][8];
+    __shared__ float l_s[FX_WARPS][8];
     __shared__ float o_s[8][D];
 
     const int seq = fx_seq_len(seq_len, seq_len_dev);
@@ -315,141 +341,155 @@ __device__ __forceinline__ void gqa_split_mma(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
 
-    // Q^T as the B operand: head g, d = kb*32 + tig*8 .. +8 (zero rows for padded heads).
-    uint4 qb[D / 32];
+    // Q as the A operand (rows = heads; rows 8..15 and heads past the group are zero):
+    // lane holds head g, d = kb*32 + tig*8 .. +8. At head_dim 256 registers are short, so
+    // Q stays in shared memory (rows padded by 16 bytes against bank conflicts).
+    constexpr bool BIG = D > 128;
+    __shared__ __align__(16) T q_s[BIG ? 8 : 1][BIG ? D + 8 : 8];
+    uint4 qa[BIG ? 1 : D / 32];
+    if (BIG) {
+        for (int i = threadIdx.x; i < 8 * (D / 8); i += FX_THREADS) {
+            const int j = i / (D / 8), c = (i % (D / 8)) * 8;
+            *reinterpret_cast<uint4*>(&q_s[j][c]) =
+                fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
+        }
+        __syncthreads();
+    } else {
 #pragma unroll
-    for (int kb = 0; kb < D / 32; ++kb)
-        qb[kb] = fx_ldg16(q + (long long)(h0 + g) * D + kb * 32 + tig * 8, g < group);
+        for (int kb = 0; kb < (BIG ? 1 : D / 32); ++kb)
+            qa[kb] = fx_ldg16(q + (long long)(h0 + g) * D + kb * 32 + tig * 8, g < group);
+    }
 
     const float sscale = rsqrtf((float)D) * FX_LOG2E;
     const long long row = (long long)n_kv_heads * D;
     const T* kg = k + (long long)g_kv * D;
     const T* vg = v + (long long)g_kv * D;
 
-    float oacc[D / 64][4][4];
+    // O accumulators: [64-d block][e]: c0 -> d = hb*64 + (2 tig)*8 + e, c1 -> +8. The
+    // padding rows' outputs (c2, c3) only ever add zero rows: one scratch pair per 64-d block
+    // takes them all (a short dependency chain, far cheaper than 2 registers per mma).
+    float oacc[D / 64][8][2], pad[D / 64][2];
 #pragma unroll
-    for (int hb = 0; hb < D / 64; ++hb)
+    for (int hb = 0; hb < D / 64; ++hb) {
+        pad[hb][0] = pad[hb][1] = 0.f;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) oacc[hb][i][c] = 0.f;
-    // Running max and sum of the two heads this warp owns in the softmax step.
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+        for (int e = 0; e < 8; ++e) oacc[hb][e][0] = oacc[hb][e][1] = 0.f;
+    }
+    float m_run = -INFINITY, l_run = 0.f;  // head g; l_run is this lane's partial sum
 
-    for (int tile = start; tile < end; tile += FX_TILE) {
-        const int t0 = tile + warp * 16;  // this warp's 16 tokens
-        // ---- scores: S^T[token][head] = K[token] . Q[head]
-        {
-            const int ta = t0 + g, tb = t0 + g + 8;
-            uint4 ka[D / 32], kb_[D / 32];
+    for (int t0 = start + warp * 16; t0 < end; t0 += FX_WARPS * 16) {
+        // Issue the step's loads first (K rows t0+g and t0+8+g, V rows of this lane's
+        // four tokens); at head_dim 256 they would not all fit in registers, so there K is
+        // loaded per 8 tokens and V per 64 columns, just before use.
+        constexpr int KPRE = BIG ? 1 : 2;
+        uint4 kr[KPRE][D / 32];
+#pragma unroll
+        for (int n = 0; n < KPRE; ++n) fx_load_k(kr[n], kg, row, t0 + n * 8 + g, tig, end);
+        const int ta = t0 + tig * 2, tc = ta + 8;
+        constexpr int VPRE = BIG ? 1 : D / 64;
+        uint4 vr[VPRE][4];
+        if (!BIG) {
+#pragma unroll
+            for (int hb = 0; hb < VPRE; ++hb) fx_load_v4(vr[hb], vg, row, hb * 64 + g * 8, ta, tc, end);
+        }
+        // ---- S = Q K^T for tokens t0..t0+7 (n = 0) and t0+8..t0+15 (n = 1)
+        float s[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            if (BIG && n == 1) fx_load_k(kr[0], kg, row, t0 + 8 + g, tig, end);
+            const uint4* kn = kr[BIG ? 0 : n];
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
             for (int kb = 0; kb < D / 32; ++kb) {
-                ka[kb] = fx_ldg16(kg + ta * row + kb * 32 + tig * 8, ta < end);
-                kb_[kb] = fx_ldg16(kg + tb * row + kb * 32 + tig * 8, tb < end);
-            }
-            float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int kb = 0; kb < D / 32; ++kb) {
-                FxMma<T>::run(c, ka[kb].x, kb_[kb].x, ka[kb].y, kb_[kb].y, qb[kb].x, qb[kb].y);
-                FxMma<T>::run(c, ka[kb].z, kb_[kb].z, ka[kb].w, kb_[kb].w, qb[kb].z, qb[kb].w);
-            }
-            const int la = warp * 16 + g, lb = la + 8;
-            s_s[tig * 2][la] = ta < end ? c[0] * sscale : -INFINITY;
-            s_s[tig * 2 + 1][la] = ta < end ? c[1] * sscale : -INFINITY;
-            s_s[tig * 2][lb] = tb < end ? c[2] * sscale : -INFINITY;
-            s_s[tig * 2 + 1][lb] = tb < end ? c[3] * sscale : -INFINITY;
-        }
-        __syncthreads();
-        // ---- softmax step: warp w owns heads 2w and 2w+1
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int j = warp * 2 + r;
-            const float s0 = s_s[j][lane], s1 = s_s[j][lane + 32];
-            float mx = fmaxf(s0, s1);
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            const float m_new = fmaxf(m_run[r], mx);
-            const float a = m_run[r] == -INFINITY ? 0.f : fx_exp2(m_run[r] - m_new);
-            const float p0 = s0 == -INFINITY ? 0.f : fx_exp2(s0 - m_new);
-            const float p1 = s1 == -INFINITY ? 0.f : fx_exp2(s1 - m_new);
-            p_s[j][lane] = fx_from_float<T>(p0);
-            p_s[j][lane + 32] = fx_from_float<T>(p1);
-            float ps = p0 + p1;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
-            l_run[r] = l_run[r] * a + ps;
-            m_run[r] = m_new;
-            if (lane == 0) alpha_s[j] = a;
-        }
-        __syncthreads();
-        // ---- O^T[d][head] += V^T[d][token] P^T[token][head]
-        {
-            const float a0 = alpha_s[tig * 2], a1 = alpha_s[tig * 2 + 1];
-#pragma unroll
-            for (int hb = 0; hb < D / 64; ++hb)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    oacc[hb][i][0] *= a0;
-                    oacc[hb][i][1] *= a1;
-                    oacc[hb][i][2] *= a0;
-                    oacc[hb][i][3] *= a1;
-                }
-            const int tA = t0 + tig * 2, tC = tA + 8;
-            const int lt = warp * 16 + tig * 2;
-            const unsigned b0 = *reinterpret_cast<const unsigned*>(&p_s[g][lt]);
-            const unsigned b1 = *reinterpret_cast<const unsigned*>(&p_s[g][lt + 8]);
-#pragma unroll
-            for (int hb = 0; hb < D / 64; ++hb) {
-                const int d = hb * 64 + g * 8;
-                const uint4 va = fx_ldg16(vg + tA * row + d, tA < end);
-                const uint4 vb = fx_ldg16(vg + (tA + 1) * row + d, tA + 1 < end);
-                const uint4 vc = fx_ldg16(vg + tC * row + d, tC < end);
-                const uint4 vd = fx_ldg16(vg + (tC + 1) * row + d, tC + 1 < end);
-                const unsigned wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
-                const unsigned wc[4] = {vc.x, vc.y, vc.z, vc.w}, wd[4] = {vd.x, vd.y, vd.z, vd.w};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    FxMma<T>::run(oacc[hb][i], __byte_perm(wa[i], wb[i], 0x5410),
-                                  __byte_perm(wa[i], wb[i], 0x7632),
-                                  __byte_perm(wc[i], wd[i], 0x5410),
-                                  __byte_perm(wc[i], wd[i], 0x7632), b0, b1);
-                }
+                const uint4 qv =
+                    BIG ? *reinterpret_cast<const uint4*>(&q_s[BIG ? g : 0][kb * 32 + tig * 8])
+                        : qa[BIG ? 0 : kb];
+                FxMma<T>::run(s[n][0], s[n][1], s[n][2], s[n][3], qv.x, 0u, qv.y, 0u,
+                              kn[kb].x, kn[kb].y);
+                FxMma<T>::run(s[n][0], s[n][1], s[n][2], s[n][3], qv.z, 0u, qv.w, 0u,
+                              kn[kb].z, kn[kb].w);
             }
         }
-        // The next tile's score writes happen after its own first barrier's predecessor:
-        // every warp has finished reading s_s (softmax) before any warp passed the barrier
-        // above, and p_s/alpha_s are rewritten only after the next tile's first barrier.
+        // ---- online softmax for head g over this lane's 4 scores (tokens of c0, c1)
+        float x[4];
+        x[0] = ta < end ? s[0][0] * sscale : -INFINITY;
+        x[1] = ta + 1 < end ? s[0][1] * sscale : -INFINITY;
+        x[2] = tc < end ? s[1][0] * sscale : -INFINITY;
+        x[3] = tc + 1 < end ? s[1][1] * sscale : -INFINITY;
+        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run, mx);
+        const float alpha = m_run == -INFINITY ? 0.f : fx_exp2(m_run - m_new);
+        float p[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p[i] = x[i] == -INFINITY ? 0.f : fx_exp2(x[i] - m_new);
+        l_run = l_run * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
+        m_run = m_new;
+        const unsigned pa0 = fx_pack2<T>(p[0], p[1]);  // P[g][tokens 2tig, 2tig+1]
+        const unsigned pa2 = fx_pack2<T>(p[2], p[3]);  // P[g][tokens 8+2tig, 9+2tig]
+        // ---- O = O * alpha + P V
+#pragma unroll
+        for (int hb = 0; hb < D / 64; ++hb) {
+            uint4 vl[4];
+            if (!BIG) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) vl[r] = vr[hb < VPRE ? hb : 0][r];
+            } else {
+                fx_load_v4(vl, vg, row, hb * 64 + g * 8, ta, tc, end);
+            }
+            const unsigned wa[4] = {vl[0].x, vl[0].y, vl[0].z, vl[0].w};
+            const unsigned wb[4] = {vl[1].x, vl[1].y, vl[1].z, vl[1].w};
+            const unsigned wc[4] = {vl[2].x, vl[2].y, vl[2].z, vl[2].w};
+            const unsigned wd[4] = {vl[3].x, vl[3].y, vl[3].z, vl[3].w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const unsigned sel = (e & 1) ? 0x7632u : 0x5410u;
+                const unsigned b0 = __byte_perm(wa[e >> 1], wb[e >> 1], sel);
+                const unsigned b1 = __byte_perm(wc[e >> 1], wd[e >> 1], sel);
+                oacc[hb][e][0] *= alpha;
+                oacc[hb][e][1] *= alpha;
+                FxMma<T>::run(oacc[hb][e][0], oacc[hb][e][1], pad[hb][0], pad[hb][1], pa0, 0u,
+                              pa2, 0u, b0, b1);
+            }
+        }
     }
 
-    // Sum the warps' partial outputs (all relative to the same running max), warp by warp
-    // in a fixed order so results are bitwise reproducible.
+    // ---- merge the warps in a fixed order (bitwise reproducible)
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    if (tig == 0) {
+        m_s[warp][g] = m_run;
+        l_s[warp][g] = l_run;
+    }
+    __syncthreads();
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < FX_WARPS; ++w) mb = fmaxf(mb, m_s[w][g]);
+    const float sc = m_run == -INFINITY ? 0.f : fx_exp2(m_run - mb);
     for (int w = 0; w < FX_WARPS; ++w) {
         if (warp == w) {
 #pragma unroll
             for (int hb = 0; hb < D / 64; ++hb)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int d = hb * 64 + g * 8 + 2 * i;
-                    float* o0 = &o_s[tig * 2][d];
-                    float* o1 = &o_s[tig * 2 + 1][d];
-                    o0[0] = (w == 0 ? 0.f : o0[0]) + oacc[hb][i][0];
-                    o1[0] = (w == 0 ? 0.f : o1[0]) + oacc[hb][i][1];
-                    o0[1] = (w == 0 ? 0.f : o0[1]) + oacc[hb][i][2];
-                    o1[1] = (w == 0 ? 0.f : o1[1]) + oacc[hb][i][3];
+                for (int e = 0; e < 8; ++e) {
+                    float* o0 = &o_s[g][hb * 64 + (tig * 2) * 8 + e];
+                    float* o1 = o0 + 8;
+                    *o0 = (w == 0 ? 0.f : *o0) + oacc[hb][e][0] * sc;
+                    *o1 = (w == 0 ? 0.f : *o1) + oacc[hb][e][1] * sc;
                 }
         }
         __syncthreads();
     }
-    if (lane == 0) {
+    if (threadIdx.x < group) {
+        const int j = threadIdx.x;
+        float lb = 0.f;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int j = warp * 2 + r;
-            if (j < group) {
-                float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
-                ml[0] = m_run[r];
-                ml[1] = l_run[r];
-            }
-        }
+        for (int w = 0; w < FX_WARPS; ++w)
+            if (m_s[w][j] != -INFINITY) lb += l_s[w][j] * fx_exp2(m_s[w][j] - mb_of(m_s, j));
+        float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
+        ml[0] = mb_of(m_s, j);
+        ml[1] = lb;
     }
     for (int i = threadIdx.x; i < group * D; i += FX_THREADS) {
         const int j = i / D, d = i % D;

@@ -129,14 +129,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
             t = time_decode(32, 8, 128, seq, algorithm="parity", iters=10)
             _print(f"parity   32/8/128  f32   {seq:>7} {t.median_us:9.1f} {t.tbs:7.4f}")
     if args.only in ("decode", "all"):
-        shapes = SHAPES[:1] if args.quick else SHAPES
-        seqs = SEQ_LENS[:2] if args.quick else SEQ_LENS
-        run_decode_bench(Path(args.out) if args.out else None, shapes, seqs)
+        shapes = (
+            [tuple(int(x) for x in s.split("/")) for s in args.shapes] if args.shapes else SHAPES
+        )
+        seqs = args.seqs or SEQ_LENS
+        if args.quick:
+            shapes, seqs = shapes[:1], seqs[:2]
+        dtypes = args.dtypes or ["f32", "f16", "bf16"]
+        run_decode_bench(Path(args.out) if args.out else None, shapes, seqs, dtypes)
         grown = measure_growing_graph()
         _print("gqa_decode_async captured once at seq_len 1 (capacity 32768, 32/8/128 bf16):")
         for seq, us in grown.items():
             _print(f"  replayed at seq_len {seq:>6}: {us:7.1f} us")
     return 0
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    heads, kv_heads, head_dim = (int(x) for x in text.split("/"))
+    return heads, kv_heads, head_dim
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--only", choices=("all", "append", "parity", "decode"), default="all")
     bench.add_argument("--out", help="directory for bench_decode.json and bench_decode.png")
     bench.add_argument("--quick", action="store_true", help="one shape, two lengths")
+    bench.add_argument("--shapes", nargs="*", help="q/kv/head_dim shapes, e.g. 32/8/128")
+    bench.add_argument("--seqs", nargs="*", type=int, help="sequence lengths")
+    bench.add_argument("--dtypes", nargs="*", choices=("f32", "f16", "bf16"))
     args = parser.parse_args(argv)
     commands = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench}
     return commands[args.command](args)
