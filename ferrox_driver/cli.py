@@ -129,9 +129,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             t = time_decode(32, 8, 128, seq, algorithm="parity", iters=10)
             _print(f"parity   32/8/128  f32   {seq:>7} {t.median_us:9.1f} {t.tbs:7.4f}")
     if args.only in ("decode", "all"):
-        shapes = (
-            [tuple(int(x) for x in s.split("/")) for s in args.shapes] if args.shapes else SHAPES
-        )
+        shapes = [_shape(s) for s in args.shapes] if args.shapes else SHAPES
         seqs = args.seqs or SEQ_LENS
         if args.quick:
             shapes, seqs = shapes[:1], seqs[:2]
