@@ -341,24 +341,16 @@ __device__ __forceinline__ void gqa_split_mma(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
 
-    // Q as the A operand (rows = heads; rows 8..15 and heads past the group are zero):
-    // lane holds head g, d = kb*32 + tig*8 .. +8. At head_dim 256 registers are short, so
-    // Q stays in shared memory (rows padded by 16 bytes against bank conflicts).
+    // Q as the A operand (rows = heads; rows 8..15 and heads past the group are zero),
+    // kept in shared memory: registers go to the loads in flight. Lane reads head g,
+    // d = kb*32 + tig*8 .. +8; rows are padded by 16 bytes against bank conflicts.
     constexpr bool BIG = D > 128;
-    __shared__ __align__(16) T q_s[BIG ? 8 : 1][BIG ? D + 8 : 8];
-    uint4 qa[BIG ? 1 : D / 32];
-    if (BIG) {
-        for (int i = threadIdx.x; i < 8 * (D / 8); i += FX_THREADS) {
-            const int j = i / (D / 8), c = (i % (D / 8)) * 8;
-            *reinterpret_cast<uint4*>(&q_s[j][c]) =
-                fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
-        }
-        __syncthreads();
-    } else {
-#pragma unroll
-        for (int kb = 0; kb < (BIG ? 1 : D / 32); ++kb)
-            qa[kb] = fx_ldg16(q + (long long)(h0 + g) * D + kb * 32 + tig * 8, g < group);
+    __shared__ __align__(16) T q_s[8][D + 8];
+    for (int i = threadIdx.x; i < 8 * (D / 8); i += FX_THREADS) {
+        const int j = i / (D / 8), c = (i % (D / 8)) * 8;
+        *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
     }
+    __syncthreads();
 
     const float sscale = rsqrtf((float)D) * FX_LOG2E;
     const long long row = (long long)n_kv_heads * D;
@@ -366,56 +358,46 @@ __device__ __forceinline__ void gqa_split_mma(
     const T* vg = v + (long long)g_kv * D;
 
     // O accumulators: [64-d block][e]: c0 -> d = hb*64 + (2 tig)*8 + e, c1 -> +8. The
-    // padding rows' outputs (c2, c3) only ever add zero rows: one scratch pair per 64-d block
-    // takes them all (a short dependency chain, far cheaper than 2 registers per mma).
-    float oacc[D / 64][8][2], pad[D / 64][2];
+    // padding rows' outputs (c2, c3) only ever add zero rows: a scratch pair per chain of
+    // mmas takes them (two short chains per 64-d block instead of 2 registers per mma).
+    float oacc[D / 64][8][2], pad[D / 64][2][2];
 #pragma unroll
     for (int hb = 0; hb < D / 64; ++hb) {
-        pad[hb][0] = pad[hb][1] = 0.f;
+        pad[hb][0][0] = pad[hb][0][1] = pad[hb][1][0] = pad[hb][1][1] = 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) oacc[hb][e][0] = oacc[hb][e][1] = 0.f;
     }
     float m_run = -INFINITY, l_run = 0.f;  // head g; l_run is this lane's partial sum
 
-    for (int t0 = start + warp * 16; t0 < end; t0 += FX_WARPS * 16) {
-        // Issue the step's loads first (K rows t0+g and t0+8+g, V rows of this lane's
-        // four tokens); at head_dim 256 they would not all fit in registers, so there K is
-        // loaded per 8 tokens and V per 64 columns, just before use.
-        constexpr int KPRE = BIG ? 1 : 2;
-        uint4 kr[KPRE][D / 32];
-#pragma unroll
-        for (int n = 0; n < KPRE; ++n) fx_load_k(kr[n], kg, row, t0 + n * 8 + g, tig, end);
+    // One 16-token step: K rows t0+g (n = 0) and t0+8+g (n = 1); V rows of this lane's
+    // tokens t0+2tig, +1, +8, +9. Below head_dim 256 the caller has loaded them already
+    // (`kpre`/`vpre`, a step ahead); at 256 they would not fit in registers beside the
+    // accumulators and are loaded here, just before use.
+    auto step = [&](const uint4 (*kpre)[D / 32], const uint4 (*vpre)[4], int t0) {
         const int ta = t0 + tig * 2, tc = ta + 8;
-        constexpr int VPRE = BIG ? 1 : D / 64;
-        uint4 vr[VPRE][4];
-        if (!BIG) {
-#pragma unroll
-            for (int hb = 0; hb < VPRE; ++hb) fx_load_v4(vr[hb], vg, row, hb * 64 + g * 8, ta, tc, end);
-        }
         // ---- S = Q K^T for tokens t0..t0+7 (n = 0) and t0+8..t0+15 (n = 1)
-        float s[2][4];
+        float s[2][1][4];
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
-            if (BIG && n == 1) fx_load_k(kr[0], kg, row, t0 + 8 + g, tig, end);
-            const uint4* kn = kr[BIG ? 0 : n];
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            uint4 kl[BIG ? D / 32 : 1];
+            if (BIG) fx_load_k(kl, kg, row, t0 + n * 8 + g, tig, end);
+#pragma unroll
+            for (int par = 0; par < 1; ++par) s[n][par][0] = s[n][par][1] = s[n][par][2] = s[n][par][3] = 0.f;
 #pragma unroll
             for (int kb = 0; kb < D / 32; ++kb) {
-                const uint4 qv =
-                    BIG ? *reinterpret_cast<const uint4*>(&q_s[BIG ? g : 0][kb * 32 + tig * 8])
-                        : qa[BIG ? 0 : kb];
-                FxMma<T>::run(s[n][0], s[n][1], s[n][2], s[n][3], qv.x, 0u, qv.y, 0u,
-                              kn[kb].x, kn[kb].y);
-                FxMma<T>::run(s[n][0], s[n][1], s[n][2], s[n][3], qv.z, 0u, qv.w, 0u,
-                              kn[kb].z, kn[kb].w);
+                const uint4 kv = BIG ? kl[BIG ? kb : 0] : kpre[n][kb];
+                const uint4 qv = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
+                float* c = s[n][0];
+                FxMma<T>::run(c[0], c[1], c[2], c[3], qv.x, 0u, qv.y, 0u, kv.x, kv.y);
+                FxMma<T>::run(c[0], c[1], c[2], c[3], qv.z, 0u, qv.w, 0u, kv.z, kv.w);
             }
         }
         // ---- online softmax for head g over this lane's 4 scores (tokens of c0, c1)
         float x[4];
-        x[0] = ta < end ? s[0][0] * sscale : -INFINITY;
-        x[1] = ta + 1 < end ? s[0][1] * sscale : -INFINITY;
-        x[2] = tc < end ? s[1][0] * sscale : -INFINITY;
-        x[3] = tc + 1 < end ? s[1][1] * sscale : -INFINITY;
+        x[0] = ta < end ? s[0][0][0] * sscale : -INFINITY;
+        x[1] = ta + 1 < end ? s[0][0][1] * sscale : -INFINITY;
+        x[2] = tc < end ? s[1][0][0] * sscale : -INFINITY;
+        x[3] = tc + 1 < end ? s[1][0][1] * sscale : -INFINITY;
         float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -432,11 +414,11 @@ __device__ __forceinline__ void gqa_split_mma(
 #pragma unroll
         for (int hb = 0; hb < D / 64; ++hb) {
             uint4 vl[4];
-            if (!BIG) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) vl[r] = vr[hb < VPRE ? hb : 0][r];
-            } else {
+            if (BIG) {
                 fx_load_v4(vl, vg, row, hb * 64 + g * 8, ta, tc, end);
+            } else {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) vl[r] = vpre[hb][r];
             }
             const unsigned wa[4] = {vl[0].x, vl[0].y, vl[0].z, vl[0].w};
             const unsigned wb[4] = {vl[1].x, vl[1].y, vl[1].z, vl[1].w};
@@ -449,8 +431,39 @@ __device__ __forceinline__ void gqa_split_mma(
                 const unsigned b1 = __byte_perm(wc[e >> 1], wd[e >> 1], sel);
                 oacc[hb][e][0] *= alpha;
                 oacc[hb][e][1] *= alpha;
-                FxMma<T>::run(oacc[hb][e][0], oacc[hb][e][1], pad[hb][0], pad[hb][1], pa0, 0u,
-                              pa2, 0u, b0, b1);
+                FxMma<T>::run(oacc[hb][e][0], oacc[hb][e][1], pad[hb][e & 1][0],
+                              pad[hb][e & 1][1], pa0, 0u, pa2, 0u, b0, b1);
+            }
+        }
+    };
+
+    constexpr int STRIDE = FX_WARPS * 16;
+    if constexpr (BIG) {
+        for (int t0 = start + warp * 16; t0 < end; t0 += STRIDE) step(nullptr, nullptr, t0);
+    } else {
+        // Software pipeline: the next step's loads are in flight while this one computes
+        // (two register buffers, alternating).
+        constexpr int NK = D / 32, NV = D / 64;
+        uint4 ka[2][NK], kb2[2][NK], va[NV][4], vb[NV][4];
+        auto load = [&](uint4 (&kx)[2][NK], uint4 (&vx)[NV][4], int t0) {
+#pragma unroll
+            for (int n = 0; n < 2; ++n) fx_load_k(kx[n], kg, row, t0 + n * 8 + g, tig, end);
+            const int ta = t0 + tig * 2;
+#pragma unroll
+            for (int hb = 0; hb < NV; ++hb) fx_load_v4(vx[hb], vg, row, hb * 64 + g * 8, ta, ta + 8, end);
+        };
+        int t0 = start + warp * 16;
+        if (t0 < end) {
+            load(ka, va, t0);
+            while (true) {
+                if (t0 + STRIDE < end) load(kb2, vb, t0 + STRIDE);
+                step(ka, va, t0);
+                t0 += STRIDE;
+                if (t0 >= end) break;
+                if (t0 + STRIDE < end) load(ka, va, t0 + STRIDE);
+                step(kb2, vb, t0);
+                t0 += STRIDE;
+                if (t0 >= end) break;
             }
         }
     }
