@@ -350,7 +350,7 @@ __device__ __forceinline__ void gqa_split_mma(
         const int j = i / (D / 8), c = (i % (D / 8)) * 8;
         *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
     }
-    __syncthreads();
+    // (The barrier making q_s visible comes after the first K/V loads are issued.)
 
     const float sscale = rsqrtf((float)D) * FX_LOG2E;
     const long long row = (long long)n_kv_heads * D;
@@ -439,6 +439,7 @@ __device__ __forceinline__ void gqa_split_mma(
 
     constexpr int STRIDE = FX_WARPS * 16;
     if constexpr (BIG) {
+        __syncthreads();
         for (int t0 = start + warp * 16; t0 < end; t0 += STRIDE) step(nullptr, nullptr, t0);
     } else {
         // Software pipeline: the next step's loads are in flight while this one computes
@@ -453,8 +454,9 @@ __device__ __forceinline__ void gqa_split_mma(
             for (int hb = 0; hb < NV; ++hb) fx_load_v4(vx[hb], vg, row, hb * 64 + g * 8, ta, ta + 8, end);
         };
         int t0 = start + warp * 16;
+        if (t0 < end) load(ka, va, t0);
+        __syncthreads();  // q_s complete; the first loads are already in flight
         if (t0 < end) {
-            load(ka, va, t0);
             while (true) {
                 if (t0 + STRIDE < end) load(kb2, vb, t0 + STRIDE);
                 step(ka, va, t0);
@@ -527,39 +529,33 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 
 // ---------------------------------------------------------------------------------------
 // Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
-// w_c = 2^(m_c - max m). One block per head. seq_len 0 writes zeros.
+// w_c = 2^(m_c - max m). One warp per (head, 32 columns): lanes are columns, and the loop
+// over chunks keeps 8 loads in flight. seq_len 0 writes zeros.
+#define FX_COMBINE_THREADS 32
 template <class T>
 __device__ __forceinline__ void gqa_split_combine(
     T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
     int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits) {
     __shared__ float w_s[FX_MAX_SPLITS];
-    __shared__ float red[FX_WARPS];
-    __shared__ float total_s;
     const int h = blockIdx.x;
+    const int d = blockIdx.y * 32 + threadIdx.x;
+    const int lane = threadIdx.x;
     const int seq = fx_seq_len(seq_len, seq_len_dev);
     T* out_h = out + (long long)h * head_dim;
     if (seq <= 0) {
-        for (int d = threadIdx.x; d < head_dim; d += FX_THREADS) out_h[d] = fx_from_float<T>(0.f);
+        if (d < head_dim) out_h[d] = fx_from_float<T>(0.f);
         return;
     }
     const int chunk = fx_chunk(seq, splits);
     const int active = (seq + chunk - 1) / chunk;
     const float* ml = ws_ml + (long long)h * splits * 2;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     float mx = -INFINITY;
-    for (int c = threadIdx.x; c < active; c += FX_THREADS) mx = fmaxf(mx, ml[2 * c]);
+    for (int c = lane; c < active; c += 32) mx = fmaxf(mx, ml[2 * c]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    if (lane == 0) red[warp] = mx;
-    __syncthreads();
-    mx = red[0];
-#pragma unroll
-    for (int i = 1; i < FX_WARPS; ++i) mx = fmaxf(mx, red[i]);
-    __syncthreads();
-
     float lsum = 0.f;
-    for (int c = threadIdx.x; c < active; c += FX_THREADS) {
+    for (int c = lane; c < active; c += 32) {
         const float mc = ml[2 * c];
         const float w = mc == -INFINITY ? 0.f : fx_exp2(mc - mx);
         w_s[c] = w;
@@ -567,25 +563,24 @@ __device__ __forceinline__ void gqa_split_combine(
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-    if (lane == 0) red[warp] = lsum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float t = 0.f;
-        for (int i = 0; i < FX_WARPS; ++i) t += red[i];
-        total_s = t;
+    __syncwarp();
+    if (d >= head_dim) return;
+    const float* o = ws_o + (long long)h * splits * head_dim + d;
+    float acc = 0.f;
+    int c = 0;
+    for (; c + 8 <= active; c += 8) {
+        float x[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = o[(long long)(c + i) * head_dim];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc = fmaf(w_s[c + i], x[i], acc);
     }
-    __syncthreads();
-    const float inv = 1.f / total_s;
-    const float* o = ws_o + (long long)h * splits * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += FX_THREADS) {
-        float acc = 0.f;
-        for (int c = 0; c < active; ++c) acc = fmaf(w_s[c], o[(long long)c * head_dim + d], acc);
-        out_h[d] = fx_from_float<T>(acc * inv);
-    }
+    for (; c < active; ++c) acc = fmaf(w_s[c], o[(long long)c * head_dim], acc);
+    out_h[d] = fx_from_float<T>(acc / lsum);
 }
 
 #define FX_COMBINE_ENTRY(NAME, T)                                                           \
-    extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
+    extern "C" __global__ void __launch_bounds__(FX_COMBINE_THREADS) NAME(                  \
         T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
         const int* seq_len_dev, int splits) {                                               \
         gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits);     \

@@ -175,8 +175,8 @@ def launch_split(
     get_kernel(SPLIT_FILE, plan.kernel, dev).launch(grid, THREADS, args, stream=stream)
     combine = get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
     combine.launch(
-        n_heads,
-        THREADS,
+        (n_heads, -(-head_dim // 32)),
+        32,
         (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits),
         stream=stream,
     )
