@@ -91,14 +91,16 @@ __device__ __forceinline__ void gqa_split_generic(
 
     const int seq = fx_seq_len(seq_len, seq_len_dev);
     const int chunk = fx_chunk(seq, splits);
-    const int split = blockIdx.x;
+    // grid = (head tiles, splits, kv heads): the tiles of one chunk are neighbours in
+    // launch order, so they run together and all but the first read K/V from L2.
+    const int split = blockIdx.y;
     const int start = split * chunk;
     if (seq <= 0 || start >= seq) return;
     const int end = min(seq, start + chunk);
 
-    const int g = blockIdx.y;
+    const int g = blockIdx.z;
     const int group = n_heads / n_kv_heads;
-    const int j0 = blockIdx.z * GT;  // first head of this tile, within the group
+    const int j0 = blockIdx.x * GT;  // first head of this tile, within the group
     const int nh = min(GT, group - j0);
     const int h0 = g * group + j0;
 

@@ -7,6 +7,7 @@ parity kernel (the seed's algorithm, corrected), kept as the reference path.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +104,8 @@ def plan_split(
     if name != "f32" and head_dim in MMA_HEAD_DIMS and group <= 8 and aligned:
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
     else:
-        gt = next(g for g in (1, 2, 4, 8) if g >= min(group, 8))
+        cap = int(os.environ.get("FERROX_SPLIT_HEADS_PER_BLOCK", "8"))  # tuning knob
+        gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))
         tiles = -(-group // gt)
         lpt = 1
         while lpt * 8 < head_dim:
@@ -112,7 +114,8 @@ def plan_split(
         kname, tc = f"gqa_split_{name}_g{gt}_{vec}", False
     kernel = get_kernel(SPLIT_FILE, kname, device)
     wave = _blocks_per_sm(kernel, device) * device.multiprocessor_count
-    splits = -(-wave // (n_kv_heads * tiles))
+    # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
+    splits = wave // (n_kv_heads * tiles)
     splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // TILE)))
     return SplitPlan(kname, tc, tiles, lpt, splits)
 
@@ -171,7 +174,10 @@ def launch_split(
             splits,
             np.int32(plan.lanes_per_token),
         )
-    grid = (plan.splits, n_kv_heads, plan.head_tiles)
+    if plan.tensor_cores:
+        grid = (plan.splits, n_kv_heads, 1)
+    else:  # head tiles of one chunk adjacent in launch order (see the kernel)
+        grid = (plan.head_tiles, plan.splits, n_kv_heads)
     get_kernel(SPLIT_FILE, plan.kernel, dev).launch(grid, THREADS, args, stream=stream)
     combine = get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
     combine.launch(
