@@ -104,7 +104,7 @@ def plan_split(
     if name != "f32" and head_dim in MMA_HEAD_DIMS and group <= 8 and aligned:
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
     else:
-        cap = int(os.environ.get("FERROX_SPLIT_HEADS_PER_BLOCK", "8"))  # tuning knob
+        cap = int(os.environ.get("FERROX_SPLIT_HEADS_PER_BLOCK", "4"))  # tuning knob
         gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))
         tiles = -(-group // gt)
         lpt = 1
