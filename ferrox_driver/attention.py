@@ -275,10 +275,12 @@ def gqa_decode(
 
     Args:
         q: ``(n_heads*head_dim,)`` or ``(n_heads, head_dim)``.
-        k_cache, v_cache: ``(seq_len*n_kv_heads*head_dim,)`` or
-            ``(seq_len, n_kv_heads, head_dim)``, layout [token][kv_head][head_dim].
-        n_heads, n_kv_heads, head_dim: attention shape; ``n_heads % n_kv_heads == 0``,
-            ``1 <= head_dim <= 256``.
+        k_cache: ``(seq_len*n_kv_heads*head_dim,)`` or ``(seq_len, n_kv_heads, head_dim)``,
+            layout ``[token][kv_head][head_dim]``.
+        v_cache: like ``k_cache``.
+        n_heads: query heads, a multiple of ``n_kv_heads``.
+        n_kv_heads: KV heads.
+        head_dim: elements per head, 1 to 256.
         stream: stream for the work (default: the legacy default stream).
         algorithm: ``"auto"``/``"split"`` (split-KV kernels; tensor cores for fp16/bf16)
             or ``"parity"`` (the seed's algorithm, corrected; slow, the reference path).

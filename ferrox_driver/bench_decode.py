@@ -233,8 +233,35 @@ def run_decode_bench(
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "bench_decode.json").write_text(json.dumps(result, indent=1))
+        (out_dir / "bench_decode.md").write_text(markdown_table(result))
         plot(result, out_dir / "bench_decode.png")
     return result
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The benchmark as a Markdown table (graph-replayed times)."""
+    ceiling = result["read_ceiling_tbs"]
+    rows = [
+        f"Measured on {result['device']}; read ceiling measured in the same run: "
+        f"{ceiling:.2f} TB/s. Times are medians of CUDA-event-timed graph replays.",
+        "",
+        "| shape | dtype | seq_len | ferrox us | TB/s | % ceiling | eager us | PyTorch us "
+        "| PyTorch % | speed-up |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in result["points"]:
+        tbs = p["kv_bytes"] / p["graph_us"] / 1e6
+        if p["torch_us"]:
+            t_pct = f"{100 * p['kv_bytes'] / p['torch_us'] / 1e6 / ceiling:.1f}"
+            torch_us, speedup = f"{p['torch_us']:.1f}", f"{p['torch_us'] / p['graph_us']:.2f}x"
+        else:
+            t_pct = torch_us = speedup = "-"
+        rows.append(
+            f"| {p['shape']} | {p['dtype']} | {p['seq_len']} | {p['graph_us']:.1f} | {tbs:.2f} "
+            f"| {100 * tbs / ceiling:.1f} | {p['eager_us']:.1f} | {torch_us} | {t_pct} "
+            f"| {speedup} |"
+        )
+    return "\n".join(rows) + "\n"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

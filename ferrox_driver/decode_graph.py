@@ -52,7 +52,8 @@ def kv_append_async(kv: KVCache, k_dev: Any, v_dev: Any, *, stream: Any) -> None
 
     Args:
         kv: the cache.
-        k_dev, v_dev: device arrays of ``n_kv_heads*head_dim`` elements, cache dtype.
+        k_dev: device array of ``n_kv_heads*head_dim`` elements, cache dtype.
+        v_dev: like ``k_dev``.
         stream: the stream (or a PyTorch/CuPy stream, or an int handle) to queue on.
     """
     kv = _check_cache(kv)

@@ -49,7 +49,8 @@ class KVCache:
     """K and V of one attention layer, resident on the GPU, grown a token at a time.
 
     Args:
-        n_kv_heads, head_dim: the KV shape of one token (``1 <= head_dim <= 256``).
+        n_kv_heads: KV heads per token.
+        head_dim: elements per head, 1 to 256.
         capacity: the most tokens it will hold (memory is allocated once, up front).
         dtype: float32 (as the seed), float16 or ``ml_dtypes.bfloat16``.
         device: the device (default: device 0).
@@ -422,7 +423,12 @@ class LayerKVCache:
 
     Args:
         n_layers: number of layers.
-        n_kv_heads, head_dim, capacity, dtype, device: as :class:`KVCache`.
+        n_kv_heads: as :class:`KVCache`.
+        head_dim: as :class:`KVCache`.
+        capacity: as :class:`KVCache`, per layer.
+        dtype: as :class:`KVCache`.
+        device: as :class:`KVCache`.
+        stream: the stream every layer uses (default: a stream of its own).
     """
 
     def __init__(

@@ -21,8 +21,11 @@ def reference_gqa_decode(
 
     Args:
         q: ``(n_heads*head_dim,)`` or ``(n_heads, head_dim)``.
-        k, v: ``(seq_len*n_kv_heads*head_dim,)`` or ``(seq_len, n_kv_heads, head_dim)``.
-        n_heads, n_kv_heads, head_dim: the attention shape.
+        k: ``(seq_len*n_kv_heads*head_dim,)`` or ``(seq_len, n_kv_heads, head_dim)``.
+        v: like ``k``.
+        n_heads: query heads, a multiple of ``n_kv_heads``.
+        n_kv_heads: KV heads.
+        head_dim: elements per head.
 
     Returns:
         float64 array of q's shape; zeros when seq_len is 0.
