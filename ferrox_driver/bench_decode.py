@@ -359,3 +359,120 @@ def measure_growing_graph(
         kv.close()
     stream.close()
     return results
+
+
+def measure_step_latency(
+    shape: tuple[int, int, int] = (32, 8, 128),
+    seq_len: int = 4096,
+    dtype: str = "bf16",
+    tokens: int = 200,
+) -> dict[str, float]:
+    """Host-measured microseconds per token step (append one token + decode + result on the
+    host) at ``seq_len``: eager ferrox, DecodeGraph, and PyTorch (copy into a preallocated
+    cache + scaled_dot_product_attention with a length mask) replayed from a torch graph."""
+    import time
+
+    from .decode_graph import DecodeGraph
+    from .kv_cache import KVCache
+
+    n_heads, n_kv, hd = shape
+    dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
+    rng = np.random.default_rng(0)
+    cap = seq_len + tokens
+    prefill = rng.standard_normal((seq_len - 1, n_kv, hd), dtype=np.float32).astype(dt)
+    qs = rng.standard_normal((tokens, n_heads, hd), dtype=np.float32).astype(dt)
+    ks = rng.standard_normal((tokens, n_kv, hd), dtype=np.float32).astype(dt)
+    vs = rng.standard_normal((tokens, n_kv, hd), dtype=np.float32).astype(dt)
+    result = {}
+    with KVCache(n_kv, hd, cap, dtype=dt) as kv:
+        kv.extend(prefill, prefill)
+        kv.decode(qs[0], n_heads=n_heads)  # warm-up
+        t0 = time.perf_counter()
+        for t in range(tokens):
+            kv.append(ks[t], vs[t])
+            kv.decode(qs[t], n_heads=n_heads)
+        result["ferrox eager"] = (time.perf_counter() - t0) / tokens * 1e6
+    with KVCache(n_kv, hd, cap, dtype=dt) as kv, DecodeGraph(kv, n_heads=n_heads) as step:
+        kv.extend(prefill, prefill)
+        t0 = time.perf_counter()
+        for t in range(tokens):
+            step(qs[t], ks[t], vs[t])
+        result["ferrox DecodeGraph"] = (time.perf_counter() - t0) / tokens * 1e6
+    torch = import_torch()
+    if torch is not None:
+        result["torch graph (copy + SDPA)"] = _torch_step_us(
+            torch, shape, cap, seq_len, dt, qs, ks, vs
+        )
+    return result
+
+
+def _torch_step_us(
+    torch: Any,
+    shape: tuple[int, int, int],
+    cap: int,
+    seq_len: int,
+    dt: np.dtype,
+    qs: np.ndarray,
+    ks: np.ndarray,
+    vs: np.ndarray,
+) -> float:
+    import time
+
+    import torch.nn.functional as F
+
+    n_heads, n_kv, hd = shape
+    tdt = {"float32": torch.float32, "float16": torch.float16}.get(dt.name, torch.bfloat16)
+    dev = "cuda"
+    k_cache = torch.rand(1, n_kv, cap, hd, device=dev, dtype=tdt)
+    v_cache = torch.rand(1, n_kv, cap, hd, device=dev, dtype=tdt)
+    pos = torch.tensor([seq_len - 1], device=dev, dtype=torch.long)
+    ar = torch.arange(cap, device=dev)
+    host = {
+        n: torch.empty(s, dtype=tdt).pin_memory()
+        for n, s in (
+            ("q", (n_heads, hd)),
+            ("k", (n_kv, hd)),
+            ("v", (n_kv, hd)),
+            ("out", (n_heads, hd)),
+        )
+    }
+    q_d = torch.empty(1, n_heads, 1, hd, device=dev, dtype=tdt)
+    k_d = torch.empty(1, n_kv, 1, hd, device=dev, dtype=tdt)
+    v_d = torch.empty(1, n_kv, 1, hd, device=dev, dtype=tdt)
+
+    def body() -> None:
+        q_d.copy_(host["q"].view(1, n_heads, 1, hd), non_blocking=True)
+        k_d.copy_(host["k"].view(1, n_kv, 1, hd), non_blocking=True)
+        v_d.copy_(host["v"].view(1, n_kv, 1, hd), non_blocking=True)
+        k_cache.index_copy_(2, pos, k_d)
+        v_cache.index_copy_(2, pos, v_d)
+        mask = (ar <= pos).view(1, 1, 1, cap)
+        out = F.scaled_dot_product_attention(q_d, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+        host["out"].copy_(out.view(n_heads, hd), non_blocking=True)
+        pos.add_(1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # warm-up
+    torch.cuda.synchronize()
+    pos.fill_(seq_len - 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    pos.fill_(seq_len - 1)
+    torch.cuda.synchronize()
+    # Host inputs converted to torch tensors before timing (ferrox takes the numpy arrays).
+    as_t = {
+        n: torch.from_numpy(a.astype(np.float32)).to(tdt)
+        for n, a in (("q", qs), ("k", ks), ("v", vs))
+    }
+    tokens = len(qs)
+    t0 = time.perf_counter()
+    for t in range(tokens):
+        for n in ("q", "k", "v"):
+            host[n].copy_(as_t[n][t])
+        graph.replay()
+        torch.cuda.synchronize()
+        host["out"].clone()
+    return (time.perf_counter() - t0) / tokens * 1e6

@@ -109,11 +109,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         SHAPES,
         import_torch,
         measure_growing_graph,
+        measure_step_latency,
         run_decode_bench,
     )
 
-    if args.only in ("decode", "all"):
+    if args.only in ("decode", "step", "all"):
         import_torch()
+    if args.only in ("step", "all"):
+        _print("per-token step at seq_len 4096, 32/8/128 (append + decode, host to host):")
+        for dtype in ("bf16", "f32"):
+            for path, us in measure_step_latency(dtype=dtype).items():
+                _print(f"  {dtype:<5} {path:<28} {us:8.1f} us")
 
     if args.only in ("append", "all"):
         _print(f"{'strategy':<30} {'capacity':>8} {'append us':>10} {'append+decode us':>17}")
@@ -160,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="bf16")
     demo.add_argument("--arch", default=DEFAULT_ARCH, help="arch to compile for without a GPU")
     bench = sub.add_parser("bench", help="decode and append benchmarks")
-    bench.add_argument("--only", choices=("all", "append", "parity", "decode"), default="all")
+    bench.add_argument(
+        "--only", choices=("all", "append", "parity", "step", "decode"), default="all"
+    )
     bench.add_argument("--out", help="directory for bench_decode.json and bench_decode.png")
     bench.add_argument("--quick", action="store_true", help="one shape, two lengths")
     bench.add_argument("--shapes", nargs="*", help="q/kv/head_dim shapes, e.g. 32/8/128")

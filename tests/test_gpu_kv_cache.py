@@ -168,3 +168,19 @@ def test_create_close_cycles_do_not_grow_device_memory(device):
     device.synchronize()
     free_after, _ = device.mem_info()
     assert free_before - free_after < 8 * 2**20
+
+
+def test_a_failed_decode_leaves_the_cache_intact(rng):
+    k, v = rows(rng, 10, 2, 16, np.float32), rows(rng, 10, 2, 16, np.float32)
+    with fd.KVCache(2, 16, 16) as kv:
+        kv.extend(k, v)
+        for bad, exc in [
+            (dict(q=np.zeros(3 * 16, np.float32), n_heads=3), ValueError),  # 3 % 2 != 0
+            (dict(q=np.zeros(4 * 16, np.float16), n_heads=4), TypeError),
+            (dict(q=np.zeros(5 * 16, np.float32), n_heads=4), ValueError),
+        ]:
+            with pytest.raises(exc):
+                kv.decode(bad["q"], n_heads=bad["n_heads"])
+        assert kv.seq_len == 10
+        got_k, got_v = kv.to_host()
+    assert np.array_equal(got_k, k) and np.array_equal(got_v, v)

@@ -137,3 +137,28 @@ def test_key_depends_on_the_nvrtc_version_in_use(cache: Path) -> None:
     (path,) = _cached_files(cache)
     expected = module_cache.cache_key(_source("ver"), (), ARCH, nvrtc_version_string())
     assert path.name == f"{expected}.cubin"
+
+
+def test_two_processes_compiling_one_module_at_once_leave_one_intact_file(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    script = (
+        "from ferrox_driver import module_cache as m\n"
+        "from ferrox_driver.compiler import kernel_source\n"
+        "p = m.get_program(kernel_source('kv_cache.cu'), arch='sm_90', name='kv_cache.cu')\n"
+        "assert 'kv_append_row' in p.resources\n"
+    )
+    env = dict(os.environ, FERROX_CACHE_DIR=str(tmp_path), PYTHONPATH=str(root))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()
+    (path,) = _cached_files(tmp_path)
+    assert module_cache._decode(path.read_bytes()) is not None
+    assert not list(tmp_path.glob("*.tmp"))  # no temporary file left behind
