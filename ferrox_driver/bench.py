@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +10,7 @@ import numpy as np
 
 from .attention import launch_decode
 from .memory import DeviceArray, empty
-from .stream import Event, Stream
+from .stream import Stream
 from .validation import check_dims
 
 __all__ = ["READ_CEILING_TBS", "AppendTiming", "Timing", "time_appends", "time_decode"]
@@ -90,16 +89,9 @@ def time_decode(
             algorithm=algorithm,
         )
 
-    for i in range(warmup):
-        run(i)
-    times = []
-    start, end = Event(), Event()
-    for i in range(iters):
-        start.record(stream)
-        run(i)
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_ms(end) * 1000.0)
+    from .bench_decode import time_events
+
+    median_us = time_events(run, stream, iters, warmup)
     stream.synchronize()
     return Timing(
         n_heads,
@@ -108,7 +100,7 @@ def time_decode(
         seq_len,
         dt.name,
         algorithm,
-        statistics.median(times),
+        median_us,
         kv_bytes,
     )
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ._driver import drv
-from .attention import check_algorithm, is_aligned, launch_decode, plan_split
+from .attention import check_algorithm
 from .errors import KVCapacityError
 from .graph import GraphExec
 from .kv_cache import KVCache, append_kernel
@@ -89,32 +89,8 @@ def gqa_decode_async(
     algorithm = check_algorithm(algorithm)
     q = _check_device_operand(q_dev, "q_dev", n_heads * kv.head_dim, kv.dtype)
     out = _check_device_operand(out_dev, "out_dev", n_heads * kv.head_dim, kv.dtype)
-    workspace = None
-    if algorithm != "parity":  # sized for the capacity: valid for every later length
-        plan = plan_split(
-            kv.device,
-            kv.dtype,
-            n_heads,
-            kv.n_kv_heads,
-            kv.head_dim,
-            kv.capacity,
-            is_aligned(q, kv.k_buffer, kv.v_buffer),
-        )
-        workspace = kv.split_workspace(n_heads, plan.workspace_floats(n_heads, kv.head_dim))
-    launch_decode(
-        q,
-        kv.k_buffer,
-        kv.v_buffer,
-        out,
-        n_heads=n_heads,
-        n_kv_heads=kv.n_kv_heads,
-        head_dim=kv.head_dim,
-        seq_len=kv.capacity,
-        seq_len_dev=kv.state,
-        stream=stream,
-        algorithm=algorithm,
-        workspace=workspace,
-        plan_seq=kv.capacity,
+    kv.launch_decode(
+        q, out, n_heads=n_heads, stream=stream, algorithm=algorithm, length_on_device=True
     )
 
 

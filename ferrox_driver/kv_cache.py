@@ -91,6 +91,10 @@ class KVCache:
         self._stage_k = pinned_empty((slots, self.row_elems), self.dtype)
         self._stage_v = pinned_empty((slots, self.row_elems), self.dtype)
         self._stage_seq = pinned_empty((slots,), np.int32)
+        # Addresses computed once: numpy's .ctypes costs microseconds on every access.
+        self._stage_k_addr = self._stage_k.ctypes.data
+        self._stage_v_addr = self._stage_v.ctypes.data
+        self._stage_seq_addr = self._stage_seq.ctypes.data
         self._slot_events = [Event(timing=False, device=self.device) for _ in range(slots)]
         self._slot_busy = [False] * slots
         self._next_slot = 0
@@ -189,7 +193,7 @@ class KVCache:
         drv(
             "cuMemcpyHtoDAsync",
             self.state.ptr,
-            self._stage_seq[slot:].ctypes.data,
+            self._stage_seq_addr + 4 * slot,
             4,
             stream_handle(self.stream),
         )
@@ -214,7 +218,8 @@ class KVCache:
         self._stage_v[slot] = v_tok.reshape(-1)
         h = stream_handle(self.stream)
         offset = seq * self.row_bytes
-        k_src, v_src = self._stage_k[slot].ctypes.data, self._stage_v[slot].ctypes.data
+        k_src = self._stage_k_addr + slot * self.row_bytes
+        v_src = self._stage_v_addr + slot * self.row_bytes
         drv("cuMemcpyHtoDAsync", self._k.ptr + offset, k_src, self.row_bytes, h)
         drv("cuMemcpyHtoDAsync", self._v.ptr + offset, v_src, self.row_bytes, h)
         self._queue_seq(slot, seq + 1)
@@ -299,38 +304,50 @@ class KVCache:
         seq = self.seq_len
         if seq == 0:
             return np.zeros(q.shape, q.dtype)
-        run_on = self.stream
         q_d, out = self._decode_scratch(n_heads)
-        q_d.copy_from_host(np.ascontiguousarray(q).reshape(-1), run_on)
-        # Planned for the capacity, like graph-captured decodes of this cache: the eager
-        # and the captured paths chunk the sequence identically and agree bit for bit.
-        workspace = None
-        if algorithm != "parity":
-            plan = plan_split(
-                self.device,
-                self.dtype,
-                n_heads,
-                self.n_kv_heads,
-                self.head_dim,
-                self.capacity,
-                is_aligned(q_d, self._k, self._v),
-            )
-            workspace = self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
+        q_d.copy_from_host(np.ascontiguousarray(q).reshape(-1), self.stream)
+        self.launch_decode(q_d, out, n_heads=n_heads, stream=self.stream, algorithm=algorithm)
+        return out.to_host(self.stream).reshape(q.shape)
+
+    def launch_decode(
+        self,
+        q_dev: DeviceArray,
+        out_dev: DeviceArray,
+        *,
+        n_heads: int,
+        stream: Any,
+        algorithm: str = "auto",
+        length_on_device: bool = False,
+    ) -> None:
+        """Queue a decode of validated device arrays against this cache (no checks).
+
+        Every decode of a cache is planned for its capacity, so the eager path and graphs
+        captured once (``length_on_device=True``: the kernels read seq_len on the device)
+        chunk the sequence identically and agree bit for bit.
+        """
         launch_decode(
-            q_d,
+            q_dev,
             self._k,
             self._v,
-            out,
+            out_dev,
             n_heads=n_heads,
             n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim,
-            seq_len=seq,
-            stream=run_on,
+            seq_len=self.capacity if length_on_device else self._seq_len,
+            seq_len_dev=self.state if length_on_device else None,
+            stream=stream,
             algorithm=algorithm,
-            workspace=workspace,
+            workspace=self._workspace_for(n_heads, algorithm, is_aligned(q_dev, self._k, self._v)),
             plan_seq=self.capacity,
         )
-        return out.to_host(run_on).reshape(q.shape)
+
+    def _workspace_for(self, n_heads: int, algorithm: str, aligned: bool) -> DeviceArray | None:
+        if algorithm == "parity":
+            return None
+        plan = plan_split(
+            self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim, self.capacity, aligned
+        )
+        return self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
 
     def prepare(self, n_heads: int, algorithm: str = "auto") -> None:
         """Load the kernels and allocate the scratch that decodes of ``n_heads`` query heads
@@ -338,19 +355,9 @@ class KVCache:
         are not capturable). DecodeGraph does this itself."""
         n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
         append_kernel(self.device)
-        if check_algorithm(algorithm) == "parity":
-            return
-        plan = plan_split(
-            self.device,
-            self.dtype,
-            n_heads,
-            self.n_kv_heads,
-            self.head_dim,
-            self.capacity,
-            is_aligned(self._k, self._v),
-        )
-        get_kernel("gqa_decode_split.cu", f"gqa_split_combine_{self.dtype_name}", self.device)
-        self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
+        if check_algorithm(algorithm) != "parity":
+            get_kernel("gqa_decode_split.cu", f"gqa_split_combine_{self.dtype_name}", self.device)
+            self._workspace_for(n_heads, algorithm, is_aligned(self._k, self._v))
 
     @property
     def dtype_name(self) -> str:
