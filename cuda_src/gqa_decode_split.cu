@@ -531,43 +531,33 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 
 // ---------------------------------------------------------------------------------------
 // Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
-// w_c = 2^(m_c - max m). A block takes one head and 32 columns; its 8 warps split the chunks
-// (8 loads in flight each) and are summed in a fixed order (bitwise reproducible).
-// seq_len 0 writes zeros.
-#define FX_COMBINE_THREADS 256
-#define FX_COMBINE_WARPS (FX_COMBINE_THREADS / 32)
+// w_c = 2^(m_c - max m). One warp per (head, 32 columns): lanes are columns, and the loop
+// over chunks keeps 8 loads in flight. seq_len 0 writes zeros.
+#define FX_COMBINE_THREADS 32
 template <class T>
 __device__ __forceinline__ void gqa_split_combine(
     T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
     int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits) {
     __shared__ float w_s[FX_MAX_SPLITS];
-    __shared__ float red_s[FX_COMBINE_WARPS][32];
     const int h = blockIdx.x;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int d = blockIdx.y * 32 + lane;
+    const int d = blockIdx.y * 32 + threadIdx.x;
+    const int lane = threadIdx.x;
     const int seq = fx_seq_len(seq_len, seq_len_dev);
     T* out_h = out + (long long)h * head_dim;
     if (seq <= 0) {
-        if (warp == 0 && d < head_dim) out_h[d] = fx_from_float<T>(0.f);
+        if (d < head_dim) out_h[d] = fx_from_float<T>(0.f);
         return;
     }
     const int chunk = fx_chunk(seq, splits);
     const int active = (seq + chunk - 1) / chunk;
     const float* ml = ws_ml + (long long)h * splits * 2;
 
-    // Block-wide max of the chunks' maxima, then their weights and the total sum.
     float mx = -INFINITY;
-    for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) mx = fmaxf(mx, ml[2 * c]);
+    for (int c = lane; c < active; c += 32) mx = fmaxf(mx, ml[2 * c]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    if (lane == 0) red_s[warp][0] = mx;
-    __syncthreads();
-    mx = red_s[0][0];
-#pragma unroll
-    for (int w = 1; w < FX_COMBINE_WARPS; ++w) mx = fmaxf(mx, red_s[w][0]);
-    __syncthreads();
     float lsum = 0.f;
-    for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) {
+    for (int c = lane; c < active; c += 32) {
         const float mc = ml[2 * c];
         const float w = mc == -INFINITY ? 0.f : fx_exp2(mc - mx);
         w_s[c] = w;
@@ -575,34 +565,20 @@ __device__ __forceinline__ void gqa_split_combine(
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-    if (lane == 0) red_s[warp][1] = lsum;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < FX_COMBINE_WARPS; ++w) total += red_s[w][1];
-    __syncthreads();
-
+    __syncwarp();
+    if (d >= head_dim) return;
+    const float* o = ws_o + (long long)h * splits * head_dim + d;
     float acc = 0.f;
-    if (d < head_dim) {
-        const float* o = ws_o + (long long)h * splits * head_dim + d;
-        int c = warp;
-        for (; c + 7 * FX_COMBINE_WARPS < active; c += 8 * FX_COMBINE_WARPS) {
-            float x[8];
+    int c = 0;
+    for (; c + 8 <= active; c += 8) {
+        float x[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) x[i] = o[(long long)(c + i * FX_COMBINE_WARPS) * head_dim];
+        for (int i = 0; i < 8; ++i) x[i] = o[(long long)(c + i) * head_dim];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc = fmaf(w_s[c + i * FX_COMBINE_WARPS], x[i], acc);
-        }
-        for (; c < active; c += FX_COMBINE_WARPS) acc = fmaf(w_s[c], o[(long long)c * head_dim], acc);
+        for (int i = 0; i < 8; ++i) acc = fmaf(w_s[c + i], x[i], acc);
     }
-    red_s[warp][lane] = acc;
-    __syncthreads();
-    if (warp == 0 && d < head_dim) {
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < FX_COMBINE_WARPS; ++w) sum += red_s[w][lane];
-        out_h[d] = fx_from_float<T>(sum / total);
-    }
+    for (; c < active; ++c) acc = fmaf(w_s[c], o[(long long)c * head_dim], acc);
+    out_h[d] = fx_from_float<T>(acc / lsum);
 }
 
 #define FX_COMBINE_ENTRY(NAME, T)                                                           \

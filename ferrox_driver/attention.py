@@ -28,7 +28,6 @@ SPLIT_FILE = "gqa_decode_split.cu"
 TILE = 64  # tokens; chunk sizes are multiples of it (FX_TILE in the kernels)
 MAX_SPLITS = 1024  # FX_MAX_SPLITS
 THREADS = 128  # FX_THREADS
-COMBINE_THREADS = 256  # FX_COMBINE_THREADS
 MMA_HEAD_DIMS = (64, 128, 256)
 
 
@@ -183,7 +182,7 @@ def launch_split(
     combine = get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
     combine.launch(
         (n_heads, -(-head_dim // 32)),
-        COMBINE_THREADS,
+        32,
         (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits),
         stream=stream,
     )
