@@ -149,8 +149,10 @@ def launch_split(
     seq_len: int,
     seq_len_dev: DeviceArray | None,
     stream: Any,
+    parts: str = "both",
 ) -> None:
-    """Queue the split kernel of ``plan`` and the kernel combining its chunks."""
+    """Queue the split kernel of ``plan`` and the kernel combining its chunks
+    (``parts="main"`` or ``"combine"`` queues one of them: the benchmark's cost split)."""
     dev = q.device
     n_partial = n_heads * plan.splits
     ws_o = workspace
@@ -178,7 +180,10 @@ def launch_split(
         grid = (plan.splits, n_kv_heads, 1)
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         grid = (plan.head_tiles, plan.splits, n_kv_heads)
-    get_kernel(SPLIT_FILE, plan.kernel, dev).launch(grid, THREADS, args, stream=stream)
+    if parts != "combine":
+        get_kernel(SPLIT_FILE, plan.kernel, dev).launch(grid, THREADS, args, stream=stream)
+    if parts == "main":
+        return
     combine = get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
     combine.launch(
         (n_heads, -(-head_dim // 32)),

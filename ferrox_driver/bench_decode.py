@@ -9,6 +9,7 @@ also replayed from a graph, runs on the same shapes in the same process when imp
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -476,3 +477,68 @@ def _torch_step_us(
         torch.cuda.synchronize()
         host["out"].clone()
     return (time.perf_counter() - t0) / tokens * 1e6
+
+
+def measure_fixed_costs(
+    shape: tuple[int, int, int] = (32, 8, 128), dtype: str = "bf16", iters: int = 50
+) -> dict[str, float]:
+    """Where the time of a short decode goes: graph replays of an empty kernel, of the split
+    kernel alone, of the combine alone and of both, at 64 and 4096 tokens."""
+    from .attention import is_aligned, launch_split, plan_split
+
+    n_heads, n_kv, hd = shape
+    dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
+    device = default_device()
+    stream = Stream(device)
+    noop = get_kernel("util.cu", "ferrox_noop", device)
+    results = {}
+
+    def timed_graph(body: Callable[[], None]) -> float:
+        body()
+        stream.synchronize()
+        with stream.capture() as graph:
+            body()
+        exe = graph.instantiate()
+        graph.close()
+        us = time_events(lambda i: exe.launch(stream), stream, iters, 5)
+        exe.close()
+        return us
+
+    results["empty kernel"] = timed_graph(lambda: noop.launch(1, 32, (), stream=stream))
+
+    def two_noops() -> None:
+        noop.launch(1, 32, (), stream=stream)
+        noop.launch(1, 32, (), stream=stream)
+
+    results["two empty kernels"] = timed_graph(two_noops)
+    for seq in (64, 4096):
+        q = empty((n_heads, hd), dt, device=device)
+        out = empty((n_heads, hd), dt, device=device)
+        k = empty((seq, n_kv, hd), dt, device=device)
+        v = empty((seq, n_kv, hd), dt, device=device)
+        for i, a in enumerate((q, k, v)):
+            fill_uniform(a, 50 + i, stream)
+        plan = plan_split(device, dt, n_heads, n_kv, hd, seq, is_aligned(q, k, v))
+        ws = empty((plan.workspace_floats(n_heads, hd),), np.float32, device=device)
+        for parts in ("main", "combine", "both"):
+            body = functools.partial(
+                launch_split,
+                plan,
+                q,
+                k,
+                v,
+                out,
+                ws,
+                n_heads=n_heads,
+                n_kv_heads=n_kv,
+                head_dim=hd,
+                seq_len=seq,
+                seq_len_dev=None,
+                stream=stream,
+                parts=parts,
+            )
+            results[f"seq {seq}: {parts} ({plan.splits} chunks)"] = timed_graph(body)
+        for a in (q, out, k, v, ws):
+            a.close()
+    stream.close()
+    return results

@@ -108,6 +108,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         SEQ_LENS,
         SHAPES,
         import_torch,
+        measure_fixed_costs,
         measure_growing_graph,
         measure_step_latency,
         run_decode_bench,
@@ -115,6 +116,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.only in ("decode", "step", "all"):
         import_torch()
+    if args.only == "overhead":
+        for name, us in measure_fixed_costs().items():
+            _print(f"  {name:<40} {us:7.2f} us")
     if args.only in ("step", "all"):
         _print("per-token step at seq_len 4096, 32/8/128 (append + decode, host to host):")
         for dtype in ("bf16", "f32"):
@@ -167,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--arch", default=DEFAULT_ARCH, help="arch to compile for without a GPU")
     bench = sub.add_parser("bench", help="decode and append benchmarks")
     bench.add_argument(
-        "--only", choices=("all", "append", "parity", "step", "decode"), default="all"
+        "--only", choices=("all", "append", "parity", "step", "decode", "overhead"), default="all"
     )
     bench.add_argument("--out", help="directory for bench_decode.json and bench_decode.png")
     bench.add_argument("--quick", action="store_true", help="one shape, two lengths")
