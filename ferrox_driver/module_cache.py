@@ -53,6 +53,7 @@ class CacheStats:
 
 stats = CacheStats()
 _lock = threading.Lock()
+_stats_lock = threading.Lock()
 _key_locks: dict[str, threading.Lock] = {}
 _programs: dict[str, Program] = {}
 _modules: dict[tuple[int, str], Module] = {}
@@ -142,7 +143,7 @@ def _write_disk(directory: Path, key: str, program: Program) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        stats.disk_writes += 1
+        _count("disk_writes")
     except OSError as exc:
         if str(directory) not in _warned_dirs:
             _warned_dirs.add(str(directory))
@@ -153,6 +154,11 @@ def _write_disk(directory: Path, key: str, program: Program) -> None:
                 RuntimeWarning,
                 stacklevel=4,
             )
+
+
+def _count(field: str) -> None:
+    with _stats_lock:
+        setattr(stats, field, getattr(stats, field) + 1)
 
 
 def _key_lock(key: str) -> threading.Lock:
@@ -169,23 +175,23 @@ def get_program(
     key = cache_key(source, opts, arch, _nvrtc_version())
     program = _programs.get(key)
     if program is not None:
-        stats.memory_hits += 1
+        _count("memory_hits")
         return program
     with _key_lock(key):
         program = _programs.get(key)
         if program is not None:
-            stats.memory_hits += 1
+            _count("memory_hits")
             return program
         directory = cache_dir()
         if directory is not None:
             program = _read_disk(directory, key)
             if program is not None:
-                stats.disk_hits += 1
+                _count("disk_hits")
             else:
-                stats.disk_misses += 1
+                _count("disk_misses")
         if program is None:
             program = compile_source(source, arch=arch, options=opts, name=name)
-            stats.compiles += 1
+            _count("compiles")
             if directory is not None:
                 _write_disk(directory, key, program)
         _programs[key] = program
@@ -228,7 +234,7 @@ def ensure_module_loaded(
                 program = get_program(source, arch=dev.arch, options=opts, name=module_name)
                 dev.activate()
                 module = Module(program, dev)
-                stats.loads += 1
+                _count("loads")
                 _modules[mod_key] = module
     module.get_function(function_name)
     return module
