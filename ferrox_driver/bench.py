@@ -34,10 +34,6 @@ class Timing:
     def tbs(self) -> float:
         return self.kv_bytes / (self.median_us * 1e-6) / 1e12
 
-    @property
-    def pct_of_ceiling(self) -> float:
-        return 100.0 * self.tbs / READ_CEILING_TBS
-
 
 def _random_fill(arr: DeviceArray, rng: np.random.Generator, stream: Stream) -> None:
     host = rng.standard_normal(arr.size, dtype=np.float32).astype(arr.dtype)

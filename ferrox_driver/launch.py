@@ -22,7 +22,7 @@ Dim3 = int | Sequence[int]
 class Module:
     """A cubin loaded into one device's context.
 
-    Made by :func:`ferrox_driver.ensure_module_loaded` (cached) or :meth:`load`.
+    Made by :func:`ferrox_driver.ensure_module_loaded` (cached).
     """
 
     def __init__(self, program: Program, device: Device | None = None) -> None:
@@ -31,11 +31,6 @@ class Module:
         self._handle = drv("cuModuleLoadData", program.cubin)
         self._finalizer = finalizer(self, "cuModuleUnload", self._handle)
         self._kernels: dict[str, Kernel] = {}
-
-    @classmethod
-    def load(cls, program: Program, device: Device | None = None) -> Module:
-        """Load a compiled Program (uncached)."""
-        return cls(program, device)
 
     def get_function(self, name: str) -> Kernel:
         """The kernel ``name`` (an ``extern "C"`` entry point) of this module.

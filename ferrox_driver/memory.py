@@ -17,7 +17,6 @@ __all__ = [
     "DeviceArray",
     "as_device_array",
     "empty",
-    "is_device_array",
     "pinned_empty",
     "to_device",
     "zeros",
@@ -237,11 +236,6 @@ def check_c_contiguous(
         if d > 1 and s != step:
             raise ValueError(f"{name}: must be C-contiguous, got strides {tuple(strides)}")
         step *= d
-
-
-def is_device_array(obj: Any) -> bool:
-    """True for DeviceArray and anything exposing ``__cuda_array_interface__``."""
-    return isinstance(obj, DeviceArray) or hasattr(obj, "__cuda_array_interface__")
 
 
 def as_device_array(obj: Any, name: str = "array") -> DeviceArray:

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
     from .graph import Graph
 
-__all__ = ["Event", "Stream", "StreamLike", "stream_handle"]
+__all__ = ["Event", "Stream", "stream_handle"]
 
 
 class Stream:
@@ -79,9 +79,6 @@ class Stream:
 
     def __repr__(self) -> str:
         return f"Stream(handle=0x{int(self._handle):x})"
-
-
-StreamLike = Stream | int | None
 
 
 def stream_handle(stream: Any) -> Any:
