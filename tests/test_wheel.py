@@ -32,8 +32,10 @@ def test_installed_wheel_compiles_the_kernels_outside_the_checkout(tmp_path: Pat
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    # A fresh environment: the wheel and its declared dependencies, nothing from the checkout.
-    subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], check=True)
+    # A fresh environment: the wheel and its declared dependencies, nothing from the checkout
+    # (with PYTHONPATH on the checkout, pip would take its egg-info for an installed copy).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], check=True, env=env)
     script = (
         "import ferrox_driver as fd, ferrox_driver.compiler as c, pathlib, sys;"
         "assert str(pathlib.Path(fd.__file__)).startswith(sys.prefix), fd.__file__;"
@@ -41,7 +43,6 @@ def test_installed_wheel_compiles_the_kernels_outside_the_checkout(tmp_path: Pat
         "p = fd.compile_source(c.kernel_source('gqa_decode.cu'), arch='sm_90');"
         "print(sorted(p.resources))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
         [python, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True
     )
