@@ -263,12 +263,17 @@ FX_GENERIC_FOR_TYPE(bf16, fx_bf16)
 // ---------------------------------------------------------------------------------------
 // Tensor-core split kernel for fp16/bf16 caches, head_dim 64/128/256, groups of up to 8.
 // Each warp streams through its own 16-token steps with no block barrier in the loop:
+//   K and V rows go global -> shared memory by cp.async into a ring of FX_STAGES steps per
+//   warp, so FX_STAGES - 1 steps (16-32 KB per warp) are in flight while one is computed;
 //   S = Q K^T   (mma m16n8k16: 16 head rows, 8 of them padding, x 8 tokens x 16 d),
 //   an online softmax in registers (a row's four lanes share its max),
 //   O += P V    (the S accumulators are, repacked, exactly the A operand: no shuffles).
-// The mma's K dimension is permuted so each lane feeds it from whole 16-byte row loads (a
+// The mma's K dimension is permuted so each lane feeds it from whole 16-byte row reads (a
 // dot product does not care about the order of its terms); V is transposed in registers
 // with byte permutes. The warps merge in a fixed order at the end.
+//
+// Shared-memory rows are XOR-swizzled in 16-byte units so the fragment reads are free of
+// bank conflicts: K chunk c of row r sits at c ^ ((r & 1) << 2), V chunk c at c ^ (r & 6).
 template <class T> struct FxMma;
 // D(16x8, f32) += A(16x16) B(16x8); c0..c3 as in the PTX fragment layout.
 #define FX_MMA_STRUCT(T, PTX_TYPE)                                                          \
@@ -290,28 +295,29 @@ __device__ __forceinline__ uint4 fx_ldg16(const void* p, bool ok) {
     return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
 }
 
+// 16 bytes global -> shared without registers; ok == false writes zeros and reads nothing.
+__device__ __forceinline__ void fx_cp_async16(void* dst, const void* src, bool ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
+                 "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void fx_cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void fx_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 template <class T>
 __device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
     return (unsigned)fx_from_float<T>(lo).bits | ((unsigned)fx_from_float<T>(hi).bits << 16);
 }
 
-// V rows of tokens ta, ta+1, tc, tc+1 at columns d..d+7 (zeros past the end).
-template <class T>
-__device__ __forceinline__ void fx_load_v4(uint4 (&out)[4], const T* vg, long long row, int d,
-                                           int ta, int tc, int end) {
-    out[0] = fx_ldg16(vg + ta * row + d, ta < end);
-    out[1] = fx_ldg16(vg + (ta + 1) * row + d, ta + 1 < end);
-    out[2] = fx_ldg16(vg + tc * row + d, tc < end);
-    out[3] = fx_ldg16(vg + (tc + 1) * row + d, tc + 1 < end);
-}
-
-// K row t at columns kb*32 + tig*8 .. +8 for every kb (zeros past the end).
-template <class T, int NKB>
-__device__ __forceinline__ void fx_load_k(uint4 (&out)[NKB], const T* kg, long long row, int t,
-                                          int tig, int end) {
-#pragma unroll
-    for (int kb = 0; kb < NKB; ++kb) out[kb] = fx_ldg16(kg + t * row + kb * 32 + tig * 8, t < end);
-}
+// Steps in flight per warp, by head_dim (the host mirrors this in attention.py: the
+// dynamic shared memory is FX_WARPS * stages * 16 tokens * 2 (K, V) * head_dim * 2 bytes).
+template <int D> struct FxStages { static constexpr int value = D == 64 ? 4 : 3; };
 
 // The largest of the warps' maxima for head j.
 __device__ __forceinline__ float mb_of(const float (*m_s)[8], int j) {
@@ -326,9 +332,19 @@ __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
     int seq_len, const int* __restrict__ seq_len_dev, int splits) {
+    constexpr int S = FxStages<D>::value;
+    constexpr int NCH = D / 8;            // 16-byte chunks per row
+    constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     __shared__ float m_s[FX_WARPS][8];
     __shared__ float l_s[FX_WARPS][8];
     __shared__ float o_s[8][D];
+    extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
+
+    {  // a launch with too little dynamic shared memory would write past it: refuse
+        unsigned dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (unsigned)(FX_WARPS * S * 2 * STEP * sizeof(T))) __trap();
+    }
 
     const int seq = fx_seq_len(seq_len, seq_len_dev);
     const int chunk = fx_chunk(seq, splits);
@@ -343,21 +359,45 @@ __device__ __forceinline__ void gqa_split_mma(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
 
+    const long long row = (long long)n_kv_heads * D;
+    const T* kg = k + (long long)g_kv * D;
+    const T* vg = v + (long long)g_kv * D;
+    T* ring = reinterpret_cast<T*>(fx_dyn_smem) + warp * S * 2 * STEP;  // [S][K, V][16][D]
+
+    // Queue step j of this warp (tokens start + warp*16 + j*STRIDE ..+16) into its stage;
+    // rows past the end are zeros. One commit group per step, even an empty one, so the
+    // wait below counts steps.
+    constexpr int STRIDE = FX_WARPS * 16;
+    auto issue = [&](int j) {
+        const int t0 = start + warp * 16 + j * STRIDE;
+        if (t0 < end) {
+            T* ks = ring + (j % S) * 2 * STEP;
+            T* vs = ks + STEP;
+#pragma unroll
+            for (int i = 0; i < 16 * NCH / 32; ++i) {
+                const int idx = i * 32 + lane, r = idx / NCH, c = idx % NCH;
+                const bool ok = t0 + r < end;
+                const long long off = (long long)(ok ? t0 + r : start) * row + c * 8;
+                fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * 8), kg + off, ok);
+                fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * 8), vg + off, ok);
+            }
+        }
+        fx_cp_async_commit();
+    };
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) issue(j);
+
     // Q as the A operand (rows = heads; rows 8..15 and heads past the group are zero),
-    // kept in shared memory: registers go to the loads in flight. Lane reads head g,
-    // d = kb*32 + tig*8 .. +8; rows are padded by 16 bytes against bank conflicts.
-    constexpr bool BIG = D > 128;
+    // in shared memory. Lane reads head g, d = kb*32 + tig*8 .. +8; rows are padded by
+    // 16 bytes against bank conflicts.
     __shared__ __align__(16) T q_s[8][D + 8];
     for (int i = threadIdx.x; i < 8 * (D / 8); i += FX_THREADS) {
         const int j = i / (D / 8), c = (i % (D / 8)) * 8;
         *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
     }
-    // (The barrier making q_s visible comes after the first K/V loads are issued.)
+    __syncthreads();  // q_s complete; the first steps' loads are already in flight
 
     const float sscale = rsqrtf((float)D) * FX_LOG2E;
-    const long long row = (long long)n_kv_heads * D;
-    const T* kg = k + (long long)g_kv * D;
-    const T* vg = v + (long long)g_kv * D;
 
     // O accumulators: [64-d block][e]: c0 -> d = hb*64 + (2 tig)*8 + e, c1 -> +8. The
     // padding rows' outputs (c2, c3) only ever add zero rows: a scratch pair per chain of
@@ -371,35 +411,35 @@ __device__ __forceinline__ void gqa_split_mma(
     }
     float m_run = -INFINITY, l_run = 0.f;  // head g; l_run is this lane's partial sum
 
-    // One 16-token step: K rows t0+g (n = 0) and t0+8+g (n = 1); V rows of this lane's
-    // tokens t0+2tig, +1, +8, +9. Below head_dim 256 the caller has loaded them already
-    // (`kpre`/`vpre`, a step ahead); at 256 they would not fit in registers beside the
-    // accumulators and are loaded here, just before use.
-    auto step = [&](const uint4 (*kpre)[D / 32], const uint4 (*vpre)[4], int t0) {
+    for (int j = 0; start + warp * 16 + j * STRIDE < end; ++j) {
+        issue(j + S - 1);
+        fx_cp_async_wait<S - 1>();  // step j has landed (this lane's copies) ...
+        __syncwarp();               // ... and every lane's
+        const int t0 = start + warp * 16 + j * STRIDE;
+        const T* ks = ring + (j % S) * 2 * STEP;
+        const T* vs = ks + STEP;
         const int ta = t0 + tig * 2, tc = ta + 8;
         // ---- S = Q K^T for tokens t0..t0+7 (n = 0) and t0+8..t0+15 (n = 1)
-        float s[2][1][4];
+        float s[2][4];
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
-            uint4 kl[BIG ? D / 32 : 1];
-            if (BIG) fx_load_k(kl, kg, row, t0 + n * 8 + g, tig, end);
-#pragma unroll
-            for (int par = 0; par < 1; ++par) s[n][par][0] = s[n][par][1] = s[n][par][2] = s[n][par][3] = 0.f;
+            const int r = n * 8 + g;
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
             for (int kb = 0; kb < D / 32; ++kb) {
-                const uint4 kv = BIG ? kl[BIG ? kb : 0] : kpre[n][kb];
+                const int c = (kb * 4 + tig) ^ ((r & 1) << 2);
+                const uint4 kv = *reinterpret_cast<const uint4*>(ks + r * D + c * 8);
                 const uint4 qv = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
-                float* c = s[n][0];
-                FxMma<T>::run(c[0], c[1], c[2], c[3], qv.x, 0u, qv.y, 0u, kv.x, kv.y);
-                FxMma<T>::run(c[0], c[1], c[2], c[3], qv.z, 0u, qv.w, 0u, kv.z, kv.w);
+                FxMma<T>::run(s[n][0], s[n][1], s[n][2], s[n][3], qv.x, 0u, qv.y, 0u, kv.x, kv.y);
+                FxMma<T>::run(s[n][0], s[n][1], s[n][2], s[n][3], qv.z, 0u, qv.w, 0u, kv.z, kv.w);
             }
         }
         // ---- online softmax for head g over this lane's 4 scores (tokens of c0, c1)
         float x[4];
-        x[0] = ta < end ? s[0][0][0] * sscale : -INFINITY;
-        x[1] = ta + 1 < end ? s[0][0][1] * sscale : -INFINITY;
-        x[2] = tc < end ? s[1][0][0] * sscale : -INFINITY;
-        x[3] = tc + 1 < end ? s[1][0][1] * sscale : -INFINITY;
+        x[0] = ta < end ? s[0][0] * sscale : -INFINITY;
+        x[1] = ta + 1 < end ? s[0][1] * sscale : -INFINITY;
+        x[2] = tc < end ? s[1][0] * sscale : -INFINITY;
+        x[3] = tc + 1 < end ? s[1][1] * sscale : -INFINITY;
         float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -412,20 +452,18 @@ __device__ __forceinline__ void gqa_split_mma(
         m_run = m_new;
         const unsigned pa0 = fx_pack2<T>(p[0], p[1]);  // P[g][tokens 2tig, 2tig+1]
         const unsigned pa2 = fx_pack2<T>(p[2], p[3]);  // P[g][tokens 8+2tig, 9+2tig]
-        // ---- O = O * alpha + P V
+        // ---- O = O * alpha + P V; this lane's V rows are 2tig, 2tig+1, 2tig+8, 2tig+9
 #pragma unroll
         for (int hb = 0; hb < D / 64; ++hb) {
-            uint4 vl[4];
-            if (BIG) {
-                fx_load_v4(vl, vg, row, hb * 64 + g * 8, ta, tc, end);
-            } else {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) vl[r] = vpre[hb][r];
-            }
-            const unsigned wa[4] = {vl[0].x, vl[0].y, vl[0].z, vl[0].w};
-            const unsigned wb[4] = {vl[1].x, vl[1].y, vl[1].z, vl[1].w};
-            const unsigned wc[4] = {vl[2].x, vl[2].y, vl[2].z, vl[2].w};
-            const unsigned wd[4] = {vl[3].x, vl[3].y, vl[3].z, vl[3].w};
+            const int c = (hb * 8 + g) ^ (tig * 2);  // (r & 6) == 2 tig for all four rows
+            const uint4 va = *reinterpret_cast<const uint4*>(vs + (tig * 2) * D + c * 8);
+            const uint4 vb = *reinterpret_cast<const uint4*>(vs + (tig * 2 + 1) * D + c * 8);
+            const uint4 vc = *reinterpret_cast<const uint4*>(vs + (tig * 2 + 8) * D + c * 8);
+            const uint4 vd = *reinterpret_cast<const uint4*>(vs + (tig * 2 + 9) * D + c * 8);
+            const unsigned wa[4] = {va.x, va.y, va.z, va.w};
+            const unsigned wb[4] = {vb.x, vb.y, vb.z, vb.w};
+            const unsigned wc[4] = {vc.x, vc.y, vc.z, vc.w};
+            const unsigned wd[4] = {vd.x, vd.y, vd.z, vd.w};
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const unsigned sel = (e & 1) ? 0x7632u : 0x5410u;
@@ -437,40 +475,9 @@ __device__ __forceinline__ void gqa_split_mma(
                               pad[hb][e & 1][1], pa0, 0u, pa2, 0u, b0, b1);
             }
         }
-    };
-
-    constexpr int STRIDE = FX_WARPS * 16;
-    if constexpr (BIG) {
-        __syncthreads();
-        for (int t0 = start + warp * 16; t0 < end; t0 += STRIDE) step(nullptr, nullptr, t0);
-    } else {
-        // Software pipeline: the next step's loads are in flight while this one computes
-        // (two register buffers, alternating).
-        constexpr int NK = D / 32, NV = D / 64;
-        uint4 ka[2][NK], kb2[2][NK], va[NV][4], vb[NV][4];
-        auto load = [&](uint4 (&kx)[2][NK], uint4 (&vx)[NV][4], int t0) {
-#pragma unroll
-            for (int n = 0; n < 2; ++n) fx_load_k(kx[n], kg, row, t0 + n * 8 + g, tig, end);
-            const int ta = t0 + tig * 2;
-#pragma unroll
-            for (int hb = 0; hb < NV; ++hb) fx_load_v4(vx[hb], vg, row, hb * 64 + g * 8, ta, ta + 8, end);
-        };
-        int t0 = start + warp * 16;
-        if (t0 < end) load(ka, va, t0);
-        __syncthreads();  // q_s complete; the first loads are already in flight
-        if (t0 < end) {
-            while (true) {
-                if (t0 + STRIDE < end) load(kb2, vb, t0 + STRIDE);
-                step(ka, va, t0);
-                t0 += STRIDE;
-                if (t0 >= end) break;
-                if (t0 + STRIDE < end) load(ka, va, t0 + STRIDE);
-                step(kb2, vb, t0);
-                t0 += STRIDE;
-                if (t0 >= end) break;
-            }
-        }
+        __syncwarp();  // every lane is done with this stage before it is refilled
     }
+    fx_cp_async_wait<0>();  // no copy may land after the block has left
 
     // ---- merge the warps in a fixed order (bitwise reproducible)
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);

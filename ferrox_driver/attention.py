@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from ._driver import drv
 from .device import Device, resolve
 from .launch import Kernel
 from .memory import DeviceArray, as_device_array, empty, to_device
@@ -71,16 +70,27 @@ class SplitPlan:
         """Floats of scratch the launch needs: partial outputs, maxima and sums."""
         return n_heads * self.splits * (head_dim + 2)
 
+    def shared_bytes(self, head_dim: int, itemsize: int) -> int:
+        """Dynamic shared memory of the split kernel: the tensor-core kernels' per-warp ring
+        of K/V steps (FX_WARPS * FxStages * 16 tokens * (K, V) * head_dim elements)."""
+        if not self.tensor_cores:
+            return 0
+        return (THREADS // 32) * mma_stages(head_dim) * 16 * 2 * head_dim * itemsize
+
+
+def mma_stages(head_dim: int) -> int:
+    """Steps each warp of a tensor-core kernel has in its ring (FxStages in the kernel)."""
+    return 4 if head_dim == 64 else 3
+
 
 _resident_blocks: dict[tuple[int, str], int] = {}
 
 
-def _blocks_per_sm(kernel: Kernel, device: Device) -> int:
+def _blocks_per_sm(kernel: Kernel, device: Device, shared_mem: int) -> int:
     key = (device.context_handle, kernel.name)
     n = _resident_blocks.get(key)
     if n is None:
-        n = int(drv("cuOccupancyMaxActiveBlocksPerMultiprocessor", kernel.handle, THREADS, 0))
-        n = _resident_blocks[key] = max(n, 1)
+        n = _resident_blocks[key] = max(kernel.max_active_blocks(THREADS, shared_mem), 1)
     return n
 
 
@@ -113,7 +123,9 @@ def plan_split(
         vec = "vec" if head_dim % 8 == 0 and aligned else "any"
         kname, tc = f"gqa_split_{name}_g{gt}_{vec}", False
     kernel = get_kernel(SPLIT_FILE, kname, device)
-    wave = _blocks_per_sm(kernel, device) * device.multiprocessor_count
+    plan = SplitPlan(kname, tc, tiles, lpt, 1)
+    shared = plan.shared_bytes(head_dim, np.dtype(dtype).itemsize)
+    wave = _blocks_per_sm(kernel, device, shared) * device.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
     splits = wave // (n_kv_heads * tiles)
     splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // TILE)))
@@ -181,7 +193,13 @@ def launch_split(
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         grid = (plan.head_tiles, plan.splits, n_kv_heads)
     if parts != "combine":
-        get_kernel(SPLIT_FILE, plan.kernel, dev).launch(grid, THREADS, args, stream=stream)
+        get_kernel(SPLIT_FILE, plan.kernel, dev).launch(
+            grid,
+            THREADS,
+            args,
+            shared_mem=plan.shared_bytes(head_dim, q.dtype.itemsize),
+            stream=stream,
+        )
     if parts == "main":
         return
     combine = get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)

@@ -135,6 +135,33 @@ class Kernel:
         """The ``CUfunction`` handle."""
         return self._handle
 
+    def allow_shared(self, shared_mem: int) -> None:
+        """Let launches use ``shared_mem`` bytes of dynamic shared memory (past 48 KiB the
+        driver must be told first)."""
+        if shared_mem > self._max_dynamic_shared:
+            self.module.device.activate()
+            drv(
+                "cuFuncSetAttribute",
+                self._handle,
+                cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                int(shared_mem),
+            )
+            self._max_dynamic_shared = int(shared_mem)
+
+    def max_active_blocks(self, block_threads: int, shared_mem: int = 0) -> int:
+        """Blocks of ``block_threads`` threads (with ``shared_mem`` bytes of dynamic shared
+        memory) one multiprocessor holds at once."""
+        self.allow_shared(shared_mem)
+        self.module.device.activate()
+        return int(
+            drv(
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                self._handle,
+                block_threads,
+                int(shared_mem),
+            )
+        )
+
     def launch(
         self,
         grid: Dim3,
@@ -164,14 +191,7 @@ class Kernel:
         bx, by, bz = _dim3(block, "block")
         address, keep = pack_args(args)
         self.module.device.activate()
-        if shared_mem > self._max_dynamic_shared:
-            drv(
-                "cuFuncSetAttribute",
-                self._handle,
-                cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                int(shared_mem),
-            )
-            self._max_dynamic_shared = int(shared_mem)
+        self.allow_shared(shared_mem)
         drv(
             "cuLaunchKernel",
             self._handle,
