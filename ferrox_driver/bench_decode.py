@@ -2,9 +2,11 @@
 
 Method: inputs filled on the device with pseudo-random values (never zeros); KV sets
 rotated so more than 400 MB separate two reads of one set (the H200's L2 is 60 MB); CUDA
-events around each call after warm-up; medians of >= 30. Each point is timed eagerly and
-replayed from a captured graph; PyTorch's scaled_dot_product_attention(enable_gqa=True),
-also replayed from a graph, runs on the same shapes in the same process when importable.
+events after warm-up; medians of >= 30. Each point is timed three ways: decodes back to
+back in one captured graph (one per KV set, at least 8: how a model's layers run; the
+headline number), one decode per graph replay timed alone, and eager launches. PyTorch's
+scaled_dot_product_attention(enable_gqa=True) is timed the same two graph ways, on the same
+shapes in the same process, when importable.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ __all__ = ["DecodePoint", "SHAPES", "SEQ_LENS", "measure_read_ceiling", "run_dec
 
 READ_CEILING_TBS = 4.26
 ROTATE_BYTES = 400 * 2**20
+MAX_SETS = 512
+CHAIN_MIN = 8
 SHAPES = [(32, 8, 128), (64, 8, 128), (28, 4, 128), (32, 32, 128), (16, 2, 64), (8, 1, 256)]
 SEQ_LENS = [512, 4096, 32768, 131072]
 DTYPES = ["f32", "f16", "bf16"]
@@ -40,16 +44,29 @@ DTYPES = ["f32", "f16", "bf16"]
 
 @dataclass
 class DecodePoint:
+    """One benchmark point. ``graph_us``/``torch_us``: per decode, in one graph replaying
+    decodes back to back over rotated KV sets (a model's layers); ``*_single_us``: one
+    decode per graph replay, each timed alone (adds the launch and event round trip)."""
+
     shape: str
     dtype: str
     seq_len: int
     kv_bytes: int
     graph_us: float
+    single_us: float
     eager_us: float
     torch_us: float | None
+    torch_single_us: float | None
 
     def tbs(self, us: float | None) -> float | None:
         return None if not us else self.kv_bytes / (us * 1e-6) / 1e12
+
+
+def rotation(kv_bytes: int) -> tuple[int, int]:
+    """KV sets to rotate among (together past ROTATE_BYTES, so no read hits L2) and the
+    decodes in one back-to-back graph (every set, and at least CHAIN_MIN)."""
+    n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / kv_bytes)))
+    return n_sets, max(n_sets, CHAIN_MIN)
 
 
 def fill_uniform(arr: DeviceArray, seed: int, stream: Stream) -> None:
@@ -58,8 +75,11 @@ def fill_uniform(arr: DeviceArray, seed: int, stream: Stream) -> None:
     kernel.launch(1024, 256, (arr, np.int64(arr.size), np.uint32(seed)), stream=stream)
 
 
-def time_events(run: Callable[[int], None], stream: Stream, iters: int, warmup: int) -> float:
-    """Median microseconds of ``run(i)`` on ``stream`` between two events."""
+def time_events(
+    run: Callable[[int], None], stream: Stream, iters: int, warmup: int, per_run: int = 1
+) -> float:
+    """Median microseconds of ``run(i)`` on ``stream`` between two events, divided by
+    ``per_run`` (the decodes one run queues)."""
     for i in range(warmup):
         run(i)
     start, end = Event(), Event()
@@ -69,7 +89,7 @@ def time_events(run: Callable[[int], None], stream: Stream, iters: int, warmup: 
         run(i)
         end.record(stream)
         end.synchronize()
-        times.append(start.elapsed_ms(end) * 1e3)
+        times.append(start.elapsed_ms(end) * 1e3 / per_run)
     return statistics.median(times)
 
 
@@ -109,16 +129,18 @@ def import_torch() -> Any:
 _torch: Any = False
 
 
-def _torch_sdpa_us(shape: tuple[int, int, int], seq: int, dtype: str, iters: int) -> float | None:
+def _torch_sdpa_us(
+    shape: tuple[int, int, int], seq: int, dtype: str, iters: int
+) -> tuple[float, float] | tuple[None, None]:
+    """PyTorch SDPA per decode: back to back in one graph, and one replay timed alone."""
     torch = import_torch()
     if torch is None:
-        return None
+        return None, None
     import torch.nn.functional as F
 
     n_heads, n_kv, hd = shape
     tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    kv_bytes = 2 * seq * n_kv * hd * torch.finfo(tdt).bits // 8
-    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
+    n_sets, chain = rotation(2 * seq * n_kv * hd * torch.finfo(tdt).bits // 8)
     q = torch.rand(1, n_heads, 1, hd, device="cuda", dtype=tdt) * 2 - 1
     sets = [
         tuple(torch.rand(1, n_kv, seq, hd, device="cuda", dtype=tdt) * 2 - 1 for _ in range(2))
@@ -135,18 +157,32 @@ def _torch_sdpa_us(shape: tuple[int, int, int], seq: int, dtype: str, iters: int
             with torch.cuda.graph(g, stream=side):
                 F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
             graphs.append(g)
-    times = []
+        chained = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(chained, stream=side):
+            for i in range(chain):
+                k, v = sets[i % n_sets]
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(iters + 5):
-        start.record()
-        graphs[i % n_sets].replay()
-        end.record()
-        end.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(end) * 1e3)
-    del graphs, sets
+
+    def timed(replay: Callable[[int], None], per_run: int) -> float:
+        times = []
+        for i in range(iters + 5):
+            start.record()
+            replay(i)
+            end.record()
+            end.synchronize()
+            if i >= 5:
+                times.append(start.elapsed_time(end) * 1e3 / per_run)
+        return statistics.median(times)
+
+    single = timed(lambda i: graphs[i % n_sets].replay(), 1)
+    back_to_back = timed(lambda i: chained.replay(), chain)
+    for g in [*graphs, chained]:
+        g.reset()
+    graphs.clear()
+    sets.clear()
     torch.cuda.empty_cache()
-    return statistics.median(times)
+    return back_to_back, single
 
 
 def measure_point(
@@ -156,7 +192,7 @@ def measure_point(
     dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
     stream = Stream(device)
     kv_bytes = 2 * seq * n_kv * hd * dt.itemsize
-    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
+    n_sets, chain = rotation(kv_bytes)
     q = empty((n_heads, hd), dt, device=device)
     out = empty((n_heads, hd), dt, device=device)
     fill_uniform(q, 7, stream)
@@ -182,9 +218,15 @@ def measure_point(
             eager(i)
         execs.append(graph.instantiate())
         graph.close()
-    graph_us = time_events(lambda i: execs[i % n_sets].launch(stream), stream, iters, 5)
+    with stream.capture() as graph:
+        for i in range(chain):
+            eager(i)
+    chained = graph.instantiate()
+    graph.close()
+    single_us = time_events(lambda i: execs[i % n_sets].launch(stream), stream, iters, 5)
+    graph_us = time_events(lambda i: chained.launch(stream), stream, iters, 3, per_run=chain)
     eager_us = time_events(eager, stream, iters, 5)
-    for e in execs:
+    for e in [*execs, chained]:
         e.close()
     for k, v in sets:
         k.close()
@@ -192,8 +234,18 @@ def measure_point(
     q.close()
     out.close()
     stream.close()
-    torch_us = _torch_sdpa_us(shape, seq, dtype, iters)
-    return DecodePoint(f"{n_heads}/{n_kv}/{hd}", dtype, seq, kv_bytes, graph_us, eager_us, torch_us)
+    torch_us, torch_single_us = _torch_sdpa_us(shape, seq, dtype, iters)
+    return DecodePoint(
+        f"{n_heads}/{n_kv}/{hd}",
+        dtype,
+        seq,
+        kv_bytes,
+        graph_us,
+        single_us,
+        eager_us,
+        torch_us,
+        torch_single_us,
+    )
 
 
 def run_decode_bench(
@@ -211,9 +263,14 @@ def run_decode_bench(
     points = []
     for shape, seq, dtype in progress(grid, len(grid), "decode bench"):
         points.append(measure_point(shape, seq, dtype, iters, device))
+    print(
+        "us per decode: 'graph' = back to back in one graph over rotated KV sets, "
+        "'single' = one graph replay timed alone"
+    )
     header = (
         f"{'shape':<10} {'dtype':<5} {'seq_len':>7} {'graph us':>9} {'TB/s':>6} {'%ceil':>6} "
-        f"{'eager us':>9} {'torch us':>9} {'torch %':>7} {'speed-up':>8}"
+        f"{'single':>7} {'eager':>7} {'torch us':>9} {'torch %':>7} {'t.single':>8} "
+        f"{'speed-up':>8}"
     )
     print(header)
     for p in points:
@@ -221,10 +278,12 @@ def run_decode_bench(
         t_tbs = p.tbs(p.torch_us)
         torch_us = f"{p.torch_us:9.1f}" if p.torch_us else f"{'-':>9}"
         torch_pct = f"{100 * t_tbs / ceiling:7.1f}" if t_tbs else f"{'-':>7}"
+        t_single = f"{p.torch_single_us:8.1f}" if p.torch_single_us else f"{'-':>8}"
         speedup = f"{p.torch_us / p.graph_us:7.2f}x" if p.torch_us else f"{'-':>8}"
         print(
             f"{p.shape:<10} {p.dtype:<5} {p.seq_len:>7} {p.graph_us:9.1f} {tbs:6.2f} "
-            f"{100 * tbs / ceiling:6.1f} {p.eager_us:9.1f} {torch_us} {torch_pct} {speedup}"
+            f"{100 * tbs / ceiling:6.1f} {p.single_us:7.1f} {p.eager_us:7.1f} {torch_us} "
+            f"{torch_pct} {t_single} {speedup}"
         )
     result = {
         "device": device.name,
@@ -244,23 +303,27 @@ def markdown_table(result: dict[str, Any]) -> str:
     ceiling = result["read_ceiling_tbs"]
     rows = [
         f"Measured on {result['device']}; read ceiling measured in the same run: "
-        f"{ceiling:.2f} TB/s. Times are medians of CUDA-event-timed graph replays.",
+        f"{ceiling:.2f} TB/s. Times are medians of CUDA-event-timed graph replays, in us per "
+        "decode: 'ferrox us' and 'PyTorch us' replay decodes back to back in one graph over "
+        "rotated KV sets (as a model's layers run); 'single' replays one decode per graph, "
+        "each timed alone between two events (launch and event round trip included).",
         "",
-        "| shape | dtype | seq_len | ferrox us | TB/s | % ceiling | eager us | PyTorch us "
-        "| PyTorch % | speed-up |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape | dtype | seq_len | ferrox us | TB/s | % ceiling | single us | eager us "
+        "| PyTorch us | PyTorch % | PyTorch single us | speed-up |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in result["points"]:
         tbs = p["kv_bytes"] / p["graph_us"] / 1e6
         if p["torch_us"]:
             t_pct = f"{100 * p['kv_bytes'] / p['torch_us'] / 1e6 / ceiling:.1f}"
             torch_us, speedup = f"{p['torch_us']:.1f}", f"{p['torch_us'] / p['graph_us']:.2f}x"
+            t_single = f"{p['torch_single_us']:.1f}"
         else:
-            t_pct = torch_us = speedup = "-"
+            t_pct = torch_us = speedup = t_single = "-"
         rows.append(
             f"| {p['shape']} | {p['dtype']} | {p['seq_len']} | {p['graph_us']:.1f} | {tbs:.2f} "
-            f"| {100 * tbs / ceiling:.1f} | {p['eager_us']:.1f} | {torch_us} | {t_pct} "
-            f"| {speedup} |"
+            f"| {100 * tbs / ceiling:.1f} | {p['single_us']:.1f} | {p['eager_us']:.1f} "
+            f"| {torch_us} | {t_pct} | {t_single} | {speedup} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -317,11 +380,12 @@ def measure_growing_graph(
     capacity: int = 32768,
     seq_lens: Sequence[int] = (4096, 32768),
     iters: int = 30,
-) -> dict[int, float]:
+) -> dict[int, tuple[float, float]]:
     """Capture ``gqa_decode_async`` once at seq_len 1, then time replays as the cache grows.
 
     Returns:
-        Median microseconds per replay at each length.
+        Per length, median microseconds per decode: back to back in one graph over the
+        rotated caches, and one replay timed alone (the two columns of the decode table).
     """
     from .decode_graph import gqa_decode_async
     from .kv_cache import KVCache
@@ -330,8 +394,7 @@ def measure_growing_graph(
     dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
     device = default_device()
     stream = Stream(device)
-    used = 2 * min(seq_lens) * n_kv * hd * dt.itemsize
-    n_sets = max(1, min(32, math.ceil(ROTATE_BYTES / used)))
+    n_sets, chain = rotation(2 * min(seq_lens) * n_kv * hd * dt.itemsize)
     caches = [KVCache(n_kv, hd, capacity, dtype=dt, device=device) for _ in range(n_sets)]
     q = empty((n_heads * hd,), dt, device=device)
     out = empty((n_heads * hd,), dt, device=device)
@@ -348,13 +411,21 @@ def measure_growing_graph(
             gqa_decode_async(q, kv, out, n_heads=n_heads, stream=stream)
         execs.append(graph.instantiate())
         graph.close()
+    with stream.capture() as graph:
+        for i in range(chain):
+            gqa_decode_async(q, caches[i % n_sets], out, n_heads=n_heads, stream=stream)
+    chained = graph.instantiate()
+    graph.close()
     results = {}
     for seq in seq_lens:
         for kv in caches:
             kv.state.copy_from_host(np.array([seq, 0], np.int32))
             kv.mark_device_appends()
-        results[seq] = time_events(lambda i: execs[i % n_sets].launch(stream), stream, iters, 5)
-    for e in execs:
+        results[seq] = (
+            time_events(lambda i: chained.launch(stream), stream, iters, 3, per_run=chain),
+            time_events(lambda i: execs[i % n_sets].launch(stream), stream, iters, 5),
+        )
+    for e in [*execs, chained]:
         e.close()
     for kv in caches:
         kv.close()
