@@ -263,8 +263,8 @@ FX_GENERIC_FOR_TYPE(bf16, fx_bf16)
 // ---------------------------------------------------------------------------------------
 // Tensor-core split kernel for fp16/bf16 caches, head_dim 64/128/256, groups of up to 8.
 // Each warp streams through its own 16-token steps with no block barrier in the loop:
-//   K and V rows go global -> shared memory by cp.async into a ring of FX_STAGES steps per
-//   warp, so FX_STAGES - 1 steps (16-32 KB per warp) are in flight while one is computed;
+//   K and V rows go global -> shared memory by cp.async into a ring of FxStages steps per
+//   warp, so 2-3 steps (12-32 KB per warp) are in flight while one is computed;
 //   S = Q K^T   (mma m16n8k16: 16 head rows, 8 of them padding, x 8 tokens x 16 d),
 //   an online softmax in registers (a row's four lanes share its max),
 //   O += P V    (the S accumulators are, repacked, exactly the A operand: no shuffles).
@@ -315,9 +315,20 @@ __device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
     return (unsigned)fx_from_float<T>(lo).bits | ((unsigned)fx_from_float<T>(hi).bits << 16);
 }
 
-// Steps in flight per warp, by head_dim (the host mirrors this in attention.py: the
+// Steps in each warp's ring (one fewer in flight), by head_dim (the host mirrors this in attention.py: the
 // dynamic shared memory is FX_WARPS * stages * 16 tokens * 2 (K, V) * head_dim * 2 bytes).
-template <int D> struct FxStages { static constexpr int value = D == 64 ? 4 : 3; };
+#ifndef FX_STAGES_D64  // (overridable with -D for experiments; keep MMA_STAGES in step)
+#define FX_STAGES_D64 4
+#endif
+#ifndef FX_STAGES_D128
+#define FX_STAGES_D128 4
+#endif
+#ifndef FX_STAGES_D256
+#define FX_STAGES_D256 3  // 4 warps x 3 x 16 KB: as much as a block may have
+#endif
+template <int D> struct FxStages {
+    static constexpr int value = D == 64 ? FX_STAGES_D64 : D == 128 ? FX_STAGES_D128 : FX_STAGES_D256;
+};
 
 // The largest of the warps' maxima for head j.
 __device__ __forceinline__ float mb_of(const float (*m_s)[8], int j) {
@@ -538,33 +549,42 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 
 // ---------------------------------------------------------------------------------------
 // Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
-// w_c = 2^(m_c - max m). One warp per (head, 32 columns): lanes are columns, and the loop
-// over chunks keeps 8 loads in flight. seq_len 0 writes zeros.
-#define FX_COMBINE_THREADS 32
+// w_c = 2^(m_c - max m). One block per (head, 32 columns): lanes are columns, the four
+// warps take every fourth chunk (8 loads in flight each) and add up in a fixed order, so
+// results are reproducible bit for bit. seq_len 0 writes zeros.
+#define FX_COMBINE_THREADS 128
+#define FX_COMBINE_WARPS (FX_COMBINE_THREADS / 32)
 template <class T>
 __device__ __forceinline__ void gqa_split_combine(
     T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
     int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits) {
     __shared__ float w_s[FX_MAX_SPLITS];
+    __shared__ float red_s[FX_COMBINE_WARPS][32];
     const int h = blockIdx.x;
-    const int d = blockIdx.y * 32 + threadIdx.x;
-    const int lane = threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int d = blockIdx.y * 32 + lane;
     const int seq = fx_seq_len(seq_len, seq_len_dev);
     T* out_h = out + (long long)h * head_dim;
     if (seq <= 0) {
-        if (d < head_dim) out_h[d] = fx_from_float<T>(0.f);
+        if (warp == 0 && d < head_dim) out_h[d] = fx_from_float<T>(0.f);
         return;
     }
     const int chunk = fx_chunk(seq, splits);
     const int active = (seq + chunk - 1) / chunk;
     const float* ml = ws_ml + (long long)h * splits * 2;
 
+    // ---- the largest chunk maximum, then the chunk weights and the total sum
     float mx = -INFINITY;
-    for (int c = lane; c < active; c += 32) mx = fmaxf(mx, ml[2 * c]);
+    for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) mx = fmaxf(mx, ml[2 * c]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if (lane == 0) red_s[warp][0] = mx;
+    __syncthreads();
+    mx = red_s[0][0];
+#pragma unroll
+    for (int w = 1; w < FX_COMBINE_WARPS; ++w) mx = fmaxf(mx, red_s[w][0]);
     float lsum = 0.f;
-    for (int c = lane; c < active; c += 32) {
+    for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) {
         const float mc = ml[2 * c];
         const float w = mc == -INFINITY ? 0.f : fx_exp2(mc - mx);
         w_s[c] = w;
@@ -572,20 +592,37 @@ __device__ __forceinline__ void gqa_split_combine(
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-    __syncwarp();
-    if (d >= head_dim) return;
-    const float* o = ws_o + (long long)h * splits * head_dim + d;
+    __syncthreads();  // every warp has read red_s[.][0] (the maxima) before it is reused
+    if (lane == 0) red_s[warp][1] = lsum;
+    __syncthreads();  // w_s and the partial sums complete
+    lsum = 0.f;
+#pragma unroll
+    for (int w = 0; w < FX_COMBINE_WARPS; ++w) lsum += red_s[w][1];
+
+    // ---- weighted sum of the chunk outputs: warp w takes chunks w, w+4, w+8, ...
     float acc = 0.f;
-    int c = 0;
-    for (; c + 8 <= active; c += 8) {
-        float x[8];
+    if (d < head_dim) {
+        const float* o = ws_o + (long long)h * splits * head_dim + d;
+        constexpr int W = FX_COMBINE_WARPS;
+        int c = warp;
+        for (; c + 7 * W < active; c += 8 * W) {
+            float x[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) x[i] = o[(long long)(c + i) * head_dim];
+            for (int i = 0; i < 8; ++i) x[i] = o[(long long)(c + i * W) * head_dim];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc = fmaf(w_s[c + i], x[i], acc);
+            for (int i = 0; i < 8; ++i) acc = fmaf(w_s[c + i * W], x[i], acc);
+        }
+        for (; c < active; c += W) acc = fmaf(w_s[c], o[(long long)c * head_dim], acc);
     }
-    for (; c < active; ++c) acc = fmaf(w_s[c], o[(long long)c * head_dim], acc);
-    out_h[d] = fx_from_float<T>(acc / lsum);
+    __syncthreads();  // red_s[.][1] read by every warp
+    red_s[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0 && d < head_dim) {
+        float total = red_s[0][lane];
+#pragma unroll
+        for (int w = 1; w < FX_COMBINE_WARPS; ++w) total += red_s[w][lane];
+        out_h[d] = fx_from_float<T>(total / lsum);
+    }
 }
 
 #define FX_COMBINE_ENTRY(NAME, T)                                                           \

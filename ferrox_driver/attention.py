@@ -27,6 +27,7 @@ SPLIT_FILE = "gqa_decode_split.cu"
 TILE = 64  # tokens; chunk sizes are multiples of it (FX_TILE in the kernels)
 MAX_SPLITS = 1024  # FX_MAX_SPLITS
 THREADS = 128  # FX_THREADS
+COMBINE_THREADS = 128  # FX_COMBINE_THREADS
 MMA_HEAD_DIMS = (64, 128, 256)
 
 
@@ -78,9 +79,12 @@ class SplitPlan:
         return (THREADS // 32) * mma_stages(head_dim) * 16 * 2 * head_dim * itemsize
 
 
+MMA_STAGES = {64: 4, 128: 4, 256: 3}  # FxStages in the kernel: its ring's steps per warp
+
+
 def mma_stages(head_dim: int) -> int:
-    """Steps each warp of a tensor-core kernel has in its ring (FxStages in the kernel)."""
-    return 4 if head_dim == 64 else 3
+    """Steps each warp of a tensor-core kernel has in its ring (one fewer are in flight)."""
+    return MMA_STAGES[head_dim]
 
 
 _resident_blocks: dict[tuple[int, str], int] = {}
@@ -205,7 +209,7 @@ def launch_split(
     combine = get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
     combine.launch(
         (n_heads, -(-head_dim // 32)),
-        32,
+        COMBINE_THREADS,
         (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits),
         stream=stream,
     )

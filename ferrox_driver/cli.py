@@ -117,8 +117,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.only in ("decode", "step", "all"):
         import_torch()
     if args.only == "overhead":
-        for name, us in measure_fixed_costs().items():
-            _print(f"  {name:<40} {us:7.2f} us")
+        _print(f"  {'us per item':<40} {'back to back':>12} {'single':>8}")
+        for name, (chained_us, single_us) in measure_fixed_costs().items():
+            _print(f"  {name:<40} {chained_us:12.2f} {single_us:8.2f}")
     if args.only in ("step", "all"):
         _print("per-token step at seq_len 4096, 32/8/128 (append + decode, host to host):")
         for dtype in ("bf16", "f32"):

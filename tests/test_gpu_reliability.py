@@ -42,18 +42,53 @@ def test_launch_error_names_the_cuda_result():
     assert info.value.name.startswith("CUDA_ERROR_")
 
 
+# 10,000 by default; fewer under compute-sanitizer, where each driver call is slow.
+CYCLES = int(os.environ.get("FERROX_LEAK_CYCLES", "10000"))
+HOST_SLACK = 64 * 2**20
+
+
+def _host_memory():
+    """(virtual, resident) bytes of this process: pinned host memory is mapped (and
+    resident) here, so a pinned leak shows in both."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmSize", "VmRSS"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields["VmSize"], fields["VmRSS"]
+
+
 def _leak_check(device, make, cycles):
+    """Device bytes lost over ``cycles`` calls of ``make``; host (pinned) memory growth
+    is checked on the way."""
     for _ in range(3):
         make()
     device.synchronize()
     gc.collect()
     free_before, _ = device.mem_info()
+    virt_before, rss_before = _host_memory()
     for _ in range(cycles):
         make()
     device.synchronize()
     gc.collect()
     free_after, _ = device.mem_info()
+    virt_after, rss_after = _host_memory()
+    assert virt_after - virt_before < HOST_SLACK, f"virtual memory grew {virt_after - virt_before}"
+    assert rss_after - rss_before < HOST_SLACK, f"resident memory grew {rss_after - rss_before}"
     return free_before - free_after
+
+
+def test_the_host_memory_check_sees_a_pinned_leak(device):
+    """The check above can fail: 64 pinned arrays kept alive (256 MiB) show in both."""
+    kept = []
+    virt_before, rss_before = _host_memory()
+    for _ in range(64):
+        kept.append(fd.pinned_empty((1 << 20,), np.float32))
+        kept[-1][:] = 1.0  # touch every page
+    virt_after, rss_after = _host_memory()
+    kept.clear()
+    assert virt_after - virt_before > 4 * HOST_SLACK
+    assert rss_after - rss_before > 4 * HOST_SLACK
 
 
 def _graph_cycle():
@@ -74,17 +109,17 @@ def _close(obj):
 
 
 LEAK_CASES = {
-    "device array": (lambda: _close(fd.empty((1 << 20,), np.float32)), 10_000),
-    "pinned array": (lambda: fd.pinned_empty((1 << 16,), np.float32), 10_000),
-    "stream": (lambda: _close(fd.Stream()), 10_000),
-    "event": (lambda: _close(fd.Event()), 10_000),
-    "graph + exec": (_graph_cycle, 10_000),
-    "kv cache": (lambda: _close(fd.KVCache(8, 128, 256, dtype=np.float16)), 10_000),
+    "device array": (lambda: _close(fd.empty((1 << 20,), np.float32)), CYCLES),
+    "pinned array": (lambda: fd.pinned_empty((1 << 16,), np.float32), CYCLES),
+    "stream": (lambda: _close(fd.Stream()), CYCLES),
+    "event": (lambda: _close(fd.Event()), CYCLES),
+    "graph + exec": (_graph_cycle, CYCLES),
+    "kv cache": (lambda: _close(fd.KVCache(8, 128, 256, dtype=np.float16)), CYCLES),
 }
 
 
 @pytest.mark.parametrize("kind", list(LEAK_CASES))
-def test_create_close_cycles_leave_device_memory_where_it_was(device, kind):
+def test_create_close_cycles_leave_device_and_host_memory_where_they_were(device, kind):
     make, cycles = LEAK_CASES[kind]
     assert _leak_check(device, make, cycles) < 4 * 2**20
 
@@ -96,7 +131,7 @@ def test_decode_graph_create_close_cycles_do_not_leak(device):
         fd.DecodeGraph(kv, n_heads=32).close()
 
     try:
-        assert _leak_check(device, make, 10_000) < 4 * 2**20
+        assert _leak_check(device, make, CYCLES) < 4 * 2**20
     finally:
         kv.close()
 

@@ -1,0 +1,593 @@
+// GQA decode at memory speed: split-KV ("flash-decoding") kernels.
+//
+// The sequence is cut into `splits` chunks so the grid fills the GPU. A block handles one
+// chunk of one KV head and ALL the query heads of its group, so K and V are read once per
+// group. Each block writes an unnormalised partial output with its running max and sum;
+// gqa_split_combine merges the chunks with log-sum-exp rescaling.
+//
+// The chunk size is computed on the device from the sequence length (which may live in
+// device memory), so a launch captured in a CUDA graph adapts to every length: blocks past
+// the end leave at once.
+//
+// Scores are kept in the base-2 domain (q pre-multiplied by log2(e)/sqrt(head_dim)), so
+// every exponential is one exp2.
+//
+// Workspace: ws_o [n_heads][splits][head_dim] f32, ws_ml [n_heads][splits][2] f32 (m, l).
+// Layout: q [n_heads][head_dim]; k/v [token][n_kv_heads][head_dim]; out like q.
+
+#define FX_THREADS 128
+#define FX_WARPS (FX_THREADS / 32)
+#define FX_TILE 64  // chunk sizes are multiples of this (tokens)
+#define FX_MAX_SPLITS 1024
+#define FX_LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ int fx_seq_len(int seq_len, const int* seq_len_dev) {
+    return seq_len_dev != nullptr ? *seq_len_dev : seq_len;
+}
+
+// Tokens per chunk for this length: a multiple of FX_TILE, at most `splits` chunks.
+__device__ __forceinline__ int fx_chunk(int seq, int splits) {
+    int c = (seq + splits - 1) / splits;
+    return (c + FX_TILE - 1) / FX_TILE * FX_TILE;
+}
+
+__device__ __forceinline__ float fx_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// ---------------------------------------------------------------------------------------
+// Eight consecutive elements as floats (vector load when aligned, masked scalars otherwise).
+template <class T, bool VEC>
+__device__ __forceinline__ void fx_load8(const T* p, int valid, float (&x)[8]);
+
+template <>
+__device__ __forceinline__ void fx_load8<float, true>(const float* p, int, float (&x)[8]) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
+template <class H>
+__device__ __forceinline__ void fx_load8_16bit(const H* p, float (&x)[8]) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    const float2 a = fx_unpack2(u.x, H()), b = fx_unpack2(u.y, H());
+    const float2 c = fx_unpack2(u.z, H()), d = fx_unpack2(u.w, H());
+    x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+    x[4] = c.x; x[5] = c.y; x[6] = d.x; x[7] = d.y;
+}
+template <>
+__device__ __forceinline__ void fx_load8<fx_half, true>(const fx_half* p, int, float (&x)[8]) {
+    fx_load8_16bit(p, x);
+}
+template <>
+__device__ __forceinline__ void fx_load8<fx_bf16, true>(const fx_bf16* p, int, float (&x)[8]) {
+    fx_load8_16bit(p, x);
+}
+
+#define FX_SCALAR_LOAD8(T)                                                                  \
+    template <>                                                                             \
+    __device__ __forceinline__ void fx_load8<T, false>(const T* p, int valid, float (&x)[8]) { \
+        _Pragma("unroll") for (int e = 0; e < 8; ++e) x[e] = e < valid ? fx_to_float(p[e]) : 0.f; \
+    }
+FX_SCALAR_LOAD8(float)
+FX_SCALAR_LOAD8(fx_half)
+FX_SCALAR_LOAD8(fx_bf16)
+
+// ---------------------------------------------------------------------------------------
+// Generic split kernel on CUDA cores: any head_dim 1..256, any group size (GT heads per
+// block, grid.z tiles the group). Lanes split a token's row in groups of `lpt` lanes, eight
+// elements each; each lane group keeps its own online softmax, merged at the block's end.
+template <class T, int GT, bool VEC>
+__device__ __forceinline__ void gqa_split_generic(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int lpt) {
+    __shared__ float o_s[GT][256];
+    __shared__ float m_s[FX_THREADS][GT];
+    __shared__ float l_s[FX_THREADS][GT];
+
+    const int seq = fx_seq_len(seq_len, seq_len_dev);
+    const int chunk = fx_chunk(seq, splits);
+    // grid = (head tiles, splits, kv heads): the tiles of one chunk are neighbours in
+    // launch order, so they run together and all but the first read K/V from L2.
+    const int split = blockIdx.y;
+    const int start = split * chunk;
+    if (seq <= 0 || start >= seq) return;
+    const int end = min(seq, start + chunk);
+
+    const int g = blockIdx.z;
+    const int group = n_heads / n_kv_heads;
+    const int j0 = blockIdx.x * GT;  // first head of this tile, within the group
+    const int nh = min(GT, group - j0);
+    const int h0 = g * group + j0;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tpw = 32 / lpt;  // token groups per warp
+    const int sub = lane / lpt, l = lane % lpt;
+    const int gid = warp * tpw + sub, n_groups = FX_WARPS * tpw;
+    const int d0 = l * 8;
+    const int valid = max(0, min(8, head_dim - d0));
+
+    const float qscale = rsqrtf((float)head_dim) * FX_LOG2E;
+    float qf[GT][8], acc[GT][8], m[GT], lsum[GT];
+#pragma unroll
+    for (int j = 0; j < GT; ++j) {
+        float tmp[8];
+        if (j < nh && valid > 0) {
+            fx_load8<T, false>(q + (long long)(h0 + j) * head_dim + d0, valid, tmp);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) tmp[e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            qf[j][e] = tmp[e] * qscale;
+            acc[j][e] = 0.f;
+        }
+        m[j] = -INFINITY;
+        lsum[j] = 0.f;
+    }
+
+    const long long row = (long long)n_kv_heads * head_dim;
+    const T* kg = k + (long long)g * head_dim + d0;
+    const T* vg = v + (long long)g * head_dim + d0;
+    const bool active = valid > 0;
+
+    // Every lane runs the same iterations (the shuffles need the whole warp); tokens past
+    // the end are loaded as zeros and leave the softmax state alone.
+    for (int base = start; base < end; base += 2 * n_groups) {
+        const int t0 = base + gid, t1 = t0 + n_groups;
+        const bool has[2] = {t0 < end, t1 < end};
+        float kx[2][8], vx[2][8];
+        // Issue all four row loads before using any of them.
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int t = u == 0 ? t0 : t1;
+            if (active && has[u]) {
+                fx_load8<T, VEC>(kg + t * row, valid, kx[u]);
+                fx_load8<T, VEC>(vg + t * row, valid, vx[u]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) kx[u][e] = vx[u][e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            float s[GT];
+#pragma unroll
+            for (int j = 0; j < GT; ++j) {
+                float d = 0.f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d = fmaf(qf[j][e], kx[u][e], d);
+                s[j] = d;
+            }
+            for (int off = lpt >> 1; off > 0; off >>= 1) {
+#pragma unroll
+                for (int j = 0; j < GT; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+            }
+            if (!has[u]) continue;
+#pragma unroll
+            for (int j = 0; j < GT; ++j) {
+                if (s[j] > m[j]) {  // rare after the first tokens: rescale only then
+                    const float a = m[j] == -INFINITY ? 0.f : fx_exp2(m[j] - s[j]);
+                    lsum[j] *= a;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[j][e] *= a;
+                    m[j] = s[j];
+                }
+                const float p = s[j] == -INFINITY ? 0.f : fx_exp2(s[j] - m[j]);
+                lsum[j] += p;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(p, vx[u][e], acc[j][e]);
+            }
+        }
+    }
+
+    // Merge the lane groups: scale each to the block's max, sum them in a fixed order
+    // (shuffles inside a warp, then warp by warp) so results are bitwise reproducible.
+    if (l == 0) {
+#pragma unroll
+        for (int j = 0; j < GT; ++j) {
+            m_s[gid][j] = m[j];
+            l_s[gid][j] = lsum[j];
+        }
+    }
+    __syncthreads();
+    float mb[GT];
+#pragma unroll
+    for (int j = 0; j < GT; ++j) {
+        mb[j] = -INFINITY;
+        for (int i = 0; i < n_groups; ++i) mb[j] = fmaxf(mb[j], m_s[i][j]);
+        const float sc = (m[j] == -INFINITY) ? 0.f : fx_exp2(m[j] - mb[j]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            float x = acc[j][e] * sc;
+            for (int off = lpt; off < 32; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+            acc[j][e] = x;
+        }
+    }
+    for (int w = 0; w < FX_WARPS; ++w) {
+        if (warp == w && sub == 0 && active) {
+#pragma unroll
+            for (int j = 0; j < GT; ++j)
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    if (e < valid) o_s[j][d0 + e] = (w == 0 ? 0.f : o_s[j][d0 + e]) + acc[j][e];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int j = 0; j < GT; ++j) {
+            if (j >= nh) continue;
+            float lb = 0.f;
+            for (int i = 0; i < n_groups; ++i)
+                if (m_s[i][j] != -INFINITY) lb += l_s[i][j] * fx_exp2(m_s[i][j] - mb[j]);
+            float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
+            ml[0] = mb[j];
+            ml[1] = lb;
+        }
+    }
+    for (int i = threadIdx.x; i < nh * head_dim; i += FX_THREADS) {
+        const int j = i / head_dim, d = i % head_dim;
+        ws_o[((long long)(h0 + j) * splits + split) * head_dim + d] = o_s[j][d];
+    }
+}
+
+#define FX_GENERIC_ENTRY(NAME, T, GT, VEC)                                                  \
+    extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int head_dim, int seq_len, const int* seq_len_dev, int splits,      \
+        int lpt) {                                                                          \
+        gqa_split_generic<T, GT, VEC>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, head_dim,  \
+                                      seq_len, seq_len_dev, splits, lpt);                   \
+    }
+
+#define FX_GENERIC_FOR_TYPE(SUFFIX, T)                                \
+    FX_GENERIC_ENTRY(gqa_split_##SUFFIX##_g1_vec, T, 1, true)         \
+    FX_GENERIC_ENTRY(gqa_split_##SUFFIX##_g2_vec, T, 2, true)         \
+    FX_GENERIC_ENTRY(gqa_split_##SUFFIX##_g4_vec, T, 4, true)         \
+    FX_GENERIC_ENTRY(gqa_split_##SUFFIX##_g8_vec, T, 8, true)         \
+    FX_GENERIC_ENTRY(gqa_split_##SUFFIX##_g1_any, T, 1, false)        \
+    FX_GENERIC_ENTRY(gqa_split_##SUFFIX##_g2_any, T, 2, false)        \
+    FX_GENERIC_ENTRY(gqa_split_##SUFFIX##_g4_any, T, 4, false)        \
+    FX_GENERIC_ENTRY(gqa_split_##SUFFIX##_g8_any, T, 8, false)
+
+FX_GENERIC_FOR_TYPE(f32, float)
+FX_GENERIC_FOR_TYPE(f16, fx_half)
+FX_GENERIC_FOR_TYPE(bf16, fx_bf16)
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core split kernel for fp16/bf16 caches, head_dim 64/128/256, groups of up to 8.
+// Each warp streams through its own 16-token steps with no block barrier in the loop:
+//   S = Q K^T   (mma m16n8k16: 16 head rows, 8 of them padding, x 8 tokens x 16 d),
+//   an online softmax in registers (a row's four lanes share its max),
+//   O += P V    (the S accumulators are, repacked, exactly the A operand: no shuffles).
+// The mma's K dimension is permuted so each lane feeds it from whole 16-byte row loads (a
+// dot product does not care about the order of its terms); V is transposed in registers
+// with byte permutes. The warps merge in a fixed order at the end.
+template <class T> struct FxMma;
+// D(16x8, f32) += A(16x16) B(16x8); c0..c3 as in the PTX fragment layout.
+#define FX_MMA_STRUCT(T, PTX_TYPE)                                                          \
+    template <> struct FxMma<T> {                                                           \
+        __device__ static __forceinline__ void run(float& c0, float& c1, float& c2,         \
+                                                   float& c3, unsigned a0, unsigned a1,     \
+                                                   unsigned a2, unsigned a3, unsigned b0,   \
+                                                   unsigned b1) {                           \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE    \
+                         ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"       \
+                         : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)                           \
+                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));           \
+        }                                                                                   \
+    };
+FX_MMA_STRUCT(fx_half, "f16")
+FX_MMA_STRUCT(fx_bf16, "bf16")
+
+__device__ __forceinline__ uint4 fx_ldg16(const void* p, bool ok) {
+    return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+template <class T>
+__device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
+    return (unsigned)fx_from_float<T>(lo).bits | ((unsigned)fx_from_float<T>(hi).bits << 16);
+}
+
+// V rows of tokens ta, ta+1, tc, tc+1 at columns d..d+7 (zeros past the end).
+template <class T>
+__device__ __forceinline__ void fx_load_v4(uint4 (&out)[4], const T* vg, long long row, int d,
+                                           int ta, int tc, int end) {
+    out[0] = fx_ldg16(vg + ta * row + d, ta < end);
+    out[1] = fx_ldg16(vg + (ta + 1) * row + d, ta + 1 < end);
+    out[2] = fx_ldg16(vg + tc * row + d, tc < end);
+    out[3] = fx_ldg16(vg + (tc + 1) * row + d, tc + 1 < end);
+}
+
+// K row t at columns kb*32 + tig*8 .. +8 for every kb (zeros past the end).
+template <class T, int NKB>
+__device__ __forceinline__ void fx_load_k(uint4 (&out)[NKB], const T* kg, long long row, int t,
+                                          int tig, int end) {
+#pragma unroll
+    for (int kb = 0; kb < NKB; ++kb) out[kb] = fx_ldg16(kg + t * row + kb * 32 + tig * 8, t < end);
+}
+
+// The largest of the warps' maxima for head j.
+__device__ __forceinline__ float mb_of(const float (*m_s)[8], int j) {
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < FX_WARPS; ++w) mb = fmaxf(mb, m_s[w][j]);
+    return mb;
+}
+
+template <class T, int D>
+__device__ __forceinline__ void gqa_split_mma(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
+    int seq_len, const int* __restrict__ seq_len_dev, int splits) {
+    __shared__ float m_s[FX_WARPS][8];
+    __shared__ float l_s[FX_WARPS][8];
+    __shared__ float o_s[8][D];
+
+    const int seq = fx_seq_len(seq_len, seq_len_dev);
+    const int chunk = fx_chunk(seq, splits);
+    const int split = blockIdx.x;
+    const int start = split * chunk;
+    if (seq <= 0 || start >= seq) return;
+    const int end = min(seq, start + chunk);
+
+    const int g_kv = blockIdx.y;
+    const int group = n_heads / n_kv_heads;  // <= 8 on this path
+    const int h0 = g_kv * group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+
+    // Q as the A operand (rows = heads; rows 8..15 and heads past the group are zero),
+    // kept in shared memory: registers go to the loads in flight. Lane reads head g,
+    // d = kb*32 + tig*8 .. +8; rows are padded by 16 bytes against bank conflicts.
+    constexpr bool BIG = D > 128;
+    __shared__ __align__(16) T q_s[8][D + 8];
+    for (int i = threadIdx.x; i < 8 * (D / 8); i += FX_THREADS) {
+        const int j = i / (D / 8), c = (i % (D / 8)) * 8;
+        *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
+    }
+    // (The barrier making q_s visible comes after the first K/V loads are issued.)
+
+    const float sscale = rsqrtf((float)D) * FX_LOG2E;
+    const long long row = (long long)n_kv_heads * D;
+    const T* kg = k + (long long)g_kv * D;
+    const T* vg = v + (long long)g_kv * D;
+
+    // O accumulators: [64-d block][e]: c0 -> d = hb*64 + (2 tig)*8 + e, c1 -> +8. The
+    // padding rows' outputs (c2, c3) only ever add zero rows: a scratch pair per chain of
+    // mmas takes them (two short chains per 64-d block instead of 2 registers per mma).
+    float oacc[D / 64][8][2], pad[D / 64][2][2];
+#pragma unroll
+    for (int hb = 0; hb < D / 64; ++hb) {
+        pad[hb][0][0] = pad[hb][0][1] = pad[hb][1][0] = pad[hb][1][1] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) oacc[hb][e][0] = oacc[hb][e][1] = 0.f;
+    }
+    float m_run = -INFINITY, l_run = 0.f;  // head g; l_run is this lane's partial sum
+
+    // One 16-token step: K rows t0+g (n = 0) and t0+8+g (n = 1); V rows of this lane's
+    // tokens t0+2tig, +1, +8, +9. Below head_dim 256 the caller has loaded them already
+    // (`kpre`/`vpre`, a step ahead); at 256 they would not fit in registers beside the
+    // accumulators and are loaded here, just before use.
+    auto step = [&](const uint4 (*kpre)[D / 32], const uint4 (*vpre)[4], int t0) {
+        const int ta = t0 + tig * 2, tc = ta + 8;
+        // ---- S = Q K^T for tokens t0..t0+7 (n = 0) and t0+8..t0+15 (n = 1)
+        float s[2][1][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            uint4 kl[BIG ? D / 32 : 1];
+            if (BIG) fx_load_k(kl, kg, row, t0 + n * 8 + g, tig, end);
+#pragma unroll
+            for (int par = 0; par < 1; ++par) s[n][par][0] = s[n][par][1] = s[n][par][2] = s[n][par][3] = 0.f;
+#pragma unroll
+            for (int kb = 0; kb < D / 32; ++kb) {
+                const uint4 kv = BIG ? kl[BIG ? kb : 0] : kpre[n][kb];
+                const uint4 qv = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
+                float* c = s[n][0];
+                FxMma<T>::run(c[0], c[1], c[2], c[3], qv.x, 0u, qv.y, 0u, kv.x, kv.y);
+                FxMma<T>::run(c[0], c[1], c[2], c[3], qv.z, 0u, qv.w, 0u, kv.z, kv.w);
+            }
+        }
+        // ---- online softmax for head g over this lane's 4 scores (tokens of c0, c1)
+        float x[4];
+        x[0] = ta < end ? s[0][0][0] * sscale : -INFINITY;
+        x[1] = ta + 1 < end ? s[0][0][1] * sscale : -INFINITY;
+        x[2] = tc < end ? s[1][0][0] * sscale : -INFINITY;
+        x[3] = tc + 1 < end ? s[1][0][1] * sscale : -INFINITY;
+        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run, mx);
+        const float alpha = m_run == -INFINITY ? 0.f : fx_exp2(m_run - m_new);
+        float p[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p[i] = x[i] == -INFINITY ? 0.f : fx_exp2(x[i] - m_new);
+        l_run = l_run * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
+        m_run = m_new;
+        const unsigned pa0 = fx_pack2<T>(p[0], p[1]);  // P[g][tokens 2tig, 2tig+1]
+        const unsigned pa2 = fx_pack2<T>(p[2], p[3]);  // P[g][tokens 8+2tig, 9+2tig]
+        // ---- O = O * alpha + P V
+#pragma unroll
+        for (int hb = 0; hb < D / 64; ++hb) {
+            uint4 vl[4];
+            if (BIG) {
+                fx_load_v4(vl, vg, row, hb * 64 + g * 8, ta, tc, end);
+            } else {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) vl[r] = vpre[hb][r];
+            }
+            const unsigned wa[4] = {vl[0].x, vl[0].y, vl[0].z, vl[0].w};
+            const unsigned wb[4] = {vl[1].x, vl[1].y, vl[1].z, vl[1].w};
+            const unsigned wc[4] = {vl[2].x, vl[2].y, vl[2].z, vl[2].w};
+            const unsigned wd[4] = {vl[3].x, vl[3].y, vl[3].z, vl[3].w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const unsigned sel = (e & 1) ? 0x7632u : 0x5410u;
+                const unsigned b0 = __byte_perm(wa[e >> 1], wb[e >> 1], sel);
+                const unsigned b1 = __byte_perm(wc[e >> 1], wd[e >> 1], sel);
+                oacc[hb][e][0] *= alpha;
+                oacc[hb][e][1] *= alpha;
+                FxMma<T>::run(oacc[hb][e][0], oacc[hb][e][1], pad[hb][e & 1][0],
+                              pad[hb][e & 1][1], pa0, 0u, pa2, 0u, b0, b1);
+            }
+        }
+    };
+
+    constexpr int STRIDE = FX_WARPS * 16;
+    if constexpr (BIG) {
+        __syncthreads();
+        for (int t0 = start + warp * 16; t0 < end; t0 += STRIDE) step(nullptr, nullptr, t0);
+    } else {
+        // Software pipeline: the next step's loads are in flight while this one computes
+        // (two register buffers, alternating).
+        constexpr int NK = D / 32, NV = D / 64;
+        uint4 ka[2][NK], kb2[2][NK], va[NV][4], vb[NV][4];
+        auto load = [&](uint4 (&kx)[2][NK], uint4 (&vx)[NV][4], int t0) {
+#pragma unroll
+            for (int n = 0; n < 2; ++n) fx_load_k(kx[n], kg, row, t0 + n * 8 + g, tig, end);
+            const int ta = t0 + tig * 2;
+#pragma unroll
+            for (int hb = 0; hb < NV; ++hb) fx_load_v4(vx[hb], vg, row, hb * 64 + g * 8, ta, ta + 8, end);
+        };
+        int t0 = start + warp * 16;
+        if (t0 < end) load(ka, va, t0);
+        __syncthreads();  // q_s complete; the first loads are already in flight
+        if (t0 < end) {
+            while (true) {
+                if (t0 + STRIDE < end) load(kb2, vb, t0 + STRIDE);
+                step(ka, va, t0);
+                t0 += STRIDE;
+                if (t0 >= end) break;
+                if (t0 + STRIDE < end) load(ka, va, t0 + STRIDE);
+                step(kb2, vb, t0);
+                t0 += STRIDE;
+                if (t0 >= end) break;
+            }
+        }
+    }
+
+    // ---- merge the warps in a fixed order (bitwise reproducible)
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    if (tig == 0) {
+        m_s[warp][g] = m_run;
+        l_s[warp][g] = l_run;
+    }
+    __syncthreads();
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < FX_WARPS; ++w) mb = fmaxf(mb, m_s[w][g]);
+    const float sc = m_run == -INFINITY ? 0.f : fx_exp2(m_run - mb);
+    for (int w = 0; w < FX_WARPS; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int hb = 0; hb < D / 64; ++hb)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    float* o0 = &o_s[g][hb * 64 + (tig * 2) * 8 + e];
+                    float* o1 = o0 + 8;
+                    *o0 = (w == 0 ? 0.f : *o0) + oacc[hb][e][0] * sc;
+                    *o1 = (w == 0 ? 0.f : *o1) + oacc[hb][e][1] * sc;
+                }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < group) {
+        const int j = threadIdx.x;
+        float lb = 0.f;
+#pragma unroll
+        for (int w = 0; w < FX_WARPS; ++w)
+            if (m_s[w][j] != -INFINITY) lb += l_s[w][j] * fx_exp2(m_s[w][j] - mb_of(m_s, j));
+        float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
+        ml[0] = mb_of(m_s, j);
+        ml[1] = lb;
+    }
+    for (int i = threadIdx.x; i < group * D; i += FX_THREADS) {
+        const int j = i / D, d = i % D;
+        ws_o[((long long)(h0 + j) * splits + split) * D + d] = o_s[j][d];
+    }
+}
+
+#define FX_MMA_ENTRY(NAME, T, D)                                                            \
+    extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {                  \
+        gqa_split_mma<T, D>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, seq_len,             \
+                            seq_len_dev, splits);                                           \
+    }
+
+FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
+FX_MMA_ENTRY(gqa_split_mma_f16_d128, fx_half, 128)
+FX_MMA_ENTRY(gqa_split_mma_f16_d256, fx_half, 256)
+FX_MMA_ENTRY(gqa_split_mma_bf16_d64, fx_bf16, 64)
+FX_MMA_ENTRY(gqa_split_mma_bf16_d128, fx_bf16, 128)
+FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
+
+// ---------------------------------------------------------------------------------------
+// Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
+// w_c = 2^(m_c - max m). One warp per (head, 32 columns): lanes are columns, and the loop
+// over chunks keeps 8 loads in flight. seq_len 0 writes zeros.
+#define FX_COMBINE_THREADS 32
+template <class T>
+__device__ __forceinline__ void gqa_split_combine(
+    T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits) {
+    __shared__ float w_s[FX_MAX_SPLITS];
+    const int h = blockIdx.x;
+    const int d = blockIdx.y * 32 + threadIdx.x;
+    const int lane = threadIdx.x;
+    const int seq = fx_seq_len(seq_len, seq_len_dev);
+    T* out_h = out + (long long)h * head_dim;
+    if (seq <= 0) {
+        if (d < head_dim) out_h[d] = fx_from_float<T>(0.f);
+        return;
+    }
+    const int chunk = fx_chunk(seq, splits);
+    const int active = (seq + chunk - 1) / chunk;
+    const float* ml = ws_ml + (long long)h * splits * 2;
+
+    float mx = -INFINITY;
+    for (int c = lane; c < active; c += 32) mx = fmaxf(mx, ml[2 * c]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float lsum = 0.f;
+    for (int c = lane; c < active; c += 32) {
+        const float mc = ml[2 * c];
+        const float w = mc == -INFINITY ? 0.f : fx_exp2(mc - mx);
+        w_s[c] = w;
+        lsum += w * ml[2 * c + 1];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
+    __syncwarp();
+    if (d >= head_dim) return;
+    const float* o = ws_o + (long long)h * splits * head_dim + d;
+    float acc = 0.f;
+    int c = 0;
+    for (; c + 8 <= active; c += 8) {
+        float x[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = o[(long long)(c + i) * head_dim];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc = fmaf(w_s[c + i], x[i], acc);
+    }
+    for (; c < active; ++c) acc = fmaf(w_s[c], o[(long long)c * head_dim], acc);
+    out_h[d] = fx_from_float<T>(acc / lsum);
+}
+
+#define FX_COMBINE_ENTRY(NAME, T)                                                           \
+    extern "C" __global__ void __launch_bounds__(FX_COMBINE_THREADS) NAME(                  \
+        T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
+        const int* seq_len_dev, int splits) {                                               \
+        gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits);     \
+    }
+
+FX_COMBINE_ENTRY(gqa_split_combine_f32, float)
+FX_COMBINE_ENTRY(gqa_split_combine_f16, fx_half)
+FX_COMBINE_ENTRY(gqa_split_combine_bf16, fx_bf16)
