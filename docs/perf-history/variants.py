@@ -11,6 +11,7 @@ here) and its dynamic shared memory; the combine kernel is always the current on
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -52,8 +53,10 @@ VARIANTS = {
 
 
 def main() -> None:
+    wanted = sys.argv[1:]  # shapes such as 16/2/64 (default: all)
     for shape, variants in VARIANTS.items():
-        run_shape(shape, variants)
+        if not wanted or "/".join(map(str, shape)) in wanted:
+            run_shape(shape, variants)
 
 
 Variant = tuple[str, tuple[str, ...], int]
