@@ -264,7 +264,7 @@ FX_GENERIC_FOR_TYPE(bf16, fx_bf16)
 // Tensor-core split kernel for fp16/bf16 caches, head_dim 64/128/256, groups of up to 8.
 // Each warp streams through its own 16-token steps with no block barrier in the loop:
 //   K and V rows go global -> shared memory by cp.async into a ring of FxStages steps per
-//   warp, so 2-3 steps (12-32 KB per warp) are in flight while one is computed;
+//   warp, so 2-7 steps (24-32 KB per warp) are in flight while one is computed;
 //   S = Q K^T   (mma m16n8k16: 16 head rows, 8 of them padding, x 8 tokens x 16 d),
 //   an online softmax in registers (a row's four lanes share its max),
 //   O += P V    (the S accumulators are, repacked, exactly the A operand: no shuffles).
@@ -318,7 +318,7 @@ __device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
 // Steps in each warp's ring (one fewer in flight), by head_dim (the host mirrors this in attention.py: the
 // dynamic shared memory is FX_WARPS * stages * 16 tokens * 2 (K, V) * head_dim * 2 bytes).
 #ifndef FX_STAGES_D64  // (overridable with -D for experiments; keep MMA_STAGES in step)
-#define FX_STAGES_D64 4
+#define FX_STAGES_D64 8
 #endif
 #ifndef FX_STAGES_D128
 #define FX_STAGES_D128 4

@@ -79,7 +79,7 @@ class SplitPlan:
         return (THREADS // 32) * mma_stages(head_dim) * 16 * 2 * head_dim * itemsize
 
 
-MMA_STAGES = {64: 4, 128: 4, 256: 3}  # FxStages in the kernel: its ring's steps per warp
+MMA_STAGES = {64: 8, 128: 4, 256: 3}  # FxStages in the kernel: its ring's steps per warp
 
 
 def mma_stages(head_dim: int) -> int:

@@ -167,17 +167,17 @@ def compile_source(
     try:
         status = nvrtc_compile(prog, opts)
         size = rtc("nvrtcGetProgramLogSize", prog)
-        buf = b" " * size
+        buf = bytearray(size)  # (never b" " * size: at size 1 that is Python's shared b" ")
         rtc("nvrtcGetProgramLog", prog, buf)
         log = buf.rstrip(b"\0 ").decode(errors="replace")
         if status is not None:
             raise CompileError(name, log or str(status), opts)
         size = rtc("nvrtcGetCUBINSize", prog)
-        cubin = b" " * size
+        cubin = bytearray(size)
         rtc("nvrtcGetCUBIN", prog, cubin)
     finally:
         rtc("nvrtcDestroyProgram", prog)
-    return Program(cubin, log, arch, opts, name, parse_resources(log))
+    return Program(bytes(cubin), log, arch, opts, name, parse_resources(log))
 
 
 def nvrtc_version_string() -> str:
