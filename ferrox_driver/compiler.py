@@ -62,7 +62,8 @@ class Program:
         cubin: the machine code, loadable with cuModuleLoadData.
         log: NVRTC's log (warnings and the ptxas report).
         arch: the target, e.g. ``"sm_90"``.
-        resources: per-kernel ptxas report, by kernel name.
+        resources: per-kernel ptxas report, by kernel name (empty when NVRTC returns no
+            log, as seen under compute-sanitizer).
         options: the full option list NVRTC was given.
         name: the source's file name.
     """
