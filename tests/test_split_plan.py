@@ -1,0 +1,99 @@
+"""CPU checks of the split-kernel launch plan and the benchmark's bookkeeping."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ferrox_driver import attention, bench_decode, compiler
+from ferrox_driver.compiler import compile_source, kernel_source
+
+L2_BYTES = 60 * 2**20  # H200
+MAX_BLOCK_SHARED = 227 * 1024  # sm_90 opt-in limit per block
+
+
+def test_host_ring_sizes_match_the_kernel_defaults():
+    src = kernel_source("gqa_decode_split.cu")
+    for head_dim, stages in attention.MMA_STAGES.items():
+        found = re.search(rf"#define FX_STAGES_D{head_dim} (\d+)", src)
+        assert found, f"FX_STAGES_D{head_dim} not defined in the kernel"
+        assert int(found.group(1)) == stages
+
+
+def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
+    program = compile_source(kernel_source("gqa_decode_split.cu"), arch="sm_90")
+    for head_dim in attention.MMA_HEAD_DIMS:
+        plan = attention.SplitPlan(f"gqa_split_mma_f16_d{head_dim}", True, 1, 32, 1)
+        dynamic = plan.shared_bytes(head_dim, 2)  # fp16 and bf16
+        static = program.resources[plan.kernel].shared_bytes
+        assert dynamic > 0
+        assert dynamic + static <= MAX_BLOCK_SHARED, (head_dim, dynamic, static)
+
+
+def test_cuda_core_plans_need_no_dynamic_shared_memory():
+    plan = attention.SplitPlan("gqa_split_f32_g4_vec", False, 2, 16, 8)
+    assert plan.shared_bytes(128, 4) == 0
+
+
+@pytest.mark.parametrize("shape", bench_decode.SHAPES)
+def test_benchmark_rotation_keeps_every_point_out_of_l2(shape):
+    _, n_kv, head_dim = shape
+    for seq in bench_decode.SEQ_LENS:
+        for itemsize in (2, 4):
+            kv_bytes = 2 * seq * n_kv * head_dim * itemsize
+            n_sets, chain = bench_decode.rotation(kv_bytes)
+            assert 1 <= n_sets <= chain
+            assert chain >= bench_decode.CHAIN_MIN
+            # between two reads of one set, the other sets' bytes flush the L2
+            assert n_sets == 1 or (n_sets - 1) * kv_bytes > 2 * L2_BYTES, (seq, n_sets)
+            assert n_sets > 1 or kv_bytes > 2 * L2_BYTES
+
+
+def test_markdown_table_shows_both_timings_and_the_speed_up():
+    point = {
+        "shape": "32/8/128",
+        "dtype": "bf16",
+        "seq_len": 4096,
+        "kv_bytes": 10_000_000,
+        "graph_us": 10.0,
+        "single_us": 17.5,
+        "eager_us": 60.0,
+        "torch_us": 25.0,
+        "torch_single_us": 31.0,
+    }
+    no_torch = dict(point, torch_us=None, torch_single_us=None, seq_len=512)
+    text = bench_decode.markdown_table(
+        {"device": "GPU", "read_ceiling_tbs": 4.0, "points": [point, no_torch]}
+    )
+    rows = [r for r in text.splitlines() if r.startswith("| 32/8/128")]
+    assert len(rows) == 2
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    # 10 MB in 10 us = 1.00 TB/s = 25% of 4 TB/s; PyTorch 10 MB in 25 us = 10%
+    assert cells[3:] == ["10.0", "1.00", "25.0", "17.5", "60.0", "25.0", "10.0", "31.0", "2.50x"]
+    assert rows[1].rstrip().endswith("| - | - | - | - |")
+
+
+def test_compile_source_reads_the_log_into_a_buffer_of_its_own(monkeypatch):
+    """NVRTC writes into the buffer it is given: an immutable (possibly shared) bytes
+    object must never be it. A one-byte log is the case that bit: b" " * 1 is b" " itself."""
+    real_rtc = compiler.rtc
+    seen = []
+
+    def fake_rtc(call, *args):
+        if call == "nvrtcGetProgramLogSize":
+            real_rtc(call, *args)
+            return 1
+        if call == "nvrtcGetProgramLog":
+            seen.append(args[1])
+            args[1][0:1] = b"\0"  # what NVRTC does with an empty log
+            return None
+        return real_rtc(call, *args)
+
+    monkeypatch.setattr(compiler, "rtc", fake_rtc)
+    program = compile_source('extern "C" __global__ void k() {}', arch="sm_90")
+    assert isinstance(seen[0], bytearray)
+    assert bytes([32]) == b" "  # Python's shared one-byte object is untouched
+    assert program.log == ""
+    assert program.resources == {}
+    assert program.cubin[:4] == b"\x7fELF"
