@@ -85,7 +85,7 @@ __device__ __forceinline__ void gqa_split_generic(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
     int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int lpt) {
-    __shared__ float o_s[GT][256];
+    __shared__ __align__(16) float o_s[FX_WARPS][GT][256];  // each warp's sum, merged at the end
     __shared__ float m_s[FX_THREADS][GT];
     __shared__ float l_s[FX_THREADS][GT];
 
@@ -209,16 +209,15 @@ __device__ __forceinline__ void gqa_split_generic(
             acc[j][e] = x;
         }
     }
-    for (int w = 0; w < FX_WARPS; ++w) {
-        if (warp == w && sub == 0 && active) {
+    if (sub == 0 && active) {  // past head_dim, acc holds zeros (q and the rows were 0)
 #pragma unroll
-            for (int j = 0; j < GT; ++j)
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    if (e < valid) o_s[j][d0 + e] = (w == 0 ? 0.f : o_s[j][d0 + e]) + acc[j][e];
+        for (int j = 0; j < GT; ++j) {
+            float4* dst = reinterpret_cast<float4*>(&o_s[warp][j][d0]);
+            dst[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+            dst[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
         }
-        __syncthreads();
     }
+    __syncthreads();
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int j = 0; j < GT; ++j) {
@@ -233,7 +232,10 @@ __device__ __forceinline__ void gqa_split_generic(
     }
     for (int i = threadIdx.x; i < nh * head_dim; i += FX_THREADS) {
         const int j = i / head_dim, d = i % head_dim;
-        ws_o[((long long)(h0 + j) * splits + split) * head_dim + d] = o_s[j][d];
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < FX_WARPS; ++w) sum += o_s[w][j][d];
+        ws_o[((long long)(h0 + j) * splits + split) * head_dim + d] = sum;
     }
 }
 
@@ -330,6 +332,8 @@ template <int D> struct FxStages {
     static constexpr int value = D == 64 ? FX_STAGES_D64 : D == 128 ? FX_STAGES_D128 : FX_STAGES_D256;
 };
 
+#define FX_OPAD 34  // floats per row of the merge area (32 lanes + 2: no bank conflicts)
+
 // The largest of the warps' maxima for head j.
 __device__ __forceinline__ float mb_of(const float (*m_s)[8], int j) {
     float mb = -INFINITY;
@@ -348,7 +352,6 @@ __device__ __forceinline__ void gqa_split_mma(
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     __shared__ float m_s[FX_WARPS][8];
     __shared__ float l_s[FX_WARPS][8];
-    __shared__ float o_s[8][D];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     {  // a launch with too little dynamic shared memory would write past it: refuse
@@ -490,45 +493,54 @@ __device__ __forceinline__ void gqa_split_mma(
     }
     fx_cp_async_wait<0>();  // no copy may land after the block has left
 
-    // ---- merge the warps in a fixed order (bitwise reproducible)
+    // ---- merge the warps in a fixed order (bitwise reproducible). Each warp parks its
+    // unscaled O in the (now idle) ring in fragment order, [warp][slot][lane] with rows of
+    // FX_OPAD floats: the writes are whole rows and the column-ordered reads below hit 32
+    // different banks (slot*2 + lane covers them). Serial warp-by-warp rounds over a
+    // row-major o_s cost 4 us here (16-way bank conflicts): docs/perf-history/NOTES.md.
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
     if (tig == 0) {
         m_s[warp][g] = m_run;
         l_s[warp][g] = l_run;
     }
+    constexpr int SLOTS = D / 64 * 16;  // (hb, e, c0/c1) per lane
+    static_assert(FX_WARPS * SLOTS * FX_OPAD * 4 <= FX_WARPS * S * 2 * STEP * (int)sizeof(T),
+                  "the merge area must fit in the ring");
+    float* o_f = reinterpret_cast<float*>(fx_dyn_smem);
+    __syncthreads();  // every warp is past its loop: the rings are free
+#pragma unroll
+    for (int hb = 0; hb < D / 64; ++hb)
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+                o_f[(warp * SLOTS + hb * 16 + e * 2 + c) * FX_OPAD + lane] = oacc[hb][e][c];
     __syncthreads();
-    float mb = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < FX_WARPS; ++w) mb = fmaxf(mb, m_s[w][g]);
-    const float sc = m_run == -INFINITY ? 0.f : fx_exp2(m_run - mb);
-    for (int w = 0; w < FX_WARPS; ++w) {
-        if (warp == w) {
-#pragma unroll
-            for (int hb = 0; hb < D / 64; ++hb)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    float* o0 = &o_s[g][hb * 64 + (tig * 2) * 8 + e];
-                    float* o1 = o0 + 8;
-                    *o0 = (w == 0 ? 0.f : *o0) + oacc[hb][e][0] * sc;
-                    *o1 = (w == 0 ? 0.f : *o1) + oacc[hb][e][1] * sc;
-                }
-        }
-        __syncthreads();
-    }
     if (threadIdx.x < group) {
         const int j = threadIdx.x;
+        const float mb = mb_of(m_s, j);
         float lb = 0.f;
 #pragma unroll
         for (int w = 0; w < FX_WARPS; ++w)
-            if (m_s[w][j] != -INFINITY) lb += l_s[w][j] * fx_exp2(m_s[w][j] - mb_of(m_s, j));
+            if (m_s[w][j] != -INFINITY) lb += l_s[w][j] * fx_exp2(m_s[w][j] - mb);
         float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
-        ml[0] = mb_of(m_s, j);
+        ml[0] = mb;
         ml[1] = lb;
     }
     for (int i = threadIdx.x; i < group * D; i += FX_THREADS) {
         const int j = i / D, d = i % D;
-        ws_o[((long long)(h0 + j) * splits + split) * D + d] = o_s[j][d];
+        // d = hb*64 + tig*16 + c*8 + e, held by lane j*4 + tig (see oacc)
+        const int slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
+        const int src = j * 4 + (d % 64) / 16;
+        const float mb = mb_of(m_s, j);
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < FX_WARPS; ++w) {
+            const float mw = m_s[w][j];
+            if (mw != -INFINITY) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * fx_exp2(mw - mb);
+        }
+        ws_o[((long long)(h0 + j) * splits + split) * D + d] = acc;
     }
 }
 
@@ -572,6 +584,17 @@ __device__ __forceinline__ void gqa_split_combine(
     const int chunk = fx_chunk(seq, splits);
     const int active = (seq + chunk - 1) / chunk;
     const float* ml = ws_ml + (long long)h * splits * 2;
+    // This warp's first chunk outputs do not depend on the weights: load them now, so the
+    // loads of the maxima below and these share one trip to L2.
+    constexpr int W = FX_COMBINE_WARPS;
+    const bool col = d < head_dim;
+    const float* o = ws_o + (long long)h * splits * head_dim + (col ? d : 0);
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int c = warp + i * W;
+        x[i] = col && c < active ? o[(long long)c * head_dim] : 0.f;
+    }
 
     // ---- the largest chunk maximum, then the chunk weights and the total sum
     float mx = -INFINITY;
@@ -599,20 +622,17 @@ __device__ __forceinline__ void gqa_split_combine(
 #pragma unroll
     for (int w = 0; w < FX_COMBINE_WARPS; ++w) lsum += red_s[w][1];
 
-    // ---- weighted sum of the chunk outputs: warp w takes chunks w, w+4, w+8, ...
+    // ---- weighted sum of the chunk outputs: warp w takes chunks w, w+4, w+8, ... in order
     float acc = 0.f;
-    if (d < head_dim) {
-        const float* o = ws_o + (long long)h * splits * head_dim + d;
-        constexpr int W = FX_COMBINE_WARPS;
-        int c = warp;
-        for (; c + 7 * W < active; c += 8 * W) {
-            float x[8];
+    for (int c = warp;;) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) x[i] = o[(long long)(c + i * W) * head_dim];
+        for (int i = 0; i < 8; ++i)
+            if (c + i * W < active) acc = fmaf(w_s[c + i * W], x[i], acc);
+        c += 8 * W;
+        if (c >= active) break;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc = fmaf(w_s[c + i * W], x[i], acc);
-        }
-        for (; c < active; c += W) acc = fmaf(w_s[c], o[(long long)c * head_dim], acc);
+        for (int i = 0; i < 8; ++i)
+            x[i] = col && c + i * W < active ? o[(long long)(c + i * W) * head_dim] : 0.f;
     }
     __syncthreads();  // red_s[.][1] read by every warp
     red_s[warp][lane] = acc;
