@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cuda.bindings import driver as cu
@@ -95,10 +95,39 @@ def check(result: Any, call: str) -> Any:
     return values[0] if len(values) == 1 else values
 
 
+# Per thread: how many stream captures it has open, and the releases they held back.
+_capture = threading.local()
+
+
 def release(call: str, *args: Any) -> None:
-    """Call a driver destroy/free function from a finalizer: never raises, also at shutdown."""
+    """Call a driver destroy/free function from a finalizer: never raises, also at shutdown.
+
+    While this thread is capturing a stream (see :func:`capturing`) the call is held back
+    until the capture ends: a free or unload inside a capture (a finalizer run by the
+    garbage collector, say) would invalidate it."""
+    if getattr(_capture, "depth", 0):
+        _capture.held.append((call, args))
+        return
     with contextlib.suppress(Exception):
         getattr(cu, call)(*args)
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Mark the current thread as capturing a stream for the duration of the block; the
+    releases held back meanwhile run when the outermost such block ends."""
+    depth = getattr(_capture, "depth", 0)
+    if depth == 0:
+        _capture.held = []
+    _capture.depth = depth + 1
+    try:
+        yield
+    finally:
+        _capture.depth = depth
+        if depth == 0:
+            held, _capture.held = _capture.held, []
+            for call, args in held:
+                release(call, *args)
 
 
 def finalizer(owner: object, call: str | None, *args: Any) -> Any:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ._driver import cu, drv, finalizer, release
+from ._driver import capturing, cu, drv, finalizer, release
 from .device import Device
 from .errors import CudaError
 from .stream import Stream, stream_handle
@@ -154,13 +154,14 @@ def capture(stream: Stream) -> Iterator[Graph]:
     stream.device.activate()
     graph = Graph(stream.device)
     mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-    drv("cuStreamBeginCapture", stream.handle, mode)
-    try:
-        yield graph
-    except BaseException:
-        result = cu.cuStreamEndCapture(stream.handle)
-        if len(result) > 1 and result[1] is not None and int(result[1]):
-            release("cuGraphDestroy", result[1])
-        raise
-    graph._adopt(drv("cuStreamEndCapture", stream.handle))
+    with capturing():  # frees and unloads by finalizers wait for the capture's end
+        drv("cuStreamBeginCapture", stream.handle, mode)
+        try:
+            yield graph
+        except BaseException:
+            result = cu.cuStreamEndCapture(stream.handle)
+            if len(result) > 1 and result[1] is not None and int(result[1]):
+                release("cuGraphDestroy", result[1])
+            raise
+        graph._adopt(drv("cuStreamEndCapture", stream.handle))
     graph_stats.captures += 1

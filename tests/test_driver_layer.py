@@ -70,3 +70,36 @@ def test_numpy_scalars_and_null_pointers_pack_with_their_c_types() -> None:
 def test_unsupported_kernel_argument_is_a_type_error() -> None:
     with pytest.raises(TypeError, match=r"args\[0\]"):
         pack_args(["a string"])
+
+
+def test_releases_inside_a_capture_wait_for_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int]] = []
+
+    class FakeCu:
+        def __getattr__(self, name: str) -> object:
+            return lambda *args: calls.append((name, *args))
+
+    monkeypatch.setattr(_driver, "cu", FakeCu())
+    _driver.release("cuMemFree", 1)
+    assert calls == [("cuMemFree", 1)]
+    with _driver.capturing():
+        _driver.release("cuMemFree", 2)
+        with _driver.capturing():  # nested captures: held until the outermost ends
+            _driver.release("cuModuleUnload", 3)
+        assert calls == [("cuMemFree", 1)]
+    assert calls == [("cuMemFree", 1), ("cuMemFree", 2), ("cuModuleUnload", 3)]
+    with pytest.raises(RuntimeError, match="boom"), _driver.capturing():
+        _driver.release("cuStreamDestroy", 4)
+        raise RuntimeError("boom")
+    assert calls[-1] == ("cuStreamDestroy", 4)  # a failed capture releases too
+
+
+def test_releases_held_by_one_thread_capture_do_not_hold_another_threads() -> None:
+    import threading
+
+    seen: list[int] = []
+    with _driver.capturing():
+        worker = threading.Thread(target=lambda: seen.append(getattr(_driver._capture, "depth", 0)))
+        worker.start()
+        worker.join()
+    assert seen == [0]

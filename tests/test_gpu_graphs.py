@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -154,6 +157,40 @@ def test_exception_inside_capture_ends_it_and_leaves_the_stream_usable(rng):
         kernel.launch(4, 256, (np.float32(2), x, y, np.int64(1024)), stream=stream)
         stream.synchronize()
         assert (y.to_host(stream) == 2).all()  # the captured launch never ran
+
+
+def test_garbage_collected_inside_a_capture_is_freed_after_it_not_during_it():
+    """A finalizer run by the garbage collector inside a capture (a device array, a module
+    and a stream caught in reference cycles) must not free during the capture: cuMemFree or
+    cuModuleUnload there would invalidate it. They are freed when the capture ends."""
+    kernel = axpy_kernel()
+    x = fd.to_device(np.ones(256, np.float32))
+    y = fd.zeros(256, np.float32)
+    gc.collect()
+    gc.disable()  # only the collect() below may collect
+    try:
+        junk: list = [fd.empty((1 << 20,), np.float32), fd.Stream()]
+        junk.append(fd.Module(fd.compile_source(kernel_source("util.cu"), name="util.cu")))
+        junk.append(junk)  # a cycle: only the collector frees it
+        freed = [weakref.ref(obj) for obj in junk[:3]]
+        free_before = fd.Device(0).mem_info()[0]
+        del junk
+        with fd.Stream() as stream:
+            with stream.capture() as graph:
+                kernel.launch(1, 256, (np.float32(1), x, y, np.int64(256)), stream=stream)
+                assert gc.collect() > 0
+                assert all(ref() is None for ref in freed)  # collected, release held back
+                kernel.launch(1, 256, (np.float32(2), x, y, np.int64(256)), stream=stream)
+            free_after = fd.Device(0).mem_info()[0]
+            exe = graph.instantiate()
+            exe.launch(stream)
+            stream.synchronize()
+            assert (y.to_host() == 3).all()
+            exe.close()
+            graph.close()
+    finally:
+        gc.enable()
+    assert free_after >= free_before + (1 << 22) - (1 << 20)  # the 4 MiB came back
 
 
 def test_captured_graph_replays_and_updates_in_place(rng):
