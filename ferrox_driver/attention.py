@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .compiler import kernel_source
 from .device import Device, resolve
 from .launch import Kernel
 from .memory import DeviceArray, as_device_array, empty, to_device
@@ -24,10 +26,21 @@ __all__ = ["ALGORITHMS", "SplitPlan", "gqa_decode", "launch_decode", "plan_split
 
 ALGORITHMS = ("auto", "split", "parity")
 SPLIT_FILE = "gqa_decode_split.cu"
-TILE = 64  # tokens; chunk sizes are multiples of it (FX_TILE in the kernels)
-MAX_SPLITS = 1024  # FX_MAX_SPLITS
-THREADS = 128  # FX_THREADS
-COMBINE_THREADS = 128  # FX_COMBINE_THREADS
+
+
+def kernel_define(name: str, filename: str = SPLIT_FILE) -> int:
+    """The integer a kernel file ``#define``s for ``name``: launch constants are read from
+    the kernel source, so the host's grids and shared memory sizes cannot drift from it."""
+    found = re.search(rf"^#define {name} (\d+)\b", kernel_source(filename), re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"{filename} defines no integer {name}")
+    return int(found.group(1))
+
+
+TILE = kernel_define("FX_TILE")  # tokens; chunk sizes are multiples of it
+MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
+THREADS = kernel_define("FX_THREADS")
+COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
 MMA_HEAD_DIMS = (64, 128, 256)
 
 
@@ -79,7 +92,8 @@ class SplitPlan:
         return (THREADS // 32) * mma_stages(head_dim) * 16 * 2 * head_dim * itemsize
 
 
-MMA_STAGES = {64: 8, 128: 4, 256: 3}  # FxStages in the kernel: its ring's steps per warp
+# FxStages in the kernel: each warp's ring of 16-token steps, by head_dim
+MMA_STAGES = {d: kernel_define(f"FX_STAGES_D{d}") for d in MMA_HEAD_DIMS}
 
 
 def mma_stages(head_dim: int) -> int:

@@ -13,12 +13,23 @@ L2_BYTES = 60 * 2**20  # H200
 MAX_BLOCK_SHARED = 227 * 1024  # sm_90 opt-in limit per block
 
 
-def test_host_ring_sizes_match_the_kernel_defaults():
+def test_host_launch_constants_are_the_kernels_defines():
     src = kernel_source("gqa_decode_split.cu")
+    expected = {"FX_TILE": attention.TILE, "FX_THREADS": attention.THREADS}
+    expected["FX_COMBINE_THREADS"] = attention.COMBINE_THREADS
+    expected["FX_MAX_SPLITS"] = attention.MAX_SPLITS
     for head_dim, stages in attention.MMA_STAGES.items():
-        found = re.search(rf"#define FX_STAGES_D{head_dim} (\d+)", src)
-        assert found, f"FX_STAGES_D{head_dim} not defined in the kernel"
-        assert int(found.group(1)) == stages
+        expected[f"FX_STAGES_D{head_dim}"] = stages
+    for name, value in expected.items():
+        found = re.search(rf"#define {name} (\d+)", src)
+        assert found, f"{name} not defined in the kernel"
+        assert int(found.group(1)) == value, name
+    assert sorted(attention.MMA_STAGES) == [64, 128, 256]
+
+
+def test_a_missing_define_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="defines no integer FX_NOT_THERE"):
+        attention.kernel_define("FX_NOT_THERE")
 
 
 def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
