@@ -561,10 +561,11 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 
 // ---------------------------------------------------------------------------------------
 // Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
-// w_c = 2^(m_c - max m). One block per (head, 32 columns): lanes are columns, the four
-// warps take every fourth chunk (8 loads in flight each) and add up in a fixed order, so
-// results are reproducible bit for bit. seq_len 0 writes zeros.
-#define FX_COMBINE_THREADS 128
+// w_c = 2^(m_c - max m). One block per (head, 32 columns): lanes are columns, the eight
+// warps take every eighth chunk (16 loads in flight each: 128 chunks per trip to L2) and
+// add up in a fixed order, so results are reproducible bit for bit. seq_len 0 writes zeros.
+#define FX_COMBINE_THREADS 256
+#define FX_COMBINE_BATCH 16  // chunk loads in flight per lane
 #define FX_COMBINE_WARPS (FX_COMBINE_THREADS / 32)
 template <class T>
 __device__ __forceinline__ void gqa_split_combine(
@@ -589,9 +590,9 @@ __device__ __forceinline__ void gqa_split_combine(
     constexpr int W = FX_COMBINE_WARPS;
     const bool col = d < head_dim;
     const float* o = ws_o + (long long)h * splits * head_dim + (col ? d : 0);
-    float x[8];
+    float x[FX_COMBINE_BATCH];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < FX_COMBINE_BATCH; ++i) {
         const int c = warp + i * W;
         x[i] = col && c < active ? o[(long long)c * head_dim] : 0.f;
     }
@@ -626,12 +627,12 @@ __device__ __forceinline__ void gqa_split_combine(
     float acc = 0.f;
     for (int c = warp;;) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < FX_COMBINE_BATCH; ++i)
             if (c + i * W < active) acc = fmaf(w_s[c + i * W], x[i], acc);
-        c += 8 * W;
+        c += FX_COMBINE_BATCH * W;
         if (c >= active) break;
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < FX_COMBINE_BATCH; ++i)
             x[i] = col && c + i * W < active ? o[(long long)(c + i * W) * head_dim] : 0.f;
     }
     __syncthreads();  // red_s[.][1] read by every warp
