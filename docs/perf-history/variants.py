@@ -41,6 +41,7 @@ VARIANTS = {
         ("d128 S=4", ("-DFX_STAGES_D128=4",), 4 * ring(128)),
     ],
     (16, 2, 64): [
+        ("d64 S=3", ("-DFX_STAGES_D64=3",), 3 * ring(64)),
         ("d64 S=4", ("-DFX_STAGES_D64=4",), 4 * ring(64)),
         ("d64 S=6", ("-DFX_STAGES_D64=6",), 6 * ring(64)),
         ("d64 S=8", ("-DFX_STAGES_D64=8",), 8 * ring(64)),
