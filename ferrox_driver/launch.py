@@ -128,7 +128,7 @@ class Kernel:
         self._handle = handle
         self.name = name
         self.module = module
-        self._max_dynamic_shared = 48 * 1024
+        self._max_dynamic_shared: int | None = None  # asked of the driver when first needed
 
     @property
     def handle(self) -> Any:
@@ -136,8 +136,19 @@ class Kernel:
         return self._handle
 
     def allow_shared(self, shared_mem: int) -> None:
-        """Let launches use ``shared_mem`` bytes of dynamic shared memory (past 48 KiB the
-        driver must be told first)."""
+        """Let launches use ``shared_mem`` bytes of dynamic shared memory (past 48 KiB less
+        the kernel's static shared memory, the driver must be told first)."""
+        if shared_mem == 0:
+            return
+        if self._max_dynamic_shared is None:
+            self.module.device.activate()
+            self._max_dynamic_shared = int(
+                drv(
+                    "cuFuncGetAttribute",
+                    cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    self._handle,
+                )
+            )
         if shared_mem > self._max_dynamic_shared:
             self.module.device.activate()
             drv(

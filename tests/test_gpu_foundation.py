@@ -67,6 +67,32 @@ def test_cached_kernel_launches_on_a_stream_and_is_timed_with_events(device, rng
     assert 0 < ms < 1000
 
 
+SHARED_SOURCE = r"""
+extern "C" __global__ void static_and_dynamic(float* out, int n_dyn) {
+    __shared__ float fixed[2048];  // 8 KiB static
+    extern __shared__ float dyn[];
+    for (int i = threadIdx.x; i < 2048; i += blockDim.x) fixed[i] = 1.f;
+    for (int i = threadIdx.x; i < n_dyn; i += blockDim.x) dyn[i] = 2.f;
+    __syncthreads();
+    if (threadIdx.x == 0) out[0] = fixed[2047] + dyn[n_dyn - 1];
+}
+"""
+
+
+@pytest.mark.parametrize("dyn_kib", [1, 40, 41, 100])
+def test_dynamic_shared_memory_beside_static_shared_memory(device, dyn_kib):
+    """8 KiB static + 41 KiB dynamic passes the 48 KiB default: the driver must be told
+    first (40 does not need it, 100 needs it far past the default)."""
+    kernel = fd.Module(fd.compile_source(SHARED_SOURCE, name="shared.cu")).get_function(
+        "static_and_dynamic"
+    )
+    nbytes = dyn_kib * 1024
+    assert kernel.max_active_blocks(128, nbytes) >= 1
+    out = fd.zeros(1, np.float32)
+    kernel.launch(1, 128, (out, np.int32(nbytes // 4)), shared_mem=nbytes)
+    assert out.to_host()[0] == 3.0
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int32, np.uint8])
 def test_round_trip_through_pageable_memory(rng, dtype):
     x = (rng.standard_normal((37, 5)) * 100).astype(dtype)
