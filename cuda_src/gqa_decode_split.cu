@@ -15,7 +15,9 @@
 // Workspace: ws_o [n_heads][splits][head_dim] f32, ws_ml [n_heads][splits][2] f32 (m, l).
 // Layout: q [n_heads][head_dim]; k/v [token][n_kv_heads][head_dim]; out like q.
 
+#ifndef FX_THREADS  // (overridable with -D for experiments, as the ring sizes below)
 #define FX_THREADS 128
+#endif
 #define FX_WARPS (FX_THREADS / 32)
 #define FX_TILE 64  // chunk sizes are multiples of this (tokens)
 #define FX_MAX_SPLITS 1024

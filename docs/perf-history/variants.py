@@ -11,6 +11,7 @@ here) and its dynamic shared memory; the combine kernel is always the current on
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.attention import COMBINE_THREADS, MAX_SPLITS, THREADS, TILE, stream_workspace
+from ferrox_driver.attention import COMBINE_THREADS, MAX_SPLITS, TILE, stream_workspace
 from ferrox_driver.bench_decode import fill_uniform, rotation, time_events
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
@@ -29,27 +30,23 @@ DT = np.dtype(ml_dtypes.bfloat16)
 SEQS = [512, 4096, 32768, 131072]
 
 
-def ring(head_dim: int) -> int:
-    """Bytes of one ring stage of a block's four warps."""
-    return 4 * 16 * 2 * head_dim * 2
+def variant(head_dim: int, stages: int, warps: int = 4) -> Variant:
+    """A ring of ``stages`` steps per warp, ``warps`` warps per block: (name, -D options,
+    dynamic shared memory, threads per block)."""
+    opts = [f"-DFX_STAGES_D{head_dim}={stages}"]
+    if warps != 4:
+        opts.append(f"-DFX_THREADS={32 * warps}")
+    name = f"d{head_dim} S={stages}" + (f" {warps}w" if warps != 4 else "")
+    return name, tuple(opts), warps * stages * 16 * 2 * head_dim * 2, 32 * warps
 
 
-# (q heads, kv heads, head_dim) -> variants: (name, -D options, dynamic shared memory)
+Variant = tuple[str, tuple[str, ...], int, int]
+
+# (q heads, kv heads, head_dim) -> variants
 VARIANTS = {
-    (32, 8, 128): [
-        ("d128 S=3", ("-DFX_STAGES_D128=3",), 3 * ring(128)),
-        ("d128 S=4", ("-DFX_STAGES_D128=4",), 4 * ring(128)),
-    ],
-    (16, 2, 64): [
-        ("d64 S=3", ("-DFX_STAGES_D64=3",), 3 * ring(64)),
-        ("d64 S=4", ("-DFX_STAGES_D64=4",), 4 * ring(64)),
-        ("d64 S=6", ("-DFX_STAGES_D64=6",), 6 * ring(64)),
-        ("d64 S=8", ("-DFX_STAGES_D64=8",), 8 * ring(64)),
-    ],
-    (8, 1, 256): [
-        ("d256 S=2", ("-DFX_STAGES_D256=2",), 2 * ring(256)),
-        ("d256 S=3", ("-DFX_STAGES_D256=3",), 3 * ring(256)),
-    ],
+    (32, 8, 128): [variant(128, 4), variant(128, 2, 8), variant(128, 3, 8)],
+    (16, 2, 64): [variant(64, 4), variant(64, 6), variant(64, 8), variant(64, 4, 8)],
+    (8, 1, 256): [variant(256, 3), variant(256, 2, 6)],
 }
 
 
@@ -58,9 +55,6 @@ def main() -> None:
     for shape, variants in VARIANTS.items():
         if not wanted or "/".join(map(str, shape)) in wanted:
             run_shape(shape, variants)
-
-
-Variant = tuple[str, tuple[str, ...], int]
 
 
 def run_shape(shape: tuple[int, int, int], variants: list[Variant]) -> None:
@@ -73,16 +67,19 @@ def run_shape(shape: tuple[int, int, int], variants: list[Variant]) -> None:
     fill_uniform(q, 1, stream)
     kernels = []
     src = kernel_source("gqa_decode_split.cu")
-    for name, opts, smem in variants:
+    # Only the tensor-core kernels are timed; the CUDA-core ones would not compile with
+    # other block sizes (their shared memory grows with the warps).
+    src = re.sub(r"^FX_GENERIC_FOR_TYPE\(.*$", "", src, flags=re.MULTILINE)
+    for name, opts, smem, threads in variants:
         prog = compile_source(src, options=opts, name="variant.cu")
         kern = Module(prog, dev).get_function(f"gqa_split_mma_bf16_d{hd}")
-        per_sm = kern.max_active_blocks(THREADS, smem)
+        per_sm = kern.max_active_blocks(threads, smem)
         res = prog.resources.get(f"gqa_split_mma_bf16_d{hd}")
         print(
             f"{n_heads}/{n_kv}/{hd} {name:<10} regs {res.registers if res else '?':>3} "
             f"smem {smem + (res.shared_bytes if res else 0):>6} B blocks/SM {per_sm}"
         )
-        kernels.append((name, kern, smem, per_sm))
+        kernels.append((name, kern, smem, per_sm, threads))
     print(f"{'seq_len':>7} " + " ".join(f"{n:>16}" for n, *_ in kernels) + "   (us per decode)")
     for seq in SEQS:
         kv_bytes = 2 * seq * n_kv * hd * DT.itemsize
@@ -95,7 +92,7 @@ def run_shape(shape: tuple[int, int, int], variants: list[Variant]) -> None:
             fill_uniform(v, 11 + 2 * i, stream)
             sets.append((k, v))
         row = []
-        for _, kern, smem, per_sm in kernels:
+        for _, kern, smem, per_sm, threads in kernels:
             splits = per_sm * dev.multiprocessor_count // n_kv
             splits = max(1, min(splits, MAX_SPLITS, math.ceil(seq / TILE)))
             ws = stream_workspace(dev, stream, n_heads * splits * (hd + 2))
@@ -105,7 +102,7 @@ def run_shape(shape: tuple[int, int, int], variants: list[Variant]) -> None:
             def decode(i: int) -> None:
                 k, v = sets[i % n_sets]
                 args = (q, k, v, ws, ws_ml, *heads, np.int32(seq), None, np.int32(splits))
-                kern.launch((splits, n_kv, 1), THREADS, args, shared_mem=smem, stream=stream)
+                kern.launch((splits, n_kv, 1), threads, args, shared_mem=smem, stream=stream)
                 combine.launch(
                     (n_heads, hd // 32),
                     COMBINE_THREADS,
