@@ -412,16 +412,22 @@ __device__ __forceinline__ void gqa_split_mma(
         *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
     }
     __syncthreads();  // q_s complete; the first steps' loads are already in flight
+    uint4 qfrag[D / 32];  // this lane's Q: head g, d = kb*32 + tig*8 .. +8, read once
+#pragma unroll
+    for (int kb = 0; kb < D / 32; ++kb)
+        qfrag[kb] = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
 
     const float sscale = rsqrtf((float)D) * FX_LOG2E;
 
     // O accumulators: [64-d block][e]: c0 -> d = hb*64 + (2 tig)*8 + e, c1 -> +8. The
     // padding rows' outputs (c2, c3) only ever add zero rows: a scratch pair per chain of
-    // mmas takes them (two short chains per 64-d block instead of 2 registers per mma).
-    float oacc[D / 64][8][2], pad[D / 64][2][2];
+    // mmas takes them (PADS short chains per 64-d block instead of 2 registers per mma).
+    constexpr int PADS = D <= 128 ? 4 : 2;
+    float oacc[D / 64][8][2], pad[D / 64][PADS][2];
 #pragma unroll
     for (int hb = 0; hb < D / 64; ++hb) {
-        pad[hb][0][0] = pad[hb][0][1] = pad[hb][1][0] = pad[hb][1][1] = 0.f;
+#pragma unroll
+        for (int i = 0; i < PADS; ++i) pad[hb][i][0] = pad[hb][i][1] = 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) oacc[hb][e][0] = oacc[hb][e][1] = 0.f;
     }
@@ -436,19 +442,25 @@ __device__ __forceinline__ void gqa_split_mma(
         const T* vs = ks + STEP;
         const int ta = t0 + tig * 2, tc = ta + 8;
         // ---- S = Q K^T for tokens t0..t0+7 (n = 0) and t0+8..t0+15 (n = 1)
-        float s[2][4];
+        // (two accumulator chains per n, the 16-byte reads' halves, added at the end: the
+        // mmas' latency is this loop's critical path at short lengths)
+        float s[2][4], s2[2][4];
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
             const int r = n * 8 + g;
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.f;
 #pragma unroll
             for (int kb = 0; kb < D / 32; ++kb) {
                 const int c = (kb * 4 + tig) ^ ((r & 1) << 2);
                 const uint4 kv = *reinterpret_cast<const uint4*>(ks + r * D + c * 8);
-                const uint4 qv = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
+                const uint4 qv = qfrag[kb];
                 FxMma<T>::run(s[n][0], s[n][1], s[n][2], s[n][3], qv.x, 0u, qv.y, 0u, kv.x, kv.y);
-                FxMma<T>::run(s[n][0], s[n][1], s[n][2], s[n][3], qv.z, 0u, qv.w, 0u, kv.z, kv.w);
+                FxMma<T>::run(s2[n][0], s2[n][1], s2[n][2], s2[n][3], qv.z, 0u, qv.w, 0u, kv.z,
+                              kv.w);
             }
+            s[n][0] += s2[n][0];
+            s[n][1] += s2[n][1];
         }
         // ---- online softmax for head g over this lane's 4 scores (tokens of c0, c1)
         float x[4];
@@ -487,8 +499,8 @@ __device__ __forceinline__ void gqa_split_mma(
                 const unsigned b1 = __byte_perm(wc[e >> 1], wd[e >> 1], sel);
                 oacc[hb][e][0] *= alpha;
                 oacc[hb][e][1] *= alpha;
-                FxMma<T>::run(oacc[hb][e][0], oacc[hb][e][1], pad[hb][e & 1][0],
-                              pad[hb][e & 1][1], pa0, 0u, pa2, 0u, b0, b1);
+                FxMma<T>::run(oacc[hb][e][0], oacc[hb][e][1], pad[hb][e % PADS][0],
+                              pad[hb][e % PADS][1], pa0, 0u, pa2, 0u, b0, b1);
             }
         }
         __syncwarp();  // every lane is done with this stage before it is refilled
