@@ -33,20 +33,6 @@ __device__ __forceinline__ int fx_chunk(int seq, int splits) {
     return (c + FX_TILE - 1) / FX_TILE * FX_TILE;
 }
 
-// Programmatic dependent launch (sm_90+): the split kernels let the combine kernel launch
-// at once; the combine waits here, before its first global read, for the split kernel to
-// finish and its writes to be visible. Without the launch attribute both are no-ops.
-__device__ __forceinline__ void fx_let_dependents_launch() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-__device__ __forceinline__ void fx_wait_for_prerequisites() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ float fx_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -105,7 +91,6 @@ __device__ __forceinline__ void gqa_split_generic(
     __shared__ float m_s[FX_THREADS][GT];
     __shared__ float l_s[FX_THREADS][GT];
 
-    fx_let_dependents_launch();
     const int seq = fx_seq_len(seq_len, seq_len_dev);
     const int chunk = fx_chunk(seq, splits);
     // grid = (head tiles, splits, kv heads): the tiles of one chunk are neighbours in
@@ -371,7 +356,6 @@ __device__ __forceinline__ void gqa_split_mma(
     __shared__ float l_s[FX_WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    fx_let_dependents_launch();
     {  // a launch with too little dynamic shared memory would write past it: refuse
         unsigned dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -606,7 +590,6 @@ __device__ __forceinline__ void gqa_split_combine(
     const int h = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int d = blockIdx.y * 32 + lane;
-    fx_wait_for_prerequisites();  // launched early: the partials are complete from here on
     const int seq = fx_seq_len(seq_len, seq_len_dev);
     T* out_h = out + (long long)h * head_dim;
     if (seq <= 0) {

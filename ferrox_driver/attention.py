@@ -42,10 +42,6 @@ MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
 MMA_HEAD_DIMS = (64, 128, 256)
-# The combine kernel is launched while the split kernel still runs and waits for it on the
-# GPU (programmatic dependent launch): its launch no longer adds to each decode. Off with
-# FERROX_EARLY_COMBINE=0 (e.g. to compare).
-EARLY_COMBINE = os.environ.get("FERROX_EARLY_COMBINE", "1") != "0"
 
 
 def check_algorithm(algorithm: Any) -> str:
@@ -230,7 +226,6 @@ def launch_split(
         COMBINE_THREADS,
         (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits),
         stream=stream,
-        early=parts == "both" and EARLY_COMBINE,  # it waits for the split kernel itself
     )
 
 

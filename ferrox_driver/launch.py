@@ -181,7 +181,6 @@ class Kernel:
         *,
         shared_mem: int = 0,
         stream: Any = None,
-        early: bool = False,
     ) -> None:
         """Queue one launch of this kernel.
 
@@ -193,11 +192,6 @@ class Kernel:
                 A bare Python int or float is refused: its C type is ambiguous.
             shared_mem: dynamic shared memory in bytes.
             stream: the stream to launch on (default: the legacy default stream).
-            early: let this launch start while the stream's previous kernel is still
-                running (programmatic dependent launch, compute capability 9.0 and up;
-                elsewhere a plain launch). Only for kernels that execute
-                ``griddepcontrol.wait`` before touching memory the previous kernel
-                writes: the previous kernel's writes are visible after it, not before.
 
         Raises:
             TypeError: an argument without a C type.
@@ -209,20 +203,6 @@ class Kernel:
         address, keep = pack_args(args)
         self.module.device.activate()
         self.allow_shared(shared_mem)
-        if early and self.module.device.compute_capability >= (9, 0):
-            config = cu.CUlaunchConfig()
-            config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
-            config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
-            config.sharedMemBytes = int(shared_mem)
-            config.hStream = stream_handle(stream)
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            config.attrs = [attr]
-            config.numAttrs = 1
-            drv("cuLaunchKernelEx", config, self._handle, address, 0)
-            del keep
-            return
         drv(
             "cuLaunchKernel",
             self._handle,
