@@ -319,13 +319,26 @@ __device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
     return (unsigned)fx_from_float<T>(lo).bits | ((unsigned)fx_from_float<T>(hi).bits << 16);
 }
 
-// Steps in each warp's ring (one fewer in flight), by head_dim (the host mirrors this in attention.py: the
-// dynamic shared memory is FX_WARPS * stages * 16 tokens * 2 (K, V) * head_dim * 2 bytes).
-#ifndef FX_STAGES_D64  // (overridable with -D for experiments; keep MMA_STAGES in step)
-#define FX_STAGES_D64 8
+// Per head_dim: warps per block and steps in each warp's ring (one fewer in flight). The
+// host reads these defines (attention.py): a block has FX_WARPS_D<D> * 32 threads and
+// FX_WARPS_D<D> * stages * 16 tokens * 2 (K, V) * head_dim * 2 bytes of dynamic shared
+// memory. (Overridable with -D for experiments: docs/perf-history/variants.py.) Chosen by
+// measurement: head_dim 64 issues twice the instructions per byte of 128, and eight warps
+// hide their latency better than a deeper ring.
+#ifndef FX_WARPS_D64
+#define FX_WARPS_D64 8
+#endif
+#ifndef FX_STAGES_D64
+#define FX_STAGES_D64 4
+#endif
+#ifndef FX_WARPS_D128
+#define FX_WARPS_D128 4
 #endif
 #ifndef FX_STAGES_D128
 #define FX_STAGES_D128 4
+#endif
+#ifndef FX_WARPS_D256
+#define FX_WARPS_D256 4
 #endif
 #ifndef FX_STAGES_D256
 #define FX_STAGES_D256 3  // 4 warps x 3 x 16 KB: as much as a block may have
@@ -333,14 +346,18 @@ __device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
 template <int D> struct FxStages {
     static constexpr int value = D == 64 ? FX_STAGES_D64 : D == 128 ? FX_STAGES_D128 : FX_STAGES_D256;
 };
+template <int D> struct FxWarps {
+    static constexpr int value = D == 64 ? FX_WARPS_D64 : D == 128 ? FX_WARPS_D128 : FX_WARPS_D256;
+};
 
 #define FX_OPAD 34  // floats per row of the merge area (32 lanes + 2: no bank conflicts)
 
-// The largest of the warps' maxima for head j.
+// The largest of the W warps' maxima for head j.
+template <int W>
 __device__ __forceinline__ float mb_of(const float (*m_s)[8], int j) {
     float mb = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < FX_WARPS; ++w) mb = fmaxf(mb, m_s[w][j]);
+    for (int w = 0; w < W; ++w) mb = fmaxf(mb, m_s[w][j]);
     return mb;
 }
 
@@ -350,16 +367,18 @@ __device__ __forceinline__ void gqa_split_mma(
     float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
     int seq_len, const int* __restrict__ seq_len_dev, int splits) {
     constexpr int S = FxStages<D>::value;
+    constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
     constexpr int NCH = D / 8;            // 16-byte chunks per row
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
-    __shared__ float m_s[FX_WARPS][8];
-    __shared__ float l_s[FX_WARPS][8];
+    __shared__ float m_s[WARPS][8];
+    __shared__ float l_s[WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    {  // a launch with too little dynamic shared memory would write past it: refuse
+    {  // a launch with too little dynamic shared memory would write past it: refuse;
         unsigned dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (unsigned)(FX_WARPS * S * 2 * STEP * sizeof(T))) __trap();
+        if (dyn < (unsigned)(WARPS * S * 2 * STEP * sizeof(T))) __trap();
+        if (blockDim.x != THREADS) __trap();  // fewer warps would skip their tokens
     }
 
     const int seq = fx_seq_len(seq_len, seq_len_dev);
@@ -383,7 +402,7 @@ __device__ __forceinline__ void gqa_split_mma(
     // Queue step j of this warp (tokens start + warp*16 + j*STRIDE ..+16) into its stage;
     // rows past the end are zeros. One commit group per step, even an empty one, so the
     // wait below counts steps.
-    constexpr int STRIDE = FX_WARPS * 16;
+    constexpr int STRIDE = WARPS * 16;
     auto issue = [&](int j) {
         const int t0 = start + warp * 16 + j * STRIDE;
         if (t0 < end) {
@@ -407,7 +426,7 @@ __device__ __forceinline__ void gqa_split_mma(
     // in shared memory. Lane reads head g, d = kb*32 + tig*8 .. +8; rows are padded by
     // 16 bytes against bank conflicts.
     __shared__ __align__(16) T q_s[8][D + 8];
-    for (int i = threadIdx.x; i < 8 * (D / 8); i += FX_THREADS) {
+    for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
         const int j = i / (D / 8), c = (i % (D / 8)) * 8;
         *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
     }
@@ -519,7 +538,7 @@ __device__ __forceinline__ void gqa_split_mma(
         l_s[warp][g] = l_run;
     }
     constexpr int SLOTS = D / 64 * 16;  // (hb, e, c0/c1) per lane
-    static_assert(FX_WARPS * SLOTS * FX_OPAD * 4 <= FX_WARPS * S * 2 * STEP * (int)sizeof(T),
+    static_assert(WARPS * SLOTS * FX_OPAD * 4 <= WARPS * S * 2 * STEP * (int)sizeof(T),
                   "the merge area must fit in the ring");
     float* o_f = reinterpret_cast<float*>(fx_dyn_smem);
     __syncthreads();  // every warp is past its loop: the rings are free
@@ -533,24 +552,24 @@ __device__ __forceinline__ void gqa_split_mma(
     __syncthreads();
     if (threadIdx.x < group) {
         const int j = threadIdx.x;
-        const float mb = mb_of(m_s, j);
+        const float mb = mb_of<WARPS>(m_s, j);
         float lb = 0.f;
 #pragma unroll
-        for (int w = 0; w < FX_WARPS; ++w)
+        for (int w = 0; w < WARPS; ++w)
             if (m_s[w][j] != -INFINITY) lb += l_s[w][j] * fx_exp2(m_s[w][j] - mb);
         float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
         ml[0] = mb;
         ml[1] = lb;
     }
-    for (int i = threadIdx.x; i < group * D; i += FX_THREADS) {
+    for (int i = threadIdx.x; i < group * D; i += THREADS) {
         const int j = i / D, d = i % D;
         // d = hb*64 + tig*16 + c*8 + e, held by lane j*4 + tig (see oacc)
         const int slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
         const int src = j * 4 + (d % 64) / 16;
-        const float mb = mb_of(m_s, j);
+        const float mb = mb_of<WARPS>(m_s, j);
         float acc = 0.f;
 #pragma unroll
-        for (int w = 0; w < FX_WARPS; ++w) {
+        for (int w = 0; w < WARPS; ++w) {
             const float mw = m_s[w][j];
             if (mw != -INFINITY) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * fx_exp2(mw - mb);
         }
@@ -559,7 +578,7 @@ __device__ __forceinline__ void gqa_split_mma(
 }
 
 #define FX_MMA_ENTRY(NAME, T, D)                                                            \
-    extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {                  \
         gqa_split_mma<T, D>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, seq_len,             \

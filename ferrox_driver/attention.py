@@ -79,6 +79,7 @@ class SplitPlan:
     head_tiles: int  # blocks per KV head along the group (1 on the tensor-core path)
     lanes_per_token: int
     splits: int
+    threads: int = THREADS  # per block
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
         """Floats of scratch the launch needs: partial outputs, maxima and sums."""
@@ -86,13 +87,15 @@ class SplitPlan:
 
     def shared_bytes(self, head_dim: int, itemsize: int) -> int:
         """Dynamic shared memory of the split kernel: the tensor-core kernels' per-warp ring
-        of K/V steps (FX_WARPS * FxStages * 16 tokens * (K, V) * head_dim elements)."""
+        of K/V steps (warps * FxStages * 16 tokens * (K, V) * head_dim elements)."""
         if not self.tensor_cores:
             return 0
-        return (THREADS // 32) * mma_stages(head_dim) * 16 * 2 * head_dim * itemsize
+        return (self.threads // 32) * mma_stages(head_dim) * 16 * 2 * head_dim * itemsize
 
 
-# FxStages in the kernel: each warp's ring of 16-token steps, by head_dim
+# The tensor-core kernels' shape by head_dim: warps per block (FxWarps) and each warp's
+# ring of 16-token steps (FxStages)
+MMA_WARPS = {d: kernel_define(f"FX_WARPS_D{d}") for d in MMA_HEAD_DIMS}
 MMA_STAGES = {d: kernel_define(f"FX_STAGES_D{d}") for d in MMA_HEAD_DIMS}
 
 
@@ -104,11 +107,11 @@ def mma_stages(head_dim: int) -> int:
 _resident_blocks: dict[tuple[int, str], int] = {}
 
 
-def _blocks_per_sm(kernel: Kernel, device: Device, shared_mem: int) -> int:
+def _blocks_per_sm(kernel: Kernel, device: Device, threads: int, shared_mem: int) -> int:
     key = (device.context_handle, kernel.name)
     n = _resident_blocks.get(key)
     if n is None:
-        n = _resident_blocks[key] = max(kernel.max_active_blocks(THREADS, shared_mem), 1)
+        n = _resident_blocks[key] = max(kernel.max_active_blocks(threads, shared_mem), 1)
     return n
 
 
@@ -131,6 +134,7 @@ def plan_split(
     name = dtype_name(dtype)
     if name != "f32" and head_dim in MMA_HEAD_DIMS and group <= 8 and aligned:
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
+        threads = 32 * MMA_WARPS[head_dim]
     else:
         cap = int(os.environ.get("FERROX_SPLIT_HEADS_PER_BLOCK", "4"))  # tuning knob
         gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))
@@ -139,15 +143,15 @@ def plan_split(
         while lpt * 8 < head_dim:
             lpt *= 2
         vec = "vec" if head_dim % 8 == 0 and aligned else "any"
-        kname, tc = f"gqa_split_{name}_g{gt}_{vec}", False
+        kname, tc, threads = f"gqa_split_{name}_g{gt}_{vec}", False, THREADS
     kernel = get_kernel(SPLIT_FILE, kname, device)
-    plan = SplitPlan(kname, tc, tiles, lpt, 1)
+    plan = SplitPlan(kname, tc, tiles, lpt, 1, threads)
     shared = plan.shared_bytes(head_dim, np.dtype(dtype).itemsize)
-    wave = _blocks_per_sm(kernel, device, shared) * device.multiprocessor_count
+    wave = _blocks_per_sm(kernel, device, threads, shared) * device.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
     splits = wave // (n_kv_heads * tiles)
     splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // TILE)))
-    return SplitPlan(kname, tc, tiles, lpt, splits)
+    return SplitPlan(kname, tc, tiles, lpt, splits, threads)
 
 
 _workspaces: dict[tuple[int, int], DeviceArray] = {}
@@ -213,7 +217,7 @@ def launch_split(
     if parts != "combine":
         get_kernel(SPLIT_FILE, plan.kernel, dev).launch(
             grid,
-            THREADS,
+            plan.threads,
             args,
             shared_mem=plan.shared_bytes(head_dim, q.dtype.itemsize),
             stream=stream,

@@ -20,11 +20,12 @@ def test_host_launch_constants_are_the_kernels_defines():
     expected["FX_MAX_SPLITS"] = attention.MAX_SPLITS
     for head_dim, stages in attention.MMA_STAGES.items():
         expected[f"FX_STAGES_D{head_dim}"] = stages
+        expected[f"FX_WARPS_D{head_dim}"] = attention.MMA_WARPS[head_dim]
     for name, value in expected.items():
         found = re.search(rf"#define {name} (\d+)", src)
         assert found, f"{name} not defined in the kernel"
         assert int(found.group(1)) == value, name
-    assert sorted(attention.MMA_STAGES) == [64, 128, 256]
+    assert sorted(attention.MMA_STAGES) == sorted(attention.MMA_WARPS) == [64, 128, 256]
 
 
 def test_a_missing_define_is_a_clear_error():
@@ -35,7 +36,8 @@ def test_a_missing_define_is_a_clear_error():
 def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
     program = compile_source(kernel_source("gqa_decode_split.cu"), arch="sm_90")
     for head_dim in attention.MMA_HEAD_DIMS:
-        plan = attention.SplitPlan(f"gqa_split_mma_f16_d{head_dim}", True, 1, 32, 1)
+        threads = 32 * attention.MMA_WARPS[head_dim]
+        plan = attention.SplitPlan(f"gqa_split_mma_f16_d{head_dim}", True, 1, 32, 1, threads)
         dynamic = plan.shared_bytes(head_dim, 2)  # fp16 and bf16
         static = program.resources[plan.kernel].shared_bytes
         assert dynamic > 0

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.attention import THREADS, launch_decode, plan_split
+from ferrox_driver.attention import launch_decode, plan_split
 from ferrox_driver.bench_decode import fill_uniform, time_events
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
@@ -80,7 +80,8 @@ def main() -> None:
             )
 
             def body() -> None:
-                kern.launch((plan.splits, N_KV, 1), THREADS, args, shared_mem=smem, stream=stream)
+                grid = (plan.splits, N_KV, 1)
+                kern.launch(grid, plan.threads, args, shared_mem=smem, stream=stream)
 
             body()
             stream.synchronize()
