@@ -139,17 +139,15 @@ __device__ __forceinline__ void gqa_split_generic(
     const bool active = valid > 0;
 
     // Every lane runs the same iterations (the shuffles need the whole warp); tokens past
-    // the end are loaded as zeros and leave the softmax state alone. Each lane group takes
-    // U tokens per iteration, all their loads issued before any is used (U = 4 halves the
-    // trips to memory of a short chunk; with 8 heads a block the registers allow 2).
-    constexpr int U = GT <= 4 ? 4 : 2;
-    for (int base = start; base < end; base += U * n_groups) {
-        bool has[U];
-        float kx[U][8], vx[U][8];
+    // the end are loaded as zeros and leave the softmax state alone.
+    for (int base = start; base < end; base += 2 * n_groups) {
+        const int t0 = base + gid, t1 = t0 + n_groups;
+        const bool has[2] = {t0 < end, t1 < end};
+        float kx[2][8], vx[2][8];
+        // Issue all four row loads before using any of them.
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int t = base + gid + u * n_groups;
-            has[u] = t < end;
+        for (int u = 0; u < 2; ++u) {
+            const int t = u == 0 ? t0 : t1;
             if (active && has[u]) {
                 fx_load8<T, VEC>(kg + t * row, valid, kx[u]);
                 fx_load8<T, VEC>(vg + t * row, valid, vx[u]);
@@ -159,7 +157,7 @@ __device__ __forceinline__ void gqa_split_generic(
             }
         }
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < 2; ++u) {
             float s[GT];
 #pragma unroll
             for (int j = 0; j < GT; ++j) {
