@@ -12,7 +12,6 @@ shapes in the same process, when importable.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .attention import launch_decode
+from .bench_report import print_table, write_results
 from .device import Device, default_device
 from .graph import GraphExec
 from .memory import DeviceArray, empty, zeros
@@ -91,6 +91,26 @@ def time_events(
         end.synchronize()
         times.append(start.elapsed_ms(end) * 1e3 / per_run)
     return statistics.median(times)
+
+
+def captured(stream: Stream, body: Callable[[], None], repeat: int = 1) -> GraphExec:
+    """``body`` called ``repeat`` times under capture on ``stream``, instantiated."""
+    with stream.capture() as graph:
+        for _ in range(repeat):
+            body()
+    exe = graph.instantiate()
+    graph.close()
+    return exe
+
+
+def time_replays(
+    chained: GraphExec, chain: int, singles: Sequence[GraphExec], stream: Stream, iters: int
+) -> tuple[float, float]:
+    """Microseconds per decode: ``chained`` (``chain`` decodes back to back) and the
+    ``singles`` (one decode each, replayed in turn, each timed alone)."""
+    back_to_back = time_events(lambda i: chained.launch(stream), stream, iters, 3, chain)
+    single = time_events(lambda i: singles[i % len(singles)].launch(stream), stream, iters, 5)
+    return back_to_back, single
 
 
 def measure_read_ceiling(device: Device, gib: float = 4.0) -> float:
@@ -212,19 +232,14 @@ def measure_point(
 
     eager(0)
     stream.synchronize()
-    execs: list[GraphExec] = []
-    for i in range(n_sets):
-        with stream.capture() as graph:
-            eager(i)
-        execs.append(graph.instantiate())
-        graph.close()
-    with stream.capture() as graph:
+    execs = [captured(stream, functools.partial(eager, i)) for i in range(n_sets)]
+
+    def all_sets() -> None:
         for i in range(chain):
             eager(i)
-    chained = graph.instantiate()
-    graph.close()
-    single_us = time_events(lambda i: execs[i % n_sets].launch(stream), stream, iters, 5)
-    graph_us = time_events(lambda i: chained.launch(stream), stream, iters, 3, per_run=chain)
+
+    chained = captured(stream, all_sets)
+    graph_us, single_us = time_replays(chained, chain, execs, stream, iters)
     eager_us = time_events(eager, stream, iters, 5)
     for e in [*execs, chained]:
         e.close()
@@ -263,115 +278,15 @@ def run_decode_bench(
     points = []
     for shape, seq, dtype in progress(grid, len(grid), "decode bench"):
         points.append(measure_point(shape, seq, dtype, iters, device))
-    print(
-        "us per decode: 'graph' = back to back in one graph over rotated KV sets, "
-        "'single' = one graph replay timed alone"
-    )
-    header = (
-        f"{'shape':<10} {'dtype':<5} {'seq_len':>7} {'graph us':>9} {'TB/s':>6} {'%ceil':>6} "
-        f"{'single':>7} {'eager':>7} {'torch us':>9} {'torch %':>7} {'t.single':>8} "
-        f"{'speed-up':>8}"
-    )
-    print(header)
-    for p in points:
-        tbs = p.tbs(p.graph_us) or 0.0
-        t_tbs = p.tbs(p.torch_us)
-        torch_us = f"{p.torch_us:9.1f}" if p.torch_us else f"{'-':>9}"
-        torch_pct = f"{100 * t_tbs / ceiling:7.1f}" if t_tbs else f"{'-':>7}"
-        t_single = f"{p.torch_single_us:8.1f}" if p.torch_single_us else f"{'-':>8}"
-        speedup = f"{p.torch_us / p.graph_us:7.2f}x" if p.torch_us else f"{'-':>8}"
-        print(
-            f"{p.shape:<10} {p.dtype:<5} {p.seq_len:>7} {p.graph_us:9.1f} {tbs:6.2f} "
-            f"{100 * tbs / ceiling:6.1f} {p.single_us:7.1f} {p.eager_us:7.1f} {torch_us} "
-            f"{torch_pct} {t_single} {speedup}"
-        )
+    print_table(points, ceiling)
     result = {
         "device": device.name,
         "read_ceiling_tbs": ceiling,
         "points": [asdict(p) for p in points],
     }
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "bench_decode.json").write_text(json.dumps(result, indent=1))
-        (out_dir / "bench_decode.md").write_text(markdown_table(result))
-        plot(result, out_dir / "bench_decode.png")
+        write_results(result, out_dir)
     return result
-
-
-def markdown_table(result: dict[str, Any]) -> str:
-    """The benchmark as a Markdown table (graph-replayed times)."""
-    ceiling = result["read_ceiling_tbs"]
-    rows = [
-        f"Measured on {result['device']}; read ceiling measured in the same run: "
-        f"{ceiling:.2f} TB/s. Times are medians of CUDA-event-timed graph replays, in us per "
-        "decode: 'ferrox us' and 'PyTorch us' replay decodes back to back in one graph over "
-        "rotated KV sets (as a model's layers run); 'single' replays one decode per graph, "
-        "each timed alone between two events (launch and event round trip included).",
-        "",
-        "| shape | dtype | seq_len | ferrox us | TB/s | % ceiling | single us | eager us "
-        "| PyTorch us | PyTorch % | PyTorch single us | speed-up |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for p in result["points"]:
-        tbs = p["kv_bytes"] / p["graph_us"] / 1e6
-        if p["torch_us"]:
-            t_pct = f"{100 * p['kv_bytes'] / p['torch_us'] / 1e6 / ceiling:.1f}"
-            torch_us, speedup = f"{p['torch_us']:.1f}", f"{p['torch_us'] / p['graph_us']:.2f}x"
-            t_single = f"{p['torch_single_us']:.1f}"
-        else:
-            t_pct = torch_us = speedup = t_single = "-"
-        rows.append(
-            f"| {p['shape']} | {p['dtype']} | {p['seq_len']} | {p['graph_us']:.1f} | {tbs:.2f} "
-            f"| {100 * tbs / ceiling:.1f} | {p['single_us']:.1f} | {p['eager_us']:.1f} "
-            f"| {torch_us} | {t_pct} | {t_single} | {speedup} |"
-        )
-    return "\n".join(rows) + "\n"
-
-
-def plot(result: dict[str, Any], path: Path) -> None:
-    """% of the read ceiling against seq_len, ours and PyTorch's, one panel per shape."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot written")
-        return
-    ceiling = result["read_ceiling_tbs"]
-    pts = result["points"]
-    shapes = list(dict.fromkeys(p["shape"] for p in pts))
-    cols = 3
-    rows = math.ceil(len(shapes) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    colors = {"f32": "tab:blue", "f16": "tab:green", "bf16": "tab:red"}
-    for ax, shape in zip(axes.flat, shapes, strict=False):
-        for dtype, color in colors.items():
-            sel = sorted(
-                (p for p in pts if p["shape"] == shape and p["dtype"] == dtype),
-                key=lambda p: p["seq_len"],
-            )
-            if not sel:
-                continue
-            xs = [p["seq_len"] for p in sel]
-            ours = [100 * p["kv_bytes"] / p["graph_us"] / 1e6 / ceiling for p in sel]
-            ax.plot(xs, ours, "-o", color=color, label=f"ferrox {dtype}")
-            if all(p["torch_us"] for p in sel):
-                theirs = [100 * p["kv_bytes"] / p["torch_us"] / 1e6 / ceiling for p in sel]
-                ax.plot(xs, theirs, "--x", color=color, alpha=0.6, label=f"torch {dtype}")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(0, 105)
-        ax.set_title(f"{shape} (q heads/kv heads/head_dim)")
-        ax.set_xlabel("seq_len")
-        ax.set_ylabel("% of read ceiling")
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    for ax in list(axes.flat)[len(shapes) :]:
-        ax.axis("off")
-    fig.suptitle(f"GQA decode on {result['device']}: graph-replayed, % of {ceiling:.2f} TB/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot written to {path}")
 
 
 def measure_growing_graph(
@@ -406,25 +321,21 @@ def measure_growing_graph(
         kv.extend(np.zeros((1, n_kv, hd), dt), np.zeros((1, n_kv, hd), dt))  # seq_len 1
         kv.synchronize()
         stream.synchronize()
-        gqa_decode_async(q, kv, out, n_heads=n_heads, stream=stream)  # warm-up, loads kernels
-        with stream.capture() as graph:
-            gqa_decode_async(q, kv, out, n_heads=n_heads, stream=stream)
-        execs.append(graph.instantiate())
-        graph.close()
-    with stream.capture() as graph:
+        decode = functools.partial(gqa_decode_async, q, kv, out, n_heads=n_heads, stream=stream)
+        decode()  # warm-up, loads the kernels
+        execs.append(captured(stream, decode))
+
+    def all_caches() -> None:
         for i in range(chain):
             gqa_decode_async(q, caches[i % n_sets], out, n_heads=n_heads, stream=stream)
-    chained = graph.instantiate()
-    graph.close()
+
+    chained = captured(stream, all_caches)
     results = {}
     for seq in seq_lens:
         for kv in caches:
             kv.state.copy_from_host(np.array([seq, 0], np.int32))
             kv.mark_device_appends()
-        results[seq] = (
-            time_events(lambda i: chained.launch(stream), stream, iters, 3, per_run=chain),
-            time_events(lambda i: execs[i % n_sets].launch(stream), stream, iters, 5),
-        )
+        results[seq] = time_replays(chained, chain, execs, stream, iters)
     for e in [*execs, chained]:
         e.close()
     for kv in caches:
@@ -550,10 +461,6 @@ def _torch_step_us(
     return (time.perf_counter() - t0) / tokens * 1e6
 
 
-def _replay(exe: GraphExec, stream: Stream, _: int) -> None:
-    exe.launch(stream)
-
-
 def measure_fixed_costs(
     shape: tuple[int, int, int] = (32, 8, 128), dtype: str = "bf16", iters: int = 50
 ) -> dict[str, tuple[float, float]]:
@@ -575,17 +482,11 @@ def measure_fixed_costs(
     def timed_graph(body: Callable[[], None]) -> tuple[float, float]:
         body()
         stream.synchronize()
-        times = []
-        for repeat in (20, 1):
-            with stream.capture() as graph:
-                for _ in range(repeat):
-                    body()
-            exe = graph.instantiate()
-            graph.close()
-            replay = functools.partial(_replay, exe, stream)
-            times.append(time_events(replay, stream, iters, 5, repeat))
-            exe.close()
-        return times[0], times[1]
+        chained, single = captured(stream, body, 20), captured(stream, body)
+        times = time_replays(chained, 20, [single], stream, iters)
+        chained.close()
+        single.close()
+        return times
 
     results["empty kernel"] = timed_graph(lambda: noop.launch(1, 32, (), stream=stream))
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import asdict
 
 import pytest
 
-from ferrox_driver import attention, bench_decode, compiler
+from ferrox_driver import attention, bench_decode, bench_report, compiler
 from ferrox_driver.compiler import compile_source, kernel_source
 
 L2_BYTES = 60 * 2**20  # H200
@@ -76,7 +78,7 @@ def test_markdown_table_shows_both_timings_and_the_speed_up():
         "torch_single_us": 31.0,
     }
     no_torch = dict(point, torch_us=None, torch_single_us=None, seq_len=512)
-    text = bench_decode.markdown_table(
+    text = bench_report.markdown_table(
         {"device": "GPU", "read_ceiling_tbs": 4.0, "points": [point, no_torch]}
     )
     rows = [r for r in text.splitlines() if r.startswith("| 32/8/128")]
@@ -85,6 +87,31 @@ def test_markdown_table_shows_both_timings_and_the_speed_up():
     # 10 MB in 10 us = 1.00 TB/s = 25% of 4 TB/s; PyTorch 10 MB in 25 us = 10%
     assert cells[3:] == ["10.0", "1.00", "25.0", "17.5", "60.0", "25.0", "10.0", "31.0", "2.50x"]
     assert rows[1].rstrip().endswith("| - | - | - | - |")
+
+
+def test_results_are_written_as_json_and_markdown_and_the_console_table_prints(tmp_path, capsys):
+    point = bench_decode.DecodePoint("16/2/64", "f16", 512, 2_000_000, 5.0, 9.0, 50.0, 6.0, 8.0)
+    result = {"device": "GPU", "read_ceiling_tbs": 4.0, "points": [asdict(point)]}
+    bench_report.write_results(result, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "bench_decode.json").read_text()) == result
+    assert "| 16/2/64 | f16 | 512 | 5.0 |" in (tmp_path / "out" / "bench_decode.md").read_text()
+    bench_report.print_table([point], 4.0)
+    line = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("16/2/64"))
+    # 2 MB in 5 us = 0.40 TB/s = 10% of 4 TB/s; PyTorch 6 us: 1.20x
+    assert line.split() == [
+        "16/2/64",
+        "f16",
+        "512",
+        "5.0",
+        "0.40",
+        "10.0",
+        "9.0",
+        "50.0",
+        "6.0",
+        "8.3",
+        "8.0",
+        "1.20x",
+    ]
 
 
 def test_compile_source_reads_the_log_into_a_buffer_of_its_own(monkeypatch):
