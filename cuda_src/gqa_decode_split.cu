@@ -33,6 +33,17 @@ __device__ __forceinline__ int fx_chunk(int seq, int splits) {
     return (c + FX_TILE - 1) / FX_TILE * FX_TILE;
 }
 
+// Tokens [start, end) of chunk `split` at the current length; false when it has none
+// (the blocks past the end of a graph sized for the capacity leave at once).
+__device__ __forceinline__ bool fx_chunk_bounds(int seq_len, const int* seq_len_dev,
+                                                int splits, int split, int& start, int& end) {
+    const int seq = fx_seq_len(seq_len, seq_len_dev);
+    const int chunk = fx_chunk(seq, splits);
+    start = split * chunk;
+    end = min(seq, start + chunk);
+    return seq > 0 && start < seq;
+}
+
 __device__ __forceinline__ float fx_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -91,14 +102,11 @@ __device__ __forceinline__ void gqa_split_generic(
     __shared__ float m_s[FX_THREADS][GT];
     __shared__ float l_s[FX_THREADS][GT];
 
-    const int seq = fx_seq_len(seq_len, seq_len_dev);
-    const int chunk = fx_chunk(seq, splits);
     // grid = (head tiles, splits, kv heads): the tiles of one chunk are neighbours in
     // launch order, so they run together and all but the first read K/V from L2.
     const int split = blockIdx.y;
-    const int start = split * chunk;
-    if (seq <= 0 || start >= seq) return;
-    const int end = min(seq, start + chunk);
+    int start, end;
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, split, start, end)) return;
 
     const int g = blockIdx.z;
     const int group = n_heads / n_kv_heads;
@@ -381,12 +389,9 @@ __device__ __forceinline__ void gqa_split_mma(
         if (blockDim.x != THREADS) __trap();  // fewer warps would skip their tokens
     }
 
-    const int seq = fx_seq_len(seq_len, seq_len_dev);
-    const int chunk = fx_chunk(seq, splits);
     const int split = blockIdx.x;
-    const int start = split * chunk;
-    if (seq <= 0 || start >= seq) return;
-    const int end = min(seq, start + chunk);
+    int start, end;
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, split, start, end)) return;
 
     const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
