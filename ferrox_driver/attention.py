@@ -6,6 +6,7 @@ parity kernel (the seed's algorithm, corrected), kept as the reference path.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -145,13 +146,13 @@ def plan_split(
         vec = "vec" if head_dim % 8 == 0 and aligned else "any"
         kname, tc, threads = f"gqa_split_{name}_g{gt}_{vec}", False, THREADS
     kernel = get_kernel(SPLIT_FILE, kname, device)
-    plan = SplitPlan(kname, tc, tiles, lpt, 1, threads)
+    plan = SplitPlan(kname, tc, tiles, lpt, 1, threads)  # the chunk count follows
     shared = plan.shared_bytes(head_dim, np.dtype(dtype).itemsize)
     wave = _blocks_per_sm(kernel, device, threads, shared) * device.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
     splits = wave // (n_kv_heads * tiles)
     splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // TILE)))
-    return SplitPlan(kname, tc, tiles, lpt, splits, threads)
+    return dataclasses.replace(plan, splits=splits)
 
 
 _workspaces: dict[tuple[int, int], DeviceArray] = {}
