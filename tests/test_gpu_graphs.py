@@ -78,6 +78,12 @@ def test_async_ops_inside_a_foreign_cuda_graph_give_the_reference_for_100_replay
     qs = rng.standard_normal((steps, N_HEADS * HD)).astype(np.float32)
     ks = rng.standard_normal((steps, N_KV * HD)).astype(np.float32)
     vs = rng.standard_normal((steps, N_KV * HD)).astype(np.float32)
+
+    def check(t: int, got: np.ndarray) -> None:
+        k, v = ks[: t + 1].reshape(-1), vs[: t + 1].reshape(-1)
+        ref = fd.reference_gqa_decode(qs[t], k, v, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HD)
+        assert rel_err(got, ref) < 1e-5, t
+
     with fd.KVCache(N_KV, HD, steps + 1) as kv:
         if kind == "torch":
             torch = lib
@@ -103,16 +109,7 @@ def test_async_ops_inside_a_foreign_cuda_graph_give_the_reference_for_100_replay
                 k_t.copy_(torch.from_numpy(ks[t]))
                 v_t.copy_(torch.from_numpy(vs[t]))
                 graph.replay()
-                got = out_t.cpu().numpy()
-                ref = fd.reference_gqa_decode(
-                    qs[t],
-                    ks[: t + 1].reshape(-1),
-                    vs[: t + 1].reshape(-1),
-                    n_heads=N_HEADS,
-                    n_kv_heads=N_KV,
-                    head_dim=HD,
-                )
-                assert rel_err(got, ref) < 1e-5, t
+                check(t, out_t.cpu().numpy())
         else:
             cp = lib
             q_t, k_t, v_t = (cp.zeros(n, cp.float32) for n in (N_HEADS * HD, N_KV * HD, N_KV * HD))
@@ -133,16 +130,7 @@ def test_async_ops_inside_a_foreign_cuda_graph_give_the_reference_for_100_replay
                 k_t.set(ks[t], stream=stream)
                 v_t.set(vs[t], stream=stream)
                 graph.launch(stream)
-                got = out_t.get(stream=stream)
-                ref = fd.reference_gqa_decode(
-                    qs[t],
-                    ks[: t + 1].reshape(-1),
-                    vs[: t + 1].reshape(-1),
-                    n_heads=N_HEADS,
-                    n_kv_heads=N_KV,
-                    head_dim=HD,
-                )
-                assert rel_err(got, ref) < 1e-5, t
+                check(t, out_t.get(stream=stream))
         assert kv.seq_len == steps
 
 
