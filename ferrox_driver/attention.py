@@ -17,6 +17,7 @@ import numpy as np
 
 from .compiler import kernel_source
 from .device import Device, resolve
+from .errors import CudaError, FerroxError
 from .launch import Kernel
 from .memory import DeviceArray, as_device_array, empty, to_device
 from .module_cache import get_kernel
@@ -156,17 +157,37 @@ def plan_split(
 
 
 _workspaces: dict[tuple[int, int], DeviceArray] = {}
+# Outgrown per-stream scratch, never freed: a graph captured on that stream may still write
+# it, and freed memory could by then hold someone's data. Growth doubles, so this holds less
+# than the stream's current scratch.
+_outgrown: list[DeviceArray] = []
 
 
 def stream_workspace(device: Device, stream: Any, floats: int) -> DeviceArray:
     """Scratch for split partials, one buffer per stream (work on one stream is ordered, so
-    its calls can share it); grown when too small."""
+    its calls can share it), kept for the process's life (graphs bake its address in);
+    grown, to at least double, when too small.
+
+    Raises:
+        FerroxError: it must grow inside a stream capture (allocation is not capturable).
+    """
     key = (device.context_handle, int(stream_handle(stream)))
     ws = _workspaces.get(key)
     if ws is None or ws.size < floats:
+        size = floats if ws is None else max(floats, 2 * ws.size)
+        try:
+            grown = empty((size,), np.float32, device=device)
+        except CudaError as exc:
+            if exc.name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED":
+                raise FerroxError(
+                    "stream: a decode this large needs more scratch on this stream, which "
+                    "cannot be allocated inside a capture: run one such decode before "
+                    "capturing, or pass workspace= (launch_decode) or use a KVCache"
+                ) from exc
+            raise
         if ws is not None:
-            ws.close()  # cuMemFree waits for work that may still read it
-        ws = _workspaces[key] = empty((floats,), np.float32, device=device)
+            _outgrown.append(ws)
+        ws = _workspaces[key] = grown
     return ws
 
 

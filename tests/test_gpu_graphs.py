@@ -236,3 +236,79 @@ def test_decode_captured_at_seq_len_one_stays_correct_as_the_cache_grows(rng, dt
             )
             assert rel_err(out.to_host(), ref) < TOL[dtype], seq
         exe.close()
+
+
+def _fresh_stream_scratch(stream):
+    """Forget this stream handle's decode scratch (a handle can be reused after a stream is
+    destroyed), so the test sees it allocated and grown."""
+    from ferrox_driver import attention
+
+    key = (fd.Device(0).context_handle, int(stream.handle))
+    attention._workspaces.pop(key, None)
+    return lambda: attention._workspaces.get(key)
+
+
+def test_a_graph_captured_on_a_stream_survives_that_streams_scratch_growing(rng):
+    """gqa_decode on device arrays uses its stream's scratch; a larger decode later grows it.
+    The captured graph still writes the old scratch, so that must not be freed: here it
+    would be reused by the arrays allocated next, and the replay would overwrite them."""
+    dt = DTYPES["bf16"]
+    q = rng.standard_normal((N_HEADS, HD)).astype(dt)
+    k, v = (rng.standard_normal((64, N_KV, HD)).astype(dt) for _ in range(2))
+    k_big, v_big = (rng.standard_normal((4096, N_KV, HD)).astype(dt) for _ in range(2))
+    kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
+    with fd.Stream() as stream:
+        scratch = _fresh_stream_scratch(stream)
+        qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
+        kd_big, vd_big = fd.to_device(k_big), fd.to_device(v_big)
+        out = fd.empty((N_HEADS, HD), dt)
+        fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)  # scratch made outside
+        stream.synchronize()
+        first = scratch()
+        with stream.capture() as graph:
+            fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)
+        exe = graph.instantiate()
+        graph.close()
+        fd.gqa_decode(qd, kd_big, vd_big, stream=stream, **kw)
+        stream.synchronize()
+        assert scratch() is not first and scratch().size > first.size  # it grew
+        others = [fd.to_device(np.full(first.size, 7.0, np.float32)) for _ in range(8)]
+        out.fill_bytes(0xFF, stream)
+        exe.launch(stream)
+        got = out.to_host(stream)
+        assert rel_err(got, fd.reference_gqa_decode(q, k, v, **kw)) < TOL["bf16"]
+        for arr in others:
+            assert (arr.to_host() == 7.0).all()
+        exe.close()
+
+
+def test_scratch_growing_inside_a_capture_gives_a_working_graph_or_a_clear_error(rng):
+    dt = DTYPES["bf16"]
+    q = rng.standard_normal((N_HEADS, HD)).astype(dt)
+    k, v = (rng.standard_normal((64, N_KV, HD)).astype(dt) for _ in range(2))
+    k_big, v_big = (rng.standard_normal((4096, N_KV, HD)).astype(dt) for _ in range(2))
+    kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
+    ref = fd.reference_gqa_decode(q, k_big, v_big, **kw)
+    with fd.Stream() as stream:
+        _fresh_stream_scratch(stream)
+        qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
+        kd_big, vd_big = fd.to_device(k_big), fd.to_device(v_big)
+        out = fd.empty((N_HEADS, HD), dt)
+        fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)
+        stream.synchronize()
+        try:
+            with stream.capture() as graph:
+                fd.gqa_decode(qd, kd_big, vd_big, out=out, stream=stream, **kw)
+        except fd.FerroxError as exc:
+            assert "cannot be allocated inside a capture" in str(exc)
+        else:  # the driver allowed the allocation: then the graph must work
+            exe = graph.instantiate()
+            graph.close()
+            out.fill_bytes(0xFF, stream)
+            exe.launch(stream)
+            assert rel_err(out.to_host(stream), ref) < TOL["bf16"]
+            exe.close()
+        # either way the stream works and a decode there is right
+        out.fill_bytes(0xFF, stream)
+        fd.gqa_decode(qd, kd_big, vd_big, out=out, stream=stream, **kw)
+        assert rel_err(out.to_host(stream), ref) < TOL["bf16"]
