@@ -436,10 +436,16 @@ __device__ __forceinline__ void gqa_split_mma(
         *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
     }
     __syncthreads();  // q_s complete; the first steps' loads are already in flight
-    uint4 qfrag[D / 32];  // this lane's Q: head g, d = kb*32 + tig*8 .. +8, read once
+    // This lane's Q (head g, d = kb*32 + tig*8 .. +8) stays in registers, read once; for
+    // head_dim 256 that would take 32 more registers than there are (sm_100 spills): there
+    // it is read from shared memory at each step.
+    constexpr bool Q_IN_REGS = D <= 128;
+    uint4 qfrag[Q_IN_REGS ? D / 32 : 1];
+    if (Q_IN_REGS) {
 #pragma unroll
-    for (int kb = 0; kb < D / 32; ++kb)
-        qfrag[kb] = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
+        for (int kb = 0; kb < D / 32; ++kb)
+            qfrag[kb] = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
+    }
 
     const float sscale = rsqrtf((float)D) * FX_LOG2E;
 
@@ -478,7 +484,9 @@ __device__ __forceinline__ void gqa_split_mma(
             for (int kb = 0; kb < D / 32; ++kb) {
                 const int c = (kb * 4 + tig) ^ ((r & 1) << 2);
                 const uint4 kv = *reinterpret_cast<const uint4*>(ks + r * D + c * 8);
-                const uint4 qv = qfrag[kb];
+                const uint4 qv = Q_IN_REGS ? qfrag[Q_IN_REGS ? kb : 0]
+                                           : *reinterpret_cast<const uint4*>(
+                                                 &q_s[g][kb * 32 + tig * 8]);
                 FxMma<T>::run(s[n][0], s[n][1], s[n][2], s[n][3], qv.x, 0u, qv.y, 0u, kv.x, kv.y);
                 FxMma<T>::run(s2[n][0], s2[n][1], s2[n][2], s2[n][3], qv.z, 0u, qv.w, 0u, kv.z,
                               kv.w);
