@@ -7,6 +7,7 @@ parity kernel (the seed's algorithm, corrected), kept as the reference path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -30,13 +31,20 @@ ALGORITHMS = ("auto", "split", "parity")
 SPLIT_FILE = "gqa_decode_split.cu"
 
 
+@functools.cache
+def _integer_defines(filename: str) -> dict[str, int]:
+    """Every ``#define NAME <integer>`` of a kernel file (read and parsed once)."""
+    pattern = re.compile(r"^#define (\w+) (\d+)\b", re.MULTILINE)
+    return {m[1]: int(m[2]) for m in pattern.finditer(kernel_source(filename))}
+
+
 def kernel_define(name: str, filename: str = SPLIT_FILE) -> int:
     """The integer a kernel file ``#define``s for ``name``: launch constants are read from
     the kernel source, so the host's grids and shared memory sizes cannot drift from it."""
-    found = re.search(rf"^#define {name} (\d+)\b", kernel_source(filename), re.MULTILINE)
-    if found is None:
+    value = _integer_defines(filename).get(name)
+    if value is None:
         raise RuntimeError(f"{filename} defines no integer {name}")
-    return int(found.group(1))
+    return value
 
 
 TILE = kernel_define("FX_TILE")  # tokens; chunk sizes are multiples of it
