@@ -33,146 +33,21 @@ __device__ __forceinline__ int fx_chunk(int seq, int splits) {
     return (c + FX_TILE - 1) / FX_TILE * FX_TILE;
 }
 
-// How the current length is cut: `active` chunks (0 when the sequence is empty) of `chunk`
-// tokens. Every block and the combine kernel compute the same values.
-struct FxChunks {
-    int seq, chunk, active;
-};
-__device__ __forceinline__ FxChunks fx_chunks(int seq_len, const int* seq_len_dev, int splits) {
-    FxChunks r;
-    r.seq = max(fx_seq_len(seq_len, seq_len_dev), 0);
-    r.chunk = r.seq > 0 ? fx_chunk(r.seq, splits) : FX_TILE;
-    r.active = (r.seq + r.chunk - 1) / r.chunk;
-    return r;
+// Tokens [start, end) of chunk `split` at the current length; false when it has none
+// (the blocks past the end of a graph sized for the capacity leave at once).
+__device__ __forceinline__ bool fx_chunk_bounds(int seq_len, const int* seq_len_dev,
+                                                int splits, int split, int& start, int& end) {
+    const int seq = fx_seq_len(seq_len, seq_len_dev);
+    const int chunk = fx_chunk(seq, splits);
+    start = split * chunk;
+    end = min(seq, start + chunk);
+    return seq > 0 && start < seq;
 }
 
 __device__ __forceinline__ float fx_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-
-// ---------------------------------------------------------------------------------------
-// The fused combine. Where a KV head's chunks are few (at most `fuse_max`, chosen by the
-// host so the reads below stay short), the last of its blocks to finish merges them and
-// writes `out`: no second kernel, whose launch and first loads cost ~2 us. Otherwise
-// gqa_split_combine does it (and leaves at once when the blocks did).
-//
-// Counters (one per KV head, or per KV head and head tile) live at the start of the
-// workspace, are zero before a launch and are left zero: the last block resets its own.
-#define FX_COUNTERS 1024  // counter slots at the start of every workspace (uint32)
-#define FX_FUSE_BYTES 131072  // default: a last block reads at most this much of partials
-#define FX_FUSE_MAX 256       // ... and at most this many chunks (shared memory for weights)
-
-// True in every thread of the block that finished last among the `active` blocks counting
-// on `counter`. Each thread's partial writes are made visible GPU-wide before the block is
-// counted, so the last block sees every chunk's.
-__device__ __forceinline__ bool fx_last_block(unsigned* counter, int active) {
-    __shared__ int last_s;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned prev = atomicAdd(counter, 1u);
-        last_s = prev == (unsigned)active - 1u;
-        if (last_s) atomicExch(counter, 0u);  // every chunk is in: ready for the next launch
-    }
-    __syncthreads();
-    if (last_s) __threadfence();
-    return last_s != 0;
-}
-
-template <int VEC> struct FxVec {
-    float v[VEC];
-};
-__device__ __forceinline__ void fx_ldcg(const float* p, FxVec<4>& x) {
-    const float4 t = __ldcg(reinterpret_cast<const float4*>(p));
-    x.v[0] = t.x; x.v[1] = t.y; x.v[2] = t.z; x.v[3] = t.w;
-}
-__device__ __forceinline__ void fx_ldcg(const float* p, FxVec<1>& x) { x.v[0] = __ldcg(p); }
-
-// Merge `active` chunks of heads [0, nh) (partials at ws_o/ws_ml, already offset to the
-// first head) into out (offset likewise): out = sum_c w_c o_c / sum_c w_c l_c with
-// w_c = 2^(m_c - max m), chunks added in order (bitwise reproducible whichever block is
-// last). VEC floats per load (4 needs D % 4 == 0), B loads in flight per thread. sm:
-// 2 * nh * active + 8 floats of shared memory the block no longer uses.
-template <class T, int THREADS, int VEC, int B>
-__device__ __forceinline__ void fx_combine_heads(T* __restrict__ out,
-                                                 const float* __restrict__ ws_o,
-                                                 const float* __restrict__ ws_ml, int nh, int D,
-                                                 int splits, int active, float* sm) {
-    constexpr int WARPS = THREADS / 32;
-    const int per_head = D / VEC, nvec = nh * per_head;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float* w_s = sm;                    // [nh][active]: m_c, then w_c
-    float* l_s = sm + nh * active;      // [nh][active]: l_c
-    float* tot_s = l_s + nh * active;   // [nh]: sum_c w_c l_c
-    FxVec<VEC> x[B];
-    auto load = [&](int vi, int c0) {
-        const int j = vi / per_head, e = vi % per_head;
-        const float* o = ws_o + (long long)j * splits * D + e * VEC;
-#pragma unroll
-        for (int i = 0; i < B; ++i) {
-            if (vi < nvec && c0 + i < active) {
-                fx_ldcg(o + (long long)(c0 + i) * D, x[i]);
-            } else {
-#pragma unroll
-                for (int k = 0; k < VEC; ++k) x[i].v[k] = 0.f;
-            }
-        }
-    };
-    // The first chunks' outputs do not depend on the weights: their loads go out first.
-    load(threadIdx.x, 0);
-    for (int j = warp; j < nh; j += WARPS) {  // a warp per head: maximum, weights, sum
-        const float* ml = ws_ml + (long long)j * splits * 2;
-        float mx = -INFINITY;
-        for (int c = lane; c < active; c += 32) {
-            const float m = __ldcg(ml + 2 * c);
-            w_s[j * active + c] = m;
-            l_s[j * active + c] = __ldcg(ml + 2 * c + 1);
-            mx = fmaxf(mx, m);
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-        float ls = 0.f;
-        for (int c = lane; c < active; c += 32) {  // this lane's own entries: no barrier
-            const float m = w_s[j * active + c];
-            const float w = m == -INFINITY ? 0.f : fx_exp2(m - mx);
-            w_s[j * active + c] = w;
-            ls = fmaf(w, l_s[j * active + c], ls);
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, off);
-        if (lane == 0) tot_s[j] = ls;
-    }
-    __syncthreads();
-    for (int vi = threadIdx.x; vi < nvec; vi += THREADS) {
-        const int j = vi / per_head, e = vi % per_head;
-        const float* w = w_s + j * active;
-        float acc[VEC];
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = 0.f;
-        for (int c0 = 0;;) {
-#pragma unroll
-            for (int i = 0; i < B; ++i)
-                if (c0 + i < active)
-#pragma unroll
-                    for (int k = 0; k < VEC; ++k) acc[k] = fmaf(w[c0 + i], x[i].v[k], acc[k]);
-            c0 += B;
-            if (c0 >= active) break;
-            load(vi, c0);
-        }
-        if (vi + THREADS < nvec) load(vi + THREADS, 0);  // the next output's loads go first
-        const float tot = tot_s[j];
-        T* dst = out + (long long)j * D + e * VEC;
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) dst[k] = fx_from_float<T>(acc[k] / tot);
-    }
-}
-
-// seq_len 0: the blocks of chunk 0 write zeros for their heads (nothing else does).
-template <class T, int THREADS>
-__device__ __forceinline__ void fx_write_zeros(T* out, int n) {
-    for (int i = threadIdx.x; i < n; i += THREADS) out[i] = fx_from_float<T>(0.f);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -221,9 +96,8 @@ FX_SCALAR_LOAD8(fx_bf16)
 template <class T, int GT, bool VEC>
 __device__ __forceinline__ void gqa_split_generic(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ ws_o, float* __restrict__ ws_ml,
-    unsigned* __restrict__ counters, int n_heads, int n_kv_heads, int head_dim, int seq_len,
-    const int* __restrict__ seq_len_dev, int splits, int lpt, int fuse_max) {
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int lpt) {
     __shared__ __align__(16) float o_s[FX_WARPS][GT][256];  // each warp's sum, merged at the end
     __shared__ float m_s[FX_THREADS][GT];
     __shared__ float l_s[FX_THREADS][GT];
@@ -231,19 +105,14 @@ __device__ __forceinline__ void gqa_split_generic(
     // grid = (head tiles, splits, kv heads): the tiles of one chunk are neighbours in
     // launch order, so they run together and all but the first read K/V from L2.
     const int split = blockIdx.y;
+    int start, end;
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, split, start, end)) return;
+
     const int g = blockIdx.z;
     const int group = n_heads / n_kv_heads;
     const int j0 = blockIdx.x * GT;  // first head of this tile, within the group
     const int nh = min(GT, group - j0);
     const int h0 = g * group + j0;
-    const FxChunks ch = fx_chunks(seq_len, seq_len_dev, splits);
-    const bool fused = ch.active <= fuse_max;
-    if (split >= ch.active) {  // past the end (a graph sized for the capacity): leave
-        if (ch.active == 0 && split == 0)
-            fx_write_zeros<T, FX_THREADS>(out + (long long)h0 * head_dim, nh * head_dim);
-        return;
-    }
-    const int start = split * ch.chunk, end = min(ch.seq, start + ch.chunk);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tpw = 32 / lpt;  // token groups per warp
@@ -378,28 +247,15 @@ __device__ __forceinline__ void gqa_split_generic(
         for (int w = 0; w < FX_WARPS; ++w) sum += o_s[w][j][d];
         ws_o[((long long)(h0 + j) * splits + split) * head_dim + d] = sum;
     }
-    if (fused && fx_last_block(counters + g * gridDim.x + blockIdx.x, ch.active)) {
-        T* out_h = out + (long long)h0 * head_dim;
-        const float* o = ws_o + (long long)h0 * splits * head_dim;
-        const float* ml = ws_ml + (long long)h0 * splits * 2;
-        float* sm = &o_s[0][0][0];  // free now: 1024 * GT floats >= 2 * nh * FX_FUSE_MAX + 8
-        if ((head_dim & 3) == 0)
-            fx_combine_heads<T, FX_THREADS, 4, 4>(out_h, o, ml, nh, head_dim, splits, ch.active,
-                                                  sm);
-        else
-            fx_combine_heads<T, FX_THREADS, 1, 8>(out_h, o, ml, nh, head_dim, splits, ch.active,
-                                                  sm);
-    }
 }
 
 #define FX_GENERIC_ENTRY(NAME, T, GT, VEC)                                                  \
     extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
-        const T* q, const T* k, const T* v, T* out, float* ws_o, float* ws_ml,              \
-        unsigned* counters, int n_heads, int n_kv_heads, int head_dim, int seq_len,         \
-        const int* seq_len_dev, int splits, int lpt, int fuse_max) {                        \
-        gqa_split_generic<T, GT, VEC>(q, k, v, out, ws_o, ws_ml, counters, n_heads,         \
-                                      n_kv_heads, head_dim, seq_len, seq_len_dev, splits,   \
-                                      lpt, fuse_max);                                       \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int head_dim, int seq_len, const int* seq_len_dev, int splits,      \
+        int lpt) {                                                                          \
+        gqa_split_generic<T, GT, VEC>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, head_dim,  \
+                                      seq_len, seq_len_dev, splits, lpt);                   \
     }
 
 #define FX_GENERIC_FOR_TYPE(SUFFIX, T)                                \
@@ -516,9 +372,8 @@ __device__ __forceinline__ float mb_of(const float (*m_s)[8], int j) {
 template <class T, int D>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ ws_o, float* __restrict__ ws_ml,
-    unsigned* __restrict__ counters, int n_heads, int n_kv_heads, int seq_len,
-    const int* __restrict__ seq_len_dev, int splits, int fuse_max) {
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
+    int seq_len, const int* __restrict__ seq_len_dev, int splits) {
     constexpr int S = FxStages<D>::value;
     constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
     constexpr int NCH = D / 8;            // 16-byte chunks per row
@@ -535,17 +390,12 @@ __device__ __forceinline__ void gqa_split_mma(
     }
 
     const int split = blockIdx.x;
+    int start, end;
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, split, start, end)) return;
+
     const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
     const int h0 = g_kv * group;
-    const FxChunks ch = fx_chunks(seq_len, seq_len_dev, splits);
-    const bool fused = ch.active <= fuse_max;
-    if (split >= ch.active) {  // past the end (a graph sized for the capacity): leave
-        if (ch.active == 0 && split == 0)
-            fx_write_zeros<T, THREADS>(out + (long long)h0 * D, group * D);
-        return;
-    }
-    const int start = split * ch.chunk, end = min(ch.seq, start + ch.chunk);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
 
@@ -738,20 +588,14 @@ __device__ __forceinline__ void gqa_split_mma(
         }
         ws_o[((long long)(h0 + j) * splits + split) * D + d] = acc;
     }
-    if (fused && fx_last_block(counters + g_kv, ch.active)) {  // the ring is free: weights
-        fx_combine_heads<T, THREADS, 4, 16>(out + (long long)h0 * D, ws_o + (long long)h0 * splits * D,
-                                        ws_ml + (long long)h0 * splits * 2, group, D, splits,
-                                        ch.active, reinterpret_cast<float*>(fx_dyn_smem));
-    }
 }
 
 #define FX_MMA_ENTRY(NAME, T, D)                                                            \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
-        const T* q, const T* k, const T* v, T* out, float* ws_o, float* ws_ml,              \
-        unsigned* counters, int n_heads, int n_kv_heads, int seq_len,                       \
-        const int* seq_len_dev, int splits, int fuse_max) {                                 \
-        gqa_split_mma<T, D>(q, k, v, out, ws_o, ws_ml, counters, n_heads, n_kv_heads,       \
-                            seq_len, seq_len_dev, splits, fuse_max);                        \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {                  \
+        gqa_split_mma<T, D>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, seq_len,             \
+                            seq_len_dev, splits);                                           \
     }
 
 FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
@@ -765,8 +609,7 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 // Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
 // w_c = 2^(m_c - max m). One block per (head, 32 columns): lanes are columns, the four
 // warps take every fourth chunk (16 loads in flight each: 64 chunks per trip to L2) and
-// add up in a fixed order, so results are reproducible bit for bit. Launched only where a
-// KV head may have more than fuse_max chunks (see fx_last_block); leaves when it has fewer.
+// add up in a fixed order, so results are reproducible bit for bit. seq_len 0 writes zeros.
 // (Eight warps cost 0.3 us more at 16 chunks: more threads to synchronise.)
 #define FX_COMBINE_THREADS 128
 #define FX_COMBINE_BATCH 16  // chunk loads in flight per lane
@@ -774,17 +617,20 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 template <class T>
 __device__ __forceinline__ void gqa_split_combine(
     T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int fuse_max) {
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits) {
     __shared__ float w_s[FX_MAX_SPLITS];
     __shared__ float red_s[FX_COMBINE_WARPS][32];
     const int h = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int d = blockIdx.y * 32 + lane;
-    const FxChunks ch = fx_chunks(seq_len, seq_len_dev, splits);
-    // The split blocks have merged few chunks themselves, and written seq_len 0's zeros.
-    if (ch.active <= fuse_max) return;
-    const int active = ch.active;
+    const int seq = fx_seq_len(seq_len, seq_len_dev);
     T* out_h = out + (long long)h * head_dim;
+    if (seq <= 0) {
+        if (warp == 0 && d < head_dim) out_h[d] = fx_from_float<T>(0.f);
+        return;
+    }
+    const int chunk = fx_chunk(seq, splits);
+    const int active = (seq + chunk - 1) / chunk;
     const float* ml = ws_ml + (long long)h * splits * 2;
     // This warp's first chunk outputs do not depend on the weights: load them now, so the
     // loads of the maxima below and these share one trip to L2.
@@ -850,9 +696,8 @@ __device__ __forceinline__ void gqa_split_combine(
 #define FX_COMBINE_ENTRY(NAME, T)                                                           \
     extern "C" __global__ void __launch_bounds__(FX_COMBINE_THREADS) NAME(                  \
         T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
-        const int* seq_len_dev, int splits, int fuse_max) {                                 \
-        gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits,      \
-                             fuse_max);                                                     \
+        const int* seq_len_dev, int splits) {                                               \
+        gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits);     \
     }
 
 FX_COMBINE_ENTRY(gqa_split_combine_f32, float)

@@ -20,7 +20,7 @@ from .compiler import kernel_source
 from .device import Device, resolve
 from .errors import CudaError, FerroxError
 from .launch import Kernel
-from .memory import DeviceArray, as_device_array, empty, to_device, zeros
+from .memory import DeviceArray, as_device_array, empty, to_device
 from .module_cache import get_kernel
 from .stream import stream_handle
 from .validation import array_info, check_decode_args, dtype_name
@@ -51,12 +51,6 @@ TILE = kernel_define("FX_TILE")  # tokens; chunk sizes are multiples of it
 MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
-# Fused combine (the last block of a KV head's chunks merges them; see fx_last_block):
-# counter slots at the start of every workspace, and the default and most partials a last
-# block reads.
-COUNTERS = kernel_define("FX_COUNTERS")
-FUSE_BYTES = kernel_define("FX_FUSE_BYTES")
-FUSE_MAX = kernel_define("FX_FUSE_MAX")
 MMA_HEAD_DIMS = (64, 128, 256)
 
 
@@ -96,20 +90,10 @@ class SplitPlan:
     lanes_per_token: int
     splits: int
     threads: int = THREADS  # per block
-    # At most this many chunks per KV head are merged by the split kernel's last block;
-    # the combine kernel is launched only when splits exceeds it.
-    fuse_max: int = 0
-
-    @property
-    def needs_combine(self) -> bool:
-        """Whether the combine kernel must be queued (some length may leave more chunks
-        than the split kernel merges itself)."""
-        return self.splits > self.fuse_max
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
-        """Floats of scratch the launch needs: the fused combine's counters (zero before
-        and after each launch), partial outputs, maxima and sums."""
-        return COUNTERS + n_heads * self.splits * (head_dim + 2)
+        """Floats of scratch the launch needs: partial outputs, maxima and sums."""
+        return n_heads * self.splits * (head_dim + 2)
 
     def shared_bytes(self, head_dim: int, itemsize: int) -> int:
         """Dynamic shared memory of the split kernel: the tensor-core kernels' per-warp ring
@@ -160,7 +144,7 @@ def plan_split(
     name = dtype_name(dtype)
     if name != "f32" and head_dim in MMA_HEAD_DIMS and group <= 8 and aligned:
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
-        threads, gt = 32 * MMA_WARPS[head_dim], 8
+        threads = 32 * MMA_WARPS[head_dim]
     else:
         cap = int(os.environ.get("FERROX_SPLIT_HEADS_PER_BLOCK", "4"))  # tuning knob
         gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))
@@ -177,19 +161,7 @@ def plan_split(
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
     splits = wave // (n_kv_heads * tiles)
     splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // TILE)))
-    return dataclasses.replace(
-        plan, splits=splits, fuse_max=fuse_limit(n_kv_heads * tiles, min(group, gt), head_dim)
-    )
-
-
-def fuse_limit(blocks_per_chunk: int, heads_per_block: int, head_dim: int) -> int:
-    """The most chunks a split kernel's last block merges itself: as many as keep its
-    reads of partials within FUSE_BYTES (``FERROX_FUSE_BYTES`` overrides it; 0 turns the
-    fused combine off), and none when there are more blocks per chunk than counters."""
-    if blocks_per_chunk > COUNTERS:
-        return 0
-    budget = int(os.environ.get("FERROX_FUSE_BYTES", FUSE_BYTES))  # tuning knob
-    return min(FUSE_MAX, budget // (heads_per_block * head_dim * 4))
+    return dataclasses.replace(plan, splits=splits)
 
 
 _workspaces: dict[tuple[int, int], DeviceArray] = {}
@@ -212,7 +184,7 @@ def stream_workspace(device: Device, stream: Any, floats: int) -> DeviceArray:
     if ws is None or ws.size < floats:
         size = floats if ws is None else max(floats, 2 * ws.size)
         try:
-            grown = zeros((size,), np.float32, device=device)  # the counters start at zero
+            grown = empty((size,), np.float32, device=device)
         except CudaError as exc:
             if exc.name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED":
                 raise FerroxError(
@@ -242,53 +214,51 @@ def launch_split(
     seq_len_dev: DeviceArray | None,
     stream: Any,
     parts: str = "both",
-    kernel: Kernel | None = None,
 ) -> None:
-    """Queue the split kernel of ``plan`` and, where it needs one, the kernel combining its
-    chunks (``parts="main"`` or ``"combine"`` queues one of them: the benchmark's cost
-    split). ``kernel`` replaces the split kernel by a variant of it with the same
-    parameters and ``plan``'s shape (docs/perf-history experiments)."""
+    """Queue the split kernel of ``plan`` and the kernel combining its chunks
+    (``parts="main"`` or ``"combine"`` queues one of them: the benchmark's cost split)."""
     dev = q.device
     n_partial = n_heads * plan.splits
-    counters = workspace.view((COUNTERS,), np.uint32)
-    ws_o = workspace.view((n_partial * head_dim,), offset=COUNTERS * 4)
-    ws_ml = workspace.view((n_partial * 2,), offset=(COUNTERS + n_partial * head_dim) * 4)
+    ws_o = workspace
+    ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
     heads = (np.int32(n_heads), np.int32(n_kv_heads))
-    splits, fuse_max = np.int32(plan.splits), np.int32(plan.fuse_max)
-    buffers = (q, k, v, out, ws_o, ws_ml, counters)
+    splits = np.int32(plan.splits)
     args: tuple[Any, ...]
     if plan.tensor_cores:
-        args = (*buffers, *heads, np.int32(seq_len), seq_len_dev, splits, fuse_max)
+        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits)
     else:
         args = (
-            *buffers,
+            q,
+            k,
+            v,
+            ws_o,
+            ws_ml,
             *heads,
             np.int32(head_dim),
             np.int32(seq_len),
             seq_len_dev,
             splits,
             np.int32(plan.lanes_per_token),
-            fuse_max,
         )
     if plan.tensor_cores:
         grid = (plan.splits, n_kv_heads, 1)
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         grid = (plan.head_tiles, plan.splits, n_kv_heads)
     if parts != "combine":
-        (kernel or get_kernel(SPLIT_FILE, plan.kernel, dev)).launch(
+        get_kernel(SPLIT_FILE, plan.kernel, dev).launch(
             grid,
             plan.threads,
             args,
             shared_mem=plan.shared_bytes(head_dim, q.dtype.itemsize),
             stream=stream,
         )
-    if parts == "main" or not plan.needs_combine:
+    if parts == "main":
         return
     combine = get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
     combine.launch(
         (n_heads, -(-head_dim // 32)),
         COMBINE_THREADS,
-        (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits, fuse_max),
+        (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits),
         stream=stream,
     )
 
@@ -319,8 +289,6 @@ def launch_decode(
     ``seq_len_dev``, when given, is an int32 device scalar the kernels read instead of
     ``seq_len``, which then only sizes the launch (the most tokens it may see).
     ``workspace`` (float32) holds the split partials; default: a buffer kept per stream.
-    One passed in must be zero-filled before its first use (its first COUNTERS words are
-    the fused combine's counters, which every launch leaves at zero).
     ``plan_seq`` sizes the split grid (default ``seq_len``); decodes planned for the same
     length chunk the sequence identically, so their results agree bit for bit.
     """

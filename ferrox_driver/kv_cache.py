@@ -17,7 +17,7 @@ from .attention import check_algorithm, is_aligned, launch_decode, plan_split
 from .device import Device, resolve
 from .errors import CudaError, FerroxError, KVCapacityError
 from .launch import Kernel
-from .memory import DeviceArray, empty, pinned_empty, zeros
+from .memory import DeviceArray, empty, pinned_empty
 from .module_cache import get_kernel
 from .stream import Event, Stream, stream_handle
 from .validation import (
@@ -370,7 +370,7 @@ class KVCache:
         ws = self._workspaces.get(n_heads)
         if ws is None:
             try:
-                ws = zeros((floats,), np.float32, device=self.device)  # counters at 0
+                ws = empty((floats,), np.float32, device=self.device)
             except CudaError as exc:
                 if exc.name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED":
                     raise FerroxError(

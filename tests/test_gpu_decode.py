@@ -132,54 +132,6 @@ def test_split_handles_lengths_that_are_not_multiples_of_the_chunk(rng, seq_len)
     assert rel_err(decode_on_device(q32, k32, v32, 16, 2, 64, "split"), ref) < 1e-5
 
 
-# The chunks of a KV head are merged by the split kernel's last block where they are few
-# (default: up to FUSE_BYTES of partials) and by the combine kernel otherwise. "0": always
-# the combine kernel; "4096": the last block merges at most a chunk or two, so a plan can
-# take either way depending on the length.
-@pytest.mark.parametrize("fuse_bytes", ["0", "4096", "1000000"])
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize(
-    "n_heads,n_kv_heads,head_dim,seq_len",
-    [
-        (32, 8, 128, 0),
-        (32, 8, 128, 64),
-        (32, 8, 128, 129),
-        (32, 8, 128, 4097),
-        (8, 1, 256, 20001),
-        (16, 2, 64, 3333),
-        (12, 4, 33, 999),  # head_dim not a multiple of 4: scalar loads
-        (7, 7, 100, 500),
-        (4, 1, 1, 70),
-    ],
-)
-def test_fused_and_kernel_combines_match_reference(
-    rng, monkeypatch, fuse_bytes, dtype, n_heads, n_kv_heads, head_dim, seq_len
-):
-    monkeypatch.setenv("FERROX_FUSE_BYTES", fuse_bytes)
-    q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, DTYPES[dtype])
-    ref = fd.reference_gqa_decode(
-        q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
-    )
-    got = decode_on_device(q, k, v, n_heads, n_kv_heads, head_dim, "split")
-    if seq_len == 0:
-        assert not got.astype(np.float64).any()
-    else:
-        assert rel_err(got, ref) < TOL[dtype]
-
-
-def test_fused_combine_counters_are_left_at_zero(rng):
-    from ferrox_driver import attention
-
-    q, k, v = random_decode_inputs(rng, 32, 8, 128, 1000, DTYPES["bf16"])
-    with fd.Stream() as stream:
-        args = [fd.to_device(a) for a in (q, k, v)]
-        for _ in range(3):
-            fd.gqa_decode(*args, n_heads=32, n_kv_heads=8, head_dim=128, stream=stream)
-        ws = attention._workspaces[(fd.Device(0).context_handle, int(stream.handle))]
-        counters = ws.to_host(stream)[: attention.COUNTERS].view(np.uint32)
-    assert not counters.any()
-
-
 def test_misaligned_foreign_arrays_take_the_generic_path(rng):
     kind, lib = torch_or_cupy()
     q, k, v = random_decode_inputs(rng, 32, 8, 128, 300, np.float16)

@@ -10,13 +10,11 @@ streaming. Each variant edits the current kernel source at an anchor line.
 
 from __future__ import annotations
 
-import functools
-
 import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.attention import launch_decode, launch_split, plan_split
+from ferrox_driver.attention import launch_decode, plan_split
 from ferrox_driver.bench_decode import fill_uniform, time_events
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
@@ -49,7 +47,6 @@ def main() -> None:
     src = kernel_source("gqa_decode_split.cu")
     name = f"gqa_split_mma_bf16_d{HD}"
     q = fd.empty((N_HEADS, HD), DT)
-    out = fd.empty((N_HEADS, HD), DT)
     fill_uniform(q, 1, stream)
     print(f"{'variant':<40} {'seq':>5} {'us back to back':>16}")
     for label, edit in VARIANTS.items():
@@ -66,24 +63,25 @@ def main() -> None:
             v = fd.empty((seq, N_KV, HD), DT)
             fill_uniform(k, 2, stream)
             fill_uniform(v, 3, stream)
-            ws = fd.zeros((plan.workspace_floats(N_HEADS, HD),), np.float32)
-            body = functools.partial(
-                launch_split,
-                plan,
+            ws = fd.empty((plan.workspace_floats(N_HEADS, HD),), np.float32)
+            n_part = N_HEADS * plan.splits
+            ws_ml = ws.view((n_part * 2,), offset=n_part * HD * 4)
+            args = (
                 q,
                 k,
                 v,
-                out,
                 ws,
-                n_heads=N_HEADS,
-                n_kv_heads=N_KV,
-                head_dim=HD,
-                seq_len=seq,
-                seq_len_dev=None,
-                stream=stream,
-                parts="main",
-                kernel=kern,
+                ws_ml,
+                np.int32(N_HEADS),
+                np.int32(N_KV),
+                np.int32(seq),
+                None,
+                np.int32(plan.splits),
             )
+
+            def body() -> None:
+                grid = (plan.splits, N_KV, 1)
+                kern.launch(grid, plan.threads, args, shared_mem=smem, stream=stream)
 
             body()
             stream.synchronize()

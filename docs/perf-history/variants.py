@@ -19,14 +19,7 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.attention import (
-    COMBINE_THREADS,
-    COUNTERS,
-    MAX_SPLITS,
-    TILE,
-    fuse_limit,
-    stream_workspace,
-)
+from ferrox_driver.attention import COMBINE_THREADS, MAX_SPLITS, TILE, stream_workspace
 from ferrox_driver.bench_decode import fill_uniform, rotation, time_events
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
@@ -100,25 +93,20 @@ def run_shape(shape: tuple[int, int, int], variants: list[Variant]) -> None:
         for _, kern, smem, per_sm, threads in kernels:
             splits = per_sm * dev.multiprocessor_count // n_kv
             splits = max(1, min(splits, MAX_SPLITS, math.ceil(seq / TILE)))
-            fuse_max = fuse_limit(n_kv, n_heads // n_kv, hd)
-            ws = stream_workspace(dev, stream, COUNTERS + n_heads * splits * (hd + 2))
-            counters = ws.view((COUNTERS,), np.uint32)
-            ws_o = ws.view((n_heads * splits * hd,), offset=COUNTERS * 4)
-            ws_ml = ws.view((n_heads * splits * 2,), offset=(COUNTERS + n_heads * splits * hd) * 4)
+            ws = stream_workspace(dev, stream, n_heads * splits * (hd + 2))
+            ws_ml = ws.view((n_heads * splits * 2,), offset=n_heads * splits * hd * 4)
             heads = (np.int32(n_heads), np.int32(n_kv))
-            tail = (np.int32(seq), None, np.int32(splits), np.int32(fuse_max))
 
             def decode(i: int) -> None:
                 k, v = sets[i % n_sets]
-                args = (q, k, v, out, ws_o, ws_ml, counters, *heads, *tail)
+                args = (q, k, v, ws, ws_ml, *heads, np.int32(seq), None, np.int32(splits))
                 kern.launch((splits, n_kv, 1), threads, args, shared_mem=smem, stream=stream)
-                if splits > fuse_max:
-                    combine.launch(
-                        (n_heads, hd // 32),
-                        COMBINE_THREADS,
-                        (out, ws_o, ws_ml, np.int32(hd), *tail),
-                        stream=stream,
-                    )
+                combine.launch(
+                    (n_heads, hd // 32),
+                    COMBINE_THREADS,
+                    (out, ws, ws_ml, np.int32(hd), np.int32(seq), None, np.int32(splits)),
+                    stream=stream,
+                )
 
             decode(0)
             with stream.capture() as graph:
