@@ -19,7 +19,7 @@
 #define FX_THREADS 128
 #endif
 #define FX_WARPS (FX_THREADS / 32)
-#define FX_TILE 64  // chunk sizes are multiples of this (tokens)
+#define FX_TILE 64  // the tensor-core kernels' chunk sizes are multiples of this (tokens)
 #define FX_MAX_SPLITS 1024
 #define FX_LOG2E 1.4426950408889634f
 
@@ -27,18 +27,21 @@ __device__ __forceinline__ int fx_seq_len(int seq_len, const int* seq_len_dev) {
     return seq_len_dev != nullptr ? *seq_len_dev : seq_len;
 }
 
-// Tokens per chunk for this length: a multiple of FX_TILE, at most `splits` chunks.
-__device__ __forceinline__ int fx_chunk(int seq, int splits) {
+// Tokens per chunk for this length: a multiple of `tile`, at most `splits` chunks. (The
+// CUDA-core kernels' tile is the tokens a block takes per iteration, from 8 to FX_TILE:
+// short chunks cut the serial trips to memory of short sequences.)
+__device__ __forceinline__ int fx_chunk(int seq, int splits, int tile) {
     int c = (seq + splits - 1) / splits;
-    return (c + FX_TILE - 1) / FX_TILE * FX_TILE;
+    return (c + tile - 1) / tile * tile;
 }
 
 // Tokens [start, end) of chunk `split` at the current length; false when it has none
 // (the blocks past the end of a graph sized for the capacity leave at once).
 __device__ __forceinline__ bool fx_chunk_bounds(int seq_len, const int* seq_len_dev,
-                                                int splits, int split, int& start, int& end) {
+                                                int splits, int tile, int split, int& start,
+                                                int& end) {
     const int seq = fx_seq_len(seq_len, seq_len_dev);
-    const int chunk = fx_chunk(seq, splits);
+    const int chunk = fx_chunk(seq, splits, tile);
     start = split * chunk;
     end = min(seq, start + chunk);
     return seq > 0 && start < seq;
@@ -97,7 +100,8 @@ template <class T, int GT, bool VEC>
 __device__ __forceinline__ void gqa_split_generic(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
-    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int lpt) {
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int lpt,
+    int tile) {
     __shared__ __align__(16) float o_s[FX_WARPS][GT][256];  // each warp's sum, merged at the end
     __shared__ float m_s[FX_THREADS][GT];
     __shared__ float l_s[FX_THREADS][GT];
@@ -106,7 +110,7 @@ __device__ __forceinline__ void gqa_split_generic(
     // launch order, so they run together and all but the first read K/V from L2.
     const int split = blockIdx.y;
     int start, end;
-    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, split, start, end)) return;
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) return;
 
     const int g = blockIdx.z;
     const int group = n_heads / n_kv_heads;
@@ -253,9 +257,9 @@ __device__ __forceinline__ void gqa_split_generic(
     extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int head_dim, int seq_len, const int* seq_len_dev, int splits,      \
-        int lpt) {                                                                          \
+        int lpt, int tile) {                                                                \
         gqa_split_generic<T, GT, VEC>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, head_dim,  \
-                                      seq_len, seq_len_dev, splits, lpt);                   \
+                                      seq_len, seq_len_dev, splits, lpt, tile);             \
     }
 
 #define FX_GENERIC_FOR_TYPE(SUFFIX, T)                                \
@@ -391,7 +395,7 @@ __device__ __forceinline__ void gqa_split_mma(
 
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, split, start, end)) return;
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, FX_TILE, split, start, end)) return;
 
     const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
@@ -617,7 +621,7 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 template <class T>
 __device__ __forceinline__ void gqa_split_combine(
     T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits) {
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
     __shared__ float w_s[FX_MAX_SPLITS];
     __shared__ float red_s[FX_COMBINE_WARPS][32];
     const int h = blockIdx.x;
@@ -629,7 +633,7 @@ __device__ __forceinline__ void gqa_split_combine(
         if (warp == 0 && d < head_dim) out_h[d] = fx_from_float<T>(0.f);
         return;
     }
-    const int chunk = fx_chunk(seq, splits);
+    const int chunk = fx_chunk(seq, splits, tile);
     const int active = (seq + chunk - 1) / chunk;
     const float* ml = ws_ml + (long long)h * splits * 2;
     // This warp's first chunk outputs do not depend on the weights: load them now, so the
@@ -696,8 +700,8 @@ __device__ __forceinline__ void gqa_split_combine(
 #define FX_COMBINE_ENTRY(NAME, T)                                                           \
     extern "C" __global__ void __launch_bounds__(FX_COMBINE_THREADS) NAME(                  \
         T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
-        const int* seq_len_dev, int splits) {                                               \
-        gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits);     \
+        const int* seq_len_dev, int splits, int tile) {                                     \
+        gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits, tile); \
     }
 
 FX_COMBINE_ENTRY(gqa_split_combine_f32, float)

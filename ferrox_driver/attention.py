@@ -47,7 +47,7 @@ def kernel_define(name: str, filename: str = SPLIT_FILE) -> int:
     return value
 
 
-TILE = kernel_define("FX_TILE")  # tokens; chunk sizes are multiples of it
+TILE = kernel_define("FX_TILE")  # tokens; tensor-core chunk sizes are multiples of it
 MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
@@ -90,6 +90,7 @@ class SplitPlan:
     lanes_per_token: int
     splits: int
     threads: int = THREADS  # per block
+    tile: int = TILE  # chunk sizes are multiples of this many tokens
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
         """Floats of scratch the launch needs: partial outputs, maxima and sums."""
@@ -155,13 +156,20 @@ def plan_split(
         vec = "vec" if head_dim % 8 == 0 and aligned else "any"
         kname, tc, threads = f"gqa_split_{name}_g{gt}_{vec}", False, THREADS
     kernel = get_kernel(SPLIT_FILE, kname, device)
-    plan = SplitPlan(kname, tc, tiles, lpt, 1, threads)  # the chunk count follows
+    plan = SplitPlan(kname, tc, tiles, lpt, 1, threads, TILE if tc else cuda_core_tile(lpt))
     shared = plan.shared_bytes(head_dim, np.dtype(dtype).itemsize)
     wave = _blocks_per_sm(kernel, device, threads, shared) * device.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
     splits = wave // (n_kv_heads * tiles)
-    splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // TILE)))
+    splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // plan.tile)))
     return dataclasses.replace(plan, splits=splits)
+
+
+def cuda_core_tile(lanes_per_token: int) -> int:
+    """Chunk granularity of the CUDA-core kernels: the tokens a block takes per iteration
+    (two per lane group), 8 to TILE. Each iteration is a trip to memory the next waits
+    for, so a short sequence gets many short chunks rather than a few long ones."""
+    return max(8, min(TILE, 2 * (THREADS // 32) * (32 // lanes_per_token)))
 
 
 _workspaces: dict[tuple[int, int], DeviceArray] = {}
@@ -222,7 +230,7 @@ def launch_split(
     ws_o = workspace
     ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
     heads = (np.int32(n_heads), np.int32(n_kv_heads))
-    splits = np.int32(plan.splits)
+    splits, tile = np.int32(plan.splits), np.int32(plan.tile)
     args: tuple[Any, ...]
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits)
@@ -239,6 +247,7 @@ def launch_split(
             seq_len_dev,
             splits,
             np.int32(plan.lanes_per_token),
+            np.int32(plan.tile),
         )
     if plan.tensor_cores:
         grid = (plan.splits, n_kv_heads, 1)
@@ -258,7 +267,7 @@ def launch_split(
     combine.launch(
         (n_heads, -(-head_dim // 32)),
         COMBINE_THREADS,
-        (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits),
+        (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits, tile),
         stream=stream,
     )
 

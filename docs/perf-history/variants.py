@@ -104,7 +104,7 @@ def run_shape(shape: tuple[int, int, int], variants: list[Variant]) -> None:
                 combine.launch(
                     (n_heads, hd // 32),
                     COMBINE_THREADS,
-                    (out, ws, ws_ml, np.int32(hd), np.int32(seq), None, np.int32(splits)),
+                    (out, ws, ws_ml, np.int32(hd), np.int32(seq), None, np.int32(splits), TILE),
                     stream=stream,
                 )
 
