@@ -610,6 +610,306 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d128, fx_bf16, 128)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 
 // ---------------------------------------------------------------------------------------
+// Tensor-core split kernel for fp32 caches (head_dim 64/128, groups of up to 8): the same
+// design as gqa_split_mma, on mma m16n8k8 with TF32 inputs in the "3xTF32" form: each fp32
+// x is split into hi = tf32(x) and lo = tf32(x - hi), and a*b = al*bh + ah*bl + ah*bh (the
+// dropped al*bl is ~2^-22 relative), which keeps fp32 accuracy at a small cost in mmas
+// (memory, not the tensor cores, is the limit).
+//   S = Q K^T: rows = heads (8..15 padding), k = d, n = tokens. A lane reads 4 consecutive
+//     d of its row (16 bytes) and feeds them to two mmas (k slots tig and tig+4 of each);
+//     Q is read the same way, so the dot products pair up the same d.
+//   O += P V: k = tokens, n = d. The S accumulators give this lane P for tokens 2tig and
+//     2tig+1 of each 8: they are k slots tig and tig+4, so V rows 2tig and 2tig+1 are read.
+//     The n dimension is permuted too: for each 32 d, lane g reads the 16 bytes at
+//     d = 4g..4g+3 of both rows and block j (0..3) takes element j, so n = g <-> d = 4g + j
+//     and the accumulators c0/c1 of block (q, j) hold d = 32q + 4(2tig) + j and +4.
+// Shared-memory rows are swizzled in 16-byte units as in gqa_split_mma.
+template <int D> struct FxTc32Shape;
+#ifndef FX_TC32_WARPS_D64
+#define FX_TC32_WARPS_D64 8
+#endif
+#ifndef FX_TC32_STAGES_D64
+#define FX_TC32_STAGES_D64 3
+#endif
+#ifndef FX_TC32_WARPS_D128
+#define FX_TC32_WARPS_D128 4
+#endif
+#ifndef FX_TC32_STAGES_D128
+#define FX_TC32_STAGES_D128 3
+#endif
+template <> struct FxTc32Shape<64> {
+    static constexpr int warps = FX_TC32_WARPS_D64, stages = FX_TC32_STAGES_D64;
+};
+template <> struct FxTc32Shape<128> {
+    static constexpr int warps = FX_TC32_WARPS_D128, stages = FX_TC32_STAGES_D128;
+};
+
+// x = hi + lo, both TF32 (as bit patterns for the mma).
+__device__ __forceinline__ void fx_split_tf32(float x, unsigned& hi, unsigned& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+    const float rest = x - __uint_as_float(hi);
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(rest));
+}
+
+// D(16x8) += A(16x8) B(8x8), TF32 in, f32 accumulate; rows 8..15 of A are zero (a1 = a3 = 0).
+__device__ __forceinline__ void fx_mma_tf32(float& c0, float& c1, float& c2, float& c3,
+                                            unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+// a*b in 3xTF32 (small terms first), accumulated into c.
+__device__ __forceinline__ void fx_mma_3xtf32(float& c0, float& c1, float& c2, float& c3,
+                                              unsigned ah0, unsigned al0, unsigned ah2,
+                                              unsigned al2, unsigned bh0, unsigned bl0,
+                                              unsigned bh1, unsigned bl1) {
+    fx_mma_tf32(c0, c1, c2, c3, al0, al2, bh0, bh1);
+    fx_mma_tf32(c0, c1, c2, c3, ah0, ah2, bl0, bl1);
+    fx_mma_tf32(c0, c1, c2, c3, ah0, ah2, bh0, bh1);
+}
+
+template <int D>
+__device__ __forceinline__ void gqa_split_tc32(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
+    int seq_len, const int* __restrict__ seq_len_dev, int splits) {
+    constexpr int S = FxTc32Shape<D>::stages;
+    constexpr int WARPS = FxTc32Shape<D>::warps, THREADS = WARPS * 32;
+    constexpr int NCH = D / 4;    // 16-byte chunks per row
+    constexpr int STEP = 16 * D;  // floats of one step's K (or V)
+    __shared__ float m_s[WARPS][8];
+    __shared__ float l_s[WARPS][8];
+    extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
+
+    {  // too little dynamic shared memory or fewer warps than compiled for: refuse
+        unsigned dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (unsigned)(WARPS * S * 2 * STEP * sizeof(float))) __trap();
+        if (blockDim.x != THREADS) __trap();
+    }
+
+    const int split = blockIdx.x;
+    int start, end;
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, FX_TILE, split, start, end)) return;
+
+    const int g_kv = blockIdx.y;
+    const int group = n_heads / n_kv_heads;  // <= 8 on this path
+    const int h0 = g_kv * group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+
+    const long long row = (long long)n_kv_heads * D;
+    const float* kg = k + (long long)g_kv * D;
+    const float* vg = v + (long long)g_kv * D;
+    float* ring = reinterpret_cast<float*>(fx_dyn_smem) + warp * S * 2 * STEP;
+
+    constexpr int STRIDE = WARPS * 16;
+    auto issue = [&](int j) {  // as in gqa_split_mma: one commit group per step
+        const int t0 = start + warp * 16 + j * STRIDE;
+        if (t0 < end) {
+            float* ks = ring + (j % S) * 2 * STEP;
+            float* vs = ks + STEP;
+#pragma unroll
+            for (int i = 0; i < 16 * NCH / 32; ++i) {
+                const int idx = i * 32 + lane, r = idx / NCH, c = idx % NCH;
+                const bool ok = t0 + r < end;
+                const long long off = (long long)(ok ? t0 + r : start) * row + c * 4;
+                fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * 4), kg + off, ok);
+                fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * 4), vg + off, ok);
+            }
+        }
+        fx_cp_async_commit();
+    };
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) issue(j);
+
+    // Q, pre-scaled into the base-2 domain and split into TF32 pairs, in shared memory
+    // (in registers it would take 2 * D / 4 of them): rows = heads, padded by 16 bytes.
+    __shared__ __align__(16) unsigned qh_s[8][D + 4];
+    __shared__ __align__(16) unsigned ql_s[8][D + 4];
+    const float sscale = rsqrtf((float)D) * FX_LOG2E;
+    for (int i = threadIdx.x; i < 8 * NCH; i += THREADS) {
+        const int j = i / NCH, c = (i % NCH) * 4;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (j < group) x = __ldg(reinterpret_cast<const float4*>(q + (long long)(h0 + j) * D + c));
+        uint4 hi, lo;
+        fx_split_tf32(x.x * sscale, hi.x, lo.x);
+        fx_split_tf32(x.y * sscale, hi.y, lo.y);
+        fx_split_tf32(x.z * sscale, hi.z, lo.z);
+        fx_split_tf32(x.w * sscale, hi.w, lo.w);
+        *reinterpret_cast<uint4*>(&qh_s[j][c]) = hi;
+        *reinterpret_cast<uint4*>(&ql_s[j][c]) = lo;
+    }
+    __syncthreads();  // Q complete; the first steps' loads are already in flight
+
+    // O accumulators [q][j][c0, c1] (d = 32q + 4(2tig + c) + j, head g); padding rows'
+    // outputs go to a scratch pair per chain.
+    constexpr int PADS = 4;
+    float oacc[D / 32][4][2], pad[PADS][2];
+#pragma unroll
+    for (int i = 0; i < PADS; ++i) pad[i][0] = pad[i][1] = 0.f;
+#pragma unroll
+    for (int qq = 0; qq < D / 32; ++qq)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) oacc[qq][j][0] = oacc[qq][j][1] = 0.f;
+    float m_run = -INFINITY, l_run = 0.f;
+
+    for (int j = 0; start + warp * 16 + j * STRIDE < end; ++j) {
+        issue(j + S - 1);
+        fx_cp_async_wait<S - 1>();
+        __syncwarp();
+        const int t0 = start + warp * 16 + j * STRIDE;
+        const float* ks = ring + (j % S) * 2 * STEP;
+        const float* vs = ks + STEP;
+        const int ta = t0 + tig * 2, tc = ta + 8;
+        // ---- S = Q K^T, tokens t0..t0+7 (n = 0) and t0+8..t0+15 (n = 1); two chains each.
+        // Lane (g, tig) takes head g, d = 16p + 4tig .. +3 of Q and of token rows g, 8 + g.
+        float s[2][4], s2[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[n][i] = s2[n][i] = 0.f;
+#pragma unroll
+        for (int p = 0; p < D / 16; ++p) {
+            const uint4 qh = *reinterpret_cast<const uint4*>(&qh_s[g][16 * p + 4 * tig]);
+            const uint4 ql = *reinterpret_cast<const uint4*>(&ql_s[g][16 * p + 4 * tig]);
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const int r = n * 8 + g;
+                const int c = (p * 4 + tig) ^ ((r & 1) << 2);
+                const float4 kv = *reinterpret_cast<const float4*>(ks + r * D + c * 4);
+                unsigned kh[4], kl[4];
+                fx_split_tf32(kv.x, kh[0], kl[0]);
+                fx_split_tf32(kv.y, kh[1], kl[1]);
+                fx_split_tf32(kv.z, kh[2], kl[2]);
+                fx_split_tf32(kv.w, kh[3], kl[3]);
+                fx_mma_3xtf32(s[n][0], s[n][1], s[n][2], s[n][3], qh.x, ql.x, qh.y, ql.y, kh[0],
+                              kl[0], kh[1], kl[1]);
+                fx_mma_3xtf32(s2[n][0], s2[n][1], s2[n][2], s2[n][3], qh.z, ql.z, qh.w, ql.w,
+                              kh[2], kl[2], kh[3], kl[3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            s[n][0] += s2[n][0];
+            s[n][1] += s2[n][1];
+        }
+        // ---- online softmax for head g over this lane's 4 scores (as gqa_split_mma)
+        float x[4];
+        x[0] = ta < end ? s[0][0] : -INFINITY;
+        x[1] = ta + 1 < end ? s[0][1] : -INFINITY;
+        x[2] = tc < end ? s[1][0] : -INFINITY;
+        x[3] = tc + 1 < end ? s[1][1] : -INFINITY;
+        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run, mx);
+        const float alpha = m_run == -INFINITY ? 0.f : fx_exp2(m_run - m_new);
+        float p[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p[i] = x[i] == -INFINITY ? 0.f : fx_exp2(x[i] - m_new);
+        l_run = l_run * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
+        m_run = m_new;
+#pragma unroll
+        for (int qq = 0; qq < D / 32; ++qq)
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                oacc[qq][jj][0] *= alpha;
+                oacc[qq][jj][1] *= alpha;
+            }
+        // ---- O += P V, tokens of S block kb: k slot tig <-> token 8kb + 2tig, slot tig+4
+        // <-> 8kb + 2tig + 1
+#pragma unroll
+        for (int kb = 0; kb < 2; ++kb) {
+            unsigned ph0, pl0, ph2, pl2;
+            fx_split_tf32(p[2 * kb], ph0, pl0);
+            fx_split_tf32(p[2 * kb + 1], ph2, pl2);
+            const int ra = kb * 8 + tig * 2;  // rows ra, ra + 1: (r & 6) == 2 tig for both
+#pragma unroll
+            for (int qq = 0; qq < D / 32; ++qq) {
+                const int c = (qq * 8 + g) ^ (tig * 2);
+                const float4 va = *reinterpret_cast<const float4*>(vs + ra * D + c * 4);
+                const float4 vb = *reinterpret_cast<const float4*>(vs + (ra + 1) * D + c * 4);
+                const float wa[4] = {va.x, va.y, va.z, va.w};
+                const float wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    unsigned bh0, bl0, bh1, bl1;
+                    fx_split_tf32(wa[jj], bh0, bl0);
+                    fx_split_tf32(wb[jj], bh1, bl1);
+                    float* pd = pad[(qq * 4 + jj) % PADS];
+                    fx_mma_3xtf32(oacc[qq][jj][0], oacc[qq][jj][1], pd[0], pd[1], ph0, pl0,
+                                  ph2, pl2, bh0, bl0, bh1, bl1);
+                }
+            }
+        }
+        __syncwarp();  // every lane is done with this stage before it is refilled
+    }
+    fx_cp_async_wait<0>();
+
+    // ---- merge the warps in a fixed order, as gqa_split_mma (fragment order in the ring)
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    if (tig == 0) {
+        m_s[warp][g] = m_run;
+        l_s[warp][g] = l_run;
+    }
+    constexpr int SLOTS = D / 32 * 8;  // (q, j, c0/c1) per lane
+    static_assert(WARPS * SLOTS * FX_OPAD <= WARPS * S * 2 * STEP,
+                  "the merge area must fit in the ring");
+    float* o_f = reinterpret_cast<float*>(fx_dyn_smem);
+    __syncthreads();  // every warp is past its loop: the rings are free
+#pragma unroll
+    for (int qq = 0; qq < D / 32; ++qq)
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+                o_f[(warp * SLOTS + qq * 8 + jj * 2 + c) * FX_OPAD + lane] = oacc[qq][jj][c];
+    __syncthreads();
+    if (threadIdx.x < group) {
+        const int hj = threadIdx.x;
+        const float mb = mb_of<WARPS>(m_s, hj);
+        float lb = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w)
+            if (m_s[w][hj] != -INFINITY) lb += l_s[w][hj] * fx_exp2(m_s[w][hj] - mb);
+        float* ml = ws_ml + ((long long)(h0 + hj) * splits + split) * 2;
+        ml[0] = mb;
+        ml[1] = lb;
+    }
+    for (int i = threadIdx.x; i < group * D; i += THREADS) {
+        const int hj = i / D, d = i % D;
+        // d = 32q + 4n + j with n = 2tig + c, held by lane hj*4 + tig (see oacc)
+        const int n = (d % 32) / 4;
+        const int slot = (d / 32) * 8 + (d % 4) * 2 + (n & 1);
+        const int src = hj * 4 + (n >> 1);
+        const float mb = mb_of<WARPS>(m_s, hj);
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = m_s[w][hj];
+            if (mw != -INFINITY) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * fx_exp2(mw - mb);
+        }
+        ws_o[((long long)(h0 + hj) * splits + split) * D + d] = acc;
+    }
+}
+
+#define FX_TC32_ENTRY(NAME, D)                                                              \
+    extern "C" __global__ void __launch_bounds__(FX_TC32_WARPS_D##D * 32, 1) NAME(          \
+        const float* q, const float* k, const float* v, float* ws_o, float* ws_ml,          \
+        int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {     \
+        gqa_split_tc32<D>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, seq_len, seq_len_dev,  \
+                          splits);                                                          \
+    }
+
+FX_TC32_ENTRY(gqa_split_tc32_f32_d64, 64)
+FX_TC32_ENTRY(gqa_split_tc32_f32_d128, 128)
+
+// ---------------------------------------------------------------------------------------
 // Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
 // w_c = 2^(m_c - max m). One block per (head, 32 columns): lanes are columns, the four
 // warps take every fourth chunk (16 loads in flight each: 64 chunks per trip to L2) and

@@ -51,7 +51,8 @@ TILE = kernel_define("FX_TILE")  # tokens; tensor-core chunk sizes are multiples
 MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
-MMA_HEAD_DIMS = (64, 128, 256)
+MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
+TC32_HEAD_DIMS = (64, 128)  # fp32 tensor-core (3xTF32) kernels
 
 
 def check_algorithm(algorithm: Any) -> str:
@@ -91,6 +92,7 @@ class SplitPlan:
     splits: int
     threads: int = THREADS  # per block
     tile: int = TILE  # chunk sizes are multiples of this many tokens
+    stages: int = 0  # tensor-core kernels: 16-token steps in each warp's ring
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
         """Floats of scratch the launch needs: partial outputs, maxima and sums."""
@@ -98,21 +100,18 @@ class SplitPlan:
 
     def shared_bytes(self, head_dim: int, itemsize: int) -> int:
         """Dynamic shared memory of the split kernel: the tensor-core kernels' per-warp ring
-        of K/V steps (warps * FxStages * 16 tokens * (K, V) * head_dim elements)."""
+        of K/V steps (warps * stages * 16 tokens * (K, V) * head_dim elements)."""
         if not self.tensor_cores:
             return 0
-        return (self.threads // 32) * mma_stages(head_dim) * 16 * 2 * head_dim * itemsize
+        return (self.threads // 32) * self.stages * 16 * 2 * head_dim * itemsize
 
 
-# The tensor-core kernels' shape by head_dim: warps per block (FxWarps) and each warp's
-# ring of 16-token steps (FxStages)
+# The tensor-core kernels' shape by head_dim: warps per block and each warp's ring of
+# 16-token steps (one fewer are in flight), for fp16/bf16 (FxWarps/FxStages) and fp32
 MMA_WARPS = {d: kernel_define(f"FX_WARPS_D{d}") for d in MMA_HEAD_DIMS}
 MMA_STAGES = {d: kernel_define(f"FX_STAGES_D{d}") for d in MMA_HEAD_DIMS}
-
-
-def mma_stages(head_dim: int) -> int:
-    """Steps each warp of a tensor-core kernel has in its ring (one fewer are in flight)."""
-    return MMA_STAGES[head_dim]
+TC32_WARPS = {d: kernel_define(f"FX_TC32_WARPS_D{d}") for d in TC32_HEAD_DIMS}
+TC32_STAGES = {d: kernel_define(f"FX_TC32_STAGES_D{d}") for d in TC32_HEAD_DIMS}
 
 
 _resident_blocks: dict[tuple[int, str], int] = {}
@@ -137,15 +136,20 @@ def plan_split(
 ) -> SplitPlan:
     """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens.
 
-    The grid is one full wave of resident blocks; each block's chunk is a multiple of 64
-    tokens, computed on the device from the actual length (which may be shorter, as in a
-    captured graph sized for the cache's capacity).
+    The grid is one full wave of resident blocks; each block's chunk is a multiple of the
+    plan's tile (64 tokens on tensor cores, 8-64 on CUDA cores), computed on the device from
+    the actual length (which may be shorter, as in a captured graph sized for the cache's
+    capacity).
     """
     group = n_heads // n_kv_heads
     name = dtype_name(dtype)
+    stages = 0
     if name != "f32" and head_dim in MMA_HEAD_DIMS and group <= 8 and aligned:
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
-        threads = 32 * MMA_WARPS[head_dim]
+        threads, stages = 32 * MMA_WARPS[head_dim], MMA_STAGES[head_dim]
+    elif name == "f32" and head_dim in TC32_HEAD_DIMS and group <= 8 and aligned and tc32_on():
+        kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
+        threads, stages = 32 * TC32_WARPS[head_dim], TC32_STAGES[head_dim]
     else:
         cap = int(os.environ.get("FERROX_SPLIT_HEADS_PER_BLOCK", "4"))  # tuning knob
         gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))
@@ -156,13 +160,20 @@ def plan_split(
         vec = "vec" if head_dim % 8 == 0 and aligned else "any"
         kname, tc, threads = f"gqa_split_{name}_g{gt}_{vec}", False, THREADS
     kernel = get_kernel(SPLIT_FILE, kname, device)
-    plan = SplitPlan(kname, tc, tiles, lpt, 1, threads, TILE if tc else cuda_core_tile(lpt))
+    tile = TILE if tc else cuda_core_tile(lpt)
+    plan = SplitPlan(kname, tc, tiles, lpt, 1, threads, tile, stages)
     shared = plan.shared_bytes(head_dim, np.dtype(dtype).itemsize)
     wave = _blocks_per_sm(kernel, device, threads, shared) * device.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
     splits = wave // (n_kv_heads * tiles)
     splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // plan.tile)))
     return dataclasses.replace(plan, splits=splits)
+
+
+def tc32_on() -> bool:
+    """Whether fp32 caches may take the 3xTF32 tensor-core kernels (``FERROX_TC32=0``
+    keeps them on the CUDA-core kernels: a comparison knob)."""
+    return os.environ.get("FERROX_TC32", "1") != "0"
 
 
 def cuda_core_tile(lanes_per_token: int) -> int:

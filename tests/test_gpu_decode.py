@@ -132,6 +132,28 @@ def test_split_handles_lengths_that_are_not_multiples_of_the_chunk(rng, seq_len)
     assert rel_err(decode_on_device(q32, k32, v32, 16, 2, 64, "split"), ref) < 1e-5
 
 
+# fp32 caches with head_dim 64/128 and groups up to 8 take the 3xTF32 tensor-core kernels;
+# FERROX_TC32=0 keeps them on the CUDA-core kernels. Both must hold fp32 accuracy.
+@pytest.mark.parametrize("tc32", ["1", "0"])
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,seq_len",
+    [(32, 8, 128, 5000), (64, 8, 128, 129), (28, 4, 128, 65), (16, 2, 64, 3001), (8, 8, 64, 1)],
+)
+@pytest.mark.parametrize("q_scale", [1.0, 8.0])
+def test_fp32_tensor_core_and_cuda_core_kernels_match_reference(
+    rng, monkeypatch, tc32, n_heads, n_kv_heads, head_dim, seq_len, q_scale
+):
+    monkeypatch.setenv("FERROX_TC32", tc32)
+    q, k, v = random_decode_inputs(
+        rng, n_heads, n_kv_heads, head_dim, seq_len, np.float32, q_scale=q_scale
+    )
+    ref = fd.reference_gqa_decode(
+        q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
+    )
+    got = decode_on_device(q, k, v, n_heads, n_kv_heads, head_dim, "split")
+    assert rel_err(got, ref) < 1e-5
+
+
 def test_misaligned_foreign_arrays_take_the_generic_path(rng):
     kind, lib = torch_or_cupy()
     q, k, v = random_decode_inputs(rng, 32, 8, 128, 300, np.float16)

@@ -23,11 +23,15 @@ def test_host_launch_constants_are_the_kernels_defines():
     for head_dim, stages in attention.MMA_STAGES.items():
         expected[f"FX_STAGES_D{head_dim}"] = stages
         expected[f"FX_WARPS_D{head_dim}"] = attention.MMA_WARPS[head_dim]
+    for head_dim, stages in attention.TC32_STAGES.items():
+        expected[f"FX_TC32_STAGES_D{head_dim}"] = stages
+        expected[f"FX_TC32_WARPS_D{head_dim}"] = attention.TC32_WARPS[head_dim]
     for name, value in expected.items():
         found = re.search(rf"#define {name} (\d+)", src)
         assert found, f"{name} not defined in the kernel"
         assert int(found.group(1)) == value, name
     assert sorted(attention.MMA_STAGES) == sorted(attention.MMA_WARPS) == [64, 128, 256]
+    assert sorted(attention.TC32_STAGES) == sorted(attention.TC32_WARPS) == [64, 128]
 
 
 def test_a_missing_define_is_a_clear_error():
@@ -37,10 +41,16 @@ def test_a_missing_define_is_a_clear_error():
 
 def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
     program = compile_source(kernel_source("gqa_decode_split.cu"), arch="sm_90")
-    for head_dim in attention.MMA_HEAD_DIMS:
-        threads = 32 * attention.MMA_WARPS[head_dim]
-        plan = attention.SplitPlan(f"gqa_split_mma_f16_d{head_dim}", True, 1, 32, 1, threads)
-        dynamic = plan.shared_bytes(head_dim, 2)  # fp16 and bf16
+    kernels = [
+        (f"gqa_split_mma_f16_d{d}", d, 2, attention.MMA_WARPS[d], attention.MMA_STAGES[d])
+        for d in attention.MMA_HEAD_DIMS
+    ] + [
+        (f"gqa_split_tc32_f32_d{d}", d, 4, attention.TC32_WARPS[d], attention.TC32_STAGES[d])
+        for d in attention.TC32_HEAD_DIMS
+    ]
+    for name, head_dim, itemsize, warps, stages in kernels:
+        plan = attention.SplitPlan(name, True, 1, 32, 1, 32 * warps, stages=stages)
+        dynamic = plan.shared_bytes(head_dim, itemsize)
         static = program.resources[plan.kernel].shared_bytes
         assert dynamic > 0
         assert dynamic + static <= MAX_BLOCK_SHARED, (head_dim, dynamic, static)
