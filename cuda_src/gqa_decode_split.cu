@@ -610,7 +610,7 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d128, fx_bf16, 128)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 
 // ---------------------------------------------------------------------------------------
-// Tensor-core split kernel for fp32 caches (head_dim 64/128, groups of up to 8): the same
+// Tensor-core split kernel for fp32 caches (head_dim 64/128/256, groups of up to 8): the same
 // design as gqa_split_mma, on mma m16n8k8 with TF32 inputs in the "3xTF32" form: each fp32
 // x is split into hi = tf32(x) and lo = tf32(x - hi), and a*b = al*bh + ah*bl + ah*bh (the
 // dropped al*bl is ~2^-22 relative), which keeps fp32 accuracy at a small cost in mmas
@@ -624,6 +624,10 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 //     d = 4g..4g+3 of both rows and block j (0..3) takes element j, so n = g <-> d = 4g + j
 //     and the accumulators c0/c1 of block (q, j) hold d = 32q + 4(2tig) + j and +4.
 // Shared-memory rows are swizzled in 16-byte units as in gqa_split_mma.
+// Per head_dim: warps per block, steps in each warp's ring and tokens per step (8 or 16:
+// 8-token steps fit more warps or a wider head_dim into shared memory). The host reads
+// these defines (attention.py); overridable with -D for experiments
+// (docs/perf-history/tc32_variants.py).
 template <int D> struct FxTc32Shape;
 #ifndef FX_TC32_WARPS_D64
 #define FX_TC32_WARPS_D64 8
@@ -631,17 +635,38 @@ template <int D> struct FxTc32Shape;
 #ifndef FX_TC32_STAGES_D64
 #define FX_TC32_STAGES_D64 3
 #endif
+#ifndef FX_TC32_TOKENS_D64
+#define FX_TC32_TOKENS_D64 16
+#endif
 #ifndef FX_TC32_WARPS_D128
 #define FX_TC32_WARPS_D128 4
 #endif
 #ifndef FX_TC32_STAGES_D128
 #define FX_TC32_STAGES_D128 3
 #endif
+#ifndef FX_TC32_TOKENS_D128
+#define FX_TC32_TOKENS_D128 16
+#endif
+#ifndef FX_TC32_WARPS_D256
+#define FX_TC32_WARPS_D256 4
+#endif
+#ifndef FX_TC32_STAGES_D256
+#define FX_TC32_STAGES_D256 3
+#endif
+#ifndef FX_TC32_TOKENS_D256
+#define FX_TC32_TOKENS_D256 8
+#endif
 template <> struct FxTc32Shape<64> {
     static constexpr int warps = FX_TC32_WARPS_D64, stages = FX_TC32_STAGES_D64;
+    static constexpr int tokens = FX_TC32_TOKENS_D64;
 };
 template <> struct FxTc32Shape<128> {
     static constexpr int warps = FX_TC32_WARPS_D128, stages = FX_TC32_STAGES_D128;
+    static constexpr int tokens = FX_TC32_TOKENS_D128;
+};
+template <> struct FxTc32Shape<256> {
+    static constexpr int warps = FX_TC32_WARPS_D256, stages = FX_TC32_STAGES_D256;
+    static constexpr int tokens = FX_TC32_TOKENS_D256;
 };
 
 // x = hi + lo, both TF32 (as bit patterns for the mma).
@@ -678,8 +703,10 @@ __device__ __forceinline__ void gqa_split_tc32(
     int seq_len, const int* __restrict__ seq_len_dev, int splits) {
     constexpr int S = FxTc32Shape<D>::stages;
     constexpr int WARPS = FxTc32Shape<D>::warps, THREADS = WARPS * 32;
-    constexpr int NCH = D / 4;    // 16-byte chunks per row
-    constexpr int STEP = 16 * D;  // floats of one step's K (or V)
+    constexpr int TOK = FxTc32Shape<D>::tokens, NB = TOK / 8;  // tokens per step, 8-blocks
+    static_assert(TOK == 8 || TOK == 16, "steps of 8 or 16 tokens");
+    constexpr int NCH = D / 4;     // 16-byte chunks per row
+    constexpr int STEP = TOK * D;  // floats of one step's K (or V)
     __shared__ float m_s[WARPS][8];
     __shared__ float l_s[WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
@@ -706,14 +733,14 @@ __device__ __forceinline__ void gqa_split_tc32(
     const float* vg = v + (long long)g_kv * D;
     float* ring = reinterpret_cast<float*>(fx_dyn_smem) + warp * S * 2 * STEP;
 
-    constexpr int STRIDE = WARPS * 16;
+    constexpr int STRIDE = WARPS * TOK;
     auto issue = [&](int j) {  // as in gqa_split_mma: one commit group per step
-        const int t0 = start + warp * 16 + j * STRIDE;
+        const int t0 = start + warp * TOK + j * STRIDE;
         if (t0 < end) {
             float* ks = ring + (j % S) * 2 * STEP;
             float* vs = ks + STEP;
 #pragma unroll
-            for (int i = 0; i < 16 * NCH / 32; ++i) {
+            for (int i = 0; i < TOK * NCH / 32; ++i) {
                 const int idx = i * 32 + lane, r = idx / NCH, c = idx % NCH;
                 const bool ok = t0 + r < end;
                 const long long off = (long long)(ok ? t0 + r : start) * row + c * 4;
@@ -757,19 +784,18 @@ __device__ __forceinline__ void gqa_split_tc32(
         for (int j = 0; j < 4; ++j) oacc[qq][j][0] = oacc[qq][j][1] = 0.f;
     float m_run = -INFINITY, l_run = 0.f;
 
-    for (int j = 0; start + warp * 16 + j * STRIDE < end; ++j) {
+    for (int j = 0; start + warp * TOK + j * STRIDE < end; ++j) {
         issue(j + S - 1);
         fx_cp_async_wait<S - 1>();
         __syncwarp();
-        const int t0 = start + warp * 16 + j * STRIDE;
+        const int t0 = start + warp * TOK + j * STRIDE;
         const float* ks = ring + (j % S) * 2 * STEP;
         const float* vs = ks + STEP;
-        const int ta = t0 + tig * 2, tc = ta + 8;
-        // ---- S = Q K^T, tokens t0..t0+7 (n = 0) and t0+8..t0+15 (n = 1); two chains each.
-        // Lane (g, tig) takes head g, d = 16p + 4tig .. +3 of Q and of token rows g, 8 + g.
-        float s[2][4], s2[2][4];
+        // ---- S = Q K^T, tokens t0 + 8n .. +7 for each n < NB; two chains each. Lane
+        // (g, tig) takes head g, d = 16p + 4tig .. +3 of Q and of token rows 8n + g.
+        float s[NB][4], s2[NB][4];
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < NB; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[n][i] = s2[n][i] = 0.f;
 #pragma unroll
@@ -777,7 +803,7 @@ __device__ __forceinline__ void gqa_split_tc32(
             const uint4 qh = *reinterpret_cast<const uint4*>(&qh_s[g][16 * p + 4 * tig]);
             const uint4 ql = *reinterpret_cast<const uint4*>(&ql_s[g][16 * p + 4 * tig]);
 #pragma unroll
-            for (int n = 0; n < 2; ++n) {
+            for (int n = 0; n < NB; ++n) {
                 const int r = n * 8 + g;
                 const int c = (p * 4 + tig) ^ ((r & 1) << 2);
                 const float4 kv = *reinterpret_cast<const float4*>(ks + r * D + c * 4);
@@ -792,26 +818,28 @@ __device__ __forceinline__ void gqa_split_tc32(
                               kh[2], kl[2], kh[3], kl[3]);
             }
         }
+        // ---- online softmax for head g over this lane's scores: tokens t0 + 8n + 2tig + e
+        float x[2 * NB];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            s[n][0] += s2[n][0];
-            s[n][1] += s2[n][1];
-        }
-        // ---- online softmax for head g over this lane's 4 scores (as gqa_split_mma)
-        float x[4];
-        x[0] = ta < end ? s[0][0] : -INFINITY;
-        x[1] = ta + 1 < end ? s[0][1] : -INFINITY;
-        x[2] = tc < end ? s[1][0] : -INFINITY;
-        x[3] = tc + 1 < end ? s[1][1] : -INFINITY;
-        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+        for (int n = 0; n < NB; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                x[2 * n + e] =
+                    t0 + 8 * n + 2 * tig + e < end ? s[n][e] + s2[n][e] : -INFINITY;
+        float mx = x[0];
+#pragma unroll
+        for (int i = 1; i < 2 * NB; ++i) mx = fmaxf(mx, x[i]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m_run, mx);
         const float alpha = m_run == -INFINITY ? 0.f : fx_exp2(m_run - m_new);
-        float p[4];
+        float p[2 * NB];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) p[i] = x[i] == -INFINITY ? 0.f : fx_exp2(x[i] - m_new);
-        l_run = l_run * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
+        for (int i = 0; i < 2 * NB; ++i) p[i] = x[i] == -INFINITY ? 0.f : fx_exp2(x[i] - m_new);
+        float psum = p[0] + p[1];
+#pragma unroll
+        for (int n = 1; n < NB; ++n) psum += p[2 * n] + p[2 * n + 1];
+        l_run = l_run * alpha + psum;
         m_run = m_new;
 #pragma unroll
         for (int qq = 0; qq < D / 32; ++qq)
@@ -823,7 +851,7 @@ __device__ __forceinline__ void gqa_split_tc32(
         // ---- O += P V, tokens of S block kb: k slot tig <-> token 8kb + 2tig, slot tig+4
         // <-> 8kb + 2tig + 1
 #pragma unroll
-        for (int kb = 0; kb < 2; ++kb) {
+        for (int kb = 0; kb < NB; ++kb) {
             unsigned ph0, pl0, ph2, pl2;
             fx_split_tf32(p[2 * kb], ph0, pl0);
             fx_split_tf32(p[2 * kb + 1], ph2, pl2);
@@ -908,6 +936,7 @@ __device__ __forceinline__ void gqa_split_tc32(
 
 FX_TC32_ENTRY(gqa_split_tc32_f32_d64, 64)
 FX_TC32_ENTRY(gqa_split_tc32_f32_d128, 128)
+FX_TC32_ENTRY(gqa_split_tc32_f32_d256, 256)
 
 // ---------------------------------------------------------------------------------------
 // Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with

@@ -52,7 +52,7 @@ MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
-TC32_HEAD_DIMS = (64, 128)  # fp32 tensor-core (3xTF32) kernels
+TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
 
 
 def check_algorithm(algorithm: Any) -> str:
@@ -92,7 +92,8 @@ class SplitPlan:
     splits: int
     threads: int = THREADS  # per block
     tile: int = TILE  # chunk sizes are multiples of this many tokens
-    stages: int = 0  # tensor-core kernels: 16-token steps in each warp's ring
+    stages: int = 0  # tensor-core kernels: steps in each warp's ring ...
+    step_tokens: int = 16  # ... of this many tokens
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
         """Floats of scratch the launch needs: partial outputs, maxima and sums."""
@@ -100,18 +101,20 @@ class SplitPlan:
 
     def shared_bytes(self, head_dim: int, itemsize: int) -> int:
         """Dynamic shared memory of the split kernel: the tensor-core kernels' per-warp ring
-        of K/V steps (warps * stages * 16 tokens * (K, V) * head_dim elements)."""
+        of K/V steps (warps * stages * step tokens * (K, V) * head_dim elements)."""
         if not self.tensor_cores:
             return 0
-        return (self.threads // 32) * self.stages * 16 * 2 * head_dim * itemsize
+        return (self.threads // 32) * self.stages * self.step_tokens * 2 * head_dim * itemsize
 
 
 # The tensor-core kernels' shape by head_dim: warps per block and each warp's ring of
-# 16-token steps (one fewer are in flight), for fp16/bf16 (FxWarps/FxStages) and fp32
+# steps (one fewer are in flight), for fp16/bf16 (FxWarps/FxStages, 16-token steps) and
+# fp32 (FxTc32Shape, 8- or 16-token steps)
 MMA_WARPS = {d: kernel_define(f"FX_WARPS_D{d}") for d in MMA_HEAD_DIMS}
 MMA_STAGES = {d: kernel_define(f"FX_STAGES_D{d}") for d in MMA_HEAD_DIMS}
 TC32_WARPS = {d: kernel_define(f"FX_TC32_WARPS_D{d}") for d in TC32_HEAD_DIMS}
 TC32_STAGES = {d: kernel_define(f"FX_TC32_STAGES_D{d}") for d in TC32_HEAD_DIMS}
+TC32_TOKENS = {d: kernel_define(f"FX_TC32_TOKENS_D{d}") for d in TC32_HEAD_DIMS}
 
 
 _resident_blocks: dict[tuple[int, str], int] = {}
@@ -143,13 +146,14 @@ def plan_split(
     """
     group = n_heads // n_kv_heads
     name = dtype_name(dtype)
-    stages = 0
+    stages, step_tokens = 0, 16
     if name != "f32" and head_dim in MMA_HEAD_DIMS and group <= 8 and aligned:
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
         threads, stages = 32 * MMA_WARPS[head_dim], MMA_STAGES[head_dim]
-    elif name == "f32" and head_dim in TC32_HEAD_DIMS and group <= 8 and aligned and tc32_on():
+    elif name == "f32" and head_dim in TC32_HEAD_DIMS and 5 <= group <= 8 and aligned and tc32_on():
         kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
         threads, stages = 32 * TC32_WARPS[head_dim], TC32_STAGES[head_dim]
+        step_tokens = TC32_TOKENS[head_dim]
     else:
         cap = int(os.environ.get("FERROX_SPLIT_HEADS_PER_BLOCK", "4"))  # tuning knob
         gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))
@@ -161,7 +165,7 @@ def plan_split(
         kname, tc, threads = f"gqa_split_{name}_g{gt}_{vec}", False, THREADS
     kernel = get_kernel(SPLIT_FILE, kname, device)
     tile = TILE if tc else cuda_core_tile(lpt)
-    plan = SplitPlan(kname, tc, tiles, lpt, 1, threads, tile, stages)
+    plan = SplitPlan(kname, tc, tiles, lpt, 1, threads, tile, stages, step_tokens)
     shared = plan.shared_bytes(head_dim, np.dtype(dtype).itemsize)
     wave = _blocks_per_sm(kernel, device, threads, shared) * device.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
@@ -171,8 +175,9 @@ def plan_split(
 
 
 def tc32_on() -> bool:
-    """Whether fp32 caches may take the 3xTF32 tensor-core kernels (``FERROX_TC32=0``
-    keeps them on the CUDA-core kernels: a comparison knob)."""
+    """Whether fp32 caches may take the 3xTF32 tensor-core kernels: groups of 5 to 8 (the
+    CUDA-core kernels stream small groups faster: docs/perf-history/NOTES.md, v7);
+    ``FERROX_TC32=0`` keeps every group on the CUDA-core kernels (a comparison knob)."""
     return os.environ.get("FERROX_TC32", "1") != "0"
 
 
@@ -233,9 +238,12 @@ def launch_split(
     seq_len_dev: DeviceArray | None,
     stream: Any,
     parts: str = "both",
+    kernel: Kernel | None = None,
 ) -> None:
     """Queue the split kernel of ``plan`` and the kernel combining its chunks
-    (``parts="main"`` or ``"combine"`` queues one of them: the benchmark's cost split)."""
+    (``parts="main"`` or ``"combine"`` queues one of them: the benchmark's cost split).
+    ``kernel`` replaces the split kernel by a variant with the same parameters, shaped as
+    ``plan`` says (docs/perf-history experiments)."""
     dev = q.device
     n_partial = n_heads * plan.splits
     ws_o = workspace
@@ -265,7 +273,7 @@ def launch_split(
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         grid = (plan.head_tiles, plan.splits, n_kv_heads)
     if parts != "combine":
-        get_kernel(SPLIT_FILE, plan.kernel, dev).launch(
+        (kernel or get_kernel(SPLIT_FILE, plan.kernel, dev)).launch(
             grid,
             plan.threads,
             args,

@@ -26,12 +26,14 @@ def test_host_launch_constants_are_the_kernels_defines():
     for head_dim, stages in attention.TC32_STAGES.items():
         expected[f"FX_TC32_STAGES_D{head_dim}"] = stages
         expected[f"FX_TC32_WARPS_D{head_dim}"] = attention.TC32_WARPS[head_dim]
+        expected[f"FX_TC32_TOKENS_D{head_dim}"] = attention.TC32_TOKENS[head_dim]
     for name, value in expected.items():
         found = re.search(rf"#define {name} (\d+)", src)
         assert found, f"{name} not defined in the kernel"
         assert int(found.group(1)) == value, name
     assert sorted(attention.MMA_STAGES) == sorted(attention.MMA_WARPS) == [64, 128, 256]
-    assert sorted(attention.TC32_STAGES) == sorted(attention.TC32_WARPS) == [64, 128]
+    assert sorted(attention.TC32_STAGES) == sorted(attention.TC32_WARPS) == [64, 128, 256]
+    assert all(t in (8, 16) for t in attention.TC32_TOKENS.values())
 
 
 def test_a_missing_define_is_a_clear_error():
@@ -41,15 +43,16 @@ def test_a_missing_define_is_a_clear_error():
 
 def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
     program = compile_source(kernel_source("gqa_decode_split.cu"), arch="sm_90")
+    a = attention
     kernels = [
-        (f"gqa_split_mma_f16_d{d}", d, 2, attention.MMA_WARPS[d], attention.MMA_STAGES[d])
-        for d in attention.MMA_HEAD_DIMS
+        (f"gqa_split_mma_f16_d{d}", d, 2, a.MMA_WARPS[d], a.MMA_STAGES[d], 16)
+        for d in a.MMA_HEAD_DIMS
     ] + [
-        (f"gqa_split_tc32_f32_d{d}", d, 4, attention.TC32_WARPS[d], attention.TC32_STAGES[d])
-        for d in attention.TC32_HEAD_DIMS
+        (f"gqa_split_tc32_f32_d{d}", d, 4, a.TC32_WARPS[d], a.TC32_STAGES[d], a.TC32_TOKENS[d])
+        for d in a.TC32_HEAD_DIMS
     ]
-    for name, head_dim, itemsize, warps, stages in kernels:
-        plan = attention.SplitPlan(name, True, 1, 32, 1, 32 * warps, stages=stages)
+    for name, head_dim, itemsize, warps, stages, tokens in kernels:
+        plan = a.SplitPlan(name, True, 1, 32, 1, 32 * warps, stages=stages, step_tokens=tokens)
         dynamic = plan.shared_bytes(head_dim, itemsize)
         static = program.resources[plan.kernel].shared_bytes
         assert dynamic > 0
