@@ -639,13 +639,13 @@ template <int D> struct FxTc32Shape;
 #define FX_TC32_TOKENS_D64 16
 #endif
 #ifndef FX_TC32_WARPS_D128
-#define FX_TC32_WARPS_D128 4
+#define FX_TC32_WARPS_D128 8
 #endif
 #ifndef FX_TC32_STAGES_D128
 #define FX_TC32_STAGES_D128 3
 #endif
 #ifndef FX_TC32_TOKENS_D128
-#define FX_TC32_TOKENS_D128 16
+#define FX_TC32_TOKENS_D128 8
 #endif
 #ifndef FX_TC32_WARPS_D256
 #define FX_TC32_WARPS_D256 4
