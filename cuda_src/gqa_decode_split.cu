@@ -940,21 +940,19 @@ FX_TC32_ENTRY(gqa_split_tc32_f32_d256, 256)
 
 // ---------------------------------------------------------------------------------------
 // Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
-// w_c = 2^(m_c - max m). One block per (head, 32 columns): lanes are columns, the W
-// warps take every W-th chunk (16 loads in flight each: 16 W chunks per trip to L2) and
+// w_c = 2^(m_c - max m). One block per (head, 32 columns): lanes are columns, the four
+// warps take every fourth chunk (16 loads in flight each: 64 chunks per trip to L2) and
 // add up in a fixed order, so results are reproducible bit for bit. seq_len 0 writes zeros.
-// Four warps where a plan has up to 64 chunks (eight cost 0.3 us more at 16 chunks: more
-// threads to synchronise), sixteen ("wide") beyond: fewer serial trips to L2.
+// (Eight warps cost 0.3 us more at 16 chunks: more threads to synchronise.)
 #define FX_COMBINE_THREADS 128
-#define FX_COMBINE_WIDE_THREADS 512
 #define FX_COMBINE_BATCH 16  // chunk loads in flight per lane
-template <class T, int W>
+#define FX_COMBINE_WARPS (FX_COMBINE_THREADS / 32)
+template <class T>
 __device__ __forceinline__ void gqa_split_combine(
     T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
     int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
-    constexpr int THREADS = W * 32;
     __shared__ float w_s[FX_MAX_SPLITS];
-    __shared__ float red_s[W][32];
+    __shared__ float red_s[FX_COMBINE_WARPS][32];
     const int h = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int d = blockIdx.y * 32 + lane;
@@ -969,6 +967,7 @@ __device__ __forceinline__ void gqa_split_combine(
     const float* ml = ws_ml + (long long)h * splits * 2;
     // This warp's first chunk outputs do not depend on the weights: load them now, so the
     // loads of the maxima below and these share one trip to L2.
+    constexpr int W = FX_COMBINE_WARPS;
     const bool col = d < head_dim;
     const float* o = ws_o + (long long)h * splits * head_dim + (col ? d : 0);
     float x[FX_COMBINE_BATCH];
@@ -980,16 +979,16 @@ __device__ __forceinline__ void gqa_split_combine(
 
     // ---- the largest chunk maximum, then the chunk weights and the total sum
     float mx = -INFINITY;
-    for (int c = threadIdx.x; c < active; c += THREADS) mx = fmaxf(mx, ml[2 * c]);
+    for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) mx = fmaxf(mx, ml[2 * c]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     if (lane == 0) red_s[warp][0] = mx;
     __syncthreads();
     mx = red_s[0][0];
 #pragma unroll
-    for (int w = 1; w < W; ++w) mx = fmaxf(mx, red_s[w][0]);
+    for (int w = 1; w < FX_COMBINE_WARPS; ++w) mx = fmaxf(mx, red_s[w][0]);
     float lsum = 0.f;
-    for (int c = threadIdx.x; c < active; c += THREADS) {
+    for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) {
         const float mc = ml[2 * c];
         const float w = mc == -INFINITY ? 0.f : fx_exp2(mc - mx);
         w_s[c] = w;
@@ -1002,9 +1001,9 @@ __device__ __forceinline__ void gqa_split_combine(
     __syncthreads();  // w_s and the partial sums complete
     lsum = 0.f;
 #pragma unroll
-    for (int w = 0; w < W; ++w) lsum += red_s[w][1];
+    for (int w = 0; w < FX_COMBINE_WARPS; ++w) lsum += red_s[w][1];
 
-    // ---- weighted sum of the chunk outputs: warp w takes chunks w, w+W, w+2W, ... in order
+    // ---- weighted sum of the chunk outputs: warp w takes chunks w, w+4, w+8, ... in order
     float acc = 0.f;
     for (int c = warp;;) {
 #pragma unroll
@@ -1022,22 +1021,18 @@ __device__ __forceinline__ void gqa_split_combine(
     if (warp == 0 && d < head_dim) {
         float total = red_s[0][lane];
 #pragma unroll
-        for (int w = 1; w < W; ++w) total += red_s[w][lane];
+        for (int w = 1; w < FX_COMBINE_WARPS; ++w) total += red_s[w][lane];
         out_h[d] = fx_from_float<T>(total / lsum);
     }
 }
 
-#define FX_COMBINE_ENTRY(NAME, T, THREADS)                                                  \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                             \
+#define FX_COMBINE_ENTRY(NAME, T)                                                           \
+    extern "C" __global__ void __launch_bounds__(FX_COMBINE_THREADS) NAME(                  \
         T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
         const int* seq_len_dev, int splits, int tile) {                                     \
-        gqa_split_combine<T, THREADS / 32>(out, ws_o, ws_ml, head_dim, seq_len,             \
-                                           seq_len_dev, splits, tile);                      \
+        gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits, tile); \
     }
 
-FX_COMBINE_ENTRY(gqa_split_combine_f32, float, FX_COMBINE_THREADS)
-FX_COMBINE_ENTRY(gqa_split_combine_f16, fx_half, FX_COMBINE_THREADS)
-FX_COMBINE_ENTRY(gqa_split_combine_bf16, fx_bf16, FX_COMBINE_THREADS)
-FX_COMBINE_ENTRY(gqa_split_combine_wide_f32, float, FX_COMBINE_WIDE_THREADS)
-FX_COMBINE_ENTRY(gqa_split_combine_wide_f16, fx_half, FX_COMBINE_WIDE_THREADS)
-FX_COMBINE_ENTRY(gqa_split_combine_wide_bf16, fx_bf16, FX_COMBINE_WIDE_THREADS)
+FX_COMBINE_ENTRY(gqa_split_combine_f32, float)
+FX_COMBINE_ENTRY(gqa_split_combine_f16, fx_half)
+FX_COMBINE_ENTRY(gqa_split_combine_bf16, fx_bf16)

@@ -51,8 +51,6 @@ TILE = kernel_define("FX_TILE")  # tokens; tensor-core chunk sizes are multiples
 MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
-COMBINE_WIDE_THREADS = kernel_define("FX_COMBINE_WIDE_THREADS")
-COMBINE_BATCH = kernel_define("FX_COMBINE_BATCH")
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
 TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
 
@@ -284,24 +282,13 @@ def launch_split(
         )
     if parts == "main":
         return
-    name, threads = combine_kernel(plan.splits)
-    combine = get_kernel(SPLIT_FILE, f"{name}_{dtype_name(q.dtype)}", dev)
+    combine = get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
     combine.launch(
         (n_heads, -(-head_dim // 32)),
-        threads,
+        COMBINE_THREADS,
         (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits, tile),
         stream=stream,
     )
-
-
-def combine_kernel(splits: int) -> tuple[str, int]:
-    """The combine kernel (name less its dtype) and its threads for a plan of ``splits``
-    chunks: four warps while one trip to L2 covers them all, sixteen beyond
-    (``FERROX_COMBINE_WIDE=0`` keeps four: a comparison knob)."""
-    one_trip = COMBINE_BATCH * COMBINE_THREADS // 32
-    if splits > one_trip and os.environ.get("FERROX_COMBINE_WIDE", "1") != "0":
-        return "gqa_split_combine_wide", COMBINE_WIDE_THREADS
-    return "gqa_split_combine", COMBINE_THREADS
 
 
 def is_aligned(*arrays: DeviceArray) -> bool:

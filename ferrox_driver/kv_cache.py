@@ -356,8 +356,7 @@ class KVCache:
         n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
         append_kernel(self.device)
         if check_algorithm(algorithm) != "parity":
-            for combine in ("gqa_split_combine", "gqa_split_combine_wide"):
-                get_kernel("gqa_decode_split.cu", f"{combine}_{self.dtype_name}", self.device)
+            get_kernel("gqa_decode_split.cu", f"gqa_split_combine_{self.dtype_name}", self.device)
             self._workspace_for(n_heads, algorithm, is_aligned(self._k, self._v))
 
     @property

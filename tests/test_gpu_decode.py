@@ -175,17 +175,6 @@ def test_extreme_scores_on_the_fp32_tensor_core_path(rng, q_scale):
     assert rel_err(got, ref) < TOL["f32"]
 
 
-# Plans of more than 64 chunks are combined by sixteen warps ("wide"); FERROX_COMBINE_WIDE=0
-# keeps the four-warp kernel. 16/2/64 at 20001 tokens has 132 chunks per KV head.
-@pytest.mark.parametrize("wide", ["1", "0"])
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_both_combine_kernels_match_reference_on_a_many_chunk_plan(rng, monkeypatch, wide, dtype):
-    monkeypatch.setenv("FERROX_COMBINE_WIDE", wide)
-    q, k, v = random_decode_inputs(rng, 16, 2, 64, 20001, DTYPES[dtype])
-    ref = fd.reference_gqa_decode(q, k, v, n_heads=16, n_kv_heads=2, head_dim=64)
-    assert rel_err(decode_on_device(q, k, v, 16, 2, 64, "split"), ref) < TOL[dtype]
-
-
 def test_misaligned_foreign_arrays_take_the_generic_path(rng):
     kind, lib = torch_or_cupy()
     q, k, v = random_decode_inputs(rng, 32, 8, 128, 300, np.float16)

@@ -19,8 +19,6 @@ def test_host_launch_constants_are_the_kernels_defines():
     src = kernel_source("gqa_decode_split.cu")
     expected = {"FX_TILE": attention.TILE, "FX_THREADS": attention.THREADS}
     expected["FX_COMBINE_THREADS"] = attention.COMBINE_THREADS
-    expected["FX_COMBINE_WIDE_THREADS"] = attention.COMBINE_WIDE_THREADS
-    expected["FX_COMBINE_BATCH"] = attention.COMBINE_BATCH
     expected["FX_MAX_SPLITS"] = attention.MAX_SPLITS
     for head_dim, stages in attention.MMA_STAGES.items():
         expected[f"FX_STAGES_D{head_dim}"] = stages
@@ -59,16 +57,6 @@ def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
         static = program.resources[plan.kernel].shared_bytes
         assert dynamic > 0
         assert dynamic + static <= MAX_BLOCK_SHARED, (head_dim, dynamic, static)
-
-
-def test_the_wide_combine_takes_plans_one_trip_of_the_narrow_one_cannot_cover(monkeypatch):
-    one_trip = attention.COMBINE_BATCH * attention.COMBINE_THREADS // 32
-    narrow = ("gqa_split_combine", attention.COMBINE_THREADS)
-    wide = ("gqa_split_combine_wide", attention.COMBINE_WIDE_THREADS)
-    assert attention.combine_kernel(1) == attention.combine_kernel(one_trip) == narrow
-    assert attention.combine_kernel(one_trip + 1) == attention.combine_kernel(1024) == wide
-    monkeypatch.setenv("FERROX_COMBINE_WIDE", "0")
-    assert attention.combine_kernel(1024) == narrow
 
 
 def test_cuda_core_plans_need_no_dynamic_shared_memory():
