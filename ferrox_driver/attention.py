@@ -150,7 +150,7 @@ def plan_split(
     if name != "f32" and head_dim in MMA_HEAD_DIMS and group <= 8 and aligned:
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
         threads, stages = 32 * MMA_WARPS[head_dim], MMA_STAGES[head_dim]
-    elif name == "f32" and head_dim in TC32_HEAD_DIMS and 5 <= group <= 8 and aligned and tc32_on():
+    elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group, plan_seq):
         kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
         threads, stages = 32 * TC32_WARPS[head_dim], TC32_STAGES[head_dim]
         step_tokens = TC32_TOKENS[head_dim]
@@ -174,11 +174,16 @@ def plan_split(
     return dataclasses.replace(plan, splits=splits)
 
 
-def tc32_on() -> bool:
-    """Whether fp32 caches may take the 3xTF32 tensor-core kernels: groups of 5 to 8 (the
-    CUDA-core kernels stream small groups faster: docs/perf-history/NOTES.md, v7);
-    ``FERROX_TC32=0`` keeps every group on the CUDA-core kernels (a comparison knob)."""
-    return os.environ.get("FERROX_TC32", "1") != "0"
+def tc32_for(group: int, plan_seq: int) -> bool:
+    """Whether an fp32 decode takes the 3xTF32 tensor-core kernel (whose time does not
+    depend on the group: it always computes 8 rows) rather than a CUDA-core one (whose
+    time grows with the group). Measured on the H200 (docs/perf-history/NOTES.md, v7):
+    groups of 5 to 8 at every length; groups of 4 up to 32768 tokens (at 131072 the
+    CUDA-core kernel streams at 96% of the ceiling, the tensor-core one at 87%); smaller
+    groups never. ``FERROX_TC32=0`` keeps every group on CUDA cores (a comparison knob)."""
+    if os.environ.get("FERROX_TC32", "1") == "0":
+        return False
+    return 5 <= group <= 8 or (group == 4 and plan_seq <= 32768)
 
 
 def cuda_core_tile(lanes_per_token: int) -> int:

@@ -59,6 +59,13 @@ def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
         assert dynamic + static <= MAX_BLOCK_SHARED, (head_dim, dynamic, static)
 
 
+def test_fp32_takes_tensor_cores_for_large_groups_and_group_four_up_to_32k(monkeypatch):
+    assert [g for g in range(1, 17) if attention.tc32_for(g, 131072)] == [5, 6, 7, 8]
+    assert [g for g in range(1, 17) if attention.tc32_for(g, 32768)] == [4, 5, 6, 7, 8]
+    monkeypatch.setenv("FERROX_TC32", "0")
+    assert not any(attention.tc32_for(g, 512) for g in range(1, 17))
+
+
 def test_cuda_core_plans_need_no_dynamic_shared_memory():
     plan = attention.SplitPlan("gqa_split_f32_g4_vec", False, 2, 16, 8)
     assert plan.shared_bytes(128, 4) == 0
