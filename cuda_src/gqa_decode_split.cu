@@ -373,6 +373,83 @@ __device__ __forceinline__ float mb_of(const float (*m_s)[8], int j) {
     return mb;
 }
 
+// The tensor-core kernels' shared pieces. Element type T (2 or 4 bytes), TOK tokens per
+// step, S steps in each warp's ring.
+//
+// Queue step j of a warp: K and V rows t0..t0+TOK into stage j % S of its ring, 16 bytes per
+// cp.async, rows XOR-swizzled in 16-byte units (K chunk c of row r at c ^ ((r & 1) << 2), V
+// at c ^ (r & 6)); rows past `end` are zeros. One commit group per step, even an empty one,
+// so the waits count steps.
+template <class T, int D, int TOK, int S>
+__device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start, int end,
+                                              int lane, const T* kg, const T* vg,
+                                              long long row) {
+    constexpr int EPC = 16 / (int)sizeof(T);  // elements per 16-byte chunk
+    constexpr int NCH = D / EPC, STEP = TOK * D;
+    if (t0 < end) {
+        T* ks = ring + (j % S) * 2 * STEP;
+        T* vs = ks + STEP;
+#pragma unroll
+        for (int i = 0; i < TOK * NCH / 32; ++i) {
+            const int idx = i * 32 + lane, r = idx / NCH, c = idx % NCH;
+            const bool ok = t0 + r < end;
+            const long long off = (long long)(ok ? t0 + r : start) * row + c * EPC;
+            fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * EPC), kg + off, ok);
+            fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * EPC), vg + off, ok);
+        }
+    }
+    fx_cp_async_commit();
+}
+
+// This warp's running max and sum of head g (lane = 4g + tig; the sum is split over the
+// four lanes of a row) into m_s/l_s[warp][g].
+__device__ __forceinline__ void fx_park_warp_stats(float m_run, float l_run, float (*m_s)[8],
+                                                   float (*l_s)[8]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    if ((lane & 3) == 0) {
+        m_s[warp][lane >> 2] = m_run;
+        l_s[warp][lane >> 2] = l_run;
+    }
+}
+
+// The block's partial for its chunk, the warps merged in a fixed order (bitwise
+// reproducible): o_f holds each warp's unscaled O in fragment order ([warp][slot][lane],
+// rows of FX_OPAD floats), m_s/l_s each warp's max and sum per head; where(d, slot, tig)
+// says which slot of lane 4 * head + tig holds column d.
+template <int WARPS, int D, int SLOTS, class Where>
+__device__ __forceinline__ void fx_write_partial(const float* o_f, const float (*m_s)[8],
+                                                 const float (*l_s)[8], float* ws_o,
+                                                 float* ws_ml, int h0, int group, int splits,
+                                                 int split, Where where) {
+    if (threadIdx.x < group) {
+        const int j = threadIdx.x;
+        const float mb = mb_of<WARPS>(m_s, j);
+        float lb = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w)
+            if (m_s[w][j] != -INFINITY) lb += l_s[w][j] * fx_exp2(m_s[w][j] - mb);
+        float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
+        ml[0] = mb;
+        ml[1] = lb;
+    }
+    for (int i = threadIdx.x; i < group * D; i += WARPS * 32) {
+        const int j = i / D, d = i % D;
+        int slot, tig;
+        where(d, slot, tig);
+        const int src = j * 4 + tig;
+        const float mb = mb_of<WARPS>(m_s, j);
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = m_s[w][j];
+            if (mw != -INFINITY) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * fx_exp2(mw - mb);
+        }
+        ws_o[((long long)(h0 + j) * splits + split) * D + d] = acc;
+    }
+}
+
 template <class T, int D>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -408,25 +485,11 @@ __device__ __forceinline__ void gqa_split_mma(
     const T* vg = v + (long long)g_kv * D;
     T* ring = reinterpret_cast<T*>(fx_dyn_smem) + warp * S * 2 * STEP;  // [S][K, V][16][D]
 
-    // Queue step j of this warp (tokens start + warp*16 + j*STRIDE ..+16) into its stage;
-    // rows past the end are zeros. One commit group per step, even an empty one, so the
-    // wait below counts steps.
+    // Queue step j of this warp (tokens start + warp*16 + j*STRIDE ..+16) into its stage.
     constexpr int STRIDE = WARPS * 16;
     auto issue = [&](int j) {
-        const int t0 = start + warp * 16 + j * STRIDE;
-        if (t0 < end) {
-            T* ks = ring + (j % S) * 2 * STEP;
-            T* vs = ks + STEP;
-#pragma unroll
-            for (int i = 0; i < 16 * NCH / 32; ++i) {
-                const int idx = i * 32 + lane, r = idx / NCH, c = idx % NCH;
-                const bool ok = t0 + r < end;
-                const long long off = (long long)(ok ? t0 + r : start) * row + c * 8;
-                fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * 8), kg + off, ok);
-                fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * 8), vg + off, ok);
-            }
-        }
-        fx_cp_async_commit();
+        fx_issue_step<T, D, 16, S>(ring, j, start + warp * 16 + j * STRIDE, start, end, lane, kg,
+                                   vg, row);
     };
 #pragma unroll
     for (int j = 0; j < S - 1; ++j) issue(j);
@@ -548,12 +611,7 @@ __device__ __forceinline__ void gqa_split_mma(
     // FX_OPAD floats: the writes are whole rows and the column-ordered reads below hit 32
     // different banks (slot*2 + lane covers them). Serial warp-by-warp rounds over a
     // row-major o_s cost 4 us here (16-way bank conflicts): docs/perf-history/NOTES.md.
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-    if (tig == 0) {
-        m_s[warp][g] = m_run;
-        l_s[warp][g] = l_run;
-    }
+    fx_park_warp_stats(m_run, l_run, m_s, l_s);
     constexpr int SLOTS = D / 64 * 16;  // (hb, e, c0/c1) per lane
     static_assert(WARPS * SLOTS * FX_OPAD * 4 <= WARPS * S * 2 * STEP * (int)sizeof(T),
                   "the merge area must fit in the ring");
@@ -567,31 +625,12 @@ __device__ __forceinline__ void gqa_split_mma(
             for (int c = 0; c < 2; ++c)
                 o_f[(warp * SLOTS + hb * 16 + e * 2 + c) * FX_OPAD + lane] = oacc[hb][e][c];
     __syncthreads();
-    if (threadIdx.x < group) {
-        const int j = threadIdx.x;
-        const float mb = mb_of<WARPS>(m_s, j);
-        float lb = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w)
-            if (m_s[w][j] != -INFINITY) lb += l_s[w][j] * fx_exp2(m_s[w][j] - mb);
-        float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
-        ml[0] = mb;
-        ml[1] = lb;
-    }
-    for (int i = threadIdx.x; i < group * D; i += THREADS) {
-        const int j = i / D, d = i % D;
-        // d = hb*64 + tig*16 + c*8 + e, held by lane j*4 + tig (see oacc)
-        const int slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
-        const int src = j * 4 + (d % 64) / 16;
-        const float mb = mb_of<WARPS>(m_s, j);
-        float acc = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float mw = m_s[w][j];
-            if (mw != -INFINITY) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * fx_exp2(mw - mb);
-        }
-        ws_o[((long long)(h0 + j) * splits + split) * D + d] = acc;
-    }
+    // d = hb*64 + tig*16 + c*8 + e is slot hb*16 + e*2 + c of lane 4*head + tig (see oacc)
+    fx_write_partial<WARPS, D, SLOTS>(
+        o_f, m_s, l_s, ws_o, ws_ml, h0, group, splits, split, [](int d, int& slot, int& t) {
+            slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
+            t = (d % 64) / 16;
+        });
 }
 
 #define FX_MMA_ENTRY(NAME, T, D)                                                            \
@@ -734,21 +773,9 @@ __device__ __forceinline__ void gqa_split_tc32(
     float* ring = reinterpret_cast<float*>(fx_dyn_smem) + warp * S * 2 * STEP;
 
     constexpr int STRIDE = WARPS * TOK;
-    auto issue = [&](int j) {  // as in gqa_split_mma: one commit group per step
-        const int t0 = start + warp * TOK + j * STRIDE;
-        if (t0 < end) {
-            float* ks = ring + (j % S) * 2 * STEP;
-            float* vs = ks + STEP;
-#pragma unroll
-            for (int i = 0; i < TOK * NCH / 32; ++i) {
-                const int idx = i * 32 + lane, r = idx / NCH, c = idx % NCH;
-                const bool ok = t0 + r < end;
-                const long long off = (long long)(ok ? t0 + r : start) * row + c * 4;
-                fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * 4), kg + off, ok);
-                fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * 4), vg + off, ok);
-            }
-        }
-        fx_cp_async_commit();
+    auto issue = [&](int j) {
+        fx_issue_step<float, D, TOK, S>(ring, j, start + warp * TOK + j * STRIDE, start, end,
+                                        lane, kg, vg, row);
     };
 #pragma unroll
     for (int j = 0; j < S - 1; ++j) issue(j);
@@ -879,12 +906,7 @@ __device__ __forceinline__ void gqa_split_tc32(
     fx_cp_async_wait<0>();
 
     // ---- merge the warps in a fixed order, as gqa_split_mma (fragment order in the ring)
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-    if (tig == 0) {
-        m_s[warp][g] = m_run;
-        l_s[warp][g] = l_run;
-    }
+    fx_park_warp_stats(m_run, l_run, m_s, l_s);
     constexpr int SLOTS = D / 32 * 8;  // (q, j, c0/c1) per lane
     static_assert(WARPS * SLOTS * FX_OPAD <= WARPS * S * 2 * STEP,
                   "the merge area must fit in the ring");
@@ -898,32 +920,13 @@ __device__ __forceinline__ void gqa_split_tc32(
             for (int c = 0; c < 2; ++c)
                 o_f[(warp * SLOTS + qq * 8 + jj * 2 + c) * FX_OPAD + lane] = oacc[qq][jj][c];
     __syncthreads();
-    if (threadIdx.x < group) {
-        const int hj = threadIdx.x;
-        const float mb = mb_of<WARPS>(m_s, hj);
-        float lb = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w)
-            if (m_s[w][hj] != -INFINITY) lb += l_s[w][hj] * fx_exp2(m_s[w][hj] - mb);
-        float* ml = ws_ml + ((long long)(h0 + hj) * splits + split) * 2;
-        ml[0] = mb;
-        ml[1] = lb;
-    }
-    for (int i = threadIdx.x; i < group * D; i += THREADS) {
-        const int hj = i / D, d = i % D;
-        // d = 32q + 4n + j with n = 2tig + c, held by lane hj*4 + tig (see oacc)
-        const int n = (d % 32) / 4;
-        const int slot = (d / 32) * 8 + (d % 4) * 2 + (n & 1);
-        const int src = hj * 4 + (n >> 1);
-        const float mb = mb_of<WARPS>(m_s, hj);
-        float acc = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float mw = m_s[w][hj];
-            if (mw != -INFINITY) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * fx_exp2(mw - mb);
-        }
-        ws_o[((long long)(h0 + hj) * splits + split) * D + d] = acc;
-    }
+    // d = 32q + 4n + j with n = 2tig + c is slot q*8 + j*2 + c of lane 4*head + tig
+    fx_write_partial<WARPS, D, SLOTS>(
+        o_f, m_s, l_s, ws_o, ws_ml, h0, group, splits, split, [](int d, int& slot, int& t) {
+            const int n = (d % 32) / 4;
+            slot = (d / 32) * 8 + (d % 4) * 2 + (n & 1);
+            t = n >> 1;
+        });
 }
 
 #define FX_TC32_ENTRY(NAME, D)                                                              \
