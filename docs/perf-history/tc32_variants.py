@@ -11,6 +11,7 @@ steps per warp and tokens per step; the row "cuda-core" is the CUDA-core kernel.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 import sys
@@ -19,7 +20,7 @@ import numpy as np
 
 import ferrox_driver as fd
 from ferrox_driver.attention import MAX_SPLITS, TILE, launch_split, plan_split, stream_workspace
-from ferrox_driver.bench_decode import fill_uniform, rotation, time_events
+from ferrox_driver.bench_decode import captured, fill_uniform, rotation, time_events
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
 
@@ -101,9 +102,10 @@ def main() -> None:
             os.environ.pop("FERROX_TC32")
             for plan, kern in runs:
                 ws = stream_workspace(dev, stream, plan.workspace_floats(n_heads, hd))
+                order = itertools.cycle(sets)
 
-                def decode(i: int) -> None:
-                    k, v = sets[i % n_sets]
+                def decode() -> None:
+                    k, v = next(order)
                     launch_split(
                         plan,
                         q,
@@ -120,13 +122,10 @@ def main() -> None:
                         kernel=kern,
                     )
 
-                decode(0)
+                decode()
                 stream.synchronize()
-                with stream.capture() as graph:
-                    for i in range(chain):
-                        decode(i)
-                exe = graph.instantiate()
-                graph.close()
+                order = itertools.cycle(sets)
+                exe = captured(stream, decode, chain)  # one decode per KV set, in turn
                 row.append(time_events(lambda i: exe.launch(stream), stream, 30, 3, chain))
                 exe.close()
             pct = [100 * kv_bytes / (us * 1e-6) / 4.45e12 for us in row]
