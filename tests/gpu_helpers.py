@@ -19,6 +19,26 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / denom) if denom else float(np.linalg.norm(out))
 
 
+def score_error_bound(q, k, v, n_heads, n_kv_heads, head_dim, rel=2.0**-20) -> np.ndarray:
+    """How far an fp32 decode may honestly be from the float64 one, per output element,
+    when each score carries an error of ``rel`` times the sum of its terms' magnitudes
+    (fp32 rounding of the dot product and of the scaling): out moves by
+    sum_t p_t * delta_t * (v_t - out). Near zero where one token dominates; large only where
+    huge scores nearly tie, which no fp32 arithmetic resolves (scores of ~1e3 carry errors
+    of ~1e-4). ``rel`` = 2^-20 is 23x the worst the kernels' arithmetic does (3xTF32)."""
+    group = n_heads // n_kv_heads
+    qh = np.asarray(q, np.float64).reshape(n_heads, head_dim)
+    kh = np.repeat(np.asarray(k, np.float64).reshape(-1, n_kv_heads, head_dim), group, axis=1)
+    vh = np.repeat(np.asarray(v, np.float64).reshape(-1, n_kv_heads, head_dim), group, axis=1)
+    scale = 1.0 / np.sqrt(head_dim)
+    s = np.einsum("hd,thd->ht", qh, kh) * scale
+    terms = np.einsum("hd,thd->ht", np.abs(qh), np.abs(kh)) * scale
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    out = np.einsum("ht,thd->hd", p, vh)
+    return np.einsum("ht,thd->hd", p * rel * terms, np.abs(vh - out[None]))
+
+
 def random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dtype, q_scale=1.0):
     q = (rng.standard_normal((n_heads, head_dim)) * q_scale).astype(dtype)
     k = rng.standard_normal((seq_len, n_kv_heads, head_dim)).astype(dtype)
