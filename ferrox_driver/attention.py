@@ -1,7 +1,8 @@
 """GQA decode: one query token attending over a KV cache, on the GPU.
 
-Two kernel families: the split-KV kernels (default; tensor cores for fp16/bf16) and the
-parity kernel (the seed's algorithm, corrected), kept as the reference path.
+Two kernel families: the split-KV kernels (default; tensor cores for fp16/bf16 and, in
+3xTF32 form, for fp32 with groups of 4-8; CUDA cores otherwise) and the parity kernel (the
+seed's algorithm, corrected), kept as the reference path.
 """
 
 from __future__ import annotations
@@ -390,7 +391,7 @@ def gqa_decode(
         n_kv_heads: KV heads.
         head_dim: elements per head, 1 to 256.
         stream: stream for the work (default: the legacy default stream).
-        algorithm: ``"auto"``/``"split"`` (split-KV kernels; tensor cores for fp16/bf16)
+        algorithm: ``"auto"``/``"split"`` (split-KV kernels; tensor cores where they pay)
             or ``"parity"`` (the seed's algorithm, corrected; slow, the reference path).
         device: the device for numpy inputs (default: device 0).
         out: with device inputs, a device array of q's shape and dtype to write into
