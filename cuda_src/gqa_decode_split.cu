@@ -401,6 +401,16 @@ __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start,
     fx_cp_async_commit();
 }
 
+// Refuse (trap) a launch with less dynamic shared memory than `bytes` (the ring would be
+// written past its end) or with other than `threads` threads (fewer warps would skip their
+// tokens).
+__device__ __forceinline__ void fx_check_launch(unsigned bytes, unsigned threads) {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < bytes) __trap();
+    if (blockDim.x != threads) __trap();
+}
+
 // This warp's running max and sum of head g (lane = 4g + tig; the sum is split over the
 // four lanes of a row) into m_s/l_s[warp][g].
 __device__ __forceinline__ void fx_park_warp_stats(float m_run, float l_run, float (*m_s)[8],
@@ -412,6 +422,20 @@ __device__ __forceinline__ void fx_park_warp_stats(float m_run, float l_run, flo
         m_s[warp][lane >> 2] = m_run;
         l_s[warp][lane >> 2] = l_run;
     }
+}
+
+// This warp's O accumulators o[a][b][c] into the merge area in fragment order:
+// [warp][slot][lane] with slot = (a * B + b) * 2 + c and rows of FX_OPAD floats.
+template <int A, int B>
+__device__ __forceinline__ void fx_park_fragments(float* o_f, const float (&o)[A][B][2],
+                                                  int warp, int lane) {
+#pragma unroll
+    for (int a = 0; a < A; ++a)
+#pragma unroll
+        for (int b = 0; b < B; ++b)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+                o_f[(warp * (A * B * 2) + a * (B * 2) + b * 2 + c) * FX_OPAD + lane] = o[a][b][c];
 }
 
 // The block's partial for its chunk, the warps merged in a fixed order (bitwise
@@ -457,18 +481,12 @@ __device__ __forceinline__ void gqa_split_mma(
     int seq_len, const int* __restrict__ seq_len_dev, int splits) {
     constexpr int S = FxStages<D>::value;
     constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
-    constexpr int NCH = D / 8;            // 16-byte chunks per row
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     __shared__ float m_s[WARPS][8];
     __shared__ float l_s[WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    {  // a launch with too little dynamic shared memory would write past it: refuse;
-        unsigned dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (unsigned)(WARPS * S * 2 * STEP * sizeof(T))) __trap();
-        if (blockDim.x != THREADS) __trap();  // fewer warps would skip their tokens
-    }
+    fx_check_launch(WARPS * S * 2 * STEP * sizeof(T), THREADS);
 
     const int split = blockIdx.x;
     int start, end;
@@ -617,13 +635,7 @@ __device__ __forceinline__ void gqa_split_mma(
                   "the merge area must fit in the ring");
     float* o_f = reinterpret_cast<float*>(fx_dyn_smem);
     __syncthreads();  // every warp is past its loop: the rings are free
-#pragma unroll
-    for (int hb = 0; hb < D / 64; ++hb)
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-#pragma unroll
-            for (int c = 0; c < 2; ++c)
-                o_f[(warp * SLOTS + hb * 16 + e * 2 + c) * FX_OPAD + lane] = oacc[hb][e][c];
+    fx_park_fragments(o_f, oacc, warp, lane);
     __syncthreads();
     // d = hb*64 + tig*16 + c*8 + e is slot hb*16 + e*2 + c of lane 4*head + tig (see oacc)
     fx_write_partial<WARPS, D, SLOTS>(
@@ -750,12 +762,7 @@ __device__ __forceinline__ void gqa_split_tc32(
     __shared__ float l_s[WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    {  // too little dynamic shared memory or fewer warps than compiled for: refuse
-        unsigned dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (unsigned)(WARPS * S * 2 * STEP * sizeof(float))) __trap();
-        if (blockDim.x != THREADS) __trap();
-    }
+    fx_check_launch(WARPS * S * 2 * STEP * sizeof(float), THREADS);
 
     const int split = blockIdx.x;
     int start, end;
@@ -912,13 +919,7 @@ __device__ __forceinline__ void gqa_split_tc32(
                   "the merge area must fit in the ring");
     float* o_f = reinterpret_cast<float*>(fx_dyn_smem);
     __syncthreads();  // every warp is past its loop: the rings are free
-#pragma unroll
-    for (int qq = 0; qq < D / 32; ++qq)
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj)
-#pragma unroll
-            for (int c = 0; c < 2; ++c)
-                o_f[(warp * SLOTS + qq * 8 + jj * 2 + c) * FX_OPAD + lane] = oacc[qq][jj][c];
+    fx_park_fragments(o_f, oacc, warp, lane);
     __syncthreads();
     // d = 32q + 4n + j with n = 2tig + c is slot q*8 + j*2 + c of lane 4*head + tig
     fx_write_partial<WARPS, D, SLOTS>(
