@@ -20,7 +20,7 @@ import struct
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.bench_decode import time_events
+from ferrox_driver.bench_decode import captured, time_events
 from ferrox_driver.compiler import compile_source
 from ferrox_driver.launch import Module
 
@@ -80,11 +80,7 @@ def main() -> None:
             def body() -> None:
                 kern.launch(dev.multiprocessor_count, 128, (out, np.float32(0.999)), stream=stream)
 
-            with stream.capture() as graph:
-                for _ in range(20):
-                    body()
-            exe = graph.instantiate()
-            graph.close()
+            exe = captured(stream, body, 20)
             us = time_events(lambda i: exe.launch(stream), stream, 50, 5, 20)
             exe.close()
             label = name if name == "empty_kernel" else f"{name} N={n}"

@@ -15,7 +15,7 @@ import numpy as np
 
 import ferrox_driver as fd
 from ferrox_driver.attention import launch_decode, plan_split
-from ferrox_driver.bench_decode import fill_uniform, time_events
+from ferrox_driver.bench_decode import captured, fill_uniform, time_events
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
 from ferrox_driver.validation import dtype_name
@@ -85,11 +85,7 @@ def main() -> None:
 
             body()
             stream.synchronize()
-            with stream.capture() as graph:
-                for _ in range(20):
-                    body()
-            exe = graph.instantiate()
-            graph.close()
+            exe = captured(stream, body, 20)
             us = time_events(lambda i: exe.launch(stream), stream, 50, 5, 20)
             exe.close()
             print(f"{label:<40} {seq:>5} {us:16.2f}")
@@ -125,11 +121,7 @@ def decodes(dev: fd.Device, stream: fd.Stream) -> None:
 
             body()
             stream.synchronize()
-            with stream.capture() as graph:
-                for _ in range(20):
-                    body()
-            exe = graph.instantiate()
-            graph.close()
+            exe = captured(stream, body, 20)
             us = time_events(lambda i: exe.launch(stream), stream, 50, 5, 20)
             exe.close()
             print(f"{'32/8/128 ' + dtype_name(dtype):<40} {seq:>5} {us:16.2f}")
