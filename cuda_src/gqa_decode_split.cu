@@ -441,12 +441,13 @@ __device__ __forceinline__ void fx_park_fragments(float* o_f, const float (&o)[A
 // The block's partial for its chunk, the warps merged in a fixed order (bitwise
 // reproducible): o_f holds each warp's unscaled O in fragment order ([warp][slot][lane],
 // rows of FX_OPAD floats), m_s/l_s each warp's max and sum per head; where(d, slot, tig)
-// says which slot of lane 4 * head + tig holds column d.
-template <int WARPS, int D, int SLOTS, class Where>
+// says which slot of lane 4 * head + tig holds column d. Head j's D outputs go to
+// o_at(j), its max and sum to ml_at(j) (the workspace, or the block's shared memory for a
+// cluster's merge).
+template <int WARPS, int D, int SLOTS, class Where, class OAt, class MlAt>
 __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (*m_s)[8],
-                                                 const float (*l_s)[8], float* ws_o,
-                                                 float* ws_ml, int h0, int group, int splits,
-                                                 int split, Where where) {
+                                                 const float (*l_s)[8], int group, Where where,
+                                                 OAt o_at, MlAt ml_at) {
     if (threadIdx.x < group) {
         const int j = threadIdx.x;
         const float mb = mb_of<WARPS>(m_s, j);
@@ -454,7 +455,7 @@ __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (
 #pragma unroll
         for (int w = 0; w < WARPS; ++w)
             if (m_s[w][j] != -INFINITY) lb += l_s[w][j] * fx_exp2(m_s[w][j] - mb);
-        float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
+        float* ml = ml_at(j);
         ml[0] = mb;
         ml[1] = lb;
     }
@@ -470,15 +471,128 @@ __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (
             const float mw = m_s[w][j];
             if (mw != -INFINITY) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * fx_exp2(mw - mb);
         }
-        ws_o[((long long)(h0 + j) * splits + split) * D + d] = acc;
+        o_at(j)[d] = acc;
     }
 }
 
-template <class T, int D>
+// ---- Thread block clusters (compute capability 9.0 and up): the blocks of one KV head's
+// chunks form one cluster and merge their partials through distributed shared memory, so
+// no combine kernel runs and no partial goes through global memory. Elsewhere the cluster
+// kernels trap (the host never picks them there).
+#define FX_MAX_CLUSTER 16  // the largest (non-portable) cluster of compute capability 9.0
+
+__device__ __forceinline__ unsigned fx_cluster_rank() {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+__device__ __forceinline__ unsigned fx_cluster_blocks() {
+    unsigned n = 1;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
+}
+// Every thread of every block of the cluster arrives; shared-memory writes before it are
+// visible to the whole cluster after it.
+__device__ __forceinline__ void fx_cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+// The float at shared-memory address `addr` (this block's layout) of cluster block `rank`.
+__device__ __forceinline__ float fx_cluster_load(unsigned addr, unsigned rank) {
+    float x = 0.f;
+#if __CUDA_ARCH__ >= 900
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote) : "memory");
+#endif
+    return x;
+}
+
+// Trap unless the launch made the `splits` blocks of a KV head one cluster (a launch
+// without clusters would write each chunk's partial as the output).
+__device__ __forceinline__ void fx_check_cluster(int splits) {
+    if (fx_cluster_blocks() != (unsigned)splits || gridDim.x != (unsigned)splits) __trap();
+}
+
+// The cluster's merge: every block has its partial in `part` ([8][D] unscaled outputs, then
+// [8][2] max and sum, per head of the group); block r of the cluster writes outputs r,
+// r + blocks, ... (of group * D) as out = sum_c w_c o_c / sum_c w_c l_c over the cluster's
+// blocks c in order (bitwise reproducible), w_c = 2^(m_c - max m). seq <= 0 writes zeros.
+template <class T, int D, int THREADS>
+__device__ __forceinline__ void fx_cluster_merge(const float* part, T* __restrict__ out, int h0,
+                                                 int group, int seq) {
+    fx_cluster_sync();  // every block's partial is in its shared memory
+    const unsigned blocks = fx_cluster_blocks(), rank = fx_cluster_rank();
+    const unsigned base = (unsigned)__cvta_generic_to_shared(part);
+    for (int i = rank * THREADS + threadIdx.x; i < group * D; i += blocks * THREADS) {
+        const int j = i / D, d = i % D;
+        float m[FX_MAX_CLUSTER], l[FX_MAX_CLUSTER], o[FX_MAX_CLUSTER];
+#pragma unroll
+        for (int c = 0; c < FX_MAX_CLUSTER; ++c) {  // one trip: every load in flight at once
+            m[c] = l[c] = o[c] = 0.f;
+            if (c < (int)blocks) {
+                m[c] = fx_cluster_load(base + (8 * D + 2 * j) * 4, c);
+                l[c] = fx_cluster_load(base + (8 * D + 2 * j + 1) * 4, c);
+                o[c] = fx_cluster_load(base + (j * D + d) * 4, c);
+            }
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < FX_MAX_CLUSTER; ++c)
+            if (c < (int)blocks) mx = fmaxf(mx, m[c]);
+        float lsum = 0.f, acc = 0.f;
+#pragma unroll
+        for (int c = 0; c < FX_MAX_CLUSTER; ++c) {
+            if (c < (int)blocks && m[c] != -INFINITY) {
+                const float w = fx_exp2(m[c] - mx);
+                lsum += w * l[c];
+                acc += w * o[c];
+            }
+        }
+        out[(long long)(h0 + j) * D + d] = fx_from_float<T>(seq > 0 ? acc / lsum : 0.f);
+    }
+    fx_cluster_sync();  // no block leaves while another still reads its shared memory
+}
+
+// The block's result, after the warps have parked their fragments in the merge area o_f
+// (the first floats of the ring, RING bytes): without CLUSTER its partial goes to the
+// workspace for the combine kernel; with CLUSTER into its shared memory past the merge
+// area, and the cluster's merge writes the output.
+template <bool CLUSTER, int WARPS, int D, int SLOTS, int RING, class T, class Where>
+__device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
+                                          const float (*l_s)[8], float* ws_o, float* ws_ml,
+                                          T* out, int h0, int group, int splits, int split,
+                                          int seq_len, const int* seq_len_dev, Where where) {
+    if (!CLUSTER) {
+        fx_write_partial<WARPS, D, SLOTS>(
+            o_f, m_s, l_s, group, where,
+            [&](int j) { return ws_o + ((long long)(h0 + j) * splits + split) * D; },
+            [&](int j) { return ws_ml + ((long long)(h0 + j) * splits + split) * 2; });
+        return;
+    }
+    constexpr int MERGE = WARPS * SLOTS * FX_OPAD;  // floats of the merge area
+    static_assert((MERGE + 8 * D + 16) * 4 <= RING, "the partial must fit in the ring");
+    float* part = o_f + MERGE;
+    fx_write_partial<WARPS, D, SLOTS>(
+        o_f, m_s, l_s, group, where, [&](int j) { return part + j * D; },
+        [&](int j) { return part + 8 * D + j * 2; });
+    fx_cluster_merge<T, D, WARPS * 32>(part, out, h0, group, fx_seq_len(seq_len, seq_len_dev));
+}
+
+// CLUSTER: the launch makes the `splits` blocks of a KV head one cluster, which merges its
+// partials (fx_cluster_merge) and writes `out`; the workspace is not used.
+template <class T, int D, bool CLUSTER>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
-    int seq_len, const int* __restrict__ seq_len_dev, int splits) {
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits) {
     constexpr int S = FxStages<D>::value;
     constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
@@ -487,10 +601,14 @@ __device__ __forceinline__ void gqa_split_mma(
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     fx_check_launch(WARPS * S * 2 * STEP * sizeof(T), THREADS);
+    if (CLUSTER) fx_check_cluster(splits);
 
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, FX_TILE, split, start, end)) return;
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, FX_TILE, split, start, end)) {
+        if (!CLUSTER) return;
+        end = start;  // a cluster's idle block still takes part in the merge (no tokens)
+    }
 
     const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
@@ -638,19 +756,28 @@ __device__ __forceinline__ void gqa_split_mma(
     fx_park_fragments(o_f, oacc, warp, lane);
     __syncthreads();
     // d = hb*64 + tig*16 + c*8 + e is slot hb*16 + e*2 + c of lane 4*head + tig (see oacc)
-    fx_write_partial<WARPS, D, SLOTS>(
-        o_f, m_s, l_s, ws_o, ws_ml, h0, group, splits, split, [](int d, int& slot, int& t) {
-            slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
-            t = (d % 64) / 16;
-        });
+    auto where = [](int d, int& slot, int& t) {
+        slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
+        t = (d % 64) / 16;
+    };
+    fx_finish<CLUSTER, WARPS, D, SLOTS, WARPS * S * 2 * STEP * (int)sizeof(T)>(
+        o_f, m_s, l_s, ws_o, ws_ml, out, h0, group, splits, split, seq_len, seq_len_dev, where);
 }
 
+// Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
+// (launched in clusters of `splits` blocks per KV head, writes the output).
 #define FX_MMA_ENTRY(NAME, T, D)                                                            \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {                  \
-        gqa_split_mma<T, D>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, seq_len,             \
-                            seq_len_dev, splits);                                           \
+        gqa_split_mma<T, D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,      \
+                                   seq_len, seq_len_dev, splits);                           \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
+        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
+        int seq_len, const int* seq_len_dev, int splits) {                                  \
+        gqa_split_mma<T, D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,      \
+                                  seq_len, seq_len_dev, splits);                            \
     }
 
 FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
@@ -747,11 +874,11 @@ __device__ __forceinline__ void fx_mma_3xtf32(float& c0, float& c1, float& c2, f
     fx_mma_tf32(c0, c1, c2, c3, ah0, ah2, bh0, bh1);
 }
 
-template <int D>
+template <int D, bool CLUSTER>  // CLUSTER: as gqa_split_mma
 __device__ __forceinline__ void gqa_split_tc32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
-    int seq_len, const int* __restrict__ seq_len_dev, int splits) {
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, float* __restrict__ out, int n_heads,
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits) {
     constexpr int S = FxTc32Shape<D>::stages;
     constexpr int WARPS = FxTc32Shape<D>::warps, THREADS = WARPS * 32;
     constexpr int TOK = FxTc32Shape<D>::tokens, NB = TOK / 8;  // tokens per step, 8-blocks
@@ -763,10 +890,14 @@ __device__ __forceinline__ void gqa_split_tc32(
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     fx_check_launch(WARPS * S * 2 * STEP * sizeof(float), THREADS);
+    if (CLUSTER) fx_check_cluster(splits);
 
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, FX_TILE, split, start, end)) return;
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, FX_TILE, split, start, end)) {
+        if (!CLUSTER) return;
+        end = start;  // a cluster's idle block still takes part in the merge (no tokens)
+    }
 
     const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
@@ -922,20 +1053,27 @@ __device__ __forceinline__ void gqa_split_tc32(
     fx_park_fragments(o_f, oacc, warp, lane);
     __syncthreads();
     // d = 32q + 4n + j with n = 2tig + c is slot q*8 + j*2 + c of lane 4*head + tig
-    fx_write_partial<WARPS, D, SLOTS>(
-        o_f, m_s, l_s, ws_o, ws_ml, h0, group, splits, split, [](int d, int& slot, int& t) {
-            const int n = (d % 32) / 4;
-            slot = (d / 32) * 8 + (d % 4) * 2 + (n & 1);
-            t = n >> 1;
-        });
+    auto where = [](int d, int& slot, int& t) {
+        const int n = (d % 32) / 4;
+        slot = (d / 32) * 8 + (d % 4) * 2 + (n & 1);
+        t = n >> 1;
+    };
+    fx_finish<CLUSTER, WARPS, D, SLOTS, WARPS * S * 2 * STEP * (int)sizeof(float)>(
+        o_f, m_s, l_s, ws_o, ws_ml, out, h0, group, splits, split, seq_len, seq_len_dev, where);
 }
 
 #define FX_TC32_ENTRY(NAME, D)                                                              \
     extern "C" __global__ void __launch_bounds__(FX_TC32_WARPS_D##D * 32, 1) NAME(          \
         const float* q, const float* k, const float* v, float* ws_o, float* ws_ml,          \
         int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {     \
-        gqa_split_tc32<D>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, seq_len, seq_len_dev,  \
-                          splits);                                                          \
+        gqa_split_tc32<D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,        \
+                                 seq_len, seq_len_dev, splits);                             \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FX_TC32_WARPS_D##D * 32, 1) NAME##_cluster( \
+        const float* q, const float* k, const float* v, float* out, int n_heads,            \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {                  \
+        gqa_split_tc32<D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,        \
+                                seq_len, seq_len_dev, splits);                              \
     }
 
 FX_TC32_ENTRY(gqa_split_tc32_f32_d64, 64)
