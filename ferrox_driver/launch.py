@@ -129,6 +129,7 @@ class Kernel:
         self.name = name
         self.module = module
         self._max_dynamic_shared: int | None = None  # asked of the driver when first needed
+        self._non_portable_clusters = False  # clusters of more than 8 blocks allowed
 
     @property
     def handle(self) -> Any:
@@ -173,6 +174,49 @@ class Kernel:
             )
         )
 
+    def _allow_cluster(self, cluster: int) -> None:
+        if cluster > 8 and not self._non_portable_clusters:
+            self.module.device.activate()
+            drv(
+                "cuFuncSetAttribute",
+                self._handle,
+                cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                1,
+            )
+            self._non_portable_clusters = True
+
+    def _cluster_config(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        stream: Any,
+        cluster: int,
+    ) -> Any:
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = int(shared_mem)
+        config.hStream = stream_handle(stream)
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        config.attrs = [attr]
+        config.numAttrs = 1
+        return config
+
+    def max_active_clusters(self, cluster: int, block_threads: int, shared_mem: int = 0) -> int:
+        """Clusters of ``cluster`` blocks (along x) of ``block_threads`` threads each, with
+        ``shared_mem`` bytes of dynamic shared memory per block, the device holds at once
+        (0 where it cannot run such a cluster; compute capability 9.0 and up)."""
+        self.allow_shared(shared_mem)
+        self._allow_cluster(cluster)
+        self.module.device.activate()
+        config = self._cluster_config(
+            (cluster, 1, 1), (block_threads, 1, 1), shared_mem, None, cluster
+        )
+        return int(drv("cuOccupancyMaxActiveClusters", self._handle, config))
+
     def launch(
         self,
         grid: Dim3,
@@ -181,6 +225,7 @@ class Kernel:
         *,
         shared_mem: int = 0,
         stream: Any = None,
+        cluster: int = 0,
     ) -> None:
         """Queue one launch of this kernel.
 
@@ -192,6 +237,8 @@ class Kernel:
                 A bare Python int or float is refused: its C type is ambiguous.
             shared_mem: dynamic shared memory in bytes.
             stream: the stream to launch on (default: the legacy default stream).
+            cluster: blocks per thread block cluster along x (compute capability 9.0 and
+                up; the grid's x must be a multiple); 0 launches without clusters.
 
         Raises:
             TypeError: an argument without a C type.
@@ -203,6 +250,12 @@ class Kernel:
         address, keep = pack_args(args)
         self.module.device.activate()
         self.allow_shared(shared_mem)
+        if cluster:
+            self._allow_cluster(cluster)
+            config = self._cluster_config((gx, gy, gz), (bx, by, bz), shared_mem, stream, cluster)
+            drv("cuLaunchKernelEx", config, self._handle, address, 0)
+            del keep
+            return
         drv(
             "cuLaunchKernel",
             self._handle,
