@@ -52,6 +52,7 @@ TILE = kernel_define("FX_TILE")  # tokens; tensor-core chunk sizes are multiples
 MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
+MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
 TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
 
@@ -95,6 +96,8 @@ class SplitPlan:
     tile: int = TILE  # chunk sizes are multiples of this many tokens
     stages: int = 0  # tensor-core kernels: steps in each warp's ring ...
     step_tokens: int = 16  # ... of this many tokens
+    cluster: int = 0  # blocks per thread block cluster (a KV head's chunks merge on chip,
+    # no combine kernel); 0: the combine kernel merges them
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
         """Floats of scratch the launch needs: partial outputs, maxima and sums."""
@@ -172,7 +175,36 @@ def plan_split(
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
     splits = wave // (n_kv_heads * tiles)
     splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // plan.tile)))
+    if tc and clusters_fit(device, f"{kname}_cluster", splits, n_kv_heads, threads, shared):
+        return dataclasses.replace(plan, kernel=f"{kname}_cluster", splits=splits, cluster=splits)
     return dataclasses.replace(plan, splits=splits)
+
+
+_resident_clusters: dict[tuple[int, str, int], int] = {}
+
+
+def clusters_fit(
+    device: Device, kernel_name: str, cluster: int, n_clusters: int, threads: int, shared: int
+) -> bool:
+    """Whether ``n_clusters`` clusters of ``cluster`` blocks of the tensor-core kernel
+    ``kernel_name`` run at once (one wave: a cluster waiting for another to finish would
+    double the time), so each KV head's chunks can merge on chip instead of in a combine
+    kernel. Needs compute capability 9.0 (clusters of at most ``MAX_CLUSTER`` blocks);
+    ``FERROX_CLUSTER=0`` turns it off (a comparison knob)."""
+    if os.environ.get("FERROX_CLUSTER", "1") == "0":
+        return False
+    if device.compute_capability < (9, 0) or cluster > MAX_CLUSTER:
+        return False
+    key = (device.context_handle, kernel_name, cluster)
+    n = _resident_clusters.get(key)
+    if n is None:
+        kernel = get_kernel(SPLIT_FILE, kernel_name, device)
+        try:
+            n = kernel.max_active_clusters(cluster, threads, shared)
+        except CudaError:  # e.g. a cluster larger than this device (or MIG slice) holds
+            n = 0
+        _resident_clusters[key] = n
+    return n >= n_clusters
 
 
 def tc32_for(group: int, plan_seq: int) -> bool:
@@ -247,7 +279,8 @@ def launch_split(
     kernel: Kernel | None = None,
 ) -> None:
     """Queue the split kernel of ``plan`` and the kernel combining its chunks
-    (``parts="main"`` or ``"combine"`` queues one of them: the benchmark's cost split).
+    (``parts="main"`` or ``"combine"`` queues one of them: the benchmark's cost split; a
+    cluster plan has no combine kernel, its split kernel writes ``out``).
     ``kernel`` replaces the split kernel by a variant with the same parameters, shaped as
     ``plan`` says (docs/perf-history experiments)."""
     dev = q.device
@@ -257,6 +290,17 @@ def launch_split(
     heads = (np.int32(n_heads), np.int32(n_kv_heads))
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
     args: tuple[Any, ...]
+    if plan.cluster:
+        if parts != "combine":
+            (kernel or get_kernel(SPLIT_FILE, plan.kernel, dev)).launch(
+                (plan.splits, n_kv_heads, 1),
+                plan.threads,
+                (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits),
+                shared_mem=plan.shared_bytes(head_dim, q.dtype.itemsize),
+                stream=stream,
+                cluster=plan.cluster,
+            )
+        return
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits)
     else:

@@ -10,6 +10,7 @@ import pytest
 
 from ferrox_driver import attention, bench_decode, bench_report, compiler
 from ferrox_driver.compiler import compile_source, kernel_source
+from ferrox_driver.errors import CudaError
 
 L2_BYTES = 60 * 2**20  # H200
 MAX_BLOCK_SHARED = 227 * 1024  # sm_90 opt-in limit per block
@@ -20,6 +21,7 @@ def test_host_launch_constants_are_the_kernels_defines():
     expected = {"FX_TILE": attention.TILE, "FX_THREADS": attention.THREADS}
     expected["FX_COMBINE_THREADS"] = attention.COMBINE_THREADS
     expected["FX_MAX_SPLITS"] = attention.MAX_SPLITS
+    expected["FX_MAX_CLUSTER"] = attention.MAX_CLUSTER
     for head_dim, stages in attention.MMA_STAGES.items():
         expected[f"FX_STAGES_D{head_dim}"] = stages
         expected[f"FX_WARPS_D{head_dim}"] = attention.MMA_WARPS[head_dim]
@@ -64,6 +66,44 @@ def test_fp32_takes_tensor_cores_for_large_groups_and_group_four_up_to_32k(monke
     assert [g for g in range(1, 17) if attention.tc32_for(g, 32768)] == [4, 5, 6, 7, 8]
     monkeypatch.setenv("FERROX_TC32", "0")
     assert not any(attention.tc32_for(g, 512) for g in range(1, 17))
+
+
+class _FakeDevice:
+    """Enough of a Device for the cluster rule's early answers (no GPU)."""
+
+    context_handle = -1
+
+    def __init__(self, compute_capability):
+        self.compute_capability = compute_capability
+
+
+def test_clusters_need_compute_capability_9_at_most_16_blocks_all_resident(monkeypatch):
+    resident = {"k4": 40, "k16": 7}  # clusters the (fake) device holds at once
+
+    class FakeKernel:
+        def __init__(self, name):
+            self.name = name
+
+        def max_active_clusters(self, cluster, threads, shared):
+            if self.name == "k_refused":
+                raise CudaError(
+                    912, "CUDA_ERROR_INVALID_CLUSTER_SIZE", "cuOccupancyMaxActiveClusters", "-"
+                )
+            return resident[self.name]
+
+    monkeypatch.setattr(attention, "get_kernel", lambda file, name, device: FakeKernel(name))
+    monkeypatch.setattr(attention, "_resident_clusters", {})
+
+    def fits(name, cluster, n_clusters, cc=(9, 0)):
+        return attention.clusters_fit(_FakeDevice(cc), name, cluster, n_clusters, 128, 0)
+
+    assert fits("k4", 4, 32) and fits("k4", 4, 40) and not fits("k4", 4, 41)
+    assert fits("k16", 16, 7) and not fits("k16", 16, 8)  # an eighth would wait: no
+    assert not fits("k_refused", 16, 1)
+    assert not fits("k4", 4, 1, cc=(8, 0))
+    assert not fits("k4", attention.MAX_CLUSTER + 1, 1)
+    monkeypatch.setenv("FERROX_CLUSTER", "0")
+    assert not fits("k4", 4, 1)
 
 
 def test_cuda_core_plans_need_no_dynamic_shared_memory():
