@@ -76,7 +76,7 @@ def main() -> None:
             os.environ.pop("FERROX_CLUSTER")
             runs = [("combine", base)]
             shared = base.shared_bytes(hd, item)
-            for c in sizes:
+            for c in sizes if base.tensor_cores else []:  # no cluster kernel on CUDA cores
                 name = f"{base.kernel}_cluster"
                 if c <= -(-seq // TILE) and clusters_fit(dev, name, c, n_kv, base.threads, shared):
                     plan = dataclasses.replace(base, kernel=name, splits=c, cluster=c)
