@@ -316,7 +316,7 @@ def launch_split(
             seq_len_dev,
             splits,
             np.int32(plan.lanes_per_token),
-            np.int32(plan.tile),
+            tile,
         )
     if plan.tensor_cores:
         grid = (plan.splits, n_kv_heads, 1)
