@@ -521,42 +521,68 @@ __device__ __forceinline__ void fx_check_cluster(int splits) {
     if (fx_cluster_blocks() != (unsigned)splits || gridDim.x != (unsigned)splits) __trap();
 }
 
+// Four floats at shared-memory address `addr` (16-byte aligned) of cluster block `rank`.
+__device__ __forceinline__ float4 fx_cluster_load4(unsigned addr, unsigned rank) {
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+#if __CUDA_ARCH__ >= 900
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+                 : "r"(remote)
+                 : "memory");
+#endif
+    return x;
+}
+
 // The cluster's merge: every block has its partial in `part` ([8][D] unscaled outputs, then
-// [8][2] max and sum, per head of the group); block r of the cluster writes outputs r,
-// r + blocks, ... (of group * D) as out = sum_c w_c o_c / sum_c w_c l_c over the cluster's
-// blocks c in order (bitwise reproducible), w_c = 2^(m_c - max m). seq <= 0 writes zeros.
+// [8][2] max and sum, per head of the group). out = sum_c w_c o_c / sum_c w_c l_c over the
+// cluster's blocks c in order (bitwise reproducible), w_c = 2^(m_c - max m); seq <= 0
+// writes zeros. A thread takes four outputs (unit u: head u / (D/4), columns 4(u % (D/4))
+// ..+3), units spread over all the cluster's blocks (u = rank, rank + blocks, ...), and
+// issues every read at once, one 16-byte read of outputs per block c: distributed shared
+// memory pays per transaction and per round trip (NOTES.md, v8).
 template <class T, int D, int THREADS>
 __device__ __forceinline__ void fx_cluster_merge(const float* part, T* __restrict__ out, int h0,
                                                  int group, int seq) {
     fx_cluster_sync();  // every block's partial is in its shared memory
     const unsigned blocks = fx_cluster_blocks(), rank = fx_cluster_rank();
     const unsigned base = (unsigned)__cvta_generic_to_shared(part);
-    for (int i = rank * THREADS + threadIdx.x; i < group * D; i += blocks * THREADS) {
-        const int j = i / D, d = i % D;
-        float m[FX_MAX_CLUSTER], l[FX_MAX_CLUSTER], o[FX_MAX_CLUSTER];
+    for (int u = threadIdx.x * blocks + rank; u < group * D / 4; u += THREADS * blocks) {
+        const int j = u / (D / 4), d = (u % (D / 4)) * 4;
+        float m[FX_MAX_CLUSTER], l[FX_MAX_CLUSTER];
+        float4 o[FX_MAX_CLUSTER];
 #pragma unroll
         for (int c = 0; c < FX_MAX_CLUSTER; ++c) {  // one trip: every load in flight at once
-            m[c] = l[c] = o[c] = 0.f;
+            m[c] = -INFINITY;
+            l[c] = 0.f;
+            o[c] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (c < (int)blocks) {
                 m[c] = fx_cluster_load(base + (8 * D + 2 * j) * 4, c);
                 l[c] = fx_cluster_load(base + (8 * D + 2 * j + 1) * 4, c);
-                o[c] = fx_cluster_load(base + (j * D + d) * 4, c);
+                o[c] = fx_cluster_load4(base + (j * D + d) * 4, c);
             }
         }
         float mx = -INFINITY;
 #pragma unroll
-        for (int c = 0; c < FX_MAX_CLUSTER; ++c)
-            if (c < (int)blocks) mx = fmaxf(mx, m[c]);
-        float lsum = 0.f, acc = 0.f;
+        for (int c = 0; c < FX_MAX_CLUSTER; ++c) mx = fmaxf(mx, m[c]);
+        float lsum = 0.f;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int c = 0; c < FX_MAX_CLUSTER; ++c) {
-            if (c < (int)blocks && m[c] != -INFINITY) {
-                const float w = fx_exp2(m[c] - mx);
-                lsum += w * l[c];
-                acc += w * o[c];
-            }
+            const float w = m[c] == -INFINITY ? 0.f : fx_exp2(m[c] - mx);
+            lsum += w * l[c];
+            acc.x += w * o[c].x;
+            acc.y += w * o[c].y;
+            acc.z += w * o[c].z;
+            acc.w += w * o[c].w;
         }
-        out[(long long)(h0 + j) * D + d] = fx_from_float<T>(seq > 0 ? acc / lsum : 0.f);
+        const float inv = seq > 0 ? 1.f / lsum : 0.f;
+        T* dst = out + (long long)(h0 + j) * D + d;
+        dst[0] = fx_from_float<T>(acc.x * inv);
+        dst[1] = fx_from_float<T>(acc.y * inv);
+        dst[2] = fx_from_float<T>(acc.z * inv);
+        dst[3] = fx_from_float<T>(acc.w * inv);
     }
     fx_cluster_sync();  // no block leaves while another still reads its shared memory
 }
@@ -579,6 +605,7 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
     }
     constexpr int MERGE = WARPS * SLOTS * FX_OPAD;  // floats of the merge area
     static_assert((MERGE + 8 * D + 16) * 4 <= RING, "the partial must fit in the ring");
+    static_assert(MERGE % 4 == 0 && D % 4 == 0, "the partial's rows must be 16-byte aligned");
     float* part = o_f + MERGE;
     fx_write_partial<WARPS, D, SLOTS>(
         o_f, m_s, l_s, group, where, [&](int j) { return part + j * D; },

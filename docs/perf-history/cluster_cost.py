@@ -1,0 +1,128 @@
+# ruff: noqa: B023  (closures are called before the loop moves on)
+"""Where the cluster kernel's time goes at short lengths: the on-chip merge, its two cluster
+barriers, or the cluster launch itself. 32/8/128 bf16, KV in L2, 20 decodes back to back in
+one graph (the harness of `bench --only overhead`).
+
+    PYTHONPATH=. python3 docs/perf-history/cluster_cost.py
+
+Variants of the cluster kernel (compiled from the current source, the merge replaced):
+- full: as shipped;
+- barriers only: the two cluster barriers, no distributed shared-memory reads, no output;
+- no merge: neither (nor the cluster check), so it can also run without clusters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+
+import ml_dtypes
+import numpy as np
+
+import ferrox_driver as fd
+from ferrox_driver.attention import launch_split, plan_split
+from ferrox_driver.bench_decode import captured, fill_uniform, time_replays
+from ferrox_driver.compiler import compile_source, kernel_source
+from ferrox_driver.launch import Module
+
+DT = ml_dtypes.bfloat16
+N_HEADS, N_KV, HD = 32, 8, 128
+NAME = "gqa_split_mma_bf16_d128_cluster"
+MERGE = (
+    "fx_cluster_merge<T, D, WARPS * 32>(part, out, h0, group, fx_seq_len(seq_len, seq_len_dev));"
+)
+CHECK = "if (CLUSTER) fx_check_cluster(splits);"
+
+
+def variant(src: str, merge: str, check: str = CHECK) -> str:
+    assert MERGE in src and CHECK in src
+    return src.replace(MERGE, merge).replace(CHECK, check)
+
+
+def main() -> None:
+    dev = fd.Device(0)
+    stream = fd.Stream()
+    src = kernel_source("gqa_decode_split.cu")
+    keep = "FX_MMA_ENTRY(gqa_split_mma_bf16_d128,"
+    src = re.sub(
+        r"^(FX_GENERIC_FOR_TYPE|FX_MMA_ENTRY|FX_TC32_ENTRY)\(.*$",
+        lambda m: m.group(0) if m.group(0).startswith(keep) else "",
+        src,
+        flags=re.MULTILINE,
+    )
+    sources = {
+        "full": src,
+        "barriers only": variant(src, "fx_cluster_sync(); fx_cluster_sync();"),
+        "no merge": variant(src, "", ""),
+    }
+    kernels = {
+        label: Module(compile_source(s, name="cluster_cost.cu"), dev).get_function(NAME)
+        for label, s in sources.items()
+    }
+
+    def timed(body) -> tuple[float, float]:
+        body()
+        stream.synchronize()
+        chained, single = captured(stream, body, 20), captured(stream, body)
+        times = time_replays(chained, 20, [single], stream, 50)
+        chained.close()
+        single.close()
+        return times
+
+    print(f"{'us per decode':48} back to back   single")
+    for seq in (64, 512):
+        q = fd.empty((N_HEADS, HD), DT)
+        out = fd.empty((N_HEADS, HD), DT)
+        k = fd.empty((seq, N_KV, HD), DT)
+        v = fd.empty((seq, N_KV, HD), DT)
+        for i, a in enumerate((q, k, v)):
+            fill_uniform(a, 50 + i, stream)
+        os.environ["FERROX_CLUSTER"] = "0"
+        base = plan_split(dev, DT, N_HEADS, N_KV, HD, seq)
+        os.environ.pop("FERROX_CLUSTER")
+        ws = fd.empty((base.workspace_floats(N_HEADS, HD),), np.float32)
+        call = functools.partial(
+            launch_split,
+            q=q,
+            k=k,
+            v=v,
+            out=out,
+            workspace=ws,
+            n_heads=N_HEADS,
+            n_kv_heads=N_KV,
+            head_dim=HD,
+            seq_len=seq,
+            seq_len_dev=None,
+            stream=stream,
+        )
+        rows = {
+            f"combine plan: split + combine ({base.splits} chunks)": lambda: call(base),
+            "combine plan: split kernel alone": lambda: call(base, parts="main"),
+        }
+        cl = dataclasses.replace(base, kernel=NAME, cluster=base.splits)
+        for label, kern in kernels.items():
+            rows[f"cluster {cl.cluster}, {label}"] = functools.partial(call, cl, kernel=kern)
+        args = (q, k, v, out, np.int32(N_HEADS), np.int32(N_KV), np.int32(seq), None)
+        args += (np.int32(base.splits),)
+        shared = base.shared_bytes(HD, 2)
+        for label in ("no merge", "full") if base.splits == 1 else ("no merge",):
+            kern = kernels[label]
+            rows[f"no cluster launch, {label}"] = functools.partial(
+                kern.launch,
+                (base.splits, N_KV, 1),
+                base.threads,
+                args,
+                shared_mem=shared,
+                stream=stream,
+            )
+        for label, body in rows.items():
+            b2b, single = timed(body)
+            print(f"seq {seq:>4} {label:39} {b2b:8.2f} {single:8.2f}", flush=True)
+        for a in (q, out, k, v, ws):
+            a.close()
+
+
+if __name__ == "__main__":
+    main()
