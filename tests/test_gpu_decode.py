@@ -242,21 +242,43 @@ def test_split_decode_is_bitwise_reproducible(rng, monkeypatch, heads_per_block,
 # capability 9.0, at most 16 blocks, every cluster resident at once) merge them on chip;
 # FERROX_CLUSTER=0 keeps the combine kernel. Both must match the reference. A cache of 512
 # tokens plans 8 chunks per KV head (clusters of 8; the H200 holds 15 such clusters at
-# once), so short lengths leave some of a cluster's blocks without tokens.
+# once), one of 1024 tokens 16 (non-portable clusters of 16, 7 at once: up to 7 KV heads),
+# so short lengths leave some of a cluster's blocks without tokens.
 @pytest.mark.parametrize("cluster", ["1", "0"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(32, 8, 128), (64, 8, 64), (8, 8, 256)])
-@pytest.mark.parametrize("seq_len", [0, 1, 65, 511, 512])
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,capacity,blocks",
+    [
+        (32, 8, 128, 512, 8),
+        (64, 8, 64, 512, 8),
+        (8, 8, 256, 512, 8),
+        (16, 2, 64, 1024, 16),
+        (28, 4, 128, 1024, 16),
+        (8, 1, 256, 1024, 16),
+    ],
+)
+@pytest.mark.parametrize("seq_len", [0, 1, 65, 511, "full"])
 def test_cluster_merge_and_combine_kernel_match_reference(
-    rng, monkeypatch, device, cluster, dtype, n_heads, n_kv_heads, head_dim, seq_len
+    rng,
+    monkeypatch,
+    device,
+    cluster,
+    dtype,
+    n_heads,
+    n_kv_heads,
+    head_dim,
+    capacity,
+    blocks,
+    seq_len,
 ):
     monkeypatch.setenv("FERROX_CLUSTER", cluster)
-    dt, capacity = DTYPES[dtype], 512
+    dt = DTYPES[dtype]
+    seq_len = capacity if seq_len == "full" else seq_len
     plan = plan_split(device, dt, n_heads, n_kv_heads, head_dim, capacity)
     if cluster == "0" or not plan.tensor_cores:
         assert plan.cluster == 0
     elif device.compute_capability >= (9, 0):
-        assert plan.cluster == plan.splits == 8, plan
+        assert plan.cluster == plan.splits == blocks, plan
     q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
     ref = fd.reference_gqa_decode(
         q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
