@@ -19,7 +19,7 @@
 #define FX_THREADS 128
 #endif
 #define FX_WARPS (FX_THREADS / 32)
-#define FX_TILE 64  // the tensor-core kernels' chunk sizes are multiples of this (tokens)
+#define FX_TILE 64  // the largest chunk granularity (tokens): a block's tokens per iteration
 #define FX_MAX_SPLITS 1024
 #define FX_LOG2E 1.4426950408889634f
 
@@ -27,9 +27,9 @@ __device__ __forceinline__ int fx_seq_len(int seq_len, const int* seq_len_dev) {
     return seq_len_dev != nullptr ? *seq_len_dev : seq_len;
 }
 
-// Tokens per chunk for this length: a multiple of `tile`, at most `splits` chunks. (The
-// CUDA-core kernels' tile is the tokens a block takes per iteration, from 8 to FX_TILE:
-// short chunks cut the serial trips to memory of short sequences.)
+// Tokens per chunk for this length: a multiple of `tile`, at most `splits` chunks. (`tile`
+// is 8 to FX_TILE tokens, chosen by the host: short chunks cut the serial trips to memory
+// of short sequences.)
 __device__ __forceinline__ int fx_chunk(int seq, int splits, int tile) {
     int c = (seq + splits - 1) / splits;
     return (c + tile - 1) / tile * tile;
@@ -619,7 +619,7 @@ template <class T, int D, bool CLUSTER>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits) {
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
     constexpr int S = FxStages<D>::value;
     constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
@@ -632,7 +632,7 @@ __device__ __forceinline__ void gqa_split_mma(
 
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, FX_TILE, split, start, end)) {
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) {
         if (!CLUSTER) return;
         end = start;  // a cluster's idle block still takes part in the merge (no tokens)
     }
@@ -792,19 +792,20 @@ __device__ __forceinline__ void gqa_split_mma(
 }
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
-// (launched in clusters of `splits` blocks per KV head, writes the output).
+// (launched in clusters of `splits` blocks per KV head, writes the output). Chunks are
+// multiples of `tile` tokens (16 to FX_TILE; the host picks it per plan).
 #define FX_MMA_ENTRY(NAME, T, D)                                                            \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
-        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {                  \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
         gqa_split_mma<T, D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,      \
-                                   seq_len, seq_len_dev, splits);                           \
+                                   seq_len, seq_len_dev, splits, tile);                     \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
         const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
-        int seq_len, const int* seq_len_dev, int splits) {                                  \
+        int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
         gqa_split_mma<T, D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,      \
-                                  seq_len, seq_len_dev, splits);                            \
+                                  seq_len, seq_len_dev, splits, tile);                      \
     }
 
 FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
@@ -905,7 +906,7 @@ template <int D, bool CLUSTER>  // CLUSTER: as gqa_split_mma
 __device__ __forceinline__ void gqa_split_tc32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, float* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits) {
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
     constexpr int S = FxTc32Shape<D>::stages;
     constexpr int WARPS = FxTc32Shape<D>::warps, THREADS = WARPS * 32;
     constexpr int TOK = FxTc32Shape<D>::tokens, NB = TOK / 8;  // tokens per step, 8-blocks
@@ -921,7 +922,7 @@ __device__ __forceinline__ void gqa_split_tc32(
 
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, FX_TILE, split, start, end)) {
+    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) {
         if (!CLUSTER) return;
         end = start;  // a cluster's idle block still takes part in the merge (no tokens)
     }
@@ -1092,15 +1093,16 @@ __device__ __forceinline__ void gqa_split_tc32(
 #define FX_TC32_ENTRY(NAME, D)                                                              \
     extern "C" __global__ void __launch_bounds__(FX_TC32_WARPS_D##D * 32, 1) NAME(          \
         const float* q, const float* k, const float* v, float* ws_o, float* ws_ml,          \
-        int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {     \
+        int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev, int splits,       \
+        int tile) {                                                                         \
         gqa_split_tc32<D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,        \
-                                 seq_len, seq_len_dev, splits);                             \
+                                 seq_len, seq_len_dev, splits, tile);                       \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(FX_TC32_WARPS_D##D * 32, 1) NAME##_cluster( \
         const float* q, const float* k, const float* v, float* out, int n_heads,            \
-        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits) {                  \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
         gqa_split_tc32<D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,        \
-                                seq_len, seq_len_dev, splits);                              \
+                                seq_len, seq_len_dev, splits, tile);                        \
     }
 
 FX_TC32_ENTRY(gqa_split_tc32_f32_d64, 64)

@@ -53,6 +53,7 @@ MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
 MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
+TC_TILES = (TILE, 32, 16)  # tensor-core chunk granularities (tokens), in order of preference
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
 TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
 
@@ -143,10 +144,12 @@ def plan_split(
 ) -> SplitPlan:
     """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens.
 
-    The grid is one full wave of resident blocks; each block's chunk is a multiple of the
-    plan's tile (64 tokens on tensor cores, 8-64 on CUDA cores), computed on the device from
-    the actual length (which may be shorter, as in a captured graph sized for the cache's
-    capacity).
+    The grid is at most one full wave of resident blocks; each block's chunk is a multiple
+    of the plan's tile, computed on the device from the actual length (which may be
+    shorter, as in a captured graph sized for the cache's capacity). CUDA-core tiles are the
+    tokens a block takes per iteration (8-64). On tensor cores the tile is 64, 32 or 16
+    tokens: first a plan whose chunks merge on chip (clusters_fit), then the most chunks
+    (short sequences: more blocks, each with fewer serial steps), then the larger tile.
     """
     group = n_heads // n_kv_heads
     name = dtype_name(dtype)
@@ -173,11 +176,26 @@ def plan_split(
     shared = plan.shared_bytes(head_dim, np.dtype(dtype).itemsize)
     wave = _blocks_per_sm(kernel, device, threads, shared) * device.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
-    splits = wave // (n_kv_heads * tiles)
-    splits = max(1, min(splits, MAX_SPLITS, -(-max(plan_seq, 1) // plan.tile)))
-    if tc and clusters_fit(device, f"{kname}_cluster", splits, n_kv_heads, threads, shared):
-        return dataclasses.replace(plan, kernel=f"{kname}_cluster", splits=splits, cluster=splits)
-    return dataclasses.replace(plan, splits=splits)
+    most = max(1, min(wave // (n_kv_heads * tiles), MAX_SPLITS))
+    seq = max(plan_seq, 1)
+    if not tc:
+        return dataclasses.replace(plan, splits=min(most, -(-seq // tile)))
+    best: tuple[tuple[bool, int], int] | None = None
+    for t in TC_TILES:
+        splits = min(most, -(-seq // t))
+        key = (
+            clusters_fit(device, f"{kname}_cluster", splits, n_kv_heads, threads, shared),
+            splits,
+        )
+        if best is None or key > best[0]:
+            best = (key, t)
+    assert best is not None
+    (cluster, splits), tile = best
+    if cluster:
+        kname = f"{kname}_cluster"
+    return dataclasses.replace(
+        plan, kernel=kname, splits=splits, tile=tile, cluster=splits if cluster else 0
+    )
 
 
 _resident_clusters: dict[tuple[int, str, int], int] = {}
@@ -295,14 +313,14 @@ def launch_split(
             (kernel or get_kernel(SPLIT_FILE, plan.kernel, dev)).launch(
                 (plan.splits, n_kv_heads, 1),
                 plan.threads,
-                (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits),
+                (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile),
                 shared_mem=plan.shared_bytes(head_dim, q.dtype.itemsize),
                 stream=stream,
                 cluster=plan.cluster,
             )
         return
     if plan.tensor_cores:
-        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits)
+        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
     else:
         args = (
             q,

@@ -77,6 +77,7 @@ def main() -> None:
                 np.int32(seq),
                 None,
                 np.int32(plan.splits),
+                np.int32(plan.tile),
             )
 
             def body() -> None:

@@ -96,15 +96,16 @@ def run_shape(shape: tuple[int, int, int], variants: list[Variant]) -> None:
             ws = stream_workspace(dev, stream, n_heads * splits * (hd + 2))
             ws_ml = ws.view((n_heads * splits * 2,), offset=n_heads * splits * hd * 4)
             heads = (np.int32(n_heads), np.int32(n_kv))
+            tile = np.int32(TILE)
 
             def decode(i: int) -> None:
                 k, v = sets[i % n_sets]
-                args = (q, k, v, ws, ws_ml, *heads, np.int32(seq), None, np.int32(splits))
+                args = (q, k, v, ws, ws_ml, *heads, np.int32(seq), None, np.int32(splits), tile)
                 kern.launch((splits, n_kv, 1), threads, args, shared_mem=smem, stream=stream)
                 combine.launch(
                     (n_heads, hd // 32),
                     COMBINE_THREADS,
-                    (out, ws, ws_ml, np.int32(hd), np.int32(seq), None, np.int32(splits), TILE),
+                    (out, ws, ws_ml, np.int32(hd), np.int32(seq), None, np.int32(splits), tile),
                     stream=stream,
                 )
 
