@@ -53,7 +53,6 @@ MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
 MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
-TC_TILES = (TILE, 32, 16)  # tensor-core chunk granularities (tokens), in order of preference
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
 TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
 
@@ -147,9 +146,9 @@ def plan_split(
     The grid is at most one full wave of resident blocks; each block's chunk is a multiple
     of the plan's tile, computed on the device from the actual length (which may be
     shorter, as in a captured graph sized for the cache's capacity). CUDA-core tiles are the
-    tokens a block takes per iteration (8-64). On tensor cores the tile is 64, 32 or 16
-    tokens: first a plan whose chunks merge on chip (clusters_fit), then the most chunks
-    (short sequences: more blocks, each with fewer serial steps), then the larger tile.
+    tokens a block takes per iteration (8-64). Tensor-core tiles are 64 tokens (32 for the
+    fp32 head_dim 256 kernel), and a KV head's chunks merge on chip where they fit resident
+    clusters (clusters_fit).
     """
     group = n_heads // n_kv_heads
     name = dtype_name(dtype)
@@ -180,17 +179,18 @@ def plan_split(
     seq = max(plan_seq, 1)
     if not tc:
         return dataclasses.replace(plan, splits=min(most, -(-seq // tile)))
-    best: tuple[tuple[bool, int], int] | None = None
-    for t in TC_TILES:
-        splits = min(most, -(-seq // t))
-        key = (
-            clusters_fit(device, f"{kname}_cluster", splits, n_kv_heads, threads, shared),
-            splits,
-        )
-        if best is None or key > best[0]:
-            best = (key, t)
-    assert best is not None
-    (cluster, splits), tile = best
+    if name == "f32" and head_dim == 256:
+        # 32-token tiles, no clusters: this kernel's steps (8 tokens of 3xTF32 products over
+        # 256 columns) are long dependent chains, so short sequences want more blocks with
+        # fewer steps each. 8/1/256: 10.9 -> 8.8 us at 512 tokens, 13.1 -> 11.8 at 4096;
+        # 16-token tiles 9.2 / 11.8; in clusters 0.5-0.8 us slower (tile-variants-v8.log).
+        tile = 32
+        return dataclasses.replace(plan, splits=min(most, -(-seq // tile)), tile=tile)
+    # 64-token tiles, merged on chip where the chunks fit resident clusters: smaller tiles
+    # (more chunks, in clusters or not) measured level or slower for these kernels
+    # (docs/perf-history/tile-variants-v8.log).
+    splits = min(most, -(-seq // tile))
+    cluster = clusters_fit(device, f"{kname}_cluster", splits, n_kv_heads, threads, shared)
     if cluster:
         kname = f"{kname}_cluster"
     return dataclasses.replace(

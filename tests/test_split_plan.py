@@ -6,6 +6,8 @@ import json
 import re
 from dataclasses import asdict
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 from ferrox_driver import attention, bench_decode, bench_report, compiler
@@ -104,6 +106,51 @@ def test_clusters_need_compute_capability_9_at_most_16_blocks_all_resident(monke
     assert not fits("k4", attention.MAX_CLUSTER + 1, 1)
     monkeypatch.setenv("FERROX_CLUSTER", "0")
     assert not fits("k4", 4, 1)
+
+
+def test_plans_tile_and_merge_as_measured(monkeypatch):
+    """The plan rule on a fake H200 (132 multiprocessors, one block each; clusters of up to
+    8 blocks: 15 resident, of 9-16: 7), no GPU."""
+
+    class FakeKernel:
+        def __init__(self, name):
+            self.name = name
+
+        def max_active_blocks(self, threads, shared):
+            return 1
+
+        def max_active_clusters(self, cluster, threads, shared):
+            return 15 if cluster <= 8 else 7
+
+    class FakeH200(_FakeDevice):
+        multiprocessor_count = 132
+
+    monkeypatch.setattr(attention, "get_kernel", lambda file, name, device: FakeKernel(name))
+    monkeypatch.setattr(attention, "_resident_blocks", {})
+    monkeypatch.setattr(attention, "_resident_clusters", {})
+    dev = FakeH200((9, 0))
+
+    def plan(dtype, heads, seq):
+        p = attention.plan_split(dev, np.dtype(dtype), *heads, seq)
+        return p.kernel, p.tile, p.splits, p.cluster
+
+    bf16 = ml_dtypes.bfloat16
+    # 8 chunks of a KV head fit a resident cluster (8 of 15): merged on chip
+    assert plan(bf16, (32, 8, 128), 512) == ("gqa_split_mma_bf16_d128_cluster", 64, 8, 8)
+    # 16 chunks per KV head: 8 clusters of 16 would not all be resident (7): combine kernel
+    assert plan(bf16, (32, 8, 128), 4096) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
+    assert plan(bf16, (32, 8, 128), 131072) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
+    # 4 KV heads: 4 clusters of 16 are resident
+    assert plan(bf16, (28, 4, 128), 1024) == ("gqa_split_mma_bf16_d128_cluster", 64, 16, 16)
+    assert plan(bf16, (28, 4, 128), 4096) == ("gqa_split_mma_bf16_d128", 64, 33, 0)
+    # fp32 head_dim 256: 32-token tiles, as many chunks as a wave holds, never clusters
+    assert plan(np.float32, (8, 1, 256), 512) == ("gqa_split_tc32_f32_d256", 32, 16, 0)
+    assert plan(np.float32, (8, 1, 256), 4096) == ("gqa_split_tc32_f32_d256", 32, 128, 0)
+    assert plan(np.float32, (8, 1, 256), 131072) == ("gqa_split_tc32_f32_d256", 32, 132, 0)
+    # no clusters before compute capability 9.0
+    monkeypatch.setattr(attention, "_resident_clusters", {})
+    dev.compute_capability = (8, 0)
+    assert plan(bf16, (32, 8, 128), 512) == ("gqa_split_mma_bf16_d128", 64, 8, 0)
 
 
 def test_cuda_core_plans_need_no_dynamic_shared_memory():

@@ -20,7 +20,6 @@ import numpy as np
 
 import ferrox_driver as fd
 from ferrox_driver.attention import (
-    TC_TILES,
     clusters_fit,
     launch_split,
     plan_split,
@@ -38,6 +37,7 @@ CASES = [
     ((32, 8, 128), "bf16"),
 ]
 DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
+TC_TILES = (64, 32, 16)
 
 
 def main() -> None:
