@@ -75,6 +75,75 @@ def fill_uniform(arr: DeviceArray, seed: int, stream: Stream) -> None:
     kernel.launch(1024, 256, (arr, np.int64(arr.size), np.uint32(seed)), stream=stream)
 
 
+KVSets = list[tuple[DeviceArray, DeviceArray]]
+
+
+def rotated_kv_sets(
+    seq: int, n_kv_heads: int, head_dim: int, dtype: Any, stream: Stream, device: Device
+) -> tuple[KVSets, int]:
+    """The K/V sets one benchmark point rotates among, filled on the device (set i with
+    seeds 100 + 2i and 101 + 2i), and the decodes in one back-to-back graph (``rotation``).
+    The caller closes them."""
+    dt = np.dtype(dtype)
+    n_sets, chain = rotation(2 * seq * n_kv_heads * head_dim * dt.itemsize)
+    sets = []
+    for i in range(n_sets):
+        k = empty((seq, n_kv_heads, head_dim), dt, device=device)
+        v = empty((seq, n_kv_heads, head_dim), dt, device=device)
+        fill_uniform(k, 100 + 2 * i, stream)
+        fill_uniform(v, 101 + 2 * i, stream)
+        sets.append((k, v))
+    return sets, chain
+
+
+def time_split_plan(
+    plan: Any,
+    q: DeviceArray,
+    out: DeviceArray,
+    sets: KVSets,
+    chain: int,
+    stream: Stream,
+    kernel: Any = None,
+    iters: int = 30,
+) -> float:
+    """Microseconds per decode of the split plan ``plan`` (attention.SplitPlan; ``kernel``
+    replaces its split kernel, as launch_split allows), back to back: one captured graph of
+    ``chain`` decodes over ``sets`` in turn (docs/perf-history experiments)."""
+    from .attention import launch_split, stream_workspace
+
+    n_heads, head_dim = q.shape
+    seq, n_kv_heads, _ = sets[0][0].shape
+    ws = stream_workspace(q.device, stream, plan.workspace_floats(n_heads, head_dim))
+    turn = [0]
+
+    def decode() -> None:
+        k, v = sets[turn[0] % len(sets)]
+        turn[0] += 1
+        launch_split(
+            plan,
+            q,
+            k,
+            v,
+            out,
+            ws,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            seq_len=seq,
+            seq_len_dev=None,
+            stream=stream,
+            kernel=kernel,
+        )
+
+    decode()
+    stream.synchronize()
+    turn[0] = 0
+    exe = captured(stream, decode, chain)
+    us = time_events(lambda i: exe.launch(stream), stream, iters, 3, chain)
+    exe.close()
+    return us
+
+
 def time_events(
     run: Callable[[int], None], stream: Stream, iters: int, warmup: int, per_run: int = 1
 ) -> float:
@@ -212,17 +281,11 @@ def measure_point(
     dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
     stream = Stream(device)
     kv_bytes = 2 * seq * n_kv * hd * dt.itemsize
-    n_sets, chain = rotation(kv_bytes)
     q = empty((n_heads, hd), dt, device=device)
     out = empty((n_heads, hd), dt, device=device)
     fill_uniform(q, 7, stream)
-    sets = []
-    for i in range(n_sets):
-        k = empty((seq, n_kv, hd), dt, device=device)
-        v = empty((seq, n_kv, hd), dt, device=device)
-        fill_uniform(k, 100 + 2 * i, stream)
-        fill_uniform(v, 101 + 2 * i, stream)
-        sets.append((k, v))
+    sets, chain = rotated_kv_sets(seq, n_kv, hd, dt, stream, device)
+    n_sets = len(sets)
 
     def eager(i: int) -> None:
         k, v = sets[i % n_sets]

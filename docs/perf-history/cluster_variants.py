@@ -1,4 +1,3 @@
-# ruff: noqa: B023  (closures are called before the loop moves on)
 """Time the on-chip (thread block cluster) merge against the combine kernel, by cluster
 size, in the benchmark's back-to-back harness (one graph of >= 8 decodes over rotated KV
 sets); first, how many clusters of each size the tensor-core kernels can hold at once.
@@ -12,22 +11,14 @@ cluster kernel with N chunks per KV head (only sizes whose clusters are all resi
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 
 import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.attention import (
-    SPLIT_FILE,
-    TILE,
-    clusters_fit,
-    launch_split,
-    plan_split,
-    stream_workspace,
-)
-from ferrox_driver.bench_decode import captured, fill_uniform, rotation, time_events
+from ferrox_driver.attention import SPLIT_FILE, TILE, clusters_fit, plan_split
+from ferrox_driver.bench_decode import fill_uniform, rotated_kv_sets, time_split_plan
 from ferrox_driver.module_cache import get_kernel
 
 SEQS = [512, 4096, 32768, 131072]
@@ -63,14 +54,7 @@ def main() -> None:
         print(f"{n_heads}/{n_kv}/{hd} {dtn} (us per decode, back to back; % of 4.45 TB/s)")
         for seq in SEQS:
             kv_bytes = 2 * seq * n_kv * hd * item
-            n_sets, chain = rotation(kv_bytes)
-            sets = []
-            for i in range(n_sets):
-                k = fd.empty((seq, n_kv, hd), dt)
-                v = fd.empty((seq, n_kv, hd), dt)
-                fill_uniform(k, 10 + 2 * i, stream)
-                fill_uniform(v, 11 + 2 * i, stream)
-                sets.append((k, v))
+            sets, chain = rotated_kv_sets(seq, n_kv, hd, dt, stream, dev)
             os.environ["FERROX_CLUSTER"] = "0"
             base = plan_split(dev, dt, n_heads, n_kv, hd, seq)
             os.environ.pop("FERROX_CLUSTER")
@@ -83,32 +67,7 @@ def main() -> None:
                     runs.append((f"c{c}", plan))
             cells = []
             for label, plan in runs:
-                ws = stream_workspace(dev, stream, plan.workspace_floats(n_heads, hd))
-                order = itertools.cycle(sets)
-
-                def decode() -> None:
-                    k, v = next(order)
-                    launch_split(
-                        plan,
-                        q,
-                        k,
-                        v,
-                        out,
-                        ws,
-                        n_heads=n_heads,
-                        n_kv_heads=n_kv,
-                        head_dim=hd,
-                        seq_len=seq,
-                        seq_len_dev=None,
-                        stream=stream,
-                    )
-
-                decode()
-                stream.synchronize()
-                order = itertools.cycle(sets)
-                exe = captured(stream, decode, chain)
-                us = time_events(lambda i: exe.launch(stream), stream, 30, 3, chain)
-                exe.close()
+                us = time_split_plan(plan, q, out, sets, chain, stream)
                 pct = 100 * kv_bytes / (us * 1e-6) / 4.45e12
                 cells.append(f"{label} {us:.1f} ({pct:.0f}%)")
             print(f"  {seq:>7}: " + "  ".join(cells), flush=True)

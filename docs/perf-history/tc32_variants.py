@@ -1,4 +1,3 @@
-# ruff: noqa: B023  (closures are called before the loop moves on)
 """Time shapes of the fp32 tensor-core (3xTF32) split kernel side by side, in the
 benchmark's back-to-back harness: one graph of >= 8 decodes over rotated KV sets.
 
@@ -11,7 +10,6 @@ steps per warp and tokens per step; the row "cuda-core" is the CUDA-core kernel.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import re
 import sys
@@ -19,8 +17,8 @@ import sys
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.attention import MAX_SPLITS, TILE, launch_split, plan_split, stream_workspace
-from ferrox_driver.bench_decode import captured, fill_uniform, rotation, time_events
+from ferrox_driver.attention import MAX_SPLITS, TILE, plan_split
+from ferrox_driver.bench_decode import fill_uniform, rotated_kv_sets, time_split_plan
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
 
@@ -67,14 +65,7 @@ def main() -> None:
         fill_uniform(q, 1, stream)
         for seq in SEQS:
             kv_bytes = 2 * seq * n_kv * hd * 4
-            n_sets, chain = rotation(kv_bytes)
-            sets = []
-            for i in range(n_sets):
-                k = fd.empty((seq, n_kv, hd), np.float32)
-                v = fd.empty((seq, n_kv, hd), np.float32)
-                fill_uniform(k, 10 + 2 * i, stream)
-                fill_uniform(v, 11 + 2 * i, stream)
-                sets.append((k, v))
+            sets, chain = rotated_kv_sets(seq, n_kv, hd, np.float32, stream, dev)
             row = []
             base = plan_split(dev, np.float32, n_heads, n_kv, hd, seq)
             runs = [
@@ -101,33 +92,7 @@ def main() -> None:
             runs.append((plan_split(dev, np.float32, n_heads, n_kv, hd, seq), None))
             os.environ.pop("FERROX_TC32")
             for plan, kern in runs:
-                ws = stream_workspace(dev, stream, plan.workspace_floats(n_heads, hd))
-                order = itertools.cycle(sets)
-
-                def decode() -> None:
-                    k, v = next(order)
-                    launch_split(
-                        plan,
-                        q,
-                        k,
-                        v,
-                        out,
-                        ws,
-                        n_heads=n_heads,
-                        n_kv_heads=n_kv,
-                        head_dim=hd,
-                        seq_len=seq,
-                        seq_len_dev=None,
-                        stream=stream,
-                        kernel=kern,
-                    )
-
-                decode()
-                stream.synchronize()
-                order = itertools.cycle(sets)
-                exe = captured(stream, decode, chain)  # one decode per KV set, in turn
-                row.append(time_events(lambda i: exe.launch(stream), stream, 30, 3, chain))
-                exe.close()
+                row.append(time_split_plan(plan, q, out, sets, chain, stream, kernel=kern))
             pct = [100 * kv_bytes / (us * 1e-6) / 4.45e12 for us in row]
             print(
                 f"{seq:>7} "

@@ -1,4 +1,3 @@
-# ruff: noqa: B023  (closures are called before the loop moves on)
 """Tensor-core chunk granularity (64, 32 or 16 tokens) at short lengths, with the combine
 kernel and, where the chunks fit one resident cluster per KV head, the on-chip merge; in
 the benchmark's back-to-back harness (one graph of >= 8 decodes over rotated KV sets).
@@ -12,20 +11,14 @@ last column is what plan_split picks.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 
 import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.attention import (
-    clusters_fit,
-    launch_split,
-    plan_split,
-    stream_workspace,
-)
-from ferrox_driver.bench_decode import captured, fill_uniform, rotation, time_events
+from ferrox_driver.attention import clusters_fit, plan_split
+from ferrox_driver.bench_decode import fill_uniform, rotated_kv_sets, time_split_plan
 
 SEQS = [512, 4096]
 CASES = [
@@ -51,15 +44,7 @@ def main() -> None:
         fill_uniform(q, 1, stream)
         print(f"{n_heads}/{n_kv}/{hd} {dtn} (us per decode, back to back)")
         for seq in SEQS:
-            kv_bytes = 2 * seq * n_kv * hd * item
-            n_sets, chain = rotation(kv_bytes)
-            sets = []
-            for i in range(n_sets):
-                k = fd.empty((seq, n_kv, hd), dt)
-                v = fd.empty((seq, n_kv, hd), dt)
-                fill_uniform(k, 10 + 2 * i, stream)
-                fill_uniform(v, 11 + 2 * i, stream)
-                sets.append((k, v))
+            sets, chain = rotated_kv_sets(seq, n_kv, hd, dt, stream, dev)
             os.environ["FERROX_CLUSTER"] = "0"
             base = plan_split(dev, dt, n_heads, n_kv, hd, 1 << 20)  # the most chunks
             os.environ.pop("FERROX_CLUSTER")
@@ -75,32 +60,7 @@ def main() -> None:
                     runs.append((f"t{t}/{s}+c", plan))
             cells = []
             for label, plan in runs:
-                ws = stream_workspace(dev, stream, plan.workspace_floats(n_heads, hd))
-                order = itertools.cycle(sets)
-
-                def decode() -> None:
-                    k, v = next(order)
-                    launch_split(
-                        plan,
-                        q,
-                        k,
-                        v,
-                        out,
-                        ws,
-                        n_heads=n_heads,
-                        n_kv_heads=n_kv,
-                        head_dim=hd,
-                        seq_len=seq,
-                        seq_len_dev=None,
-                        stream=stream,
-                    )
-
-                decode()
-                stream.synchronize()
-                order = itertools.cycle(sets)
-                exe = captured(stream, decode, chain)
-                us = time_events(lambda i: exe.launch(stream), stream, 30, 3, chain)
-                exe.close()
+                us = time_split_plan(plan, q, out, sets, chain, stream)
                 cells.append(f"{label} {us:.1f}")
             pick = f"t{picked.tile}/{picked.splits}{'+c' if picked.cluster else ''}"
             print(f"  {seq:>5}: " + "  ".join(cells) + f"  | picked {pick}", flush=True)
