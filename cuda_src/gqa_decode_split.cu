@@ -535,6 +535,22 @@ __device__ __forceinline__ float4 fx_cluster_load4(unsigned addr, unsigned rank)
     return x;
 }
 
+// The tensor-core kernels' start: check the launch (shared memory, threads, and with CLUSTER
+// that the `splits` blocks of a KV head form one cluster), then this block's tokens [start,
+// end) of its chunk `split`. False: the block has none and leaves; a cluster's idle
+// block stays (end = start: no tokens) to take part in the merge.
+template <bool CLUSTER>
+__device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned threads,
+                                               int seq_len, const int* seq_len_dev, int splits,
+                                               int tile, int split, int& start, int& end) {
+    fx_check_launch(ring_bytes, threads);
+    if (CLUSTER) fx_check_cluster(splits);
+    if (fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) return true;
+    if (!CLUSTER) return false;
+    end = start;
+    return true;
+}
+
 // The cluster's merge: every block has its partial in `part` ([8][D] unscaled outputs, then
 // [8][2] max and sum, per head of the group). out = sum_c w_c o_c / sum_c w_c l_c over the
 // cluster's blocks c in order (bitwise reproducible), w_c = 2^(m_c - max m); seq <= 0
@@ -627,15 +643,11 @@ __device__ __forceinline__ void gqa_split_mma(
     __shared__ float l_s[WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    fx_check_launch(WARPS * S * 2 * STEP * sizeof(T), THREADS);
-    if (CLUSTER) fx_check_cluster(splits);
-
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) {
-        if (!CLUSTER) return;
-        end = start;  // a cluster's idle block still takes part in the merge (no tokens)
-    }
+    if (!fx_block_chunk<CLUSTER>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len, seq_len_dev,
+                                 splits, tile, split, start, end))
+        return;
 
     const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
@@ -917,15 +929,11 @@ __device__ __forceinline__ void gqa_split_tc32(
     __shared__ float l_s[WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    fx_check_launch(WARPS * S * 2 * STEP * sizeof(float), THREADS);
-    if (CLUSTER) fx_check_cluster(splits);
-
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) {
-        if (!CLUSTER) return;
-        end = start;  // a cluster's idle block still takes part in the merge (no tokens)
-    }
+    if (!fx_block_chunk<CLUSTER>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len, seq_len_dev,
+                                 splits, tile, split, start, end))
+        return;
 
     const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
