@@ -302,12 +302,8 @@ def launch_split(
     ``kernel`` replaces the split kernel by a variant with the same parameters, shaped as
     ``plan`` says (docs/perf-history experiments)."""
     dev = q.device
-    n_partial = n_heads * plan.splits
-    ws_o = workspace
-    ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
     heads = (np.int32(n_heads), np.int32(n_kv_heads))
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
-    args: tuple[Any, ...]
     if plan.cluster:
         if parts != "combine":
             (kernel or get_kernel(SPLIT_FILE, plan.kernel, dev)).launch(
@@ -319,6 +315,10 @@ def launch_split(
                 cluster=plan.cluster,
             )
         return
+    n_partial = n_heads * plan.splits
+    ws_o = workspace
+    ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
+    args: tuple[Any, ...]
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
     else:
