@@ -132,6 +132,10 @@ def _blocks_per_sm(kernel: Kernel, device: Device, threads: int, shared_mem: int
     return n
 
 
+_plans: dict[tuple[Any, ...], SplitPlan] = {}
+_MAX_PLANS = 4096  # distinct (shape, length) plans kept; eager decodes plan per length
+
+
 def plan_split(
     device: Device,
     dtype: np.dtype,
@@ -141,7 +145,9 @@ def plan_split(
     plan_seq: int,
     aligned: bool = True,
 ) -> SplitPlan:
-    """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens.
+    """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens
+    (memoised: every decode asks, a KVCache's twice; the knobs FERROX_SPLIT_HEADS_PER_BLOCK,
+    FERROX_TC32 and FERROX_CLUSTER are part of the key).
 
     The grid is at most one full wave of resident blocks; each block's chunk is a multiple
     of the plan's tile, computed on the device from the actual length (which may be
@@ -150,6 +156,40 @@ def plan_split(
     fp32 head_dim 256 kernel), and a KV head's chunks merge on chip where they fit resident
     clusters (clusters_fit).
     """
+    env = os.environ
+    key = (
+        device.context_handle,
+        np.dtype(dtype),
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        plan_seq,
+        aligned,
+        env.get("FERROX_SPLIT_HEADS_PER_BLOCK"),
+        env.get("FERROX_TC32"),
+        env.get("FERROX_CLUSTER"),
+    )
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = _plan_split(
+            device, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned
+        )
+    else:  # its kernel loaded, as after a first plan (captures need it; a dict lookup)
+        get_kernel(SPLIT_FILE, plan.kernel, device)
+    return plan
+
+
+def _plan_split(
+    device: Device,
+    dtype: np.dtype,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    plan_seq: int,
+    aligned: bool,
+) -> SplitPlan:
     group = n_heads // n_kv_heads
     name = dtype_name(dtype)
     stages, step_tokens = 0, 16

@@ -128,6 +128,7 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     monkeypatch.setattr(attention, "get_kernel", lambda file, name, device: FakeKernel(name))
     monkeypatch.setattr(attention, "_resident_blocks", {})
     monkeypatch.setattr(attention, "_resident_clusters", {})
+    monkeypatch.setattr(attention, "_plans", {})
     dev = FakeH200((9, 0))
 
     def plan(dtype, heads, seq):
@@ -149,6 +150,7 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     assert plan(np.float32, (8, 1, 256), 131072) == ("gqa_split_tc32_f32_d256", 32, 132, 0)
     # no clusters before compute capability 9.0
     monkeypatch.setattr(attention, "_resident_clusters", {})
+    monkeypatch.setattr(attention, "_plans", {})
     dev.compute_capability = (8, 0)
     assert plan(bf16, (32, 8, 128), 512) == ("gqa_split_mma_bf16_d128", 64, 8, 0)
 
