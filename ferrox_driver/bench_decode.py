@@ -182,6 +182,21 @@ def time_replays(
     return back_to_back, single
 
 
+def time_graph_body(
+    stream: Stream, body: Callable[[], None], iters: int = 50, chain: int = 20
+) -> tuple[float, float]:
+    """Microseconds of what ``body`` queues on ``stream``: ``chain`` of it back to back in
+    one graph (per item), and one graph replay of it timed alone (same inputs every time:
+    for fixed costs, the KV in L2)."""
+    body()
+    stream.synchronize()
+    chained, single = captured(stream, body, chain), captured(stream, body)
+    times = time_replays(chained, chain, [single], stream, iters)
+    chained.close()
+    single.close()
+    return times
+
+
 def measure_read_ceiling(device: Device, gib: float = 4.0) -> float:
     """TB/s of reading ``gib`` GiB once (a sum over 16-byte loads)."""
     stream = Stream(device)
@@ -543,13 +558,7 @@ def measure_fixed_costs(
     results = {}
 
     def timed_graph(body: Callable[[], None]) -> tuple[float, float]:
-        body()
-        stream.synchronize()
-        chained, single = captured(stream, body, 20), captured(stream, body)
-        times = time_replays(chained, 20, [single], stream, iters)
-        chained.close()
-        single.close()
-        return times
+        return time_graph_body(stream, body, iters)
 
     results["empty kernel"] = timed_graph(lambda: noop.launch(1, 32, (), stream=stream))
 

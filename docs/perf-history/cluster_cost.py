@@ -23,7 +23,7 @@ import numpy as np
 
 import ferrox_driver as fd
 from ferrox_driver.attention import launch_split, plan_split
-from ferrox_driver.bench_decode import captured, fill_uniform, time_replays
+from ferrox_driver.bench_decode import fill_uniform, time_graph_body
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
 
@@ -61,15 +61,6 @@ def main() -> None:
         label: Module(compile_source(s, name="cluster_cost.cu"), dev).get_function(NAME)
         for label, s in sources.items()
     }
-
-    def timed(body) -> tuple[float, float]:
-        body()
-        stream.synchronize()
-        chained, single = captured(stream, body, 20), captured(stream, body)
-        times = time_replays(chained, 20, [single], stream, 50)
-        chained.close()
-        single.close()
-        return times
 
     print(f"{'us per decode':48} back to back   single")
     for seq in (64, 512):
@@ -118,7 +109,7 @@ def main() -> None:
                 stream=stream,
             )
         for label, body in rows.items():
-            b2b, single = timed(body)
+            b2b, single = time_graph_body(stream, body)
             print(f"seq {seq:>4} {label:39} {b2b:8.2f} {single:8.2f}", flush=True)
         for a in (q, out, k, v, ws):
             a.close()

@@ -15,7 +15,7 @@ import numpy as np
 
 import ferrox_driver as fd
 from ferrox_driver.attention import launch_decode, plan_split
-from ferrox_driver.bench_decode import captured, fill_uniform, time_events
+from ferrox_driver.bench_decode import fill_uniform, time_graph_body
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
 from ferrox_driver.validation import dtype_name
@@ -84,11 +84,7 @@ def main() -> None:
                 grid = (plan.splits, N_KV, 1)
                 kern.launch(grid, plan.threads, args, shared_mem=smem, stream=stream)
 
-            body()
-            stream.synchronize()
-            exe = captured(stream, body, 20)
-            us = time_events(lambda i: exe.launch(stream), stream, 50, 5, 20)
-            exe.close()
+            us = time_graph_body(stream, body)[0]
             print(f"{label:<40} {seq:>5} {us:16.2f}")
             for a in (k, v, ws):
                 a.close()
@@ -120,11 +116,7 @@ def decodes(dev: fd.Device, stream: fd.Stream) -> None:
                     stream=stream,
                 )
 
-            body()
-            stream.synchronize()
-            exe = captured(stream, body, 20)
-            us = time_events(lambda i: exe.launch(stream), stream, 50, 5, 20)
-            exe.close()
+            us = time_graph_body(stream, body)[0]
             print(f"{'32/8/128 ' + dtype_name(dtype):<40} {seq:>5} {us:16.2f}")
             for a in (q, out, k, v):
                 a.close()
