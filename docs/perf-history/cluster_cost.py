@@ -96,7 +96,7 @@ def main() -> None:
         for label, kern in kernels.items():
             rows[f"cluster {cl.cluster}, {label}"] = functools.partial(call, cl, kernel=kern)
         args = (q, k, v, out, np.int32(N_HEADS), np.int32(N_KV), np.int32(seq), None)
-        args += (np.int32(base.splits),)
+        args += (np.int32(base.splits), np.int32(base.tile))
         shared = base.shared_bytes(HD, 2)
         for label in ("no merge", "full") if base.splits == 1 else ("no merge",):
             kern = kernels[label]
