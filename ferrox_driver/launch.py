@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,34 +59,40 @@ class Module:
         self._finalizer()
 
 
-_SCALAR_CTYPES: dict[np.dtype, Any] = {
-    np.dtype(t): c
-    for t, c in [
-        (np.int8, ctypes.c_int8),
-        (np.int16, ctypes.c_int16),
-        (np.int32, ctypes.c_int32),
-        (np.int64, ctypes.c_int64),
-        (np.uint8, ctypes.c_uint8),
-        (np.uint16, ctypes.c_uint16),
-        (np.uint32, ctypes.c_uint32),
-        (np.uint64, ctypes.c_uint64),
-        (np.float32, ctypes.c_float),
-        (np.float64, ctypes.c_double),
-        (np.bool_, ctypes.c_bool),
-    ]
+if sys.byteorder != "little":  # pragma: no cover - CUDA hosts are little-endian
+    raise ImportError("ferrox_driver packs kernel arguments for little-endian hosts only")
+
+
+def _bits(mask: int) -> Any:
+    return lambda a: int(a) & mask
+
+
+# Each numpy scalar type's value as the integer whose little-endian bytes are its C value
+# (floats by their bit patterns): one 8-byte slot per argument, the driver copying from
+# each slot as many bytes as the kernel's parameter has.
+_SCALAR_BITS: dict[np.dtype, Any] = {
+    np.dtype(np.int8): _bits(0xFF),
+    np.dtype(np.int16): _bits(0xFFFF),
+    np.dtype(np.int32): _bits(0xFFFF_FFFF),
+    np.dtype(np.int64): _bits(0xFFFF_FFFF_FFFF_FFFF),
+    np.dtype(np.uint8): int,
+    np.dtype(np.uint16): int,
+    np.dtype(np.uint32): int,
+    np.dtype(np.uint64): int,
+    np.dtype(np.float32): lambda a: int(a.view(np.uint32)),
+    np.dtype(np.float64): lambda a: int(a.view(np.uint64)),
+    np.dtype(np.bool_): int,
 }
 
 
-def _as_ctype(arg: Any, index: int) -> Any:
+def _arg_bits_slow(arg: Any, index: int) -> int:
     if isinstance(arg, DeviceArray):
-        return ctypes.c_void_p(arg.ptr)
-    if arg is None:
-        return ctypes.c_void_p(0)  # a null pointer
+        return arg.ptr
     if isinstance(arg, np.generic):
-        ctype = _SCALAR_CTYPES.get(arg.dtype)
-        if ctype is None:
+        bits = _SCALAR_BITS.get(arg.dtype)
+        if bits is None:
             raise TypeError(f"args[{index}]: numpy scalar of dtype {arg.dtype} is not supported")
-        return ctype(arg.item())
+        return int(bits(arg))
     if isinstance(arg, (bool, int, float)):
         raise TypeError(
             f"args[{index}]: a bare Python {type(arg).__name__} ({arg!r}) has no C type; "
@@ -92,26 +100,74 @@ def _as_ctype(arg: Any, index: int) -> Any:
         )
     cai = getattr(arg, "__cuda_array_interface__", None)
     if cai is not None:
-        return ctypes.c_void_p(int(cai["data"][0]))
+        return int(cai["data"][0])
     raise TypeError(
         f"args[{index}]: expected a device array, None (null pointer) or a numpy scalar, "
         f"got {type(arg).__name__}"
     )
 
 
+# The common argument types by exact type: one dict lookup each on the launch path.
+_BITS_BY_TYPE: dict[type, Any] = {
+    DeviceArray: lambda a: a.ptr,
+    type(None): lambda a: 0,  # a null pointer
+    **{dt.type: f for dt, f in _SCALAR_BITS.items()},
+}
+
+
+def _arg_bits(args: Sequence[Any]) -> list[int]:
+    out = []
+    for i, a in enumerate(args):
+        f = _BITS_BY_TYPE.get(type(a))
+        out.append(_arg_bits_slow(a, i) if f is None else f(a))
+    return out
+
+
 def pack_args(args: Sequence[Any]) -> tuple[int, list[Any]]:
-    """Pack kernel arguments into a ``void*[]``.
+    """Pack kernel arguments into a ``void*[]``: each argument's value in an 8-byte slot
+    (pointers, and scalars of up to 8 bytes in little-endian order), each slot's address in
+    the array.
 
     Returns:
         The array's address for cuLaunchKernel, and the objects that must stay alive
         until the launch call returns.
     """
-    values = [_as_ctype(a, i) for i, a in enumerate(args)]
-    ptrs = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
-    return ctypes.addressof(ptrs), [values, ptrs]
+    n = max(len(args), 1)
+    slots = (ctypes.c_uint64 * n)(*_arg_bits(args))
+    base = ctypes.addressof(slots)
+    ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+    return ctypes.addressof(ptrs), [slots, ptrs]
+
+
+_launch_slots = threading.local()
+
+
+def _pack_for_launch(args: Sequence[Any]) -> int:
+    """pack_args into this thread's arrays for ``len(args)`` arguments, made once and
+    refilled: the driver copies the arguments before a launch call returns, so the next
+    launch on this thread may overwrite them (an eager decode's hot path)."""
+    arrays = getattr(_launch_slots, "by_count", None)
+    if arrays is None:
+        arrays = _launch_slots.by_count = {}
+    n = len(args)
+    entry = arrays.get(n)
+    if entry is None:
+        slots = (ctypes.c_uint64 * max(n, 1))()
+        base = ctypes.addressof(slots)
+        ptrs = (ctypes.c_void_p * max(n, 1))(*range(base, base + 8 * max(n, 1), 8))
+        entry = arrays[n] = (slots, ptrs, ctypes.addressof(ptrs))
+    bits = _arg_bits(args)  # before touching the slots: a bad argument leaves them as they were
+    entry[0][:n] = bits
+    return int(entry[2])
 
 
 def _dim3(value: Dim3, name: str) -> tuple[int, int, int]:
+    if type(value) is int and value > 0:  # the common cases first, on the launch path
+        return value, 1, 1
+    if type(value) is tuple and len(value) == 3:
+        x, y, z = value
+        if type(x) is int and type(y) is int and type(z) is int and min(x, y, z) > 0:
+            return x, y, z
     dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
     if not 1 <= len(dims) <= 3 or any(
         isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in dims
@@ -119,6 +175,9 @@ def _dim3(value: Dim3, name: str) -> tuple[int, int, int]:
         raise ValueError(f"{name}: expected 1 to 3 positive ints, got {value!r}")
     full = [int(d) for d in dims] + [1] * (3 - len(dims))
     return full[0], full[1], full[2]
+
+
+_MAX_CONFIGS = 64  # cluster launch configurations kept per kernel
 
 
 class Kernel:
@@ -130,6 +189,9 @@ class Kernel:
         self.module = module
         self._max_dynamic_shared: int | None = None  # asked of the driver when first needed
         self._non_portable_clusters = False  # clusters of more than 8 blocks allowed
+        # Cluster launch configurations by (grid, block, shared, stream, cluster): built
+        # once, as a decode relaunches the same one; the driver reads them at each call.
+        self._cluster_configs: dict[tuple[Any, ...], Any] = {}
 
     @property
     def handle(self) -> Any:
@@ -247,14 +309,23 @@ class Kernel:
         """
         gx, gy, gz = _dim3(grid, "grid")
         bx, by, bz = _dim3(block, "block")
-        address, keep = pack_args(args)
+        address = _pack_for_launch(args)
         self.module.device.activate()
-        self.allow_shared(shared_mem)
+        if shared_mem:
+            self.allow_shared(shared_mem)
+        handle = stream_handle(stream)
         if cluster:
-            self._allow_cluster(cluster)
-            config = self._cluster_config((gx, gy, gz), (bx, by, bz), shared_mem, stream, cluster)
+            key = (gx, gy, gz, bx, by, bz, shared_mem, int(handle), cluster)
+            config = self._cluster_configs.get(key)
+            if config is None:
+                self._allow_cluster(cluster)
+                if len(self._cluster_configs) >= _MAX_CONFIGS:
+                    self._cluster_configs.clear()
+                config = self._cluster_config(
+                    (gx, gy, gz), (bx, by, bz), shared_mem, handle, cluster
+                )
+                self._cluster_configs[key] = config
             drv("cuLaunchKernelEx", config, self._handle, address, 0)
-            del keep
             return
         drv(
             "cuLaunchKernel",
@@ -266,11 +337,10 @@ class Kernel:
             by,
             bz,
             int(shared_mem),
-            stream_handle(stream),
+            handle,
             address,
             0,
         )
-        del keep
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"

@@ -51,20 +51,71 @@ def test_bare_python_number_kernel_argument_is_a_type_error(bad: object) -> None
         pack_args([np.int32(1), bad])
 
 
-def test_numpy_scalars_and_null_pointers_pack_with_their_c_types() -> None:
+@pytest.mark.parametrize("fast", [False, True], ids=["pack_args", "launch_slots"])
+def test_numpy_scalars_and_null_pointers_pack_with_their_c_types(fast: bool) -> None:
     import ctypes
 
-    address, keep = pack_args([np.int32(-3), np.float32(1.5), np.uint64(2**40), None])
-    values = keep[0]
-    assert [type(v) for v in values] == [
-        ctypes.c_int32,
-        ctypes.c_float,
-        ctypes.c_uint64,
-        ctypes.c_void_p,
+    from ferrox_driver.launch import _pack_for_launch
+
+    args = [
+        np.int32(-3),
+        np.float32(1.5),
+        np.uint64(2**40),
+        None,
+        np.float64(-2.25),
+        np.int8(-7),
+        np.int64(-(2**40)),
+        np.uint16(65535),
+        np.bool_(True),
     ]
-    ptrs = (ctypes.c_void_p * 4).from_address(address)
-    assert ctypes.c_int32.from_address(ptrs[0]).value == -3
-    assert ctypes.c_float.from_address(ptrs[1]).value == 1.5
+    if fast:
+        _pack_for_launch([np.int32(99)] * len(args))  # the slots hold a previous launch's
+        address = _pack_for_launch(args)
+    else:
+        address, _keep = pack_args(args)
+    ptrs = (ctypes.c_void_p * len(args)).from_address(address)
+    read = [
+        ctypes.c_int32.from_address(ptrs[0]).value,
+        ctypes.c_float.from_address(ptrs[1]).value,
+        ctypes.c_uint64.from_address(ptrs[2]).value,
+        ctypes.c_void_p.from_address(ptrs[3]).value,
+        ctypes.c_double.from_address(ptrs[4]).value,
+        ctypes.c_int8.from_address(ptrs[5]).value,
+        ctypes.c_int64.from_address(ptrs[6]).value,
+        ctypes.c_uint16.from_address(ptrs[7]).value,
+        ctypes.c_bool.from_address(ptrs[8]).value,
+    ]
+    assert read == [-3, 1.5, 2**40, None, -2.25, -7, -(2**40), 65535, True]
+
+
+def test_a_bad_argument_leaves_the_launch_slots_as_they_were() -> None:
+    import ctypes
+
+    from ferrox_driver.launch import _pack_for_launch
+
+    address = _pack_for_launch([np.int32(5), np.int32(6)])
+    with pytest.raises(TypeError, match=r"args\[1\]"):
+        _pack_for_launch([np.int32(7), 8])
+    ptrs = (ctypes.c_void_p * 2).from_address(address)
+    assert [ctypes.c_int32.from_address(p).value for p in ptrs] == [5, 6]
+
+
+@pytest.mark.parametrize(
+    ("value", "dims"),
+    [(7, (7, 1, 1)), ((3, 2, 1), (3, 2, 1)), ([4, 5], (4, 5, 1)), (np.int64(2), (2, 1, 1))],
+)
+def test_grid_and_block_dims_normalise(value: object, dims: tuple[int, int, int]) -> None:
+    from ferrox_driver.launch import _dim3
+
+    assert _dim3(value, "grid") == dims  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, (1, 0, 1), (1, 2, 3, 4), (1.0, 1, 1), ()])
+def test_bad_grid_dims_name_the_argument(bad: object) -> None:
+    from ferrox_driver.launch import _dim3
+
+    with pytest.raises(ValueError, match="grid: expected 1 to 3 positive ints"):
+        _dim3(bad, "grid")  # type: ignore[arg-type]
 
 
 def test_unsupported_kernel_argument_is_a_type_error() -> None:
