@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from cuda.bindings import driver as cu
@@ -99,8 +99,9 @@ def check(result: Any, call: str) -> Any:
 _capture = threading.local()
 
 
-def release(call: str, *args: Any) -> None:
-    """Call a driver destroy/free function from a finalizer: never raises, also at shutdown.
+def release(call: str | Callable[..., Any], *args: Any) -> None:
+    """Call a driver destroy/free function (by name) or a release function from a
+    finalizer: never raises, also at shutdown.
 
     While this thread is capturing a stream (see :func:`capturing`) the call is held back
     until the capture ends: a free or unload inside a capture (a finalizer run by the
@@ -109,7 +110,7 @@ def release(call: str, *args: Any) -> None:
         _capture.held.append((call, args))
         return
     with contextlib.suppress(Exception):
-        getattr(cu, call)(*args)
+        (call if callable(call) else getattr(cu, call))(*args)
 
 
 @contextlib.contextmanager
@@ -130,7 +131,7 @@ def capturing() -> Iterator[None]:
                 release(call, *args)
 
 
-def finalizer(owner: object, call: str | None, *args: Any) -> Any:
+def finalizer(owner: object, call: str | Callable[..., Any] | None, *args: Any) -> Any:
     """A weakref.finalize that releases a handle with ``call`` when ``owner`` goes away
     (or when called, as ``close()`` does); ``call=None`` for borrowed handles. It does not
     run at interpreter exit, where the driver reclaims everything itself."""

@@ -17,13 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from ._driver import cu
 from .compiler import kernel_source
 from .device import Device, resolve
 from .errors import CudaError, FerroxError
 from .launch import Kernel
 from .memory import DeviceArray, as_device_array, empty, to_device
 from .module_cache import get_kernel
-from .stream import stream_handle
+from .stream import Stream, stream_handle
 from .validation import array_info, check_decode_args, dtype_name
 
 __all__ = ["ALGORITHMS", "SplitPlan", "gqa_decode", "launch_decode", "plan_split"]
@@ -284,17 +285,20 @@ def cuda_core_tile(lanes_per_token: int) -> int:
     return max(8, min(TILE, 2 * (THREADS // 32) * (32 // lanes_per_token)))
 
 
+# Per-stream scratch by (context, stream handle): the current buffer, and the outgrown
+# ones a graph captured on that stream may still write (freed memory could by then hold
+# someone's data; growth doubles, so they hold less than the current one). A ferrox Stream
+# of its own releases both when it is closed or collected (stream_scratch_released); the
+# graphs its captures made keep what they use (graph.capture). Other streams (the legacy
+# default stream, borrowed and foreign handles) give no such signal: theirs stay.
 _workspaces: dict[tuple[int, int], DeviceArray] = {}
-# Outgrown per-stream scratch, never freed: a graph captured on that stream may still write
-# it, and freed memory could by then hold someone's data. Growth doubles, so this holds less
-# than the stream's current scratch.
-_outgrown: list[DeviceArray] = []
+_outgrown: dict[tuple[int, int], list[DeviceArray]] = {}
 
 
 def stream_workspace(device: Device, stream: Any, floats: int) -> DeviceArray:
     """Scratch for split partials, one buffer per stream (work on one stream is ordered, so
-    its calls can share it), kept for the process's life (graphs bake its address in);
-    grown, to at least double, when too small.
+    its calls can share it; graphs bake its address in), grown, to at least double, when
+    too small; released with the stream (see above).
 
     Raises:
         FerroxError: it must grow inside a stream capture (allocation is not capturable).
@@ -314,9 +318,27 @@ def stream_workspace(device: Device, stream: Any, floats: int) -> DeviceArray:
                 ) from exc
             raise
         if ws is not None:
-            _outgrown.append(ws)
+            _outgrown.setdefault(key, []).append(ws)
+        elif isinstance(stream, Stream):
+            stream.before_destroy(functools.partial(stream_scratch_released, key))
         ws = _workspaces[key] = grown
     return ws
+
+
+def stream_scratch(device: Device, stream: Any) -> list[DeviceArray]:
+    """Every scratch buffer of ``stream`` a graph captured on it may write (graph.capture
+    keeps them alive with the graph)."""
+    key = (device.context_handle, int(stream_handle(stream)))
+    current = _workspaces.get(key)
+    return [*_outgrown.get(key, []), *([current] if current is not None else [])]
+
+
+def stream_scratch_released(key: tuple[int, int], handle: Any) -> None:
+    """The stream ``handle`` is being destroyed: wait for its work, then drop its scratch
+    (freed unless a graph still holds it)."""
+    cu.cuStreamSynchronize(handle)
+    _workspaces.pop(key, None)
+    _outgrown.pop(key, None)
 
 
 def launch_split(

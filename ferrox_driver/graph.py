@@ -164,4 +164,9 @@ def capture(stream: Stream) -> Iterator[Graph]:
                 release("cuGraphDestroy", result[1])
             raise
         graph._adopt(drv("cuStreamEndCapture", stream.handle))
+    # The stream's decode scratch, which captured decodes write, lives as long as the graph
+    # (the stream's own reference goes when the stream is closed).
+    from .attention import stream_scratch
+
+    graph.keep_alive(*stream_scratch(stream.device, stream))
     graph_stats.captures += 1

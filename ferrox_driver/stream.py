@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._driver import cu, drv, finalizer
@@ -28,7 +30,9 @@ class Stream:
         self.device = resolve(device)
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING if non_blocking else 0
         self._handle = drv("cuStreamCreate", flags)
-        self._finalizer = finalizer(self, "cuStreamDestroy", self._handle)
+        self._owned = True
+        self._before_destroy: list[Callable[[Any], None]] = []
+        self._finalizer = finalizer(self, _destroy_stream, self._handle, self._before_destroy)
 
     @classmethod
     def from_handle(cls, handle: int, device: Device | None = None) -> Stream:
@@ -39,8 +43,23 @@ class Stream:
         self = cls.__new__(cls)
         self.device = resolve(device)
         self._handle = cu.CUstream(int(handle))
+        self._owned = False
+        self._before_destroy = []
         self._finalizer = finalizer(self, None)
         return self
+
+    @property
+    def owned(self) -> bool:
+        """True when closing this object destroys the stream (False: borrowed)."""
+        return self._owned
+
+    def before_destroy(self, hook: Callable[[Any], None]) -> None:
+        """Run ``hook(handle)`` when this (owned) stream is destroyed, by ``close()`` or
+        when the object is collected, just before the destroy (held back, like frees,
+        until a capture on this thread ends). It must not refer to this Stream object.
+        Scratch kept per stream is released this way."""
+        if self._owned and self._finalizer.alive:
+            self._before_destroy.append(hook)
 
     @property
     def handle(self) -> Any:
@@ -79,6 +98,13 @@ class Stream:
 
     def __repr__(self) -> str:
         return f"Stream(handle=0x{int(self._handle):x})"
+
+
+def _destroy_stream(handle: Any, hooks: list[Callable[[Any], None]]) -> None:
+    for hook in hooks:
+        with contextlib.suppress(Exception):
+            hook(handle)
+    cu.cuStreamDestroy(handle)
 
 
 def stream_handle(stream: Any) -> Any:

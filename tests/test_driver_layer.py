@@ -145,6 +145,32 @@ def test_releases_inside_a_capture_wait_for_its_end(monkeypatch: pytest.MonkeyPa
     assert calls[-1] == ("cuStreamDestroy", 4)  # a failed capture releases too
 
 
+def test_a_stream_destroy_runs_its_hooks_first_and_waits_for_a_capture(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ferrox_driver import stream as stream_mod
+
+    calls: list[tuple[str, int]] = []
+
+    class FakeCu:
+        def __getattr__(self, name: str) -> object:
+            return lambda *args: calls.append((name, *args))
+
+    def failing_hook(handle: int) -> None:
+        raise RuntimeError("a hook's failure must not stop the destroy")
+
+    monkeypatch.setattr(stream_mod, "cu", FakeCu())
+    hooks = [
+        lambda h: calls.append(("hook", h)),
+        failing_hook,
+        lambda h: calls.append(("hook2", h)),
+    ]
+    with _driver.capturing():
+        _driver.release(stream_mod._destroy_stream, 7, hooks)
+        assert calls == []  # held back: a capture is open on this thread
+    assert calls == [("hook", 7), ("hook2", 7), ("cuStreamDestroy", 7)]
+
+
 def test_releases_held_by_one_thread_capture_do_not_hold_another_threads() -> None:
     import threading
 

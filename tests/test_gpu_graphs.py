@@ -245,6 +245,7 @@ def _fresh_stream_scratch(stream):
 
     key = (fd.Device(0).context_handle, int(stream.handle))
     attention._workspaces.pop(key, None)
+    attention._outgrown.pop(key, None)
     return lambda: attention._workspaces.get(key)
 
 
@@ -280,6 +281,69 @@ def test_a_graph_captured_on_a_stream_survives_that_streams_scratch_growing(rng)
         for arr in others:
             assert (arr.to_host() == 7.0).all()
         exe.close()
+
+
+def test_closing_a_stream_frees_its_decode_scratch_grown_or_not(rng):
+    from ferrox_driver import attention
+
+    dt = DTYPES["bf16"]
+    kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
+    q = fd.to_device(rng.standard_normal((N_HEADS, HD)).astype(dt))
+    small = [fd.to_device(rng.standard_normal((64, N_KV, HD)).astype(dt)) for _ in range(2)]
+    big = [fd.to_device(rng.standard_normal((4096, N_KV, HD)).astype(dt)) for _ in range(2)]
+    stream = fd.Stream()
+    scratch = _fresh_stream_scratch(stream)
+    fd.gqa_decode(q, *small, stream=stream, **kw)
+    fd.gqa_decode(q, *big, stream=stream, **kw)  # grows it: the first is kept as outgrown
+    buffers = attention.stream_scratch(fd.Device(0), stream)
+    assert len(buffers) == 2 and buffers[-1] is scratch()
+    refs = [weakref.ref(b) for b in buffers]
+    del buffers
+    stream.close()  # pending work finishes first; then nothing holds the scratch
+    gc.collect()
+    assert scratch() is None
+    assert [r() for r in refs] == [None, None]
+
+
+def test_a_graph_keeps_its_streams_decode_scratch_after_the_stream_is_closed(rng):
+    """The graph's combine kernel reads the partials its split kernel wrote to the stream's
+    scratch: with the stream closed, that scratch must live on with the graph (were it
+    freed, the arrays allocated next could take its memory and the replay would write
+    into them)."""
+    dt = DTYPES["bf16"]
+    kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
+    q = rng.standard_normal((N_HEADS, HD)).astype(dt)
+    k, v = (rng.standard_normal((4096, N_KV, HD)).astype(dt) for _ in range(2))
+    from ferrox_driver.attention import plan_split
+
+    plan = plan_split(fd.Device(0), dt, N_HEADS, N_KV, HD, 4096)
+    assert plan.cluster == 0  # the combine kernel runs: partials go through the scratch
+    qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
+    out = fd.empty((N_HEADS, HD), dt)
+    stream = fd.Stream()
+    scratch = _fresh_stream_scratch(stream)
+    fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)  # scratch made outside
+    stream.synchronize()
+    with stream.capture() as graph:
+        fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)
+    exe = graph.instantiate()
+    graph.close()
+    ws = weakref.ref(scratch())
+    size = scratch().size
+    stream.close()
+    gc.collect()
+    assert ws() is not None  # the executable graph holds it
+    others = [fd.to_device(np.full(size, 7.0, np.float32)) for _ in range(8)]
+    with fd.Stream() as replay:
+        out.fill_bytes(0xFF, replay)
+        exe.launch(replay)
+        got = out.to_host(replay)
+    assert rel_err(got, fd.reference_gqa_decode(q, k, v, **kw)) < TOL["bf16"]
+    for arr in others:
+        assert (arr.to_host() == 7.0).all()
+    exe.close()
+    gc.collect()
+    assert ws() is None  # and only it: gone with the graph
 
 
 def test_scratch_growing_inside_a_capture_gives_a_working_graph_or_a_clear_error(rng):
