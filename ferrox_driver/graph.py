@@ -65,9 +65,11 @@ class Graph:
         return GraphExec(self)
 
     def close(self) -> None:
-        """Destroy the graph (executables already made stay valid)."""
+        """Destroy the graph (executables already made stay valid: they keep what its nodes
+        point at themselves) and drop its references to those buffers."""
         self._finalizer()
         self._handle = None
+        self._keep = []
 
 
 class GraphExec:
