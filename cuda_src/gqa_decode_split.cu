@@ -441,13 +441,13 @@ __device__ __forceinline__ void fx_park_fragments(float* o_f, const float (&o)[A
 // The block's partial for its chunk, the warps merged in a fixed order (bitwise
 // reproducible): o_f holds each warp's unscaled O in fragment order ([warp][slot][lane],
 // rows of FX_OPAD floats), m_s/l_s each warp's max and sum per head; where(d, slot, tig)
-// says which slot of lane 4 * head + tig holds column d. Head j's D outputs go to
-// o_at(j), its max and sum to ml_at(j) (the workspace, or the block's shared memory for a
-// cluster's merge).
-template <int WARPS, int D, int SLOTS, class Where, class OAt, class MlAt>
+// says which slot of lane 4 * head + tig holds column d. put_o(j, d, x) stores head j's
+// output d, put_ml(j, max, sum) its max and sum (into the workspace, or pushed to the
+// cluster's blocks for their merge).
+template <int WARPS, int D, int SLOTS, class Where, class PutO, class PutMl>
 __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (*m_s)[8],
                                                  const float (*l_s)[8], int group, Where where,
-                                                 OAt o_at, MlAt ml_at) {
+                                                 PutO put_o, PutMl put_ml) {
     if (threadIdx.x < group) {
         const int j = threadIdx.x;
         const float mb = mb_of<WARPS>(m_s, j);
@@ -455,9 +455,7 @@ __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (
 #pragma unroll
         for (int w = 0; w < WARPS; ++w)
             if (m_s[w][j] != -INFINITY) lb += l_s[w][j] * fx_exp2(m_s[w][j] - mb);
-        float* ml = ml_at(j);
-        ml[0] = mb;
-        ml[1] = lb;
+        put_ml(j, mb, lb);
     }
     for (int i = threadIdx.x; i < group * D; i += WARPS * 32) {
         const int j = i / D, d = i % D;
@@ -471,7 +469,7 @@ __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (
             const float mw = m_s[w][j];
             if (mw != -INFINITY) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * fx_exp2(mw - mb);
         }
-        o_at(j)[d] = acc;
+        put_o(j, d, acc);
     }
 }
 
@@ -480,6 +478,11 @@ __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (
 // no combine kernel runs and no partial goes through global memory. Elsewhere the cluster
 // kernels trap (the host never picks them there).
 #define FX_MAX_CLUSTER 16  // the largest (non-portable) cluster of compute capability 9.0
+// A cluster block's receive area, in dynamic shared memory past its ring: the partials the
+// cluster's blocks push to it, [FX_MAX_CLUSTER][8][2] maxima and sums, then [blocks][slots]
+// float4 outputs (slots * blocks <= 8 * D / 4 + FX_MAX_CLUSTER). The host adds its size
+// (attention.cluster_recv_bytes) to the launch's dynamic shared memory.
+#define FX_RECV_FLOATS(D) (FX_MAX_CLUSTER * 16 + (2 * (D) + FX_MAX_CLUSTER) * 4)
 
 __device__ __forceinline__ unsigned fx_cluster_rank() {
     unsigned r = 0;
@@ -495,24 +498,34 @@ __device__ __forceinline__ unsigned fx_cluster_blocks() {
 #endif
     return n;
 }
-// Every thread of every block of the cluster arrives; shared-memory writes before it are
-// visible to the whole cluster after it.
-__device__ __forceinline__ void fx_cluster_sync() {
+// Cluster barrier halves (every thread of every block arrives, then waits; a thread waits
+// once per arrival). Relaxed arrival: no memory ordering, only "this block has started".
+__device__ __forceinline__ void fx_cluster_arrive_relaxed() {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 #else
     __trap();
 #endif
 }
-// The float at shared-memory address `addr` (this block's layout) of cluster block `rank`.
-__device__ __forceinline__ float fx_cluster_load(unsigned addr, unsigned rank) {
-    float x = 0.f;
+// Release arrival: this thread's earlier writes (to any block's shared memory) are visible
+// to every thread of the cluster once the wait below returns there.
+__device__ __forceinline__ void fx_cluster_arrive_release() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fx_cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// Store x at shared-memory address `addr` (this block's layout) of cluster block `rank`.
+__device__ __forceinline__ void fx_cluster_store(unsigned addr, unsigned rank, float x) {
 #if __CUDA_ARCH__ >= 900
     unsigned remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote) : "memory");
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(x) : "memory");
 #endif
-    return x;
 }
 
 // Trap unless the launch made the `splits` blocks of a KV head one cluster (a launch
@@ -521,62 +534,58 @@ __device__ __forceinline__ void fx_check_cluster(int splits) {
     if (fx_cluster_blocks() != (unsigned)splits || gridDim.x != (unsigned)splits) __trap();
 }
 
-// Four floats at shared-memory address `addr` (16-byte aligned) of cluster block `rank`.
-__device__ __forceinline__ float4 fx_cluster_load4(unsigned addr, unsigned rank) {
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-#if __CUDA_ARCH__ >= 900
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
-                 : "r"(remote)
-                 : "memory");
-#endif
-    return x;
-}
-
-// The tensor-core kernels' start: check the launch (shared memory, threads, and with CLUSTER
-// that the `splits` blocks of a KV head form one cluster), then this block's tokens [start,
-// end) of its chunk `split`. False: the block has none and leaves; a cluster's idle
-// block stays (end = start: no tokens) to take part in the merge.
+// The tensor-core kernels' start: check the launch (dynamic shared memory `smem_bytes`,
+// threads, and with CLUSTER that the `splits` blocks of a KV head form one cluster), then
+// this block's tokens [start, end) of its chunk `split`. False: the block has none and
+// leaves. A cluster's blocks all stay (an idle one with end = start: no tokens) to take
+// part in the merge, and arrive at the cluster barrier that fx_finish waits on before any
+// block writes into another's shared memory (which must have started by then).
 template <bool CLUSTER>
-__device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned threads,
+__device__ __forceinline__ bool fx_block_chunk(unsigned smem_bytes, unsigned threads,
                                                int seq_len, const int* seq_len_dev, int splits,
                                                int tile, int split, int& start, int& end) {
-    fx_check_launch(ring_bytes, threads);
-    if (CLUSTER) fx_check_cluster(splits);
+    fx_check_launch(smem_bytes, threads);
+    if (CLUSTER) {
+        fx_check_cluster(splits);
+        fx_cluster_arrive_relaxed();
+    }
     if (fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) return true;
     if (!CLUSTER) return false;
     end = start;
     return true;
 }
 
-// The cluster's merge: every block has its partial in `part` ([8][D] unscaled outputs, then
-// [8][2] max and sum, per head of the group). out = sum_c w_c o_c / sum_c w_c l_c over the
-// cluster's blocks c in order (bitwise reproducible), w_c = 2^(m_c - max m); seq <= 0
-// writes zeros. A thread takes four outputs (unit u: head u / (D/4), columns 4(u % (D/4))
-// ..+3), units spread over all the cluster's blocks (u = rank, rank + blocks, ...), and
-// issues every read at once, one 16-byte read of outputs per block c: distributed shared
-// memory pays per transaction and per round trip (NOTES.md, v8).
+// The cluster's merge, once every block has pushed its partial into the receive areas
+// (`recv`, this block's): out = sum_c w_c o_c / sum_c w_c l_c over the cluster's blocks c
+// in order (bitwise reproducible), w_c = 2^(m_c - max m); seq <= 0 writes zeros. Output
+// unit u (head u / (D/4), columns 4(u % (D/4))..+3) belongs to block u % blocks, in its
+// slot u / blocks; a thread takes one of this block's units and reads only local shared
+// memory. The pushes (remote stores, no round trip) and one barrier replace reads of the
+// other blocks' shared memory, a round trip, and the second barrier those needed to keep
+// every block alive while read (NOTES.md, v9).
 template <class T, int D, int THREADS>
-__device__ __forceinline__ void fx_cluster_merge(const float* part, T* __restrict__ out, int h0,
+__device__ __forceinline__ void fx_cluster_merge(const float* recv, T* __restrict__ out, int h0,
                                                  int group, int seq) {
-    fx_cluster_sync();  // every block's partial is in its shared memory
+    fx_cluster_arrive_release();
+    fx_cluster_wait();  // every block's pushes have landed
     const unsigned blocks = fx_cluster_blocks(), rank = fx_cluster_rank();
-    const unsigned base = (unsigned)__cvta_generic_to_shared(part);
-    for (int u = threadIdx.x * blocks + rank; u < group * D / 4; u += THREADS * blocks) {
+    const int units = group * D / 4, slots = (units + (int)blocks - 1) / (int)blocks;
+    const float4* o4 = reinterpret_cast<const float4*>(recv + FX_MAX_CLUSTER * 16);
+    for (int sl = threadIdx.x; sl < slots; sl += THREADS) {
+        const int u = sl * (int)blocks + (int)rank;
+        if (u >= units) break;
         const int j = u / (D / 4), d = (u % (D / 4)) * 4;
         float m[FX_MAX_CLUSTER], l[FX_MAX_CLUSTER];
         float4 o[FX_MAX_CLUSTER];
 #pragma unroll
-        for (int c = 0; c < FX_MAX_CLUSTER; ++c) {  // one trip: every load in flight at once
+        for (int c = 0; c < FX_MAX_CLUSTER; ++c) {
             m[c] = -INFINITY;
             l[c] = 0.f;
             o[c] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (c < (int)blocks) {
-                m[c] = fx_cluster_load(base + (8 * D + 2 * j) * 4, c);
-                l[c] = fx_cluster_load(base + (8 * D + 2 * j + 1) * 4, c);
-                o[c] = fx_cluster_load4(base + (j * D + d) * 4, c);
+                m[c] = recv[(c * 8 + j) * 2];
+                l[c] = recv[(c * 8 + j) * 2 + 1];
+                o[c] = o4[c * slots + sl];
             }
         }
         float mx = -INFINITY;
@@ -600,13 +609,13 @@ __device__ __forceinline__ void fx_cluster_merge(const float* part, T* __restric
         dst[2] = fx_from_float<T>(acc.z * inv);
         dst[3] = fx_from_float<T>(acc.w * inv);
     }
-    fx_cluster_sync();  // no block leaves while another still reads its shared memory
 }
 
 // The block's result, after the warps have parked their fragments in the merge area o_f
 // (the first floats of the ring, RING bytes): without CLUSTER its partial goes to the
-// workspace for the combine kernel; with CLUSTER into its shared memory past the merge
-// area, and the cluster's merge writes the output.
+// workspace for the combine kernel; with CLUSTER each value is pushed to the receive area
+// (past the ring) of the block whose output unit it feeds, and the cluster's merge writes
+// the output.
 template <bool CLUSTER, int WARPS, int D, int SLOTS, int RING, class T, class Where>
 __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
                                           const float (*l_s)[8], float* ws_o, float* ws_ml,
@@ -615,18 +624,38 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
     if (!CLUSTER) {
         fx_write_partial<WARPS, D, SLOTS>(
             o_f, m_s, l_s, group, where,
-            [&](int j) { return ws_o + ((long long)(h0 + j) * splits + split) * D; },
-            [&](int j) { return ws_ml + ((long long)(h0 + j) * splits + split) * 2; });
+            [&](int j, int d, float x) {
+                ws_o[((long long)(h0 + j) * splits + split) * D + d] = x;
+            },
+            [&](int j, float m, float l) {
+                float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
+                ml[0] = m;
+                ml[1] = l;
+            });
         return;
     }
-    constexpr int MERGE = WARPS * SLOTS * FX_OPAD;  // floats of the merge area
-    static_assert((MERGE + 8 * D + 16) * 4 <= RING, "the partial must fit in the ring");
-    static_assert(MERGE % 4 == 0 && D % 4 == 0, "the partial's rows must be 16-byte aligned");
-    float* part = o_f + MERGE;
+    static_assert(RING % 16 == 0 && D % 4 == 0, "the receive area must be 16-byte aligned");
+    float* recv = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(o_f) + RING);
+    const unsigned recv_at = (unsigned)__cvta_generic_to_shared(recv);
+    const unsigned blocks = fx_cluster_blocks(), rank = fx_cluster_rank();
+    const int slots = (group * D / 4 + (int)blocks - 1) / (int)blocks;
+    fx_cluster_wait();  // every block of the cluster has started: its shared memory exists
     fx_write_partial<WARPS, D, SLOTS>(
-        o_f, m_s, l_s, group, where, [&](int j) { return part + j * D; },
-        [&](int j) { return part + 8 * D + j * 2; });
-    fx_cluster_merge<T, D, WARPS * 32>(part, out, h0, group, fx_seq_len(seq_len, seq_len_dev));
+        o_f, m_s, l_s, group, where,
+        [&](int j, int d, float x) {  // unit u: to block u % blocks, [rank][u / blocks]
+            const int u = (j * D + d) >> 2;
+            const int at =
+                FX_MAX_CLUSTER * 16 + ((int)rank * slots + u / (int)blocks) * 4 + (d & 3);
+            fx_cluster_store(recv_at + at * 4, u % blocks, x);
+        },
+        [&](int j, float m, float l) {  // every block needs every head's max and sum
+            const int at = ((int)rank * 8 + j) * 2;
+            for (unsigned c = 0; c < blocks; ++c) {
+                fx_cluster_store(recv_at + at * 4, c, m);
+                fx_cluster_store(recv_at + (at + 1) * 4, c, l);
+            }
+        });
+    fx_cluster_merge<T, D, WARPS * 32>(recv, out, h0, group, fx_seq_len(seq_len, seq_len_dev));
 }
 
 // CLUSTER: the launch makes the `splits` blocks of a KV head one cluster, which merges its
@@ -645,8 +674,10 @@ __device__ __forceinline__ void gqa_split_mma(
 
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_block_chunk<CLUSTER>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len, seq_len_dev,
-                                 splits, tile, split, start, end))
+    constexpr unsigned SMEM =
+        WARPS * S * 2 * STEP * sizeof(T) + (CLUSTER ? FX_RECV_FLOATS(D) * 4 : 0);
+    if (!fx_block_chunk<CLUSTER>(SMEM, THREADS, seq_len, seq_len_dev, splits, tile, split, start,
+                                 end))
         return;
 
     const int g_kv = blockIdx.y;
@@ -931,8 +962,10 @@ __device__ __forceinline__ void gqa_split_tc32(
 
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_block_chunk<CLUSTER>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len, seq_len_dev,
-                                 splits, tile, split, start, end))
+    constexpr unsigned SMEM =
+        WARPS * S * 2 * STEP * sizeof(float) + (CLUSTER ? FX_RECV_FLOATS(D) * 4 : 0);
+    if (!fx_block_chunk<CLUSTER>(SMEM, THREADS, seq_len, seq_len_dev, splits, tile, split, start,
+                                 end))
         return;
 
     const int g_kv = blockIdx.y;

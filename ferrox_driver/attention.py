@@ -106,10 +106,19 @@ class SplitPlan:
 
     def shared_bytes(self, head_dim: int, itemsize: int) -> int:
         """Dynamic shared memory of the split kernel: the tensor-core kernels' per-warp ring
-        of K/V steps (warps * stages * step tokens * (K, V) * head_dim elements)."""
+        of K/V steps (warps * stages * step tokens * (K, V) * head_dim elements), and for a
+        cluster plan the receive area its blocks push their partials into."""
         if not self.tensor_cores:
             return 0
-        return (self.threads // 32) * self.stages * self.step_tokens * 2 * head_dim * itemsize
+        ring = (self.threads // 32) * self.stages * self.step_tokens * 2 * head_dim * itemsize
+        return ring + (cluster_recv_bytes(head_dim) if self.cluster else 0)
+
+
+def cluster_recv_bytes(head_dim: int) -> int:
+    """Bytes of a cluster block's receive area past its ring (FX_RECV_FLOATS in the kernel
+    file, whose launches trap with less): maxima and sums of every block's heads, and the
+    block's share of the output units from every block."""
+    return 4 * (MAX_CLUSTER * 16 + (2 * head_dim + MAX_CLUSTER) * 4)
 
 
 # The tensor-core kernels' shape by head_dim: warps per block and each warp's ring of
@@ -231,6 +240,7 @@ def _plan_split(
     # (more chunks, in clusters or not) measured level or slower for these kernels
     # (docs/perf-history/tile-variants-v8.log).
     splits = min(most, -(-seq // tile))
+    shared += cluster_recv_bytes(head_dim)
     cluster = clusters_fit(device, f"{kname}_cluster", splits, n_kv_heads, threads, shared)
     if cluster:
         kname = f"{kname}_cluster"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import asdict
@@ -57,10 +58,30 @@ def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
     ]
     for name, head_dim, itemsize, warps, stages, tokens in kernels:
         plan = a.SplitPlan(name, True, 1, 32, 1, 32 * warps, stages=stages, step_tokens=tokens)
-        dynamic = plan.shared_bytes(head_dim, itemsize)
-        static = program.resources[plan.kernel].shared_bytes
-        assert dynamic > 0
-        assert dynamic + static <= MAX_BLOCK_SHARED, (head_dim, dynamic, static)
+        # and the cluster entry, whose receive area comes on top of the ring
+        clustered = dataclasses.replace(plan, kernel=f"{name}_cluster", splits=16, cluster=16)
+        recv = a.cluster_recv_bytes(head_dim)
+        assert (
+            clustered.shared_bytes(head_dim, itemsize)
+            == plan.shared_bytes(head_dim, itemsize) + recv
+        )
+        for p in (plan, clustered):
+            dynamic = p.shared_bytes(head_dim, itemsize)
+            static = program.resources[p.kernel].shared_bytes
+            assert dynamic > 0
+            assert dynamic + static <= MAX_BLOCK_SHARED, (p.kernel, dynamic, static)
+
+
+def test_the_cluster_receive_area_holds_every_blocks_share_of_the_output():
+    """FX_RECV_FLOATS: 16 blocks x 8 heads x (max, sum), then [blocks][slots] float4 with
+    slots = ceil(units / blocks), units = group * head_dim / 4."""
+    for head_dim in attention.MMA_HEAD_DIMS:
+        for group in range(1, 9):
+            for blocks in range(1, attention.MAX_CLUSTER + 1):
+                units = group * head_dim // 4
+                slots = -(-units // blocks)
+                floats = attention.MAX_CLUSTER * 16 + blocks * slots * 4
+                assert 4 * floats <= attention.cluster_recv_bytes(head_dim), (head_dim, group)
 
 
 def test_fp32_takes_tensor_cores_for_large_groups_and_group_four_up_to_32k(monkeypatch):
