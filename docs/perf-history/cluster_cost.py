@@ -1,14 +1,18 @@
 # ruff: noqa: B023  (closures are called before the loop moves on)
-"""Where the cluster kernel's time goes at short lengths: the on-chip merge, its two cluster
-barriers, or the cluster launch itself. 32/8/128 bf16, KV in L2, 20 decodes back to back in
-one graph (the harness of `bench --only overhead`).
+"""Where the cluster kernel's time goes at short lengths: the on-chip merge, its cluster
+barrier and pushes, or the cluster launch itself. 32/8/128 bf16, KV in L2, 20 decodes back
+to back in one graph (the harness of `bench --only overhead`).
 
     PYTHONPATH=. python3 docs/perf-history/cluster_cost.py
 
-Variants of the cluster kernel (compiled from the current source, the merge replaced):
+Variants of the cluster kernel (compiled from the current source, the v9 push merge):
 - full: as shipped;
-- barriers only: the two cluster barriers, no distributed shared-memory reads, no output;
-- no merge: neither (nor the cluster check), so it can also run without clusters.
+- pushes + barrier: every block pushes its partial and passes the cluster barrier, but
+  the local merge and the output are left out;
+- no merge: no pushes, barriers, merge or output (nor the cluster check), so it can also
+  run without clusters.
+(The v8 logs, cluster-cost-v8*.log, came from this script's v8 form: two barriers and
+reads of the other blocks' shared memory; git history has it.)
 """
 
 from __future__ import annotations
@@ -31,14 +35,17 @@ DT = ml_dtypes.bfloat16
 N_HEADS, N_KV, HD = 32, 8, 128
 NAME = "gqa_split_mma_bf16_d128_cluster"
 MERGE = (
-    "fx_cluster_merge<T, D, WARPS * 32>(part, out, h0, group, fx_seq_len(seq_len, seq_len_dev));"
+    "fx_cluster_merge<T, D, WARPS * 32>(recv, out, h0, group, fx_seq_len(seq_len, seq_len_dev));"
 )
-CHECK = "if (CLUSTER) fx_check_cluster(splits);"
+CHECK = "fx_check_cluster(splits);\n        fx_cluster_arrive_relaxed();"
+PUSHES = 'static_assert(RING % 16 == 0 && D % 4 == 0, "the receive area must be 16-byte aligned");'
 
 
-def variant(src: str, merge: str, check: str = CHECK) -> str:
-    assert MERGE in src and CHECK in src
-    return src.replace(MERGE, merge).replace(CHECK, check)
+def variant(src: str, edits: dict[str, str]) -> str:
+    for anchor, replacement in edits.items():
+        assert anchor in src, anchor
+        src = src.replace(anchor, replacement)
+    return src
 
 
 def main() -> None:
@@ -54,8 +61,10 @@ def main() -> None:
     )
     sources = {
         "full": src,
-        "barriers only": variant(src, "fx_cluster_sync(); fx_cluster_sync();"),
-        "no merge": variant(src, "", ""),
+        "pushes + barrier": variant(
+            src, {MERGE: "fx_cluster_arrive_release(); fx_cluster_wait();"}
+        ),
+        "no merge": variant(src, {PUSHES: "return;", CHECK: ""}),
     }
     kernels = {
         label: Module(compile_source(s, name="cluster_cost.cu"), dev).get_function(NAME)
@@ -97,7 +106,7 @@ def main() -> None:
             rows[f"cluster {cl.cluster}, {label}"] = functools.partial(call, cl, kernel=kern)
         args = (q, k, v, out, np.int32(N_HEADS), np.int32(N_KV), np.int32(seq), None)
         args += (np.int32(base.splits), np.int32(base.tile))
-        shared = base.shared_bytes(HD, 2)
+        shared = cl.shared_bytes(HD, 2)  # the cluster entry's ring and receive area
         for label in ("no merge", "full") if base.splits == 1 else ("no merge",):
             kern = kernels[label]
             rows[f"no cluster launch, {label}"] = functools.partial(

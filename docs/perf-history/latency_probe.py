@@ -23,7 +23,7 @@ from ferrox_driver.validation import dtype_name
 DT = np.dtype(ml_dtypes.bfloat16)
 N_HEADS, N_KV, HD = 32, 8, 128
 LEAVE = "if (seq_len >= 0) return;\n"
-CHECK = "    const int split = blockIdx.x;\n    int start, end;\n    if (!fx_block_chunk<CLUSTER>("
+CHECK = "    const int split = blockIdx.x;\n    int start, end;\n"
 SCALE = "    const float sscale = rsqrtf((float)D) * FX_LOG2E;"
 DRAIN = "    fx_cp_async_wait<0>();  // no copy may land after the block has left"
 LOOP = "for (int j = 0; start + warp * 16 + j * STRIDE < end; ++j) {"
