@@ -101,8 +101,9 @@ class SplitPlan:
     # no combine kernel); 0: the combine kernel merges them
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
-        """Floats of scratch the launch needs: partial outputs, maxima and sums."""
-        return n_heads * self.splits * (head_dim + 2)
+        """Floats of scratch the launch needs: partial outputs, maxima and sums (none for a
+        cluster plan, whose partials stay on chip)."""
+        return 0 if self.cluster else n_heads * self.splits * (head_dim + 2)
 
     def shared_bytes(self, head_dim: int, itemsize: int) -> int:
         """Dynamic shared memory of the split kernel: the tensor-core kernels' per-warp ring
@@ -357,7 +358,7 @@ def launch_split(
     k: DeviceArray,
     v: DeviceArray,
     out: DeviceArray,
-    workspace: DeviceArray,
+    workspace: DeviceArray | None,
     *,
     n_heads: int,
     n_kv_heads: int,
@@ -387,6 +388,8 @@ def launch_split(
                 cluster=plan.cluster,
             )
         return
+    if workspace is None:
+        raise ValueError("workspace: the combine kernel's plans need one (workspace_floats)")
     n_partial = n_heads * plan.splits
     ws_o = workspace
     ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
@@ -482,7 +485,7 @@ def launch_decode(
     plan = plan_split(
         q.device, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, is_aligned(q, k, v)
     )
-    if workspace is None:
+    if workspace is None and not plan.cluster:
         workspace = stream_workspace(q.device, stream, plan.workspace_floats(n_heads, head_dim))
     launch_split(
         plan,

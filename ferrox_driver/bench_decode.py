@@ -113,7 +113,8 @@ def time_split_plan(
 
     n_heads, head_dim = q.shape
     seq, n_kv_heads, _ = sets[0][0].shape
-    ws = stream_workspace(q.device, stream, plan.workspace_floats(n_heads, head_dim))
+    floats = plan.workspace_floats(n_heads, head_dim)
+    ws = stream_workspace(q.device, stream, floats) if floats else None
     turn = [0]
 
     def decode() -> None:

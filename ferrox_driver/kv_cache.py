@@ -102,6 +102,7 @@ class KVCache:
         self._host_seq_valid = True
         self._scratch: dict[int, tuple[DeviceArray, DeviceArray]] = {}
         self._workspaces: dict[int, DeviceArray] = {}
+        self._outgrown: list[DeviceArray] = []  # graphs captured earlier may still write them
         self.stream.synchronize()
 
     # -- state ---------------------------------------------------------------------
@@ -364,13 +365,17 @@ class KVCache:
         """``f32``, ``f16`` or ``bf16``."""
         return dtype_name(self.dtype)
 
-    def split_workspace(self, n_heads: int, floats: int) -> DeviceArray:
-        """Scratch for device-side decodes of ``n_heads`` query heads (graphs bake its
-        address in, so it is allocated once and lives as long as the cache)."""
+    def split_workspace(self, n_heads: int, floats: int) -> DeviceArray | None:
+        """Scratch for decodes of ``n_heads`` query heads (None where the plan needs none:
+        ``floats`` 0). Graphs bake its address in, so it lives as long as the cache; a plan
+        that needs more (arrays not 16-byte aligned take other kernels) grows it, and the
+        outgrown buffer too stays until the cache is closed."""
+        if floats <= 0:
+            return None
         ws = self._workspaces.get(n_heads)
-        if ws is None:
+        if ws is None or ws.size < floats:
             try:
-                ws = empty((floats,), np.float32, device=self.device)
+                grown = empty((floats,), np.float32, device=self.device)
             except CudaError as exc:
                 if exc.name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED":
                     raise FerroxError(
@@ -379,9 +384,9 @@ class KVCache:
                         f"once) before capturing"
                     ) from exc
                 raise
-            self._workspaces[n_heads] = ws
-        elif ws.size < floats:
-            raise ValueError(f"n_heads: workspace of {ws.size} floats < {floats} needed")
+            if ws is not None:
+                self._outgrown.append(ws)
+            ws = self._workspaces[n_heads] = grown
         return ws
 
     def _decode_scratch(self, n_heads: int) -> tuple[DeviceArray, DeviceArray]:
@@ -402,10 +407,12 @@ class KVCache:
         with contextlib.suppress(Exception):  # closing must not fail on a broken context
             self.stream.synchronize()
         scratch = [a for pair in self._scratch.values() for a in pair]
-        for arr in (self._k, self._v, self.state, *scratch, *self._workspaces.values()):
+        workspaces = [*self._workspaces.values(), *self._outgrown]
+        for arr in (self._k, self._v, self.state, *scratch, *workspaces):
             arr.close()
         self._scratch.clear()
         self._workspaces.clear()
+        self._outgrown.clear()
         for ev in self._slot_events:
             ev.close()
         self._stage_k = self._stage_v = self._stage_seq = np.empty(0)

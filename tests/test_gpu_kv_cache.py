@@ -184,3 +184,30 @@ def test_a_failed_decode_leaves_the_cache_intact(rng):
         assert kv.seq_len == 10
         got_k, got_v = kv.to_host()
     assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
+
+
+@pytest.mark.parametrize("capacity", [500, 4096], ids=["cluster-merge", "combine-kernel"])
+def test_a_misaligned_query_after_an_aligned_one_decodes_right(rng, capacity):
+    """A q that is not 16-byte aligned takes a CUDA-core kernel, whose plan can need more
+    scratch than the tensor-core one the cache made first (or some where that needed none):
+    the cache's scratch grows, and the aligned decodes still work after it."""
+    dt = DTYPES["bf16"]
+    n_heads, n_kv, hd, seq = 32, 8, 128, 300
+    k, v = rows(rng, seq, n_kv, hd, dt), rows(rng, seq, n_kv, hd, dt)
+    q = rng.standard_normal((n_heads, hd)).astype(dt)
+    ref = fd.reference_gqa_decode(q, k, v, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd)
+    with fd.KVCache(n_kv, hd, capacity, dtype=dt) as kv:
+        kv.extend(k, v)
+        q_aligned = fd.to_device(q)
+        buf = fd.empty((n_heads * hd + 1,), dt)
+        buf.copy_from_host(np.concatenate([np.zeros(1, dt), q.reshape(-1)]))
+        q_misaligned = buf.view((n_heads * hd,), offset=np.dtype(dt).itemsize)
+        assert q_misaligned.ptr % 16
+        for i, q_dev in enumerate((q_aligned, q_misaligned, q_aligned)):
+            out = fd.empty((n_heads * hd,), dt)
+            out.fill_bytes(0xFF, kv.stream)
+            fd.gqa_decode_async(q_dev, kv, out, n_heads=n_heads, stream=kv.stream)
+            got = out.to_host(kv.stream).reshape(ref.shape)
+            assert rel_err(got, ref) < TOL["bf16"], i
+            if i == 0:  # merged on chip (500: 8 chunks per KV head), it made no scratch
+                assert (kv._workspaces == {}) == (capacity == 500)

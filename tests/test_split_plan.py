@@ -181,6 +181,13 @@ def test_cuda_core_plans_need_no_dynamic_shared_memory():
     assert plan.shared_bytes(128, 4) == 0
 
 
+def test_only_plans_with_a_combine_kernel_need_scratch():
+    plan = attention.SplitPlan("gqa_split_mma_bf16_d128", True, 1, 32, 16, stages=4)
+    assert plan.workspace_floats(32, 128) == 32 * 16 * (128 + 2)  # partials, maxima, sums
+    clustered = dataclasses.replace(plan, kernel=f"{plan.kernel}_cluster", splits=8, cluster=8)
+    assert clustered.workspace_floats(32, 128) == 0  # the partials stay on chip
+
+
 @pytest.mark.parametrize("shape", bench_decode.SHAPES)
 def test_benchmark_rotation_keeps_every_point_out_of_l2(shape):
     _, n_kv, head_dim = shape
