@@ -249,10 +249,11 @@ def _fresh_stream_scratch(stream):
     return lambda: attention._workspaces.get(key)
 
 
-def test_a_graph_captured_on_a_stream_survives_that_streams_scratch_growing(rng):
+def test_a_graph_captured_on_a_stream_survives_that_streams_scratch_growing(rng, monkeypatch):
     """gqa_decode on device arrays uses its stream's scratch; a larger decode later grows it.
     The captured graph still writes the old scratch, so that must not be freed: here it
     would be reused by the arrays allocated next, and the replay would overwrite them."""
+    monkeypatch.setenv("FERROX_CLUSTER", "0")  # every plan writes partials to scratch
     dt = DTYPES["bf16"]
     q = rng.standard_normal((N_HEADS, HD)).astype(dt)
     k, v = (rng.standard_normal((64, N_KV, HD)).astype(dt) for _ in range(2))
@@ -283,7 +284,8 @@ def test_a_graph_captured_on_a_stream_survives_that_streams_scratch_growing(rng)
         exe.close()
 
 
-def test_closing_a_stream_frees_its_decode_scratch_grown_or_not(rng):
+def test_closing_a_stream_frees_its_decode_scratch_grown_or_not(rng, monkeypatch):
+    monkeypatch.setenv("FERROX_CLUSTER", "0")  # every plan writes partials to scratch
     from ferrox_driver import attention
 
     dt = DTYPES["bf16"]
@@ -346,7 +348,27 @@ def test_a_graph_keeps_its_streams_decode_scratch_after_the_stream_is_closed(rng
     assert ws() is None  # and only it: gone with the graph
 
 
-def test_scratch_growing_inside_a_capture_gives_a_working_graph_or_a_clear_error(rng):
+def test_a_decode_merged_on_chip_makes_no_stream_scratch(rng):
+    from ferrox_driver.attention import plan_split
+
+    dt = DTYPES["bf16"]
+    kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
+    assert plan_split(fd.Device(0), dt, N_HEADS, N_KV, HD, 64).cluster  # compute capability 9.0
+    q = rng.standard_normal((N_HEADS, HD)).astype(dt)
+    k, v = (rng.standard_normal((64, N_KV, HD)).astype(dt) for _ in range(2))
+    with fd.Stream() as stream:
+        scratch = _fresh_stream_scratch(stream)
+        out = fd.empty((N_HEADS, HD), dt)
+        out.fill_bytes(0xFF, stream)
+        fd.gqa_decode(
+            fd.to_device(q), fd.to_device(k), fd.to_device(v), out=out, stream=stream, **kw
+        )
+        assert rel_err(out.to_host(stream), fd.reference_gqa_decode(q, k, v, **kw)) < TOL["bf16"]
+        assert scratch() is None
+
+
+def test_scratch_growing_inside_a_capture_gives_a_working_graph_or_a_clear_error(rng, monkeypatch):
+    monkeypatch.setenv("FERROX_CLUSTER", "0")  # every plan writes partials to scratch
     dt = DTYPES["bf16"]
     q = rng.standard_normal((N_HEADS, HD)).astype(dt)
     k, v = (rng.standard_normal((64, N_KV, HD)).astype(dt) for _ in range(2))
