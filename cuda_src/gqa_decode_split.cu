@@ -534,17 +534,18 @@ __device__ __forceinline__ void fx_check_cluster(int splits) {
     if (fx_cluster_blocks() != (unsigned)splits || gridDim.x != (unsigned)splits) __trap();
 }
 
-// The tensor-core kernels' start: check the launch (dynamic shared memory `smem_bytes`,
-// threads, and with CLUSTER that the `splits` blocks of a KV head form one cluster), then
+// The tensor-core kernels' start: check the launch (dynamic shared memory: the ring's
+// `ring_bytes`, and with CLUSTER the receive area past it; threads; and with CLUSTER that
+// the `splits` blocks of a KV head form one cluster), then
 // this block's tokens [start, end) of its chunk `split`. False: the block has none and
 // leaves. A cluster's blocks all stay (an idle one with end = start: no tokens) to take
 // part in the merge, and arrive at the cluster barrier that fx_finish waits on before any
 // block writes into another's shared memory (which must have started by then).
-template <bool CLUSTER>
-__device__ __forceinline__ bool fx_block_chunk(unsigned smem_bytes, unsigned threads,
+template <bool CLUSTER, int D>
+__device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned threads,
                                                int seq_len, const int* seq_len_dev, int splits,
                                                int tile, int split, int& start, int& end) {
-    fx_check_launch(smem_bytes, threads);
+    fx_check_launch(ring_bytes + (CLUSTER ? FX_RECV_FLOATS(D) * 4 : 0), threads);
     if (CLUSTER) {
         fx_check_cluster(splits);
         fx_cluster_arrive_relaxed();
@@ -674,10 +675,8 @@ __device__ __forceinline__ void gqa_split_mma(
 
     const int split = blockIdx.x;
     int start, end;
-    constexpr unsigned SMEM =
-        WARPS * S * 2 * STEP * sizeof(T) + (CLUSTER ? FX_RECV_FLOATS(D) * 4 : 0);
-    if (!fx_block_chunk<CLUSTER>(SMEM, THREADS, seq_len, seq_len_dev, splits, tile, split, start,
-                                 end))
+    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len,
+                                    seq_len_dev, splits, tile, split, start, end))
         return;
 
     const int g_kv = blockIdx.y;
@@ -962,10 +961,8 @@ __device__ __forceinline__ void gqa_split_tc32(
 
     const int split = blockIdx.x;
     int start, end;
-    constexpr unsigned SMEM =
-        WARPS * S * 2 * STEP * sizeof(float) + (CLUSTER ? FX_RECV_FLOATS(D) * 4 : 0);
-    if (!fx_block_chunk<CLUSTER>(SMEM, THREADS, seq_len, seq_len_dev, splits, tile, split, start,
-                                 end))
+    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len,
+                                    seq_len_dev, splits, tile, split, start, end))
         return;
 
     const int g_kv = blockIdx.y;
