@@ -123,6 +123,13 @@ def _arg_bits(args: Sequence[Any]) -> list[int]:
     return out
 
 
+def _slot_arrays(n: int) -> tuple[Any, Any]:
+    """An array of ``n`` 8-byte argument slots and the ``void*[]`` of their addresses."""
+    slots = (ctypes.c_uint64 * max(n, 1))()
+    base = ctypes.addressof(slots)
+    return slots, (ctypes.c_void_p * max(n, 1))(*range(base, base + 8 * max(n, 1), 8))
+
+
 def pack_args(args: Sequence[Any]) -> tuple[int, list[Any]]:
     """Pack kernel arguments into a ``void*[]``: each argument's value in an 8-byte slot
     (pointers, and scalars of up to 8 bytes in little-endian order), each slot's address in
@@ -132,10 +139,9 @@ def pack_args(args: Sequence[Any]) -> tuple[int, list[Any]]:
         The array's address for cuLaunchKernel, and the objects that must stay alive
         until the launch call returns.
     """
-    n = max(len(args), 1)
-    slots = (ctypes.c_uint64 * n)(*_arg_bits(args))
-    base = ctypes.addressof(slots)
-    ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+    bits = _arg_bits(args)
+    slots, ptrs = _slot_arrays(len(bits))
+    slots[: len(bits)] = bits
     return ctypes.addressof(ptrs), [slots, ptrs]
 
 
@@ -149,16 +155,13 @@ def _pack_for_launch(args: Sequence[Any]) -> int:
     arrays = getattr(_launch_slots, "by_count", None)
     if arrays is None:
         arrays = _launch_slots.by_count = {}
-    n = len(args)
-    entry = arrays.get(n)
-    if entry is None:
-        slots = (ctypes.c_uint64 * max(n, 1))()
-        base = ctypes.addressof(slots)
-        ptrs = (ctypes.c_void_p * max(n, 1))(*range(base, base + 8 * max(n, 1), 8))
-        entry = arrays[n] = (slots, ptrs, ctypes.addressof(ptrs))
     bits = _arg_bits(args)  # before touching the slots: a bad argument leaves them as they were
-    entry[0][:n] = bits
-    return int(entry[2])
+    entry = arrays.get(len(bits))
+    if entry is None:
+        slots, ptrs = _slot_arrays(len(bits))
+        entry = arrays[len(bits)] = (slots, ctypes.addressof(ptrs), ptrs)
+    entry[0][: len(bits)] = bits
+    return int(entry[1])
 
 
 def _dim3(value: Dim3, name: str) -> tuple[int, int, int]:
