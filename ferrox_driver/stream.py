@@ -30,7 +30,6 @@ class Stream:
         self.device = resolve(device)
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING if non_blocking else 0
         self._handle = drv("cuStreamCreate", flags)
-        self._owned = True
         self._before_destroy: list[Callable[[Any], None]] = []
         self._finalizer = finalizer(self, _destroy_stream, self._handle, self._before_destroy)
 
@@ -43,22 +42,16 @@ class Stream:
         self = cls.__new__(cls)
         self.device = resolve(device)
         self._handle = cu.CUstream(int(handle))
-        self._owned = False
-        self._before_destroy = []
+        self._before_destroy = []  # never run: a borrowed stream is not destroyed here
         self._finalizer = finalizer(self, None)
         return self
 
-    @property
-    def owned(self) -> bool:
-        """True when closing this object destroys the stream (False: borrowed)."""
-        return self._owned
-
     def before_destroy(self, hook: Callable[[Any], None]) -> None:
-        """Run ``hook(handle)`` when this (owned) stream is destroyed, by ``close()`` or
-        when the object is collected, just before the destroy (held back, like frees,
-        until a capture on this thread ends). It must not refer to this Stream object.
-        Scratch kept per stream is released this way."""
-        if self._owned and self._finalizer.alive:
+        """Run ``hook(handle)`` when this stream is destroyed, by ``close()`` or when the
+        object is collected, just before the destroy (held back, like frees, until a
+        capture on this thread ends); never for a borrowed stream (``from_handle``). It
+        must not refer to this Stream object. Scratch kept per stream is released this way."""
+        if self._finalizer.alive:
             self._before_destroy.append(hook)
 
     @property
