@@ -157,7 +157,7 @@ def plan_split(
     aligned: bool = True,
 ) -> SplitPlan:
     """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens
-    (memoised: every decode asks, a KVCache's twice; the knobs FERROX_SPLIT_HEADS_PER_BLOCK,
+    (memoised: every decode asks, once; the knobs FERROX_SPLIT_HEADS_PER_BLOCK,
     FERROX_TC32 and FERROX_CLUSTER are part of the key).
 
     The grid is at most one full wave of resident blocks; each block's chunk is a multiple
@@ -317,23 +317,34 @@ def stream_workspace(device: Device, stream: Any, floats: int) -> DeviceArray:
     key = (device.context_handle, int(stream_handle(stream)))
     ws = _workspaces.get(key)
     if ws is None or ws.size < floats:
-        size = floats if ws is None else max(floats, 2 * ws.size)
-        try:
-            grown = empty((size,), np.float32, device=device)
-        except CudaError as exc:
-            if exc.name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED":
-                raise FerroxError(
-                    "stream: a decode this large needs more scratch on this stream, which "
-                    "cannot be allocated inside a capture: run one such decode before "
-                    "capturing, or pass workspace= (launch_decode) or use a KVCache"
-                ) from exc
-            raise
+        grown = allocate_scratch(
+            floats if ws is None else max(floats, 2 * ws.size),
+            device,
+            "stream: a decode this large needs more scratch on this stream, which cannot be "
+            "allocated inside a capture: run one such decode before capturing, or pass "
+            "workspace= (launch_decode) or use a KVCache",
+        )
         if ws is not None:
             _outgrown.setdefault(key, []).append(ws)
         elif isinstance(stream, Stream):
             stream.before_destroy(functools.partial(stream_scratch_released, key))
         ws = _workspaces[key] = grown
     return ws
+
+
+def allocate_scratch(floats: int, device: Device, in_capture: str) -> DeviceArray:
+    """``floats`` float32 of decode scratch.
+
+    Raises:
+        FerroxError: with the message ``in_capture`` when a stream capture is open
+            (allocation is not capturable).
+    """
+    try:
+        return empty((floats,), np.float32, device=device)
+    except CudaError as exc:
+        if exc.name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED":
+            raise FerroxError(in_capture) from exc
+        raise
 
 
 def stream_scratch(device: Device, stream: Any) -> list[DeviceArray]:
@@ -454,6 +465,7 @@ def launch_decode(
     algorithm: str = "auto",
     workspace: DeviceArray | None = None,
     plan_seq: int | None = None,
+    plan: SplitPlan | None = None,
 ) -> None:
     """Queue a decode on device arrays already validated (no checks, no host work).
 
@@ -461,7 +473,8 @@ def launch_decode(
     ``seq_len``, which then only sizes the launch (the most tokens it may see).
     ``workspace`` (float32) holds the split partials; default: a buffer kept per stream.
     ``plan_seq`` sizes the split grid (default ``seq_len``); decodes planned for the same
-    length chunk the sequence identically, so their results agree bit for bit.
+    length chunk the sequence identically, so their results agree bit for bit. ``plan``:
+    that plan, when the caller has already made it (``plan_split`` of these arrays).
     """
     if algorithm == "parity":
         parity_kernel(q.dtype, q.device).launch(
@@ -481,10 +494,11 @@ def launch_decode(
             stream=stream,
         )
         return
-    plan_for = seq_len if plan_seq is None else plan_seq
-    plan = plan_split(
-        q.device, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, is_aligned(q, k, v)
-    )
+    if plan is None:
+        plan_for = seq_len if plan_seq is None else plan_seq
+        plan = plan_split(
+            q.device, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, is_aligned(q, k, v)
+        )
     if workspace is None and not plan.cluster:
         workspace = stream_workspace(q.device, stream, plan.workspace_floats(n_heads, head_dim))
     launch_split(

@@ -13,9 +13,16 @@ from typing import Any
 import numpy as np
 
 from ._driver import drv
-from .attention import check_algorithm, is_aligned, launch_decode, plan_split
+from .attention import (
+    SplitPlan,
+    allocate_scratch,
+    check_algorithm,
+    is_aligned,
+    launch_decode,
+    plan_split,
+)
 from .device import Device, resolve
-from .errors import CudaError, FerroxError, KVCapacityError
+from .errors import KVCapacityError
 from .launch import Kernel
 from .memory import DeviceArray, empty, pinned_empty
 from .module_cache import get_kernel
@@ -326,6 +333,7 @@ class KVCache:
         captured once (``length_on_device=True``: the kernels read seq_len on the device)
         chunk the sequence identically and agree bit for bit.
         """
+        plan, workspace = self._split_plan(n_heads, algorithm, is_aligned(q_dev, self._k, self._v))
         launch_decode(
             q_dev,
             self._k,
@@ -338,17 +346,21 @@ class KVCache:
             seq_len_dev=self.state if length_on_device else None,
             stream=stream,
             algorithm=algorithm,
-            workspace=self._workspace_for(n_heads, algorithm, is_aligned(q_dev, self._k, self._v)),
+            workspace=workspace,
             plan_seq=self.capacity,
+            plan=plan,
         )
 
-    def _workspace_for(self, n_heads: int, algorithm: str, aligned: bool) -> DeviceArray | None:
+    def _split_plan(
+        self, n_heads: int, algorithm: str, aligned: bool
+    ) -> tuple[SplitPlan | None, DeviceArray | None]:
+        """The split plan for the capacity and its scratch (None, None: the parity kernel)."""
         if algorithm == "parity":
-            return None
+            return None, None
         plan = plan_split(
             self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim, self.capacity, aligned
         )
-        return self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
+        return plan, self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
 
     def prepare(self, n_heads: int, algorithm: str = "auto") -> None:
         """Load the kernels and allocate the scratch that decodes of ``n_heads`` query heads
@@ -358,7 +370,7 @@ class KVCache:
         append_kernel(self.device)
         if check_algorithm(algorithm) != "parity":
             get_kernel("gqa_decode_split.cu", f"gqa_split_combine_{self.dtype_name}", self.device)
-            self._workspace_for(n_heads, algorithm, is_aligned(self._k, self._v))
+            self._split_plan(n_heads, algorithm, is_aligned(self._k, self._v))
 
     @property
     def dtype_name(self) -> str:
@@ -374,16 +386,12 @@ class KVCache:
             return None
         ws = self._workspaces.get(n_heads)
         if ws is None or ws.size < floats:
-            try:
-                grown = empty((floats,), np.float32, device=self.device)
-            except CudaError as exc:
-                if exc.name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED":
-                    raise FerroxError(
-                        f"n_heads: the decode scratch for {n_heads} heads must exist before "
-                        f"a capture starts: call kv.prepare(n_heads={n_heads}) (or decode "
-                        f"once) before capturing"
-                    ) from exc
-                raise
+            grown = allocate_scratch(
+                floats,
+                self.device,
+                f"n_heads: the decode scratch for {n_heads} heads must exist before a capture "
+                f"starts: call kv.prepare(n_heads={n_heads}) (or decode once) before capturing",
+            )
             if ws is not None:
                 self._outgrown.append(ws)
             ws = self._workspaces[n_heads] = grown
