@@ -249,6 +249,20 @@ def _fresh_stream_scratch(stream):
     return lambda: attention._workspaces.get(key)
 
 
+def assert_replay_writes_only_its_own_memory(exe, stream, out, q, k, v, scratch_size):
+    """Replay ``exe`` (a bf16 decode of q, k, v into ``out``) on ``stream`` after allocating
+    eight arrays of the scratch's size: were the scratch it writes freed, they could take
+    its memory and the replay would overwrite them."""
+    kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
+    others = [fd.to_device(np.full(scratch_size, 7.0, np.float32)) for _ in range(8)]
+    out.fill_bytes(0xFF, stream)
+    exe.launch(stream)
+    got = out.to_host(stream)
+    assert rel_err(got, fd.reference_gqa_decode(q, k, v, **kw)) < TOL["bf16"]
+    for arr in others:
+        assert (arr.to_host() == 7.0).all()
+
+
 def test_a_graph_captured_on_a_stream_survives_that_streams_scratch_growing(rng, monkeypatch):
     """gqa_decode on device arrays uses its stream's scratch; a larger decode later grows it.
     The captured graph still writes the old scratch, so that must not be freed: here it
@@ -274,13 +288,7 @@ def test_a_graph_captured_on_a_stream_survives_that_streams_scratch_growing(rng,
         fd.gqa_decode(qd, kd_big, vd_big, stream=stream, **kw)
         stream.synchronize()
         assert scratch() is not first and scratch().size > first.size  # it grew
-        others = [fd.to_device(np.full(first.size, 7.0, np.float32)) for _ in range(8)]
-        out.fill_bytes(0xFF, stream)
-        exe.launch(stream)
-        got = out.to_host(stream)
-        assert rel_err(got, fd.reference_gqa_decode(q, k, v, **kw)) < TOL["bf16"]
-        for arr in others:
-            assert (arr.to_host() == 7.0).all()
+        assert_replay_writes_only_its_own_memory(exe, stream, out, q, k, v, first.size)
         exe.close()
 
 
@@ -335,14 +343,8 @@ def test_a_graph_keeps_its_streams_decode_scratch_after_the_stream_is_closed(rng
     stream.close()
     gc.collect()
     assert ws() is not None  # the executable graph holds it
-    others = [fd.to_device(np.full(size, 7.0, np.float32)) for _ in range(8)]
     with fd.Stream() as replay:
-        out.fill_bytes(0xFF, replay)
-        exe.launch(replay)
-        got = out.to_host(replay)
-    assert rel_err(got, fd.reference_gqa_decode(q, k, v, **kw)) < TOL["bf16"]
-    for arr in others:
-        assert (arr.to_host() == 7.0).all()
+        assert_replay_writes_only_its_own_memory(exe, replay, out, q, k, v, size)
     exe.close()
     gc.collect()
     assert ws() is None  # and only it: gone with the graph
