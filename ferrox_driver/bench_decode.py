@@ -105,10 +105,12 @@ def time_split_plan(
     stream: Stream,
     kernel: Any = None,
     iters: int = 30,
+    parts: str = "both",
 ) -> float:
     """Microseconds per decode of the split plan ``plan`` (attention.SplitPlan; ``kernel``
-    replaces its split kernel, as launch_split allows), back to back: one captured graph of
-    ``chain`` decodes over ``sets`` in turn (docs/perf-history experiments)."""
+    replaces its split kernel and ``parts`` picks the kernels to queue, as launch_split
+    allows), back to back: one captured graph of ``chain`` decodes over ``sets`` in turn
+    (docs/perf-history experiments)."""
     from .attention import launch_split, stream_workspace
 
     n_heads, head_dim = q.shape
@@ -134,6 +136,7 @@ def time_split_plan(
             seq_len_dev=None,
             stream=stream,
             kernel=kernel,
+            parts=parts,
         )
 
     decode()

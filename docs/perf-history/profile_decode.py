@@ -4,7 +4,7 @@
         python3 docs/perf-history/profile_decode.py > kernels.csv
 
 Each point runs each library twice (the second run is the one to read); the KV data is
-fresh random values.
+fresh random values. Arguments "H/KV/D:dtype:seq" replace the points below.
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ POINTS = [
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
+def parse_point(arg: str) -> tuple[tuple[int, int, int], str, int]:
+    shape, dtype, seq = arg.split(":")
+    n_heads, n_kv, hd = (int(x) for x in shape.split("/"))
+    return (n_heads, n_kv, hd), dtype, int(seq)
+
+
 def main() -> None:
-    for (n_heads, n_kv, hd), dtype, seq in POINTS:
+    points = [parse_point(a) for a in sys.argv[1:]] or POINTS
+    for (n_heads, n_kv, hd), dtype, seq in points:
         tdt = TORCH_DTYPES[dtype]
         q = torch.rand(1, n_heads, 1, hd, device="cuda", dtype=tdt)
         k = torch.rand(1, n_kv, seq, hd, device="cuda", dtype=tdt)
