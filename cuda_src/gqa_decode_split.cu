@@ -438,37 +438,51 @@ __device__ __forceinline__ void fx_park_fragments(float* o_f, const float (&o)[A
                 o_f[(warp * (A * B * 2) + a * (B * 2) + b * 2 + c) * FX_OPAD + lane] = o[a][b][c];
 }
 
+// Each warp's weight in its block's merge: w_s[w][j] = 2^(m_w - max over warps) for head j,
+// 0 for a warp that saw no tokens (m_w = -inf; its accumulators and sum are zeros), once
+// per (warp, head) rather than per output column. Call after the barrier that completes
+// m_s and before the one that precedes fx_write_partial.
+template <int WARPS>
+__device__ __forceinline__ void fx_warp_weights(const float (*m_s)[8], float (*w_s)[8]) {
+    if (threadIdx.x < WARPS * 8) {
+        const int w = threadIdx.x / 8, j = threadIdx.x % 8;
+        const float mw = m_s[w][j];
+        w_s[w][j] = mw == -INFINITY ? 0.f : fx_exp2(mw - mb_of<WARPS>(m_s, j));
+    }
+}
+
 // The block's partial for its chunk, the warps merged in a fixed order (bitwise
 // reproducible): o_f holds each warp's unscaled O in fragment order ([warp][slot][lane],
-// rows of FX_OPAD floats), m_s/l_s each warp's max and sum per head; where(d, slot, tig)
-// says which slot of lane 4 * head + tig holds column d. put_o(j, d, x) stores head j's
-// output d, put_ml(j, max, sum) its max and sum (into the workspace, or pushed to the
-// cluster's blocks for their merge).
+// rows of FX_OPAD floats), m_s/l_s each warp's max and sum per head, w_s its weight
+// (fx_warp_weights); where(d, slot, tig) says which slot of lane 4 * head + tig holds
+// column d. put_o(j, d, x) stores head j's output d, put_ml(j, max, sum) its max and sum
+// (into the workspace, or pushed to the cluster's blocks for their merge). A thread's
+// columns are unrolled, so their shared-memory reads overlap (a loop over them waited for
+// each in turn: ~1.9 us for the 2048 columns of 8/1/256, NOTES.md v10).
 template <int WARPS, int D, int SLOTS, class Where, class PutO, class PutMl>
 __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (*m_s)[8],
-                                                 const float (*l_s)[8], int group, Where where,
-                                                 PutO put_o, PutMl put_ml) {
+                                                 const float (*l_s)[8], const float (*w_s)[8],
+                                                 int group, Where where, PutO put_o,
+                                                 PutMl put_ml) {
     if (threadIdx.x < group) {
         const int j = threadIdx.x;
-        const float mb = mb_of<WARPS>(m_s, j);
         float lb = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w)
-            if (m_s[w][j] != -INFINITY) lb += l_s[w][j] * fx_exp2(m_s[w][j] - mb);
-        put_ml(j, mb, lb);
+        for (int w = 0; w < WARPS; ++w) lb += l_s[w][j] * w_s[w][j];
+        put_ml(j, mb_of<WARPS>(m_s, j), lb);
     }
-    for (int i = threadIdx.x; i < group * D; i += WARPS * 32) {
+    constexpr int THREADS = WARPS * 32, PER = (8 * D + THREADS - 1) / THREADS;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        if (i >= group * D) break;
         const int j = i / D, d = i % D;
         int slot, tig;
         where(d, slot, tig);
         const int src = j * 4 + tig;
-        const float mb = mb_of<WARPS>(m_s, j);
         float acc = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float mw = m_s[w][j];
-            if (mw != -INFINITY) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * fx_exp2(mw - mb);
-        }
+        for (int w = 0; w < WARPS; ++w) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * w_s[w][j];
         put_o(j, d, acc);
     }
 }
@@ -619,12 +633,13 @@ __device__ __forceinline__ void fx_cluster_merge(const float* recv, T* __restric
 // the output.
 template <bool CLUSTER, int WARPS, int D, int SLOTS, int RING, class T, class Where>
 __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
-                                          const float (*l_s)[8], float* ws_o, float* ws_ml,
+                                          const float (*l_s)[8], const float (*w_s)[8],
+                                          float* ws_o, float* ws_ml,
                                           T* out, int h0, int group, int splits, int split,
                                           int seq_len, const int* seq_len_dev, Where where) {
     if (!CLUSTER) {
         fx_write_partial<WARPS, D, SLOTS>(
-            o_f, m_s, l_s, group, where,
+            o_f, m_s, l_s, w_s, group, where,
             [&](int j, int d, float x) {
                 ws_o[((long long)(h0 + j) * splits + split) * D + d] = x;
             },
@@ -642,7 +657,7 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
     const int slots = (group * D / 4 + (int)blocks - 1) / (int)blocks;
     fx_cluster_wait();  // every block of the cluster has started: its shared memory exists
     fx_write_partial<WARPS, D, SLOTS>(
-        o_f, m_s, l_s, group, where,
+        o_f, m_s, l_s, w_s, group, where,
         [&](int j, int d, float x) {  // unit u: to block u % blocks, [rank][u / blocks]
             const int u = (j * D + d) >> 2;
             const int at =
@@ -671,6 +686,7 @@ __device__ __forceinline__ void gqa_split_mma(
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     __shared__ float m_s[WARPS][8];
     __shared__ float l_s[WARPS][8];
+    __shared__ float w_s[WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     const int split = blockIdx.x;
@@ -821,7 +837,8 @@ __device__ __forceinline__ void gqa_split_mma(
     static_assert(WARPS * SLOTS * FX_OPAD * 4 <= WARPS * S * 2 * STEP * (int)sizeof(T),
                   "the merge area must fit in the ring");
     float* o_f = reinterpret_cast<float*>(fx_dyn_smem);
-    __syncthreads();  // every warp is past its loop: the rings are free
+    __syncthreads();  // every warp is past its loop: the rings are free; m_s complete
+    fx_warp_weights<WARPS>(m_s, w_s);
     fx_park_fragments(o_f, oacc, warp, lane);
     __syncthreads();
     // d = hb*64 + tig*16 + c*8 + e is slot hb*16 + e*2 + c of lane 4*head + tig (see oacc)
@@ -830,7 +847,8 @@ __device__ __forceinline__ void gqa_split_mma(
         t = (d % 64) / 16;
     };
     fx_finish<CLUSTER, WARPS, D, SLOTS, WARPS * S * 2 * STEP * (int)sizeof(T)>(
-        o_f, m_s, l_s, ws_o, ws_ml, out, h0, group, splits, split, seq_len, seq_len_dev, where);
+        o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0, group, splits, split, seq_len, seq_len_dev,
+        where);
 }
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
@@ -957,6 +975,7 @@ __device__ __forceinline__ void gqa_split_tc32(
     constexpr int STEP = TOK * D;  // floats of one step's K (or V)
     __shared__ float m_s[WARPS][8];
     __shared__ float l_s[WARPS][8];
+    __shared__ float w_s[WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     const int split = blockIdx.x;
@@ -1115,7 +1134,8 @@ __device__ __forceinline__ void gqa_split_tc32(
     static_assert(WARPS * SLOTS * FX_OPAD <= WARPS * S * 2 * STEP,
                   "the merge area must fit in the ring");
     float* o_f = reinterpret_cast<float*>(fx_dyn_smem);
-    __syncthreads();  // every warp is past its loop: the rings are free
+    __syncthreads();  // every warp is past its loop: the rings are free; m_s complete
+    fx_warp_weights<WARPS>(m_s, w_s);
     fx_park_fragments(o_f, oacc, warp, lane);
     __syncthreads();
     // d = 32q + 4n + j with n = 2tig + c is slot q*8 + j*2 + c of lane 4*head + tig
@@ -1125,7 +1145,8 @@ __device__ __forceinline__ void gqa_split_tc32(
         t = n >> 1;
     };
     fx_finish<CLUSTER, WARPS, D, SLOTS, WARPS * S * 2 * STEP * (int)sizeof(float)>(
-        o_f, m_s, l_s, ws_o, ws_ml, out, h0, group, splits, split, seq_len, seq_len_dev, where);
+        o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0, group, splits, split, seq_len, seq_len_dev,
+        where);
 }
 
 #define FX_TC32_ENTRY(NAME, D)                                                              \
