@@ -42,8 +42,8 @@ Variant = tuple[str, tuple[str, ...], int, int]
 
 # (q heads, kv heads, head_dim) -> variants
 VARIANTS = {
-    (32, 8, 128): [variant(128, 4), variant(128, 2, 8), variant(128, 3, 8)],
-    (32, 32, 128): [variant(128, 4), variant(128, 2, 8), variant(128, 3, 8)],
+    (32, 8, 128): [variant(128, 4), variant(128, 6), variant(128, 3, 8)],
+    (32, 32, 128): [variant(128, 4), variant(128, 6), variant(128, 3, 8)],
     (16, 2, 64): [variant(64, 4), variant(64, 6), variant(64, 8), variant(64, 4, 8)],
     (8, 1, 256): [variant(256, 3), variant(256, 2, 6)],
 }

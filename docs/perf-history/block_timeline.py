@@ -1,0 +1,143 @@
+"""When do the split kernel's blocks start, leave their loop and finish? A copy of the
+fp16/bf16 tensor-core kernel (combine plans) that reads %globaltimer (ns) at its start,
+after each warp's main loop and at its end, into scratch past the workspace; one decode (the last
+of a run over rotated KV sets, so from memory), eager.
+
+    PYTHONPATH=. python3 docs/perf-history/block_timeline.py
+
+Per point, microseconds from the first block's start: the spread over the blocks of their
+start, their first and last warp's loop end, and their end (min / median / 90th percentile
+/ max). The last block's end is what the combine kernel waits for; a wide spread of loop
+ends at equal work is the memory system serving the blocks (or warps) unevenly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import ml_dtypes
+import numpy as np
+
+os.environ["FERROX_CLUSTER"] = "0"
+
+import ferrox_driver as fd
+from ferrox_driver.attention import launch_split, plan_split
+from ferrox_driver.bench_decode import fill_uniform, rotated_kv_sets
+from ferrox_driver.compiler import compile_source, kernel_source
+from ferrox_driver.launch import Module
+
+DT = ml_dtypes.bfloat16
+CASES = [
+    ((32, 8, 128), [4096, 32768, 131072]),
+    ((32, 32, 128), [32768]),
+    ((28, 4, 128), [32768]),
+    ((16, 2, 64), [32768, 131072]),
+    ((8, 1, 256), [131072]),
+]
+NOW = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(NAME));'
+# the end of gqa_split_mma: its fx_finish call (T: not the fp32 kernel's)
+FINISH = re.compile(
+    r"(    fx_finish<CLUSTER, WARPS, D, SLOTS, WARPS \* S \* 2 \* STEP \* \(int\)sizeof\(T\)>"
+    r"\([^;]*;)\n}"
+)
+END = (
+    "\n    __syncthreads();\n    "
+    + NOW.replace("NAME", "t_end")
+    + "\n    if (threadIdx.x == 0) {\n"
+    "        unsigned long long* tb = reinterpret_cast<unsigned long long*>(\n"
+    "            ws_ml + (long long)n_heads * splits * 2)\n"
+    "            + 10 * (blockIdx.y * gridDim.x + split);\n"
+    "        tb[0] = t_start; tb[1] = t_end;\n"
+    "        for (int w = 0; w < WARPS; ++w) tb[2 + w] = t_warp[w];\n"
+    "    }\n}"
+)
+EDITS = [
+    (
+        "    const int split = blockIdx.x;\n    int start, end;\n"
+        "    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(T),",
+        "    const int split = blockIdx.x;\n    unsigned long long t_start, t_loop, t_end;\n    "
+        + NOW.replace("NAME", "t_start")
+        + "\n    int start, end;\n"
+        "    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(T),",
+    ),
+    (  # every warp's loop end, kept in shared memory until the block's end
+        "    fx_cp_async_wait<0>();  // no copy may land after the block has left",
+        "    fx_cp_async_wait<0>();  // no copy may land after the block has left\n    "
+        + NOW.replace("NAME", "t_loop")
+        + "\n    __shared__ unsigned long long t_warp[WARPS];\n"
+        "    if (lane == 0) t_warp[warp] = t_loop;",
+    ),
+]
+
+
+def timeline_source() -> str:
+    src = kernel_source("gqa_decode_split.cu")
+    for anchor, replacement in EDITS:
+        assert src.count(anchor) == 1, anchor
+        src = src.replace(anchor, replacement)
+    src, n = FINISH.subn(lambda m: m.group(1) + END, src)
+    assert n == 1, n
+    return src
+
+
+def spread(x: np.ndarray) -> str:
+    q = np.percentile(x, [0, 50, 90, 100]) / 1e3
+    return "/".join(f"{v:.1f}" for v in q)
+
+
+def main() -> None:
+    dev = fd.Device(0)
+    stream = fd.Stream()
+    module = Module(compile_source(timeline_source(), name="timeline.cu"), dev)
+    print("us from the first block's start: min/median/p90/max")
+    for (n_heads, n_kv, hd), seqs in CASES:
+        q = fd.empty((n_heads, hd), DT)
+        out = fd.empty((n_heads, hd), DT)
+        fill_uniform(q, 1, stream)
+        for seq in seqs:
+            plan = plan_split(dev, DT, n_heads, n_kv, hd, seq)
+            kernel = module.get_function(plan.kernel)
+            sets, _ = rotated_kv_sets(seq, n_kv, hd, DT, stream, dev)
+            blocks = plan.splits * n_kv
+            floats = plan.workspace_floats(n_heads, hd)
+            ws = fd.to_device(np.zeros(floats + 20 * blocks + 2, np.float32))
+            for k, v in sets:
+                launch_split(
+                    plan,
+                    q,
+                    k,
+                    v,
+                    out,
+                    ws,
+                    n_heads=n_heads,
+                    n_kv_heads=n_kv,
+                    head_dim=hd,
+                    seq_len=seq,
+                    seq_len_dev=None,
+                    stream=stream,
+                    kernel=kernel,
+                )
+            stream.synchronize()
+            t = ws.to_host()[floats : floats + 20 * blocks].view(np.uint64).reshape(blocks, 10)
+            t = t[t[:, 0] > 0].astype(np.int64)
+            warps = plan.threads // 32
+            t0 = t[:, 0].min()
+            loops = t[:, 2 : 2 + warps]
+            print(
+                f"{n_heads}/{n_kv}/{hd} bf16 {seq:>6} ({len(t)} blocks): "
+                f"start {spread(t[:, 0] - t0)}  first warp's loop end "
+                f"{spread(loops.min(1) - t0)}  last warp's {spread(loops.max(1) - t0)}  "
+                f"end {spread(t[:, 1] - t0)}",
+                flush=True,
+            )
+            ws.close()
+            for k, v in sets:
+                k.close()
+                v.close()
+        q.close()
+        out.close()
+
+
+if __name__ == "__main__":
+    main()
