@@ -457,8 +457,9 @@ __device__ __forceinline__ void fx_warp_weights(const float (*m_s)[8], float (*w
 // (fx_warp_weights); where(d, slot, tig) says which slot of lane 4 * head + tig holds
 // column d. put_o(j, d, x) stores head j's output d, put_ml(j, max, sum) its max and sum
 // (into the workspace, or pushed to the cluster's blocks for their merge). A thread's
-// columns are unrolled, so their shared-memory reads overlap (a loop over them waited for
-// each in turn: ~1.9 us for the 2048 columns of 8/1/256, NOTES.md v10).
+// columns stop at the group's last; each waits for its reads (1.3 us for the 2048 columns
+// of 8/1/256), but computing every row's columns, so the reads could overlap, measured
+// 4-8% slower at short lengths and 0.7% faster on 8/1/256 (NOTES.md v10).
 template <int WARPS, int D, int SLOTS, class Where, class PutO, class PutMl>
 __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (*m_s)[8],
                                                  const float (*l_s)[8], const float (*w_s)[8],
