@@ -1,14 +1,17 @@
 """When do the split kernel's blocks start, leave their loop and finish? A copy of the
 fp16/bf16 tensor-core kernel (combine plans) that reads %globaltimer (ns) at its start,
-after each warp's main loop and at its end, into scratch past the workspace; one decode (the last
-of a run over rotated KV sets, so from memory), eager.
+after each warp's main loop, at two points of its epilogue and at its end, into scratch
+past the workspace; one decode (the last of a run over rotated KV sets, so from memory),
+eager.
 
     PYTHONPATH=. python3 docs/perf-history/block_timeline.py
 
 Per point, microseconds from the first block's start: the spread over the blocks of their
 start, their first and last warp's loop end, and their end (min / median / 90th percentile
-/ max). The last block's end is what the combine kernel waits for; a wide spread of loop
-ends at equal work is the memory system serving the blocks (or warps) unevenly.
+/ max); then the epilogue's stages, from the last warp's loop end: warp statistics parked
+(a barrier), fragments parked (a barrier), the end (partial written). The last block's end
+is what the combine kernel waits for; a wide spread of loop ends at equal work is the
+memory system serving the blocks (or warps) unevenly.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ END = (
     + "\n    if (threadIdx.x == 0) {\n"
     "        unsigned long long* tb = reinterpret_cast<unsigned long long*>(\n"
     "            ws_ml + (long long)n_heads * splits * 2)\n"
-    "            + 10 * (blockIdx.y * gridDim.x + split);\n"
+    "            + 12 * (blockIdx.y * gridDim.x + split);\n"
     "        tb[0] = t_start; tb[1] = t_end;\n"
+    "        tb[10] = t_stats; tb[11] = t_parked;\n"
     "        for (int w = 0; w < WARPS; ++w) tb[2 + w] = t_warp[w];\n"
     "    }\n}"
 )
@@ -68,6 +72,14 @@ EDITS = [
         + "\n    __shared__ unsigned long long t_warp[WARPS];\n"
         "    if (lane == 0) t_warp[warp] = t_loop;",
     ),
+    (  # the epilogue's stages: warp statistics parked (barrier), fragments parked (barrier)
+        "    fx_warp_weights<WARPS>(m_s, w_s);\n    fx_park_fragments(o_f, oacc, warp, lane);\n"
+        "    __syncthreads();\n    // d = hb*64",
+        "    unsigned long long t_stats, t_parked;\n    "
+        + NOW.replace("NAME", "t_stats")
+        + "\n    fx_warp_weights<WARPS>(m_s, w_s);\n    fx_park_fragments(o_f, oacc, warp, lane);\n"
+        "    __syncthreads();\n    " + NOW.replace("NAME", "t_parked") + "\n    // d = hb*64",
+    ),
 ]
 
 
@@ -81,9 +93,9 @@ def timeline_source() -> str:
     return src
 
 
-def spread(x: np.ndarray) -> str:
+def spread(x: np.ndarray, digits: int = 1) -> str:
     q = np.percentile(x, [0, 50, 90, 100]) / 1e3
-    return "/".join(f"{v:.1f}" for v in q)
+    return "/".join(f"{v:.{digits}f}" for v in q)
 
 
 def main() -> None:
@@ -101,7 +113,7 @@ def main() -> None:
             sets, _ = rotated_kv_sets(seq, n_kv, hd, DT, stream, dev)
             blocks = plan.splits * n_kv
             floats = plan.workspace_floats(n_heads, hd)
-            ws = fd.to_device(np.zeros(floats + 20 * blocks + 2, np.float32))
+            ws = fd.to_device(np.zeros(floats + 24 * blocks + 2, np.float32))
             for k, v in sets:
                 launch_split(
                     plan,
@@ -119,7 +131,7 @@ def main() -> None:
                     kernel=kernel,
                 )
             stream.synchronize()
-            t = ws.to_host()[floats : floats + 20 * blocks].view(np.uint64).reshape(blocks, 10)
+            t = ws.to_host()[floats : floats + 24 * blocks].view(np.uint64).reshape(blocks, 12)
             t = t[t[:, 0] > 0].astype(np.int64)
             warps = plan.threads // 32
             t0 = t[:, 0].min()
@@ -128,7 +140,9 @@ def main() -> None:
                 f"{n_heads}/{n_kv}/{hd} bf16 {seq:>6} ({len(t)} blocks): "
                 f"start {spread(t[:, 0] - t0)}  first warp's loop end "
                 f"{spread(loops.min(1) - t0)}  last warp's {spread(loops.max(1) - t0)}  "
-                f"end {spread(t[:, 1] - t0)}",
+                f"end {spread(t[:, 1] - t0)}; from the last warp's loop end: statistics "
+                f"parked {spread(t[:, 10] - loops.max(1), 2)}, fragments parked "
+                f"{spread(t[:, 11] - loops.max(1), 2)}, end {spread(t[:, 1] - loops.max(1), 2)}",
                 flush=True,
             )
             ws.close()
