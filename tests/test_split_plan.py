@@ -84,6 +84,20 @@ def test_the_cluster_receive_area_holds_every_blocks_share_of_the_output():
                 assert 4 * floats <= attention.cluster_recv_bytes(head_dim), (head_dim, group)
 
 
+def test_the_hosts_receive_area_is_the_kernels():
+    """cluster_recv_bytes repeats FX_RECV_FLOATS (a macro of head_dim, which kernel_define
+    cannot read); a kernel given less traps, so the two must not drift apart."""
+    match = re.search(
+        r"^#define FX_RECV_FLOATS\(D\) (.+)$", kernel_source(attention.SPLIT_FILE), re.M
+    )
+    assert match, "FX_RECV_FLOATS(D) is not defined on one line"
+    for head_dim in attention.MMA_HEAD_DIMS:
+        expr = match[1].replace("FX_MAX_CLUSTER", str(attention.MAX_CLUSTER))
+        expr = expr.replace("(D)", f"({head_dim})")
+        assert re.fullmatch(r"[0-9+*() ]+", expr), expr  # plain arithmetic, safe to evaluate
+        assert 4 * eval(expr) == attention.cluster_recv_bytes(head_dim), head_dim
+
+
 def test_fp32_takes_tensor_cores_for_large_groups_and_group_four_up_to_32k(monkeypatch):
     assert [g for g in range(1, 17) if attention.tc32_for(g, 131072)] == [5, 6, 7, 8]
     assert [g for g in range(1, 17) if attention.tc32_for(g, 32768)] == [4, 5, 6, 7, 8]
