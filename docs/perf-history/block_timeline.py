@@ -19,24 +19,20 @@ from __future__ import annotations
 import os
 import re
 
-import ml_dtypes
 import numpy as np
 
 os.environ["FERROX_CLUSTER"] = "0"
 
-import ferrox_driver as fd
-from ferrox_driver.attention import launch_split, plan_split
-from ferrox_driver.bench_decode import fill_uniform, rotated_kv_sets
-from ferrox_driver.compiler import compile_source, kernel_source
-from ferrox_driver.launch import Module
+from points import edited_source, load_variant, points
 
-DT = ml_dtypes.bfloat16
+import ferrox_driver as fd
+
 CASES = [
-    ((32, 8, 128), [4096, 32768, 131072]),
-    ((32, 32, 128), [32768]),
-    ((28, 4, 128), [32768]),
-    ((16, 2, 64), [32768, 131072]),
-    ((8, 1, 256), [131072]),
+    ((32, 8, 128), "bf16", [4096, 32768, 131072]),
+    ((32, 32, 128), "bf16", [32768]),
+    ((28, 4, 128), "bf16", [32768]),
+    ((16, 2, 64), "bf16", [32768, 131072]),
+    ((8, 1, 256), "bf16", [131072]),
 ]
 NOW = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(NAME));'
 # the end of gqa_split_mma: its fx_finish call (T: not the fp32 kernel's)
@@ -84,11 +80,7 @@ EDITS = [
 
 
 def timeline_source() -> str:
-    src = kernel_source("gqa_decode_split.cu")
-    for anchor, replacement in EDITS:
-        assert src.count(anchor) == 1, anchor
-        src = src.replace(anchor, replacement)
-    src, n = FINISH.subn(lambda m: m.group(1) + END, src)
+    src, n = FINISH.subn(lambda m: m.group(1) + END, edited_source(EDITS))
     assert n == 1, n
     return src
 
@@ -99,58 +91,33 @@ def spread(x: np.ndarray, digits: int = 1) -> str:
 
 
 def main() -> None:
-    dev = fd.Device(0)
     stream = fd.Stream()
-    module = Module(compile_source(timeline_source(), name="timeline.cu"), dev)
+    module = load_variant(timeline_source(), "timeline.cu")
     print("us from the first block's start: min/median/p90/max")
-    for (n_heads, n_kv, hd), seqs in CASES:
-        q = fd.empty((n_heads, hd), DT)
-        out = fd.empty((n_heads, hd), DT)
-        fill_uniform(q, 1, stream)
-        for seq in seqs:
-            plan = plan_split(dev, DT, n_heads, n_kv, hd, seq)
-            kernel = module.get_function(plan.kernel)
-            sets, _ = rotated_kv_sets(seq, n_kv, hd, DT, stream, dev)
-            blocks = plan.splits * n_kv
-            floats = plan.workspace_floats(n_heads, hd)
-            ws = fd.to_device(np.zeros(floats + 24 * blocks + 2, np.float32))
-            for k, v in sets:
-                launch_split(
-                    plan,
-                    q,
-                    k,
-                    v,
-                    out,
-                    ws,
-                    n_heads=n_heads,
-                    n_kv_heads=n_kv,
-                    head_dim=hd,
-                    seq_len=seq,
-                    seq_len_dev=None,
-                    stream=stream,
-                    kernel=kernel,
-                )
-            stream.synchronize()
-            t = ws.to_host()[floats : floats + 24 * blocks].view(np.uint64).reshape(blocks, 12)
-            t = t[t[:, 0] > 0].astype(np.int64)
-            warps = plan.threads // 32
-            t0 = t[:, 0].min()
-            loops = t[:, 2 : 2 + warps]
-            print(
-                f"{n_heads}/{n_kv}/{hd} bf16 {seq:>6} ({len(t)} blocks): "
-                f"start {spread(t[:, 0] - t0)}  first warp's loop end "
-                f"{spread(loops.min(1) - t0)}  last warp's {spread(loops.max(1) - t0)}  "
-                f"end {spread(t[:, 1] - t0)}; from the last warp's loop end: statistics "
-                f"parked {spread(t[:, 10] - loops.max(1), 2)}, fragments parked "
-                f"{spread(t[:, 11] - loops.max(1), 2)}, end {spread(t[:, 1] - loops.max(1), 2)}",
-                flush=True,
-            )
-            ws.close()
-            for k, v in sets:
-                k.close()
-                v.close()
-        q.close()
-        out.close()
+    for p in points(CASES, stream):
+        plan = p.plan()
+        kernel = module.get_function(plan.kernel)
+        blocks = plan.splits * p.n_kv
+        floats = plan.workspace_floats(p.n_heads, p.head_dim)
+        ws = fd.to_device(np.zeros(floats + 24 * blocks + 2, np.float32))
+        for kv in p.sets:  # the last decode's times stay
+            p.decode(plan, ws, kernel, kv)
+        stream.synchronize()
+        t = ws.to_host()[floats : floats + 24 * blocks].view(np.uint64).reshape(blocks, 12)
+        ws.close()
+        t = t[t[:, 0] > 0].astype(np.int64)
+        warps = plan.threads // 32
+        t0 = t[:, 0].min()
+        loops = t[:, 2 : 2 + warps]
+        print(
+            f"{p.label} ({len(t)} blocks): "
+            f"start {spread(t[:, 0] - t0)}  first warp's loop end "
+            f"{spread(loops.min(1) - t0)}  last warp's {spread(loops.max(1) - t0)}  "
+            f"end {spread(t[:, 1] - t0)}; from the last warp's loop end: statistics "
+            f"parked {spread(t[:, 10] - loops.max(1), 2)}, fragments parked "
+            f"{spread(t[:, 11] - loops.max(1), 2)}, end {spread(t[:, 1] - loops.max(1), 2)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -15,14 +15,10 @@ import dataclasses
 import math
 import sys
 
-import ml_dtypes
-import numpy as np
+from points import CEILING, points
 
 import ferrox_driver as fd
-from ferrox_driver.attention import plan_split
-from ferrox_driver.bench_decode import fill_uniform, rotated_kv_sets, time_split_plan
 
-DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
 CASES = [
     ((16, 2, 64), "bf16", [32768, 131072]),
     ((16, 2, 64), "bf16", [8192]),
@@ -37,48 +33,31 @@ CASES = [
 
 
 def main() -> None:
-    stream = fd.Stream()
-    only = sys.argv[1:]
-    for (n_heads, n_kv, hd), dtn, seqs in CASES:
-        if [a for a in only if a != "div"] and f"{n_heads}/{n_kv}/{hd}" not in only:
-            continue
-        dt = DTYPES[dtn]
-        item = np.dtype(dt).itemsize
-        q = fd.empty((n_heads, hd), dt)
-        out = fd.empty((n_heads, hd), dt)
-        fill_uniform(q, 1, stream)
-        for seq in seqs:
-            plan = plan_split(fd.Device(0), dt, n_heads, n_kv, hd, seq)
-            kv_bytes = 2 * seq * n_kv * hd * item
-            sets, chain = rotated_kv_sets(seq, n_kv, hd, dt, stream, fd.Device(0))
-            cells = []
-            variants = [(f"{plan.splits}", plan)]
-            if "div" in only:  # fewer, longer chunks (many-chunks.log)
-                for div in (2, 4):
-                    if not plan.cluster and plan.splits // div >= 1:
-                        p = dataclasses.replace(plan, splits=plan.splits // div)
-                        variants.append((f"{p.splits}", p))
-            if plan.tile != 16 and not plan.cluster:  # as many busy blocks as the splits
-                variants.append((f"{plan.splits} t16", dataclasses.replace(plan, tile=16)))
-            for label, p in variants:
-                chunk = math.ceil(math.ceil(seq / p.splits) / p.tile) * p.tile
-                busy = -(-seq // chunk) * n_kv
-                parts = ("main", "combine", "both") if not p.cluster else ("both",)
-                us = [time_split_plan(p, q, out, sets, chain, stream, parts=x) for x in parts]
-                pct = 100 * kv_bytes / (us[-1] * 1e-6) / 4.35e12
-                times = " / ".join(f"{t:.1f}" for t in us)
-                cells.append(f"{label} ({busy} busy): {times} ({pct:.0f}%)")
-            ideal = kv_bytes / 4.35e12 * 1e6
-            print(
-                f"{n_heads}/{n_kv}/{hd} {dtn} {seq:>6} {plan.kernel} t{plan.tile} "
-                f"[ideal {ideal:.1f}]: " + "   ".join(cells),
-                flush=True,
-            )
-            for k, v in sets:
-                k.close()
-                v.close()
-        q.close()
-        out.close()
+    args = sys.argv[1:]
+    shapes = [a for a in args if a != "div"]
+    for p in points(CASES, fd.Stream(), shapes):
+        plan = p.plan()
+        variants = [(f"{plan.splits}", plan)]
+        if "div" in args:  # fewer, longer chunks (many-chunks.log)
+            for div in (2, 4):
+                if not plan.cluster and plan.splits // div >= 1:
+                    fewer = dataclasses.replace(plan, splits=plan.splits // div)
+                    variants.append((f"{fewer.splits}", fewer))
+        if plan.tile != 16 and not plan.cluster:  # as many busy blocks as the splits
+            variants.append((f"{plan.splits} t16", dataclasses.replace(plan, tile=16)))
+        cells = []
+        for label, v in variants:
+            chunk = math.ceil(math.ceil(p.seq / v.splits) / v.tile) * v.tile
+            busy = -(-p.seq // chunk) * p.n_kv
+            parts = ("main", "combine", "both") if not v.cluster else ("both",)
+            us = [p.time(v, parts=x) for x in parts]
+            times = " / ".join(f"{t:.1f}" for t in us)
+            cells.append(f"{label} ({busy} busy): {times} ({p.pct(us[-1]):.0f}%)")
+        ideal = p.kv_bytes / CEILING * 1e6
+        print(
+            f"{p.label} {plan.kernel} t{plan.tile} [ideal {ideal:.1f}]: " + "   ".join(cells),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -15,15 +15,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import ml_dtypes
 import numpy as np
+from points import points
 
 import ferrox_driver as fd
-from ferrox_driver.attention import MAX_SPLITS, _blocks_per_sm, clusters_fit, plan_split
-from ferrox_driver.bench_decode import fill_uniform, rotated_kv_sets, time_split_plan
+from ferrox_driver.attention import MAX_SPLITS, _blocks_per_sm, clusters_fit
 from ferrox_driver.module_cache import get_kernel
 
-DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
 CASES = [
     ((32, 32, 128), "bf16", [32768, 131072]),
     ((32, 8, 128), "bf16", [4096, 32768, 131072]),
@@ -63,39 +61,19 @@ def candidates(plan, seq, n_kv, wave, dev, hd, item):  # type: ignore[no-untyped
 
 
 def main() -> None:
-    dev = fd.Device(0)
     stream = fd.Stream()
-    only = sys.argv[1:]
-    for (n_heads, n_kv, hd), dtn, seqs in CASES:
-        if only and f"{n_heads}/{n_kv}/{hd}" not in only:
-            continue
-        dt = DTYPES[dtn]
-        item = np.dtype(dt).itemsize
-        q = fd.empty((n_heads, hd), dt)
-        out = fd.empty((n_heads, hd), dt)
-        fill_uniform(q, 1, stream)
-        for seq in seqs:
-            plan = plan_split(dev, dt, n_heads, n_kv, hd, seq)
-            kern = get_kernel("gqa_decode_split.cu", plan.kernel, dev)
-            bps = _blocks_per_sm(kern, dev, plan.threads, plan.shared_bytes(hd, item))
-            wave = bps * dev.multiprocessor_count
-            kv_bytes = 2 * seq * n_kv * hd * item
-            sets, chain = rotated_kv_sets(seq, n_kv, hd, dt, stream, dev)
-            cells = []
-            for label, p in candidates(plan, seq, n_kv, wave, dev, hd, item):
-                us = time_split_plan(p, q, out, sets, chain, stream)
-                pct = 100 * kv_bytes / (us * 1e-6) / 4.35e12
-                cells.append(f"{label} {us:.1f} ({pct:.0f}%)")
-            print(
-                f"{n_heads}/{n_kv}/{hd} {dtn} {seq:>6} [{bps}/SM, wave {wave}]: "
-                + "  ".join(cells),
-                flush=True,
-            )
-            for k, v in sets:
-                k.close()
-                v.close()
-        q.close()
-        out.close()
+    dev = stream.device
+    for p in points(CASES, stream, sys.argv[1:]):
+        plan = p.plan()
+        item = np.dtype(p.dtype).itemsize
+        kern = get_kernel("gqa_decode_split.cu", plan.kernel, dev)
+        bps = _blocks_per_sm(kern, dev, plan.threads, plan.shared_bytes(p.head_dim, item))
+        wave = bps * dev.multiprocessor_count
+        cells = []
+        for label, c in candidates(plan, p.seq, p.n_kv, wave, dev, p.head_dim, item):
+            us = p.time(c)
+            cells.append(f"{label} {us:.1f} ({p.pct(us):.0f}%)")
+        print(f"{p.label} [{bps}/SM, wave {wave}]: " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,126 @@
+"""The setup the docs/perf-history experiments share: for each (shape, dtype, seq_len) point,
+q and out (q uniform in [-1, 1)), the benchmark's rotated KV sets, and the decode, timing
+and bookkeeping helpers; everything is closed when the caller moves on. And kernel
+variants: the split-kernel file with anchored edits, compiled and loaded.
+
+    for p in points(CASES, stream, only):
+        us = p.time(p.plan())
+        print(p.label, f"{us:.1f} us ({p.pct(us):.0f}%)")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+import ferrox_driver as fd
+from ferrox_driver.attention import SplitPlan, launch_split, plan_split
+from ferrox_driver.bench_decode import KVSets, fill_uniform, rotated_kv_sets, time_split_plan
+from ferrox_driver.compiler import compile_source, kernel_source
+from ferrox_driver.launch import Module
+
+DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+CEILING = 4.35e12  # bytes/s: the percentages' nominal read ceiling (the bench measures its own)
+Case = tuple[tuple[int, int, int], str, Sequence[int]]  # (q heads, kv heads, head_dim), dtype
+
+
+@dataclass
+class Point:
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    dtype_name: str
+    seq: int
+    q: fd.DeviceArray
+    out: fd.DeviceArray
+    sets: KVSets
+    chain: int  # decodes in one back-to-back graph
+    stream: fd.Stream
+
+    @property
+    def dtype(self) -> Any:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def label(self) -> str:
+        return f"{self.n_heads}/{self.n_kv}/{self.head_dim} {self.dtype_name} {self.seq:>6}"
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.seq * self.n_kv * self.head_dim * np.dtype(self.dtype).itemsize
+
+    def pct(self, us: float) -> float:
+        """Percent of CEILING that reading the KV cache in ``us`` microseconds is."""
+        return 100 * self.kv_bytes / (us * 1e-6) / CEILING
+
+    def plan(self) -> SplitPlan:
+        """plan_split's plan for this point."""
+        return plan_split(
+            self.q.device, self.dtype, self.n_heads, self.n_kv, self.head_dim, self.seq
+        )
+
+    def time(self, plan: SplitPlan, kernel: Any = None, parts: str = "both") -> float:
+        """Microseconds per decode, back to back over the rotated sets (time_split_plan)."""
+        return time_split_plan(
+            plan, self.q, self.out, self.sets, self.chain, self.stream, kernel, parts=parts
+        )
+
+    def decode(
+        self,
+        plan: SplitPlan,
+        workspace: fd.DeviceArray | None,
+        kernel: Any = None,
+        kv: tuple[fd.DeviceArray, fd.DeviceArray] | None = None,
+    ) -> None:
+        """Queue one decode of ``plan`` (``kernel`` replacing its split kernel) over ``kv``
+        (default: the first set) into ``out``."""
+        k, v = kv or self.sets[0]
+        launch_split(
+            plan, self.q, k, v, self.out, workspace, n_heads=self.n_heads, n_kv_heads=self.n_kv,
+            head_dim=self.head_dim, seq_len=self.seq, seq_len_dev=None, stream=self.stream,
+            kernel=kernel,
+        )  # fmt: skip
+
+
+def points(cases: Iterable[Case], stream: fd.Stream, only: Sequence[str] = ()) -> Iterator[Point]:
+    """Each case's points in turn (``only``: shapes such as "16/2/64" to keep; all when
+    empty), the arrays of one closed before the next is made."""
+    dev = stream.device
+    for (n_heads, n_kv, hd), dtype_name, seqs in cases:
+        if only and f"{n_heads}/{n_kv}/{hd}" not in only:
+            continue
+        dt = DTYPES[dtype_name]
+        q = fd.empty((n_heads, hd), dt, device=dev)
+        out = fd.empty((n_heads, hd), dt, device=dev)
+        fill_uniform(q, 1, stream)
+        try:
+            for seq in seqs:
+                sets, chain = rotated_kv_sets(seq, n_kv, hd, dt, stream, dev)
+                try:
+                    yield Point(n_heads, n_kv, hd, dtype_name, seq, q, out, sets, chain, stream)
+                finally:
+                    for k, v in sets:
+                        k.close()
+                        v.close()
+        finally:
+            q.close()
+            out.close()
+
+
+def edited_source(edits: Iterable[tuple[str, str]], src: str | None = None) -> str:
+    """``src`` (default: the split-kernel file) with each (anchor, replacement) applied; an
+    anchor must occur exactly once, so an edit cannot silently miss after the file moves."""
+    src = kernel_source("gqa_decode_split.cu") if src is None else src
+    for anchor, replacement in edits:
+        assert src.count(anchor) == 1, anchor
+        src = src.replace(anchor, replacement)
+    return src
+
+
+def load_variant(src: str, name: str, device: Any = None) -> Module:
+    """Compile a kernel-file variant and load it."""
+    return Module(compile_source(src, name=name), device)
