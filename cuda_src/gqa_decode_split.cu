@@ -456,10 +456,14 @@ __device__ __forceinline__ void fx_warp_weights(const float (*m_s)[8], float (*w
 // rows of FX_OPAD floats), m_s/l_s each warp's max and sum per head, w_s its weight
 // (fx_warp_weights); where(d, slot, tig) says which slot of lane 4 * head + tig holds
 // column d. put_o(j, d, x) stores head j's output d, put_ml(j, max, sum) its max and sum
-// (into the workspace, or pushed to the cluster's blocks for their merge). A thread's
-// columns stop at the group's last; each waits for its reads (1.3 us for the 2048 columns
-// of 8/1/256), but computing every row's columns, so the reads could overlap, measured
-// 4-8% slower at short lengths and 0.7% faster on 8/1/256 (NOTES.md v10).
+// (into the workspace, or pushed to the cluster's blocks for their merge).
+//
+// Thread t takes column d = t % D (and d + THREADS, ... where D > THREADS) of heads
+// j = t / D, + HS, + 2 HS, ... (HS = THREADS / D heads side by side, at least 1), so the
+// index arithmetic is done once, and it issues every read before its first store: a store
+// is a compiler barrier for the reads after it (the cluster's pushes are asm volatile),
+// and one column at a time, each waiting for its reads and a chain of integer divisions,
+// cost ~140 cycles per column (1.3 us for the 2048 columns of 8/1/256: NOTES.md v10-v11).
 template <int WARPS, int D, int SLOTS, class Where, class PutO, class PutMl>
 __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (*m_s)[8],
                                                  const float (*l_s)[8], const float (*w_s)[8],
@@ -472,19 +476,43 @@ __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (
         for (int w = 0; w < WARPS; ++w) lb += l_s[w][j] * w_s[w][j];
         put_ml(j, mb_of<WARPS>(m_s, j), lb);
     }
-    constexpr int THREADS = WARPS * 32, PER = (8 * D + THREADS - 1) / THREADS;
+    constexpr int THREADS = WARPS * 32;
+    static_assert(THREADS % D == 0 || D % THREADS == 0, "columns must tile the threads");
+    constexpr int HS = THREADS >= D ? THREADS / D : 1;  // heads side by side
+    constexpr int DC = THREADS >= D ? 1 : D / THREADS;  // columns of a head per thread
+    constexpr int R = (8 + HS - 1) / HS;                // heads per thread (of 8)
+    const int t = threadIdx.x;
+    const int j0 = THREADS >= D ? t / D : 0, d0 = t % D;
+    int at[DC];  // where column d0 + c * THREADS lies in a warp's area, less the head
 #pragma unroll
-    for (int k = 0; k < PER; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        if (i >= group * D) break;
-        const int j = i / D, d = i % D;
+    for (int c = 0; c < DC; ++c) {
         int slot, tig;
-        where(d, slot, tig);
-        const int src = j * 4 + tig;
-        float acc = 0.f;
+        where(d0 + c * THREADS, slot, tig);
+        at[c] = slot * FX_OPAD + tig;
+    }
+    float o[R][DC][WARPS], wt[R][WARPS];  // rows past the group: neither read nor written
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) acc += o_f[(w * SLOTS + slot) * FX_OPAD + src] * w_s[w][j];
-        put_o(j, d, acc);
+    for (int r = 0; r < R; ++r) {
+        const int j = j0 + r * HS;  // the same in a whole warp (D >= 64)
+        if (j >= group) break;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            wt[r][w] = w_s[w][j];
+#pragma unroll
+            for (int c = 0; c < DC; ++c) o[r][c][w] = o_f[w * SLOTS * FX_OPAD + at[c] + j * 4];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int j = j0 + r * HS;
+        if (j >= group) break;
+#pragma unroll
+        for (int c = 0; c < DC; ++c) {
+            float acc = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) acc += o[r][c][w] * wt[r][w];
+            put_o(j, d0 + c * THREADS, acc);
+        }
     }
 }
 
@@ -660,9 +688,8 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
     fx_write_partial<WARPS, D, SLOTS>(
         o_f, m_s, l_s, w_s, group, where,
         [&](int j, int d, float x) {  // unit u: to block u % blocks, [rank][u / blocks]
-            const int u = (j * D + d) >> 2;
-            const int at =
-                FX_MAX_CLUSTER * 16 + ((int)rank * slots + u / (int)blocks) * 4 + (d & 3);
+            const unsigned u = (unsigned)(j * D + d) >> 2;  // unsigned: a shorter division
+            const unsigned at = FX_MAX_CLUSTER * 16 + (rank * slots + u / blocks) * 4 + (d & 3);
             fx_cluster_store(recv_at + at * 4, u % blocks, x);
         },
         [&](int j, float m, float l) {  // every block needs every head's max and sum
