@@ -379,12 +379,14 @@ def launch_split(
     stream: Any,
     parts: str = "both",
     kernel: Kernel | None = None,
+    combine: Kernel | None = None,
 ) -> None:
     """Queue the split kernel of ``plan`` and the kernel combining its chunks
     (``parts="main"`` or ``"combine"`` queues one of them: the benchmark's cost split; a
     cluster plan has no combine kernel, its split kernel writes ``out``).
-    ``kernel`` replaces the split kernel by a variant with the same parameters, shaped as
-    ``plan`` says (docs/perf-history experiments)."""
+    ``kernel`` and ``combine`` replace the split and the combine kernel by variants with
+    the same parameters, the first shaped as ``plan`` says (docs/perf-history
+    experiments)."""
     dev = q.device
     heads = (np.int32(n_heads), np.int32(n_kv_heads))
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
@@ -436,7 +438,7 @@ def launch_split(
         )
     if parts == "main":
         return
-    combine = get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
+    combine = combine or get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
     combine.launch(
         (n_heads, -(-head_dim // 32)),
         COMBINE_THREADS,

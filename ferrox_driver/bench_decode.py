@@ -106,11 +106,12 @@ def time_split_plan(
     kernel: Any = None,
     iters: int = 30,
     parts: str = "both",
+    combine: Any = None,
 ) -> float:
     """Microseconds per decode of the split plan ``plan`` (attention.SplitPlan; ``kernel``
-    replaces its split kernel and ``parts`` picks the kernels to queue, as launch_split
-    allows), back to back: one captured graph of ``chain`` decodes over ``sets`` in turn
-    (docs/perf-history experiments)."""
+    and ``combine`` replace its kernels and ``parts`` picks the kernels to queue, as
+    launch_split allows), back to back: one captured graph of ``chain`` decodes over
+    ``sets`` in turn (docs/perf-history experiments)."""
     from .attention import launch_split, stream_workspace
 
     n_heads, head_dim = q.shape
@@ -137,6 +138,7 @@ def time_split_plan(
             stream=stream,
             kernel=kernel,
             parts=parts,
+            combine=combine,
         )
 
     decode()

@@ -1,6 +1,7 @@
-"""A change to the split kernels against the source before it: the same bits out, and the
-time per decode of each, for the plans plan_split makes (cluster and combine plans), in
-the benchmark's back-to-back harness over rotated KV sets.
+"""A change to the split-kernel file against the source before it: the same bits out, and
+the time per decode of each (its split and combine kernels both from the file compared),
+for the plans plan_split makes (cluster and combine plans), in the benchmark's
+back-to-back harness over rotated KV sets.
 
     PYTHONPATH=. python3 docs/perf-history/kernel_compare.py OLD.cu [shape ...]
 
@@ -39,20 +40,23 @@ def main() -> None:
     modules = {k: load_variant(src, f"{k}.cu") for k, src in sources.items()}
     for p in points(CASES, stream, sys.argv[2:]):
         plan = p.plan()
-        kernels = {k: m.get_function(plan.kernel) for k, m in modules.items()}
+        combine = f"gqa_split_combine_{p.dtype_name}"
+        kernels = {
+            k: (m.get_function(plan.kernel), m.get_function(combine)) for k, m in modules.items()
+        }
         floats = plan.workspace_floats(p.n_heads, p.head_dim)
         ws = stream_workspace(stream.device, stream, floats) if floats else None
         bits = []
         for kern in kernels.values():
             p.out.fill_bytes(0xFF, stream)  # NaN: an unwritten output shows
-            p.decode(plan, ws, kern)
+            p.decode(plan, ws, kern[0], combine=kern[1])
             stream.synchronize()
             bits.append(p.out.to_host().view(np.uint8).copy())
         same = np.array_equal(bits[0], bits[1])
         times: dict[str, float] = {}
         for _ in range(2):
             for k, kern in kernels.items():
-                us = p.time(plan, kern)
+                us = p.time(plan, kern[0], combine=kern[1])
                 times[k] = min(times.get(k, us), us)
         print(
             f"{p.label} {plan.kernel} ({plan.splits} chunks): "

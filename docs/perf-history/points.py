@@ -63,11 +63,14 @@ class Point:
             self.q.device, self.dtype, self.n_heads, self.n_kv, self.head_dim, self.seq
         )
 
-    def time(self, plan: SplitPlan, kernel: Any = None, parts: str = "both") -> float:
+    def time(
+        self, plan: SplitPlan, kernel: Any = None, parts: str = "both", combine: Any = None
+    ) -> float:
         """Microseconds per decode, back to back over the rotated sets (time_split_plan)."""
         return time_split_plan(
-            plan, self.q, self.out, self.sets, self.chain, self.stream, kernel, parts=parts
-        )
+            plan, self.q, self.out, self.sets, self.chain, self.stream, kernel, parts=parts,
+            combine=combine,
+        )  # fmt: skip
 
     def decode(
         self,
@@ -75,14 +78,15 @@ class Point:
         workspace: fd.DeviceArray | None,
         kernel: Any = None,
         kv: tuple[fd.DeviceArray, fd.DeviceArray] | None = None,
+        combine: Any = None,
     ) -> None:
-        """Queue one decode of ``plan`` (``kernel`` replacing its split kernel) over ``kv``
-        (default: the first set) into ``out``."""
+        """Queue one decode of ``plan`` (``kernel`` and ``combine`` replacing its kernels)
+        over ``kv`` (default: the first set) into ``out``."""
         k, v = kv or self.sets[0]
         launch_split(
             plan, self.q, k, v, self.out, workspace, n_heads=self.n_heads, n_kv_heads=self.n_kv,
             head_dim=self.head_dim, seq_len=self.seq, seq_len_dev=None, stream=self.stream,
-            kernel=kernel,
+            kernel=kernel, combine=combine,
         )  # fmt: skip
 
 
