@@ -702,6 +702,67 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
     fx_cluster_merge<T, D, WARPS * 32>(recv, out, h0, group, fx_seq_len(seq_len, seq_len_dev));
 }
 
+// One warp's K/V ring in the block's dynamic shared memory (fx_issue_step): S stages of
+// [K, V][TOK][D], the block's WARPS warps taking turns, so this warp's step j holds tokens
+// t0(j) .. t0(j) + TOK of the block's [start, end). fx_warp_ring queues the first S - 1.
+template <class T, int D, int TOK, int S, int WARPS>
+struct FxWarpRing {
+    T* ring;
+    const T* kg;  // the block's KV head at token 0
+    const T* vg;
+    long long row;  // elements from one token to the next
+    int start, end, warp, lane;
+    __device__ __forceinline__ int t0(int j) const {
+        return start + warp * TOK + j * (WARPS * TOK);
+    }
+    __device__ __forceinline__ void issue(int j) const {
+        fx_issue_step<T, D, TOK, S>(ring, j, t0(j), start, end, lane, kg, vg, row);
+    }
+    // step j's K rows (its V rows follow, TOK * D elements on)
+    __device__ __forceinline__ const T* k_stage(int j) const {
+        return ring + (j % S) * 2 * (TOK * D);
+    }
+};
+template <class T, int D, int TOK, int S, int WARPS>
+__device__ __forceinline__ FxWarpRing<T, D, TOK, S, WARPS> fx_warp_ring(
+    unsigned char* smem, const T* k, const T* v, int g_kv, int n_kv_heads, int start, int end,
+    int warp, int lane) {
+    const FxWarpRing<T, D, TOK, S, WARPS> r{
+        reinterpret_cast<T*>(smem) + warp * S * 2 * (TOK * D), k + (long long)g_kv * D,
+        v + (long long)g_kv * D, (long long)n_kv_heads * D, start, end, warp, lane};
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) r.issue(j);
+    return r;
+}
+
+// The tensor-core kernels' ending, once the warp's loop is done: the warps merged in a
+// fixed order (bitwise reproducible), then fx_finish. Each warp parks its running max and
+// sum, and, once every warp is past its loop (the rings are free), its unscaled O
+// accumulators oacc[A][B][2] in the ring in fragment order, [warp][slot][lane] with rows of
+// FX_OPAD floats: the writes are whole rows, and fx_write_partial's column-ordered reads
+// hit 32 different banks. (Serial warp-by-warp rounds over a row-major o_s cost 4 us, with
+// 16-way bank conflicts: NOTES.md v6.) `where` maps an output column to its fragment slot.
+template <bool CLUSTER, int WARPS, int D, int RING, class T, int A, int B, class Where>
+__device__ __forceinline__ void fx_merge_warps(unsigned char* smem, float m_run, float l_run,
+                                               const float (&oacc)[A][B][2], float* ws_o,
+                                               float* ws_ml, T* out, int h0, int group,
+                                               int splits, int split, int seq_len,
+                                               const int* seq_len_dev, Where where) {
+    constexpr int SLOTS = A * B * 2;  // accumulators per lane
+    static_assert(WARPS * SLOTS * FX_OPAD * 4 <= RING, "the merge area must fit in the ring");
+    __shared__ float m_s[WARPS][8];
+    __shared__ float l_s[WARPS][8];
+    __shared__ float w_s[WARPS][8];
+    fx_park_warp_stats(m_run, l_run, m_s, l_s);
+    float* o_f = reinterpret_cast<float*>(smem);
+    __syncthreads();  // every warp is past its loop: the rings are free; m_s complete
+    fx_warp_weights<WARPS>(m_s, w_s);
+    fx_park_fragments(o_f, oacc, threadIdx.x >> 5, threadIdx.x & 31);
+    __syncthreads();
+    fx_finish<CLUSTER, WARPS, D, SLOTS, RING>(o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0, group,
+                                              splits, split, seq_len, seq_len_dev, where);
+}
+
 // CLUSTER: the launch makes the `splits` blocks of a KV head one cluster, which merges its
 // partials (fx_cluster_merge) and writes `out`; the workspace is not used.
 template <class T, int D, bool CLUSTER>
@@ -712,9 +773,6 @@ __device__ __forceinline__ void gqa_split_mma(
     constexpr int S = FxStages<D>::value;
     constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
-    __shared__ float m_s[WARPS][8];
-    __shared__ float l_s[WARPS][8];
-    __shared__ float w_s[WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     const int split = blockIdx.x;
@@ -729,19 +787,9 @@ __device__ __forceinline__ void gqa_split_mma(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
 
-    const long long row = (long long)n_kv_heads * D;
-    const T* kg = k + (long long)g_kv * D;
-    const T* vg = v + (long long)g_kv * D;
-    T* ring = reinterpret_cast<T*>(fx_dyn_smem) + warp * S * 2 * STEP;  // [S][K, V][16][D]
-
-    // Queue step j of this warp (tokens start + warp*16 + j*STRIDE ..+16) into its stage.
-    constexpr int STRIDE = WARPS * 16;
-    auto issue = [&](int j) {
-        fx_issue_step<T, D, 16, S>(ring, j, start + warp * 16 + j * STRIDE, start, end, lane, kg,
-                                   vg, row);
-    };
-#pragma unroll
-    for (int j = 0; j < S - 1; ++j) issue(j);
+    // this warp's ring of 16-token steps, the first S - 1 queued
+    const auto wr = fx_warp_ring<T, D, 16, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
+                                                      start, end, warp, lane);
 
     // Q as the A operand (rows = heads; rows 8..15 and heads past the group are zero),
     // in shared memory. Lane reads head g, d = kb*32 + tig*8 .. +8; rows are padded by
@@ -779,12 +827,12 @@ __device__ __forceinline__ void gqa_split_mma(
     }
     float m_run = -INFINITY, l_run = 0.f;  // head g; l_run is this lane's partial sum
 
-    for (int j = 0; start + warp * 16 + j * STRIDE < end; ++j) {
-        issue(j + S - 1);
+    for (int j = 0; wr.t0(j) < end; ++j) {
+        wr.issue(j + S - 1);
         fx_cp_async_wait<S - 1>();  // step j has landed (this lane's copies) ...
         __syncwarp();               // ... and every lane's
-        const int t0 = start + warp * 16 + j * STRIDE;
-        const T* ks = ring + (j % S) * 2 * STEP;
+        const int t0 = wr.t0(j);
+        const T* ks = wr.k_stage(j);
         const T* vs = ks + STEP;
         const int ta = t0 + tig * 2, tc = ta + 8;
         // ---- S = Q K^T for tokens t0..t0+7 (n = 0) and t0+8..t0+15 (n = 1)
@@ -855,28 +903,15 @@ __device__ __forceinline__ void gqa_split_mma(
     }
     fx_cp_async_wait<0>();  // no copy may land after the block has left
 
-    // ---- merge the warps in a fixed order (bitwise reproducible). Each warp parks its
-    // unscaled O in the (now idle) ring in fragment order, [warp][slot][lane] with rows of
-    // FX_OPAD floats: the writes are whole rows and the column-ordered reads below hit 32
-    // different banks (slot*2 + lane covers them). Serial warp-by-warp rounds over a
-    // row-major o_s cost 4 us here (16-way bank conflicts): docs/perf-history/NOTES.md.
-    fx_park_warp_stats(m_run, l_run, m_s, l_s);
-    constexpr int SLOTS = D / 64 * 16;  // (hb, e, c0/c1) per lane
-    static_assert(WARPS * SLOTS * FX_OPAD * 4 <= WARPS * S * 2 * STEP * (int)sizeof(T),
-                  "the merge area must fit in the ring");
-    float* o_f = reinterpret_cast<float*>(fx_dyn_smem);
-    __syncthreads();  // every warp is past its loop: the rings are free; m_s complete
-    fx_warp_weights<WARPS>(m_s, w_s);
-    fx_park_fragments(o_f, oacc, warp, lane);
-    __syncthreads();
-    // d = hb*64 + tig*16 + c*8 + e is slot hb*16 + e*2 + c of lane 4*head + tig (see oacc)
+    // ---- the warps' merge and the block's result. Output column d = hb*64 + tig*16 +
+    // c*8 + e is slot hb*16 + e*2 + c of lane 4*head + tig (see oacc).
     auto where = [](int d, int& slot, int& t) {
         slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
         t = (d % 64) / 16;
     };
-    fx_finish<CLUSTER, WARPS, D, SLOTS, WARPS * S * 2 * STEP * (int)sizeof(T)>(
-        o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0, group, splits, split, seq_len, seq_len_dev,
-        where);
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T)>(
+        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
+        seq_len_dev, where);
 }
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
@@ -1001,9 +1036,6 @@ __device__ __forceinline__ void gqa_split_tc32(
     static_assert(TOK == 8 || TOK == 16, "steps of 8 or 16 tokens");
     constexpr int NCH = D / 4;     // 16-byte chunks per row
     constexpr int STEP = TOK * D;  // floats of one step's K (or V)
-    __shared__ float m_s[WARPS][8];
-    __shared__ float l_s[WARPS][8];
-    __shared__ float w_s[WARPS][8];
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     const int split = blockIdx.x;
@@ -1018,18 +1050,8 @@ __device__ __forceinline__ void gqa_split_tc32(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
 
-    const long long row = (long long)n_kv_heads * D;
-    const float* kg = k + (long long)g_kv * D;
-    const float* vg = v + (long long)g_kv * D;
-    float* ring = reinterpret_cast<float*>(fx_dyn_smem) + warp * S * 2 * STEP;
-
-    constexpr int STRIDE = WARPS * TOK;
-    auto issue = [&](int j) {
-        fx_issue_step<float, D, TOK, S>(ring, j, start + warp * TOK + j * STRIDE, start, end,
-                                        lane, kg, vg, row);
-    };
-#pragma unroll
-    for (int j = 0; j < S - 1; ++j) issue(j);
+    const auto wr = fx_warp_ring<float, D, TOK, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
+                                                          start, end, warp, lane);
 
     // Q, pre-scaled into the base-2 domain and split into TF32 pairs, in shared memory
     // (in registers it would take 2 * D / 4 of them): rows = heads, padded by 16 bytes.
@@ -1062,12 +1084,12 @@ __device__ __forceinline__ void gqa_split_tc32(
         for (int j = 0; j < 4; ++j) oacc[qq][j][0] = oacc[qq][j][1] = 0.f;
     float m_run = -INFINITY, l_run = 0.f;
 
-    for (int j = 0; start + warp * TOK + j * STRIDE < end; ++j) {
-        issue(j + S - 1);
+    for (int j = 0; wr.t0(j) < end; ++j) {
+        wr.issue(j + S - 1);
         fx_cp_async_wait<S - 1>();
         __syncwarp();
-        const int t0 = start + warp * TOK + j * STRIDE;
-        const float* ks = ring + (j % S) * 2 * STEP;
+        const int t0 = wr.t0(j);
+        const float* ks = wr.k_stage(j);
         const float* vs = ks + STEP;
         // ---- S = Q K^T, tokens t0 + 8n .. +7 for each n < NB; two chains each. Lane
         // (g, tig) takes head g, d = 16p + 4tig .. +3 of Q and of token rows 8n + g.
@@ -1156,25 +1178,16 @@ __device__ __forceinline__ void gqa_split_tc32(
     }
     fx_cp_async_wait<0>();
 
-    // ---- merge the warps in a fixed order, as gqa_split_mma (fragment order in the ring)
-    fx_park_warp_stats(m_run, l_run, m_s, l_s);
-    constexpr int SLOTS = D / 32 * 8;  // (q, j, c0/c1) per lane
-    static_assert(WARPS * SLOTS * FX_OPAD <= WARPS * S * 2 * STEP,
-                  "the merge area must fit in the ring");
-    float* o_f = reinterpret_cast<float*>(fx_dyn_smem);
-    __syncthreads();  // every warp is past its loop: the rings are free; m_s complete
-    fx_warp_weights<WARPS>(m_s, w_s);
-    fx_park_fragments(o_f, oacc, warp, lane);
-    __syncthreads();
-    // d = 32q + 4n + j with n = 2tig + c is slot q*8 + j*2 + c of lane 4*head + tig
+    // ---- the warps' merge and the block's result, as gqa_split_mma. Output column
+    // d = 32q + 4n + j with n = 2tig + c is slot q*8 + j*2 + c of lane 4*head + tig.
     auto where = [](int d, int& slot, int& t) {
         const int n = (d % 32) / 4;
         slot = (d / 32) * 8 + (d % 4) * 2 + (n & 1);
         t = n >> 1;
     };
-    fx_finish<CLUSTER, WARPS, D, SLOTS, WARPS * S * 2 * STEP * (int)sizeof(float)>(
-        o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0, group, splits, split, seq_len, seq_len_dev,
-        where);
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(float)>(
+        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
+        seq_len_dev, where);
 }
 
 #define FX_TC32_ENTRY(NAME, D)                                                              \
