@@ -47,6 +47,27 @@ __device__ __forceinline__ bool fx_chunk_bounds(int seq_len, const int* seq_len_
     return seq > 0 && start < seq;
 }
 
+// Programmatic dependent launch (compute capability 9.0 and up): the combine kernel is
+// launched with the programmatic-serialization attribute, so it may start once every split
+// block has called fx_let_combine_start (or left), and it waits in fx_wait_for_split,
+// before its first read of the workspace, until the split kernel has finished and its
+// writes are visible. Without the attribute both are no-ops. FX_PDL_TRIGGER: where the
+// split kernels let it start (0: at their end, 1: after their main loops, 2: at entry).
+#ifndef FX_PDL_TRIGGER
+#define FX_PDL_TRIGGER 1
+#endif
+template <int WHERE>
+__device__ __forceinline__ void fx_let_combine_start() {
+#if __CUDA_ARCH__ >= 900
+    if (WHERE == FX_PDL_TRIGGER) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fx_wait_for_split() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float fx_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -108,6 +129,7 @@ __device__ __forceinline__ void gqa_split_generic(
 
     // grid = (head tiles, splits, kv heads): the tiles of one chunk are neighbours in
     // launch order, so they run together and all but the first read K/V from L2.
+    fx_let_combine_start<2>();
     const int split = blockIdx.y;
     int start, end;
     if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) return;
@@ -202,6 +224,7 @@ __device__ __forceinline__ void gqa_split_generic(
 
     // Merge the lane groups: scale each to the block's max, sum them in a fixed order
     // (shuffles inside a warp, then warp by warp) so results are bitwise reproducible.
+    fx_let_combine_start<1>();
     if (l == 0) {
 #pragma unroll
         for (int j = 0; j < GT; ++j) {
@@ -753,6 +776,7 @@ __device__ __forceinline__ void fx_merge_warps(unsigned char* smem, float m_run,
     __shared__ float m_s[WARPS][8];
     __shared__ float l_s[WARPS][8];
     __shared__ float w_s[WARPS][8];
+    fx_let_combine_start<1>();
     fx_park_warp_stats(m_run, l_run, m_s, l_s);
     float* o_f = reinterpret_cast<float*>(smem);
     __syncthreads();  // every warp is past its loop: the rings are free; m_s complete
@@ -775,6 +799,7 @@ __device__ __forceinline__ void gqa_split_mma(
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
+    fx_let_combine_start<2>();
     const int split = blockIdx.x;
     int start, end;
     if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len,
@@ -1038,6 +1063,7 @@ __device__ __forceinline__ void gqa_split_tc32(
     constexpr int STEP = TOK * D;  // floats of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
+    fx_let_combine_start<2>();
     const int split = blockIdx.x;
     int start, end;
     if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len,
@@ -1212,38 +1238,30 @@ FX_TC32_ENTRY(gqa_split_tc32_f32_d256, 256)
 // ---------------------------------------------------------------------------------------
 // Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
 // w_c = 2^(m_c - max m). One block per (head, 32 columns): lanes are columns, the four
-// warps take every fourth chunk (16 loads in flight each: 64 chunks per trip to L2) and
-// add up in a fixed order, so results are reproducible bit for bit. seq_len 0 writes zeros.
-// (Eight warps cost 0.3 us more at 16 chunks: more threads to synchronise.)
+// warps take every fourth chunk (BATCH loads in flight each) and add up in a fixed order,
+// so results are reproducible bit for bit. seq_len 0 writes zeros.
+// (Eight warps cost 0.3 us more at 16 chunks: more threads to synchronise. 40 loads in
+// flight instead of 16 made 132-chunk plans 1-3% faster and 16- and 64-chunk ones 2-3%
+// slower: NOTES.md v11. So up to 64 chunks take 16 per lane, more take FX_COMBINE_MANY.)
 #define FX_COMBINE_THREADS 128
-#define FX_COMBINE_BATCH 16  // chunk loads in flight per lane
+#define FX_COMBINE_BATCH 16  // chunk loads in flight per lane, up to 64 chunks
+#define FX_COMBINE_MANY 33   // ... and past 64: 132 chunks in one trip to L2
 #define FX_COMBINE_WARPS (FX_COMBINE_THREADS / 32)
-template <class T>
-__device__ __forceinline__ void gqa_split_combine(
-    T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
-    __shared__ float w_s[FX_MAX_SPLITS];
-    __shared__ float red_s[FX_COMBINE_WARPS][32];
-    const int h = blockIdx.x;
+template <class T, int BATCH>
+__device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
+                                                  const float* __restrict__ ws_o,
+                                                  const float* __restrict__ ml, int head_dim,
+                                                  int d, int active, float* w_s,
+                                                  float (*red_s)[32]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int d = blockIdx.y * 32 + lane;
-    const int seq = fx_seq_len(seq_len, seq_len_dev);
-    T* out_h = out + (long long)h * head_dim;
-    if (seq <= 0) {
-        if (warp == 0 && d < head_dim) out_h[d] = fx_from_float<T>(0.f);
-        return;
-    }
-    const int chunk = fx_chunk(seq, splits, tile);
-    const int active = (seq + chunk - 1) / chunk;
-    const float* ml = ws_ml + (long long)h * splits * 2;
     // This warp's first chunk outputs do not depend on the weights: load them now, so the
     // loads of the maxima below and these share one trip to L2.
     constexpr int W = FX_COMBINE_WARPS;
     const bool col = d < head_dim;
-    const float* o = ws_o + (long long)h * splits * head_dim + (col ? d : 0);
-    float x[FX_COMBINE_BATCH];
+    const float* o = ws_o + (col ? d : 0);
+    float x[BATCH];
 #pragma unroll
-    for (int i = 0; i < FX_COMBINE_BATCH; ++i) {
+    for (int i = 0; i < BATCH; ++i) {
         const int c = warp + i * W;
         x[i] = col && c < active ? o[(long long)c * head_dim] : 0.f;
     }
@@ -1257,7 +1275,7 @@ __device__ __forceinline__ void gqa_split_combine(
     __syncthreads();
     mx = red_s[0][0];
 #pragma unroll
-    for (int w = 1; w < FX_COMBINE_WARPS; ++w) mx = fmaxf(mx, red_s[w][0]);
+    for (int w = 1; w < W; ++w) mx = fmaxf(mx, red_s[w][0]);
     float lsum = 0.f;
     for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) {
         const float mc = ml[2 * c];
@@ -1272,18 +1290,18 @@ __device__ __forceinline__ void gqa_split_combine(
     __syncthreads();  // w_s and the partial sums complete
     lsum = 0.f;
 #pragma unroll
-    for (int w = 0; w < FX_COMBINE_WARPS; ++w) lsum += red_s[w][1];
+    for (int w = 0; w < W; ++w) lsum += red_s[w][1];
 
     // ---- weighted sum of the chunk outputs: warp w takes chunks w, w+4, w+8, ... in order
     float acc = 0.f;
     for (int c = warp;;) {
 #pragma unroll
-        for (int i = 0; i < FX_COMBINE_BATCH; ++i)
+        for (int i = 0; i < BATCH; ++i)
             if (c + i * W < active) acc = fmaf(w_s[c + i * W], x[i], acc);
-        c += FX_COMBINE_BATCH * W;
+        c += BATCH * W;
         if (c >= active) break;
 #pragma unroll
-        for (int i = 0; i < FX_COMBINE_BATCH; ++i)
+        for (int i = 0; i < BATCH; ++i)
             x[i] = col && c + i * W < active ? o[(long long)(c + i * W) * head_dim] : 0.f;
     }
     __syncthreads();  // red_s[.][1] read by every warp
@@ -1292,9 +1310,34 @@ __device__ __forceinline__ void gqa_split_combine(
     if (warp == 0 && d < head_dim) {
         float total = red_s[0][lane];
 #pragma unroll
-        for (int w = 1; w < FX_COMBINE_WARPS; ++w) total += red_s[w][lane];
+        for (int w = 1; w < W; ++w) total += red_s[w][lane];
         out_h[d] = fx_from_float<T>(total / lsum);
     }
+}
+
+template <class T>
+__device__ __forceinline__ void gqa_split_combine(
+    T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
+    __shared__ float w_s[FX_MAX_SPLITS];
+    __shared__ float red_s[FX_COMBINE_WARPS][32];
+    const int h = blockIdx.x;
+    const int d = blockIdx.y * 32 + (threadIdx.x & 31);
+    const int seq = fx_seq_len(seq_len, seq_len_dev);  // written before the split kernel ran
+    fx_wait_for_split();  // every block, so the combine ends after the split kernel
+    T* out_h = out + (long long)h * head_dim;
+    if (seq <= 0) {
+        if (threadIdx.x < 32 && d < head_dim) out_h[d] = fx_from_float<T>(0.f);
+        return;
+    }
+    const int chunk = fx_chunk(seq, splits, tile);
+    const int active = (seq + chunk - 1) / chunk;
+    const float* o = ws_o + (long long)h * splits * head_dim;
+    const float* ml = ws_ml + (long long)h * splits * 2;
+    if (active > FX_COMBINE_WARPS * FX_COMBINE_BATCH)
+        fx_combine_chunks<T, FX_COMBINE_MANY>(out_h, o, ml, head_dim, d, active, w_s, red_s);
+    else
+        fx_combine_chunks<T, FX_COMBINE_BATCH>(out_h, o, ml, head_dim, d, active, w_s, red_s);
 }
 
 #define FX_COMBINE_ENTRY(NAME, T)                                                           \

@@ -56,6 +56,10 @@ COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
 MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
 TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
+# The combine kernel is launched early (programmatic dependent launch, compute capability
+# 9.0 and up): it starts while the split kernel ends and waits for it on the GPU, so its
+# launch overlaps the split kernel's last blocks. FERROX_EARLY_COMBINE=0 turns it off.
+EARLY_COMBINE = os.environ.get("FERROX_EARLY_COMBINE", "1") != "0"
 
 
 def check_algorithm(algorithm: Any) -> str:
@@ -444,6 +448,7 @@ def launch_split(
         COMBINE_THREADS,
         (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits, tile),
         stream=stream,
+        early=EARLY_COMBINE and parts == "both",  # it waits for the split kernel itself
     )
 
 

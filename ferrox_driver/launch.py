@@ -180,7 +180,7 @@ def _dim3(value: Dim3, name: str) -> tuple[int, int, int]:
     return full[0], full[1], full[2]
 
 
-_MAX_CONFIGS = 64  # cluster launch configurations kept per kernel
+_MAX_CONFIGS = 64  # cuLaunchKernelEx configurations kept per kernel
 
 
 class Kernel:
@@ -192,9 +192,10 @@ class Kernel:
         self.module = module
         self._max_dynamic_shared: int | None = None  # asked of the driver when first needed
         self._non_portable_clusters = False  # clusters of more than 8 blocks allowed
-        # Cluster launch configurations by (grid, block, shared, stream, cluster): built
-        # once, as a decode relaunches the same one; the driver reads them at each call.
-        self._cluster_configs: dict[tuple[Any, ...], Any] = {}
+        # cuLaunchKernelEx configurations (clusters, early launches) by (grid, block,
+        # shared, stream, cluster, early): built once, as a decode relaunches the same one;
+        # the driver reads them at each call.
+        self._ex_configs: dict[tuple[Any, ...], Any] = {}
 
     @property
     def handle(self) -> Any:
@@ -250,24 +251,36 @@ class Kernel:
             )
             self._non_portable_clusters = True
 
-    def _cluster_config(
+    def _ex_config(
         self,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         shared_mem: int,
         stream: Any,
         cluster: int,
+        early: bool,
     ) -> Any:
+        """A cuLaunchKernelEx configuration: blocks in clusters of ``cluster`` along x
+        (0: none), launched early (programmatic stream serialization) or not."""
         config = cu.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes = int(shared_mem)
         config.hStream = stream_handle(stream)
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
-        config.attrs = [attr]
-        config.numAttrs = 1
+        attrs = []
+        if cluster:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            dim = attr.value.clusterDim
+            dim.x, dim.y, dim.z = cluster, 1, 1
+            attrs.append(attr)
+        if early:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
+        config.attrs = attrs
+        config.numAttrs = len(attrs)
         return config
 
     def max_active_clusters(self, cluster: int, block_threads: int, shared_mem: int = 0) -> int:
@@ -277,8 +290,8 @@ class Kernel:
         self.allow_shared(shared_mem)
         self._allow_cluster(cluster)
         self.module.device.activate()
-        config = self._cluster_config(
-            (cluster, 1, 1), (block_threads, 1, 1), shared_mem, None, cluster
+        config = self._ex_config(
+            (cluster, 1, 1), (block_threads, 1, 1), shared_mem, None, cluster, False
         )
         return int(drv("cuOccupancyMaxActiveClusters", self._handle, config))
 
@@ -291,6 +304,7 @@ class Kernel:
         shared_mem: int = 0,
         stream: Any = None,
         cluster: int = 0,
+        early: bool = False,
     ) -> None:
         """Queue one launch of this kernel.
 
@@ -304,6 +318,11 @@ class Kernel:
             stream: the stream to launch on (default: the legacy default stream).
             cluster: blocks per thread block cluster along x (compute capability 9.0 and
                 up; the grid's x must be a multiple); 0 launches without clusters.
+            early: let this launch start before the kernel queued ahead of it on the
+                stream has finished (programmatic dependent launch, compute capability
+                9.0 and up; elsewhere an ordinary launch). Only for a kernel that executes
+                ``griddepcontrol.wait`` before it reads what that kernel writes (and in
+                every block, so that it ends after it).
 
         Raises:
             TypeError: an argument without a C type.
@@ -317,17 +336,18 @@ class Kernel:
         if shared_mem:
             self.allow_shared(shared_mem)
         handle = stream_handle(stream)
-        if cluster:
-            key = (gx, gy, gz, bx, by, bz, shared_mem, int(handle), cluster)
-            config = self._cluster_configs.get(key)
+        early = early and self.module.device.compute_capability >= (9, 0)
+        if cluster or early:
+            key = (gx, gy, gz, bx, by, bz, shared_mem, int(handle), cluster, early)
+            config = self._ex_configs.get(key)
             if config is None:
                 self._allow_cluster(cluster)
-                if len(self._cluster_configs) >= _MAX_CONFIGS:
-                    self._cluster_configs.clear()
-                config = self._cluster_config(
-                    (gx, gy, gz), (bx, by, bz), shared_mem, handle, cluster
+                if len(self._ex_configs) >= _MAX_CONFIGS:
+                    self._ex_configs.clear()
+                config = self._ex_config(
+                    (gx, gy, gz), (bx, by, bz), shared_mem, handle, cluster, early
                 )
-                self._cluster_configs[key] = config
+                self._ex_configs[key] = config
             drv("cuLaunchKernelEx", config, self._handle, address, 0)
             return
         drv(

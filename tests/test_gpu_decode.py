@@ -240,6 +240,57 @@ def test_split_decode_is_bitwise_reproducible(rng, monkeypatch, heads_per_block,
         assert np.array_equal(got, first)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,seq_len",
+    [(32, 8, 128, 3001), (32, 32, 128, 5000), (8, 1, 256, 20001), (16, 2, 40, 777)],
+)
+def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
+    rng, monkeypatch, dtype, n_heads, n_kv_heads, head_dim, seq_len
+):
+    # The combine kernel starts while the split kernel ends and waits for it on the GPU
+    # (programmatic dependent launch): had it read the workspace before the split kernel
+    # finished, its output would differ from a launch after the split kernel.
+    from ferrox_driver import attention
+
+    dt = DTYPES[dtype]
+    q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
+    qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
+    kw = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    got = {}
+    for early in (False, True):
+        monkeypatch.setattr(attention, "EARLY_COMBINE", early)
+        out = poisoned(q.shape, q.dtype)
+        fd.gqa_decode(qd, kd, vd, out=out, **kw)
+        got[early] = out.to_host()
+    assert np.array_equal(got[True].view(np.uint8), got[False].view(np.uint8))
+    ref = fd.reference_gqa_decode(q, k, v, **kw)
+    assert rel_err(got[True], ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,seq_len",
+    [(8, 1, 256, 20001), (8, 1, 40, 20001), (6, 1, 24, 100003), (16, 2, 64, 65537)],
+)
+def test_combine_of_more_than_64_chunks_matches_reference(
+    rng, device, dtype, n_heads, n_kv_heads, head_dim, seq_len
+):
+    # The combine kernel loads 16 chunks per lane in flight up to 64 chunks and 33 past
+    # them (in one or more rounds): lengths whose plans have more than 64 chunks.
+    dt = DTYPES[dtype]
+    plan = plan_split(device, dt, n_heads, n_kv_heads, head_dim, seq_len)
+    per_split = -(-seq_len // plan.splits)
+    chunk = -(-per_split // plan.tile) * plan.tile  # fx_chunk
+    active = -(-seq_len // chunk)
+    assert plan.cluster == 0 and active > 64, (plan, active)
+    q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
+    kw = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    out = poisoned(q.shape, q.dtype)
+    fd.gqa_decode(fd.to_device(q), fd.to_device(k), fd.to_device(v), out=out, **kw)
+    assert rel_err(out.to_host(), fd.reference_gqa_decode(q, k, v, **kw)) < TOL[dtype]
+
+
 # Tensor-core plans whose chunks per KV head fit one thread block cluster (compute
 # capability 9.0, at most 16 blocks, every cluster resident at once) merge them on chip;
 # FERROX_CLUSTER=0 keeps the combine kernel. Both must match the reference. A cache of 512

@@ -93,6 +93,55 @@ def test_dynamic_shared_memory_beside_static_shared_memory(device, dyn_kib):
     assert out.to_host()[0] == 3.0
 
 
+EARLY_SOURCE = r"""
+extern "C" __global__ void slow_fill(float* x, int n, long long spin) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");  // let the next kernel start now
+#endif
+    const long long t0 = clock64();
+    while (clock64() - t0 < spin) {}
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        x[i] = (float)i;
+}
+extern "C" __global__ void copy_after_wait(float* y, const float* x, int n) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        y[i] = x[i] + 1.f;
+}
+"""
+
+
+def test_an_early_launch_waits_on_the_gpu_for_the_kernel_before_it(device):
+    """launch(early=True): the second kernel may start while the first still spins (~100
+    us) and still sees all its writes, eagerly and replayed from a graph (an ordinary launch
+    where programmatic dependent launch is not supported)."""
+    module = fd.Module(fd.compile_source(EARLY_SOURCE, name="early.cu"))
+    fill, copy = module.get_function("slow_fill"), module.get_function("copy_after_wait")
+    n = 1 << 16
+    x, y = fd.zeros(n, np.float32), fd.zeros(n, np.float32)
+    expected = np.arange(n, dtype=np.float32) + 1
+
+    def pair(stream: fd.Stream) -> None:
+        fill.launch(8, 128, (x, np.int32(n), np.int64(200_000)), stream=stream)
+        copy.launch(64, 128, (y, x, np.int32(n)), stream=stream, early=True)
+
+    with fd.Stream() as stream:
+        pair(stream)  # x starts as zeros: a copy that did not wait would give 1s
+        np.testing.assert_array_equal(y.to_host(stream), expected)
+        with stream.capture() as graph:
+            pair(stream)
+        exe = graph.instantiate()
+        for _ in range(3):
+            x.fill_bytes(0, stream)
+            y.fill_bytes(0, stream)
+            exe.launch(stream)
+            np.testing.assert_array_equal(y.to_host(stream), expected)
+        exe.close()
+        graph.close()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int32, np.uint8])
 def test_round_trip_through_pageable_memory(rng, dtype):
     x = (rng.standard_normal((37, 5)) * 100).astype(dtype)

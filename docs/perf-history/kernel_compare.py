@@ -18,6 +18,7 @@ import numpy as np
 from points import load_variant, points
 
 import ferrox_driver as fd
+from ferrox_driver import attention
 from ferrox_driver.attention import stream_workspace
 from ferrox_driver.compiler import kernel_source
 
@@ -38,6 +39,8 @@ def main() -> None:
     stream = fd.Stream()
     sources = {"old": Path(sys.argv[1]).read_text(), "new": kernel_source("gqa_decode_split.cu")}
     modules = {k: load_variant(src, f"{k}.cu") for k, src in sources.items()}
+    # a combine kernel launched early must wait for the split kernel (fx_wait_for_split)
+    attention.EARLY_COMBINE = all("fx_wait_for_split" in src for src in sources.values())
     for p in points(CASES, stream, sys.argv[2:]):
         plan = p.plan()
         combine = f"gqa_split_combine_{p.dtype_name}"
