@@ -52,7 +52,8 @@ __device__ __forceinline__ bool fx_chunk_bounds(int seq_len, const int* seq_len_
 // block has called fx_let_combine_start (or left), and it waits in fx_wait_for_split,
 // before its first read of the workspace, until the split kernel has finished and its
 // writes are visible. Without the attribute both are no-ops. FX_PDL_TRIGGER: where the
-// split kernels let it start (0: at their end, 1: after their main loops, 2: at entry).
+// split kernels let it start (0: at their end, 1: once all their warps are past their main
+// loops, 2: at entry; a block counts from its first thread's call).
 #ifndef FX_PDL_TRIGGER
 #define FX_PDL_TRIGGER 1
 #endif
@@ -224,7 +225,6 @@ __device__ __forceinline__ void gqa_split_generic(
 
     // Merge the lane groups: scale each to the block's max, sum them in a fixed order
     // (shuffles inside a warp, then warp by warp) so results are bitwise reproducible.
-    fx_let_combine_start<1>();
     if (l == 0) {
 #pragma unroll
         for (int j = 0; j < GT; ++j) {
@@ -232,7 +232,8 @@ __device__ __forceinline__ void gqa_split_generic(
             l_s[gid][j] = lsum[j];
         }
     }
-    __syncthreads();
+    __syncthreads();  // every warp is past its loop
+    fx_let_combine_start<1>();
     float mb[GT];
 #pragma unroll
     for (int j = 0; j < GT; ++j) {
@@ -776,10 +777,10 @@ __device__ __forceinline__ void fx_merge_warps(unsigned char* smem, float m_run,
     __shared__ float m_s[WARPS][8];
     __shared__ float l_s[WARPS][8];
     __shared__ float w_s[WARPS][8];
-    fx_let_combine_start<1>();
     fx_park_warp_stats(m_run, l_run, m_s, l_s);
     float* o_f = reinterpret_cast<float*>(smem);
     __syncthreads();  // every warp is past its loop: the rings are free; m_s complete
+    fx_let_combine_start<1>();
     fx_warp_weights<WARPS>(m_s, w_s);
     fx_park_fragments(o_f, oacc, threadIdx.x >> 5, threadIdx.x & 31);
     __syncthreads();

@@ -3,7 +3,7 @@ launch, for the combine plans plan_split makes, back to back over rotated KV set
 same bits out, and the time per decode with the split kernels letting the combine start
 at their end (implicit), after their main loops, or at their entry (FX_PDL_TRIGGER).
 
-    PYTHONPATH=. python3 docs/perf-history/pdl_compare.py [shape ...]
+    PYTHONPATH=. python3 docs/perf-history/pdl_compare.py [shape ...] [--variants plain,loop]
 
 Each variant is timed twice, alternating, and the faster of its two times is printed.
 """
@@ -25,23 +25,31 @@ CASES = [
     ((64, 8, 128), "bf16", [4096, 32768]),
     ((28, 4, 128), "bf16", [4096, 32768]),
     ((32, 32, 128), "bf16", [4096, 32768]),
-    ((16, 2, 64), "bf16", [4096, 32768]),
+    ((16, 2, 64), "bf16", [4096, 32768, 131072]),
     ((8, 1, 256), "bf16", [4096, 32768]),
     ((32, 8, 128), "f32", [4096]),
+    ((32, 32, 128), "f32", [4096]),
     ((8, 1, 256), "f32", [512, 4096]),
 ]
-# variant: (launched early, FX_PDL_TRIGGER)
+# variant: (launched early, FX_PDL_TRIGGER); all four by default, "plain loop" for two
 VARIANTS = {"plain": (False, 1), "exit": (True, 0), "loop": (True, 1), "entry": (True, 2)}
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    names = list(VARIANTS)
+    if "--variants" in args:
+        i = args.index("--variants")
+        names = args[i + 1].split(",")
+        del args[i : i + 2]
     stream = fd.Stream()
     src = kernel_source("gqa_decode_split.cu")
     by_trigger = {
-        t: load_variant(f"#define FX_PDL_TRIGGER {t}\n" + src, f"pdl{t}.cu") for t in (0, 1, 2)
+        t: load_variant(f"#define FX_PDL_TRIGGER {t}\n" + src, f"pdl{t}.cu")
+        for t in {VARIANTS[name][1] for name in names}
     }
-    modules = {name: by_trigger[trigger] for name, (_, trigger) in VARIANTS.items()}
-    for p in points(CASES, stream, sys.argv[1:]):
+    modules = {name: by_trigger[VARIANTS[name][1]] for name in names}
+    for p in points(CASES, stream, args):
         plan = p.plan()
         if plan.cluster:
             print(f"{p.label} {plan.kernel}: a cluster plan, no combine kernel", flush=True)
