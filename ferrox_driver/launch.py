@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import threading
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._driver import cu, drv, finalizer
+from ._driver import cu, driver_version, drv, finalizer
 from .compiler import Program
 from .device import Device, resolve
 from .memory import DeviceArray
@@ -181,6 +182,14 @@ def _dim3(value: Dim3, name: str) -> tuple[int, int, int]:
 
 
 _MAX_CONFIGS = 64  # cuLaunchKernelEx configurations kept per kernel
+# Programmatic dependent launch: compute capability 9.0, and a driver of CUDA 12.3 or later
+# (the first to keep it as a programmatic edge when a stream capture records the launch).
+PDL_DRIVER = 12030
+
+
+@functools.cache
+def _pdl_driver() -> bool:
+    return (driver_version() or 0) >= PDL_DRIVER
 
 
 class Kernel:
@@ -319,10 +328,10 @@ class Kernel:
             cluster: blocks per thread block cluster along x (compute capability 9.0 and
                 up; the grid's x must be a multiple); 0 launches without clusters.
             early: let this launch start before the kernel queued ahead of it on the
-                stream has finished (programmatic dependent launch, compute capability
-                9.0 and up; elsewhere an ordinary launch). Only for a kernel that executes
-                ``griddepcontrol.wait`` before it reads what that kernel writes (and in
-                every block, so that it ends after it).
+                stream has finished (programmatic dependent launch: compute capability
+                9.0 and a CUDA 12.3 driver or later; elsewhere an ordinary launch). Only
+                for a kernel that executes ``griddepcontrol.wait`` before it reads what
+                that kernel writes (and in every block, so that it ends after it).
 
         Raises:
             TypeError: an argument without a C type.
@@ -336,7 +345,7 @@ class Kernel:
         if shared_mem:
             self.allow_shared(shared_mem)
         handle = stream_handle(stream)
-        early = early and self.module.device.compute_capability >= (9, 0)
+        early = early and self.module.device.compute_capability >= (9, 0) and _pdl_driver()
         if cluster or early:
             key = (gx, gy, gz, bx, by, bz, shared_mem, int(handle), cluster, early)
             config = self._ex_configs.get(key)
