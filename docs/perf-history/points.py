@@ -10,6 +10,7 @@ variants: the split-kernel file with anchored edits, compiled and loaded.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,11 +58,22 @@ class Point:
         """Percent of CEILING that reading the KV cache in ``us`` microseconds is."""
         return 100 * self.kv_bytes / (us * 1e-6) / CEILING
 
-    def plan(self) -> SplitPlan:
-        """plan_split's plan for this point."""
-        return plan_split(
-            self.q.device, self.dtype, self.n_heads, self.n_kv, self.head_dim, self.seq
-        )
+    def plan(self, plan_seq: int | None = None, clusters: bool = True) -> SplitPlan:
+        """plan_split's plan for this point (or for ``plan_seq`` tokens); with
+        ``clusters=False`` the plan with the combine kernel (FERROX_CLUSTER=0)."""
+        saved = os.environ.get("FERROX_CLUSTER")
+        if not clusters:
+            os.environ["FERROX_CLUSTER"] = "0"
+        try:
+            return plan_split(
+                self.q.device, self.dtype, self.n_heads, self.n_kv, self.head_dim,
+                self.seq if plan_seq is None else plan_seq,
+            )  # fmt: skip
+        finally:
+            if saved is None:
+                os.environ.pop("FERROX_CLUSTER", None)
+            else:
+                os.environ["FERROX_CLUSTER"] = saved
 
     def time(
         self, plan: SplitPlan, kernel: Any = None, parts: str = "both", combine: Any = None
