@@ -1118,19 +1118,15 @@ __device__ __forceinline__ void gqa_split_tc32(
         const int t0 = wr.t0(j);
         const float* ks = wr.k_stage(j);
         const float* vs = ks + STEP;
-        // ---- S = Q K^T, tokens t0 + 8n .. +7 for each n < NB; four chains each (even and
-        // odd p, two halves of 4 d): 3 D / 32 dependent mmas rather than 3 D / 16. Lane
+        // ---- S = Q K^T, tokens t0 + 8n .. +7 for each n < NB; two chains each. Lane
         // (g, tig) takes head g, d = 16p + 4tig .. +3 of Q and of token rows 8n + g.
-        float sc[2][NB][4], sc2[2][NB][4];
+        float s[NB][4], s2[NB][4];
 #pragma unroll
         for (int n = 0; n < NB; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                sc[0][n][i] = sc2[0][n][i] = sc[1][n][i] = sc2[1][n][i] = 0.f;
+            for (int i = 0; i < 4; ++i) s[n][i] = s2[n][i] = 0.f;
 #pragma unroll
         for (int p = 0; p < D / 16; ++p) {
-            float (&s)[NB][4] = sc[p & 1];
-            float (&s2)[NB][4] = sc2[p & 1];
             const uint4 qh = *reinterpret_cast<const uint4*>(&qh_s[g][16 * p + 4 * tig]);
             const uint4 ql = *reinterpret_cast<const uint4*>(&ql_s[g][16 * p + 4 * tig]);
 #pragma unroll
@@ -1155,9 +1151,8 @@ __device__ __forceinline__ void gqa_split_tc32(
         for (int n = 0; n < NB; ++n)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-                x[2 * n + e] = t0 + 8 * n + 2 * tig + e < end
-                                   ? (sc[0][n][e] + sc[1][n][e]) + (sc2[0][n][e] + sc2[1][n][e])
-                                   : -INFINITY;
+                x[2 * n + e] =
+                    t0 + 8 * n + 2 * tig + e < end ? s[n][e] + s2[n][e] : -INFINITY;
         float mx = x[0];
 #pragma unroll
         for (int i = 1; i < 2 * NB; ++i) mx = fmaxf(mx, x[i]);
