@@ -19,7 +19,7 @@ from points import points
 import ferrox_driver as fd
 from ferrox_driver.attention import clusters_fit
 
-SEQS = [512, 4096]
+SEQS = [512, 1024, 4096]
 CASES = [
     ((8, 1, 256), "f32", SEQS),
     ((8, 1, 256), "bf16", SEQS),
