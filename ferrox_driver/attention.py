@@ -54,13 +54,6 @@ MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
 MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
-# Floats of a block's partial (group x head_dim) up to which its chunks merge on chip: the
-# pushes grow with it, while the combine kernel, launched early, spreads it over its blocks.
-# 512-token and 1024-token caches, cluster against combine kernel (tile-variants-v12-early-
-# combine*.log): 16/8/128 and 32/8/128 bf16 -10%, 16/2/64 -5 to -9%, fp32 32/8/128 -1.5%
-# (256-512 floats); 64/8/128 -1.4 to -2% (1024); 28/4/128 +4% (896), 16/4/256 +2 to +10%
-# (1024), 8/1/256 +4 to +12% (2048).
-CLUSTER_MAX_PARTIAL = 512
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
 TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
 # The combine kernel is launched early (programmatic dependent launch, compute capability
@@ -248,14 +241,12 @@ def _plan_split(
         # 16-token tiles 9.2 / 11.8; in clusters 0.5-0.8 us slower (tile-variants-v8.log).
         tile = 32
         return dataclasses.replace(plan, splits=min(most, -(-seq // tile)), tile=tile)
-    # 64-token tiles, merged on chip where the chunks fit resident clusters and each
-    # block's partial is small: smaller tiles (more chunks, in clusters or not) measured
-    # level or slower for these kernels (docs/perf-history/tile-variants-v8.log).
+    # 64-token tiles, merged on chip where the chunks fit resident clusters: smaller tiles
+    # (more chunks, in clusters or not) measured level or slower for these kernels
+    # (docs/perf-history/tile-variants-v8.log).
     splits = min(most, -(-seq // tile))
     shared += cluster_recv_bytes(head_dim)
-    cluster = group * head_dim <= CLUSTER_MAX_PARTIAL and clusters_fit(
-        device, f"{kname}_cluster", splits, n_kv_heads, threads, shared
-    )
+    cluster = clusters_fit(device, f"{kname}_cluster", splits, n_kv_heads, threads, shared)
     if cluster:
         kname = f"{kname}_cluster"
     return dataclasses.replace(
