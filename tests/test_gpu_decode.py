@@ -308,6 +308,8 @@ def test_combine_of_more_than_64_chunks_matches_reference(
         (16, 2, 64, 1024, 16),
         (28, 4, 128, 1024, 16),
         (8, 1, 256, 1024, 16),
+        (16, 4, 128, 1024, 16),
+        (2, 1, 256, 1024, 16),
     ],
 )
 @pytest.mark.parametrize("seq_len", [0, 1, 65, 511, "full"])
