@@ -246,22 +246,26 @@ def test_split_decode_is_bitwise_reproducible(rng, monkeypatch, heads_per_block,
     [(32, 8, 128, 3001), (32, 32, 128, 5000), (8, 1, 256, 20001), (16, 2, 40, 777)],
 )
 def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
-    rng, monkeypatch, dtype, n_heads, n_kv_heads, head_dim, seq_len
+    rng, monkeypatch, device, dtype, n_heads, n_kv_heads, head_dim, seq_len
 ):
     # The combine kernel starts while the split kernel ends and waits for it on the GPU
-    # (programmatic dependent launch): had it read the workspace before the split kernel
-    # finished, its output would differ from a launch after the split kernel.
+    # (programmatic dependent launch): had it read the workspace (NaN before each decode)
+    # before the split kernel wrote it, its output would differ from an ordinary launch's.
     from ferrox_driver import attention
 
     dt = DTYPES[dtype]
+    plan = plan_split(device, dt, n_heads, n_kv_heads, head_dim, seq_len)
+    assert plan.cluster == 0, plan  # a plan with a combine kernel
     q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
     qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
     kw = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    ws = fd.empty(plan.workspace_floats(n_heads, head_dim), np.float32)
     got = {}
     for early in (False, True):
         monkeypatch.setattr(attention, "EARLY_COMBINE", early)
+        ws.fill_bytes(0xFF)
         out = poisoned(q.shape, q.dtype)
-        fd.gqa_decode(qd, kd, vd, out=out, **kw)
+        attention.launch_decode(qd, kd, vd, out, seq_len=seq_len, workspace=ws, **kw)
         got[early] = out.to_host()
     assert np.array_equal(got[True].view(np.uint8), got[False].view(np.uint8))
     ref = fd.reference_gqa_decode(q, k, v, **kw)
