@@ -7,6 +7,7 @@ import pytest
 
 import ferrox_driver as fd
 from ferrox_driver.attention import plan_split
+from ferrox_driver.compiler import kernel_source
 
 from .gpu_helpers import (
     DTYPES,
@@ -240,22 +241,40 @@ def test_split_decode_is_bitwise_reproducible(rng, monkeypatch, heads_per_block,
         assert np.array_equal(got, first)
 
 
+@pytest.fixture(scope="module")
+def combine_started_at_entry(device):
+    """The split-kernel file with the split kernels letting the combine kernel start at
+    their entry (FX_PDL_TRIGGER=2), long before they write their partials."""
+    src = kernel_source("gqa_decode_split.cu")
+    return fd.Module(fd.compile_source(src, options=["-DFX_PDL_TRIGGER=2"], name="entry.cu"))
+
+
+@pytest.mark.parametrize("trigger", ["after-loops", "at-entry"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(
     "n_heads,n_kv_heads,head_dim,seq_len",
     [(32, 8, 128, 3001), (32, 32, 128, 5000), (8, 1, 256, 20001), (16, 2, 40, 777)],
 )
 def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
-    rng, monkeypatch, device, dtype, n_heads, n_kv_heads, head_dim, seq_len
-):
-    # The combine kernel starts while the split kernel ends and waits for it on the GPU
+    rng, monkeypatch, device, combine_started_at_entry, trigger, dtype, n_heads, n_kv_heads,
+    head_dim, seq_len,
+):  # fmt: skip
+    # The combine kernel starts while the split kernel runs and waits for it on the GPU
     # (programmatic dependent launch): had it read the workspace (NaN before each decode)
     # before the split kernel wrote it, its output would differ from an ordinary launch's.
+    # Started at the split kernels' entry, it would (a missing wait fails this test).
     from ferrox_driver import attention
 
     dt = DTYPES[dtype]
     plan = plan_split(device, dt, n_heads, n_kv_heads, head_dim, seq_len)
     assert plan.cluster == 0, plan  # a plan with a combine kernel
+    kernels = {}
+    if trigger == "at-entry":
+        combine = f"gqa_split_combine_{dtype}"
+        kernels = {
+            "kernel": combine_started_at_entry.get_function(plan.kernel),
+            "combine": combine_started_at_entry.get_function(combine),
+        }
     q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
     qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
     kw = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
@@ -265,7 +284,10 @@ def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
         monkeypatch.setattr(attention, "EARLY_COMBINE", early)
         ws.fill_bytes(0xFF)
         out = poisoned(q.shape, q.dtype)
-        attention.launch_decode(qd, kd, vd, out, seq_len=seq_len, workspace=ws, **kw)
+        attention.launch_split(
+            plan, qd, kd, vd, out, ws, seq_len=seq_len, seq_len_dev=None, stream=None,
+            **kernels, **kw,
+        )  # fmt: skip
         got[early] = out.to_host()
     assert np.array_equal(got[True].view(np.uint8), got[False].view(np.uint8))
     ref = fd.reference_gqa_decode(q, k, v, **kw)
