@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import ml_dtypes
@@ -203,3 +204,32 @@ def test_closed_resources_free_device_memory(device):
     for a in arrays:
         a.close()
     assert device.mem_info()[0] > free_before - (1 << 27)
+
+
+def test_rotated_kv_sets_are_disjoint_filled_views_freed_by_close(device):
+    from ferrox_driver.bench_decode import fill_uniform, rotated_kv_sets
+
+    stream = fd.Stream()
+    free_before, _ = device.mem_info()
+    seq, n_kv, hd = 4096, 8, 128  # bf16: 16 MiB a set, rotated past 400 MiB
+    kv = rotated_kv_sets(seq, n_kv, hd, ml_dtypes.bfloat16, stream, device)
+    n = len(kv.sets)
+    assert n >= 24 and kv.chain >= n
+    assert device.mem_info()[0] <= free_before - 400 * 2**20
+    arrays = [a for pair in kv.sets for a in pair]
+    ptrs = sorted(a.ptr for a in arrays)
+    assert all(b - a >= arrays[0].nbytes for a, b in itertools.pairwise(ptrs))  # no overlap
+    for i in (0, n - 1):  # set i holds what fill_uniform writes with seeds 100+2i, 101+2i
+        for j, arr in enumerate(kv.sets[i]):
+            alone = fd.empty(arr.shape, arr.dtype)
+            fill_uniform(alone, 100 + 2 * i + j, stream)
+            stream.synchronize()
+            got, want = arr.to_host(), alone.to_host()
+            alone.close()
+            assert arr.shape == (seq, n_kv, hd) and arr.dtype == ml_dtypes.bfloat16
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+            assert np.abs(got.astype(np.float32)).max() <= 1 and np.unique(got).size > 1000
+    kv.close()
+    assert kv.sets == []
+    assert device.mem_info()[0] > free_before - (1 << 27)
+    stream.close()

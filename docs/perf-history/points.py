@@ -115,13 +115,13 @@ def points(cases: Iterable[Case], stream: fd.Stream, only: Sequence[str] = ()) -
         fill_uniform(q, 1, stream)
         try:
             for seq in seqs:
-                sets, chain = rotated_kv_sets(seq, n_kv, hd, dt, stream, dev)
+                kv = rotated_kv_sets(seq, n_kv, hd, dt, stream, dev)
                 try:
-                    yield Point(n_heads, n_kv, hd, dtype_name, seq, q, out, sets, chain, stream)
+                    yield Point(
+                        n_heads, n_kv, hd, dtype_name, seq, q, out, kv.sets, kv.chain, stream
+                    )
                 finally:
-                    for k, v in sets:
-                        k.close()
-                        v.close()
+                    kv.close()
         finally:
             q.close()
             out.close()

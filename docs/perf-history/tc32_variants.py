@@ -65,7 +65,8 @@ def main() -> None:
         fill_uniform(q, 1, stream)
         for seq in SEQS:
             kv_bytes = 2 * seq * n_kv * hd * 4
-            sets, chain = rotated_kv_sets(seq, n_kv, hd, np.float32, stream, dev)
+            kv = rotated_kv_sets(seq, n_kv, hd, np.float32, stream, dev)
+            sets, chain = kv.sets, kv.chain
             row = []
             base = plan_split(dev, np.float32, n_heads, n_kv, hd, seq)
             runs = [
@@ -98,9 +99,7 @@ def main() -> None:
                 f"{seq:>7} "
                 + " ".join(f"{us:8.1f} ({p:4.1f}%)" for us, p in zip(row, pct, strict=True))
             )
-            for k, v in sets:
-                k.close()
-                v.close()
+            kv.close()
 
 
 if __name__ == "__main__":
