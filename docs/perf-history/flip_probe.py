@@ -20,6 +20,22 @@ import ferrox_driver as fd
 from ferrox_driver import bench_decode
 from ferrox_driver.attention import launch_decode
 from ferrox_driver.bench_decode import captured, time_events
+from ferrox_driver.compiler import compile_source
+from ferrox_driver.launch import Module
+
+CLOCK = r"""
+extern "C" __global__ void fx_clock(unsigned long long* out) {
+    if (threadIdx.x != 0) return;
+    unsigned long long t0, t1;
+    long long c0 = clock64();
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    while (clock64() - c0 < 4000000) {}
+    long long c1 = clock64();
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+    out[0] = c1 - c0;
+    out[1] = t1 - t0;
+}
+"""
 
 
 def main() -> None:
@@ -33,10 +49,21 @@ def main() -> None:
 
     hot = dataclasses.replace(ind, sets=ind.sets[:1])  # one set: the KV stays in L2
 
+    clock = Module(compile_source(CLOCK, name="fx_clock.cu")).get_function("fx_clock")
+    ticks = fd.zeros((2,), np.uint64)
+
+    def mhz() -> float:
+        """The SM clock a kernel sees: clock64 cycles over %globaltimer ns for ~2 ms."""
+        clock.launch(1, 32, (ticks,), stream=stream)
+        stream.synchronize()
+        cycles, ns = ticks.to_host()
+        return float(cycles) / float(ns) * 1e3
+
     def show(step: str) -> None:
         us = [ind.time(ind.plan()) for _ in range(2)]
         print(
-            f"{step:44} {us[0]:.2f} {us[1]:.2f} us; KV in L2 {hot.time(hot.plan()):.2f}",
+            f"{step:44} {us[0]:.2f} {us[1]:.2f} us; KV in L2 {hot.time(hot.plan()):.2f}; "
+            f"SM clock {mhz():.0f} MHz",
             flush=True,
         )
 
