@@ -99,14 +99,14 @@ def rotated_kv_sets(
     seeds 100 + 2i and 101 + 2i), and the decodes in one back-to-back graph (``rotation``).
 
     The sets are carved out of one allocation, as a model's caches allocated at once would
-    be and as PyTorch's sets are (one allocation and free per point instead of up to 1024).
-    In one probe, sets allocated one by one read up to 7% slower at 4096 tokens than sets
-    carved out of one allocation in the same round; but both sit in one of two modes that
-    follow the process's allocations (docs/perf-history/NOTES.md, v13)."""
+    be and as PyTorch's sets are: one allocation and free per point instead of up to 1024,
+    laid out alike for both libraries. (The two speeds short decodes show within a process
+    are not layout: every kernel in a graph costs ~0.18 us more once a process has done
+    some amount of work; docs/perf-history/NOTES.md, v13.)"""
     dt = np.dtype(dtype)
     shape = (seq, n_kv_heads, head_dim)
-    n_sets, chain = rotation(2 * seq * n_kv_heads * head_dim * dt.itemsize)
-    one = seq * n_kv_heads * head_dim * dt.itemsize
+    one = seq * n_kv_heads * head_dim * dt.itemsize  # bytes of one K or V
+    n_sets, chain = rotation(2 * one)
     pool = empty((2 * n_sets * one,), np.uint8, device=device)
     sets = []
     for i in range(n_sets):
