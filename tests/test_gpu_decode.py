@@ -379,3 +379,83 @@ def test_cluster_merge_and_combine_kernel_match_reference(
     assert rel_err(got, ref) < TOL[dtype]
     if seq_len == 0:
         assert not np.any(got)
+
+
+# Flat plans (FERROX_FLAT=1: wherever a flat kernel exists, head_dim 64 and 128 on tensor
+# cores): the KV heads' tokens in a row, one equal run per multiprocessor, so runs cross
+# from one KV head into the next (two partials) wherever the KV heads do not divide the
+# multiprocessors. Planned for the capacity and given the length on the device, as in a
+# captured graph; the workspace and out NaN before each decode, so an unwritten partial
+# slot or output shows.
+FLAT_CASES = [
+    (32, 8, 128, 5000),
+    (32, 32, 128, 3001),
+    (64, 8, 128, 2049),
+    (28, 4, 128, 1500),
+    (16, 2, 64, 777),
+    (8, 1, 64, 4000),
+    (40, 40, 64, 300),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,capacity", FLAT_CASES)
+@pytest.mark.parametrize("seq_len", [0, 1, 2, 131, "capacity-1", "capacity"])
+@pytest.mark.parametrize("q_scale", [1.0, 1e3, 1e-6], ids=["normal", "huge", "tiny"])
+def test_flat_plan_matches_reference_at_every_length_of_its_capacity(
+    rng, monkeypatch, device, dtype, n_heads, n_kv_heads, head_dim, capacity, seq_len, q_scale
+):  # fmt: skip
+    from ferrox_driver import attention
+
+    monkeypatch.setenv("FERROX_FLAT", "1")
+    dt = DTYPES[dtype]
+    seq_len = {"capacity": capacity, "capacity-1": capacity - 1}.get(seq_len, seq_len)
+    plan = plan_split(device, dt, n_heads, n_kv_heads, head_dim, capacity)
+    if plan.tensor_cores:
+        assert plan.flat == device.multiprocessor_count and plan.kernel.endswith("_flat"), plan
+        assert plan.splits == -(-plan.flat // n_kv_heads) + 1
+    else:  # fp32 groups under 4: CUDA-core kernels, no flat form
+        assert dtype == "f32" and plan.flat == 0, plan
+    q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt, q_scale)
+    cache_k = np.zeros((capacity, n_kv_heads, head_dim), dt)
+    cache_v = np.zeros_like(cache_k)
+    cache_k[:seq_len], cache_v[:seq_len] = k, v
+    kd, vd = fd.to_device(cache_k), fd.to_device(cache_v)
+    length = fd.to_device(np.array([seq_len], np.int32))
+    ws = fd.empty(plan.workspace_floats(n_heads, head_dim), np.float32)
+    ws.fill_bytes(0xFF)
+    out = poisoned(q.shape, q.dtype)
+    attention.launch_split(
+        plan, fd.to_device(q), kd, vd, out, ws, n_heads=n_heads, n_kv_heads=n_kv_heads,
+        head_dim=head_dim, seq_len=capacity, seq_len_dev=length, stream=None,
+    )  # fmt: skip
+    got = out.to_host()
+    if seq_len == 0:
+        assert not got.astype(np.float64).any()
+    else:
+        assert_close_at_any_scale(got, q, k, v, n_heads, n_kv_heads, head_dim, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_flat_plan_is_bitwise_reproducible_and_differs_from_the_chunked_one_only_by_rounding(
+    rng, monkeypatch, device, dtype
+):
+    # Which block sums which tokens depends only on the length, so repeated decodes agree
+    # bit for bit (a race, or a partial merged out of order, would move them).
+    q, k, v = random_decode_inputs(rng, 32, 32, 128, 20001, DTYPES[dtype])
+    qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
+    kw = {"n_heads": 32, "n_kv_heads": 32, "head_dim": 128}
+    runs = {}
+    for flat in ("1", "0"):
+        monkeypatch.setenv("FERROX_FLAT", flat)
+        plan = plan_split(device, DTYPES[dtype], 32, 32, 128, 20001)
+        assert (plan.flat != 0) == (flat == "1" and plan.tensor_cores), plan
+        got = []
+        for _ in range(10):
+            out = poisoned(q.shape, q.dtype)
+            fd.gqa_decode(qd, kd, vd, out=out, **kw)
+            got.append(out.to_host())
+        assert all(np.array_equal(g.view(np.uint8), got[0].view(np.uint8)) for g in got)
+        runs[flat] = got[0]
+    ref = fd.reference_gqa_decode(q, k, v, **kw)
+    assert rel_err(runs["1"], ref) < TOL[dtype] and rel_err(runs["0"], ref) < TOL[dtype]
