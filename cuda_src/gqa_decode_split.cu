@@ -47,55 +47,6 @@ __device__ __forceinline__ bool fx_chunk_bounds(int seq_len, const int* seq_len_
     return seq > 0 && start < seq;
 }
 
-// The flat plan ("stream-K"): the n_kv_heads * seq (KV head, token) pairs, KV head by KV
-// head, are cut into `blocks` runs of equal length, one per block, so that every
-// multiprocessor has the same work where a whole number of chunks per KV head would leave
-// some idle (8 or 32 KV heads on 132 multiprocessors: 128 blocks). A run that crosses into
-// the next KV head is two segments, each with its own partial. KV head h's segments are
-// blocks first(h) .. last(h), in partial slots 0, 1, ... of its query heads: the combine
-// merges them in token order, and which block sums which tokens depends only on the
-// length, so results stay bitwise reproducible. A run is at most `seq` pairs while
-// n_kv_heads <= blocks, so a block has at most two segments.
-struct FxFlat {
-    long long run;  // pairs per block
-    int seq;
-    __device__ __forceinline__ int first(int h) const { return (int)((long long)h * seq / run); }
-    __device__ __forceinline__ int last(int h) const {
-        return (int)(((long long)h * seq + seq - 1) / run);
-    }
-};
-__device__ __forceinline__ FxFlat fx_flat(int seq, int n_kv_heads, int blocks) {
-    const long long pairs = (long long)n_kv_heads * seq;
-    return {(pairs + blocks - 1) / blocks, seq};
-}
-
-// Calls body(g_kv, start, end, slot) for each segment of this block's run (none at seq 0;
-// at most two: a run is at most `seq` pairs where n_kv_heads <= gridDim.x, which the host
-// ensures; more trap), with a block barrier between the two (the first's ending reads
-// shared memory that the second's ring refills). A slot past `slots` (a launch whose
-// workspace is too small) traps. (Two calls rather than a loop: a loop around the body
-// took 255 registers instead of 166 and spilled for head_dim 256.)
-template <class Body>
-__device__ __forceinline__ void fx_flat_segments(int seq_len, const int* seq_len_dev,
-                                                 int n_kv_heads, int slots, Body body) {
-    const int seq = fx_seq_len(seq_len, seq_len_dev);
-    if (seq <= 0) return;
-    const FxFlat f = fx_flat(seq, n_kv_heads, (int)gridDim.x);
-    const long long p = (long long)blockIdx.x * f.run;
-    const long long stop = min(p + f.run, (long long)n_kv_heads * seq);
-    if (p >= stop) return;
-    const int h = (int)(p / seq);
-    const int start = (int)(p - (long long)h * seq);
-    const int end = (int)min((long long)seq, start + (stop - p));
-    const int slot = (int)blockIdx.x - f.first(h);
-    const bool second = stop - p > end - start;
-    if (slot >= slots || (second && stop - p - (end - start) > seq)) __trap();
-    body(h, start, end, slot);
-    if (!second) return;
-    __syncthreads();
-    body(h + 1, 0, (int)(stop - p - (end - start)), 0);
-}
-
 // Programmatic dependent launch (compute capability 9.0 and up): the combine kernel is
 // launched with the programmatic-serialization attribute, so it may start once every split
 // block has called fx_let_combine_start (or left), and it waits in fx_wait_for_split,
@@ -837,22 +788,26 @@ __device__ __forceinline__ void fx_merge_warps(unsigned char* smem, float m_run,
                                               splits, split, seq_len, seq_len_dev, where);
 }
 
-// The tensor-core kernels' tokens [start, end) of KV head g_kv, one block's run: its ring,
-// Q, the main loop, the warps' merge and the result, which is partial `slot` of the `slots`
-// each query head has in the workspace, or with CLUSTER the cluster's merge into `out`.
-// CLUSTER: the launch makes the blocks of a KV head one cluster, which merges their
+// CLUSTER: the launch makes the `splits` blocks of a KV head one cluster, which merges its
 // partials (fx_cluster_merge) and writes `out`; the workspace is not used.
 template <class T, int D, bool CLUSTER>
-__device__ __forceinline__ void fx_mma_tokens(
+__device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int slots, int slot,
-    int g_kv, int start, int end) {
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
     constexpr int S = FxStages<D>::value;
     constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
+    fx_let_combine_start<2>();
+    const int split = blockIdx.x;
+    int start, end;
+    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len,
+                                    seq_len_dev, splits, tile, split, start, end))
+        return;
+
+    const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
     const int h0 = g_kv * group;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -981,53 +936,13 @@ __device__ __forceinline__ void fx_mma_tokens(
         t = (d % 64) / 16;
     };
     fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T)>(
-        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, slots, slot, seq_len,
+        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
         seq_len_dev, where);
 }
 
-template <class T, int D> struct FxMmaShape {
-    static constexpr int threads = FxWarps<D>::value * 32;
-    static constexpr unsigned ring = FxWarps<D>::value * FxStages<D>::value * 2 * 16 * D * sizeof(T);
-};
-
-// The chunked plan: block (split, g_kv) takes chunk `split` of KV head g_kv.
-template <class T, int D, bool CLUSTER>
-__device__ __forceinline__ void gqa_split_mma(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
-    using Shape = FxMmaShape<T, D>;
-    fx_let_combine_start<2>();
-    int start, end;
-    if (!fx_block_chunk<CLUSTER, D>(Shape::ring, Shape::threads, seq_len, seq_len_dev, splits,
-                                    tile, blockIdx.x, start, end))
-        return;
-    fx_mma_tokens<T, D, CLUSTER>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len,
-                                 seq_len_dev, splits, blockIdx.x, blockIdx.y, start, end);
-}
-
-// The flat plan: block b takes run b of every KV head's tokens in a row (fx_flat_segments).
-template <class T, int D>
-__device__ __forceinline__ void gqa_split_mma_flat(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
-    int seq_len, const int* __restrict__ seq_len_dev, int slots) {
-    using Shape = FxMmaShape<T, D>;
-    fx_let_combine_start<2>();
-    fx_check_launch(Shape::ring, Shape::threads);
-    fx_flat_segments(seq_len, seq_len_dev, n_kv_heads, slots,
-                     [&](int g_kv, int start, int end, int slot) {
-                         fx_mma_tokens<T, D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads,
-                                                    n_kv_heads, seq_len, seq_len_dev, slots,
-                                                    slot, g_kv, start, end);
-                     });
-}
-
-// Each kernel with a combine kernel (partials to the workspace) and "_cluster" (launched
-// in clusters of `splits` blocks per KV head, writes the output), both over chunks that
-// are multiples of `tile` tokens (16 to FX_TILE; the host picks it per plan); and for
-// head_dim 64 and 128 "_flat" (a 1-D grid of equal runs, fx_flat_segments; partials to
-// `slots` per query head).
+// Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
+// (launched in clusters of `splits` blocks per KV head, writes the output). Chunks are
+// multiples of `tile` tokens (16 to FX_TILE; the host picks it per plan).
 #define FX_MMA_ENTRY(NAME, T, D)                                                            \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
@@ -1041,13 +956,6 @@ __device__ __forceinline__ void gqa_split_mma_flat(
         gqa_split_mma<T, D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,      \
                                   seq_len, seq_len_dev, splits, tile);                      \
     }
-#define FX_MMA_FLAT_ENTRY(NAME, T, D)                                                       \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_flat(        \
-        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
-        int n_kv_heads, int seq_len, const int* seq_len_dev, int slots) {                   \
-        gqa_split_mma_flat<T, D>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, seq_len,        \
-                                 seq_len_dev, slots);                                       \
-    }
 
 FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
 FX_MMA_ENTRY(gqa_split_mma_f16_d128, fx_half, 128)
@@ -1055,11 +963,6 @@ FX_MMA_ENTRY(gqa_split_mma_f16_d256, fx_half, 256)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d64, fx_bf16, 64)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d128, fx_bf16, 128)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
-// Flat entries for head_dim 64 and 128 only: with two runs' bodies, head_dim 256 spills.
-FX_MMA_FLAT_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
-FX_MMA_FLAT_ENTRY(gqa_split_mma_f16_d128, fx_half, 128)
-FX_MMA_FLAT_ENTRY(gqa_split_mma_bf16_d64, fx_bf16, 64)
-FX_MMA_FLAT_ENTRY(gqa_split_mma_bf16_d128, fx_bf16, 128)
 
 // ---------------------------------------------------------------------------------------
 // Tensor-core split kernel for fp32 caches (head_dim 64/128/256, groups of up to 8): the same
@@ -1148,13 +1051,11 @@ __device__ __forceinline__ void fx_mma_3xtf32(float& c0, float& c1, float& c2, f
     fx_mma_tf32(c0, c1, c2, c3, ah0, ah2, bh0, bh1);
 }
 
-// One block's run, as fx_mma_tokens.
-template <int D, bool CLUSTER>
-__device__ __forceinline__ void fx_tc32_tokens(
+template <int D, bool CLUSTER>  // CLUSTER: as gqa_split_mma
+__device__ __forceinline__ void gqa_split_tc32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, float* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int slots, int slot,
-    int g_kv, int start, int end) {
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
     constexpr int S = FxTc32Shape<D>::stages;
     constexpr int WARPS = FxTc32Shape<D>::warps, THREADS = WARPS * 32;
     constexpr int TOK = FxTc32Shape<D>::tokens, NB = TOK / 8;  // tokens per step, 8-blocks
@@ -1163,6 +1064,14 @@ __device__ __forceinline__ void fx_tc32_tokens(
     constexpr int STEP = TOK * D;  // floats of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
+    fx_let_combine_start<2>();
+    const int split = blockIdx.x;
+    int start, end;
+    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len,
+                                    seq_len_dev, splits, tile, split, start, end))
+        return;
+
+    const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
     const int h0 = g_kv * group;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1304,47 +1213,8 @@ __device__ __forceinline__ void fx_tc32_tokens(
         t = n >> 1;
     };
     fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(float)>(
-        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, slots, slot, seq_len,
+        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
         seq_len_dev, where);
-}
-
-template <int D> struct FxTc32Launch {
-    static constexpr int threads = FxTc32Shape<D>::warps * 32;
-    static constexpr unsigned ring = FxTc32Shape<D>::warps * FxTc32Shape<D>::stages * 2 *
-                                     FxTc32Shape<D>::tokens * D * sizeof(float);
-};
-
-// The chunked plan, as gqa_split_mma.
-template <int D, bool CLUSTER>
-__device__ __forceinline__ void gqa_split_tc32(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    float* __restrict__ ws_o, float* __restrict__ ws_ml, float* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
-    using Shape = FxTc32Launch<D>;
-    fx_let_combine_start<2>();
-    int start, end;
-    if (!fx_block_chunk<CLUSTER, D>(Shape::ring, Shape::threads, seq_len, seq_len_dev, splits,
-                                    tile, blockIdx.x, start, end))
-        return;
-    fx_tc32_tokens<D, CLUSTER>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len,
-                               seq_len_dev, splits, blockIdx.x, blockIdx.y, start, end);
-}
-
-// The flat plan, as gqa_split_mma_flat.
-template <int D>
-__device__ __forceinline__ void gqa_split_tc32_flat(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
-    int seq_len, const int* __restrict__ seq_len_dev, int slots) {
-    using Shape = FxTc32Launch<D>;
-    fx_let_combine_start<2>();
-    fx_check_launch(Shape::ring, Shape::threads);
-    fx_flat_segments(seq_len, seq_len_dev, n_kv_heads, slots,
-                     [&](int g_kv, int start, int end, int slot) {
-                         fx_tc32_tokens<D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads,
-                                                  n_kv_heads, seq_len, seq_len_dev, slots,
-                                                  slot, g_kv, start, end);
-                     });
 }
 
 #define FX_TC32_ENTRY(NAME, D)                                                              \
@@ -1361,19 +1231,10 @@ __device__ __forceinline__ void gqa_split_tc32_flat(
         gqa_split_tc32<D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,        \
                                 seq_len, seq_len_dev, splits, tile);                        \
     }
-#define FX_TC32_FLAT_ENTRY(NAME, D)                                                         \
-    extern "C" __global__ void __launch_bounds__(FX_TC32_WARPS_D##D * 32, 1) NAME##_flat(   \
-        const float* q, const float* k, const float* v, float* ws_o, float* ws_ml,          \
-        int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev, int slots) {      \
-        gqa_split_tc32_flat<D>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, seq_len,          \
-                               seq_len_dev, slots);                                         \
-    }
 
 FX_TC32_ENTRY(gqa_split_tc32_f32_d64, 64)
 FX_TC32_ENTRY(gqa_split_tc32_f32_d128, 128)
 FX_TC32_ENTRY(gqa_split_tc32_f32_d256, 256)
-FX_TC32_FLAT_ENTRY(gqa_split_tc32_f32_d64, 64)
-FX_TC32_FLAT_ENTRY(gqa_split_tc32_f32_d128, 128)
 
 // ---------------------------------------------------------------------------------------
 // Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
@@ -1455,14 +1316,10 @@ __device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
     }
 }
 
-// `splits` partial slots per query head. FLAT: a flat plan of that many blocks
-// over n_kv_heads KV heads (fx_flat_segments), whose KV head's segments are its slots;
-// otherwise (FLAT false) chunks of `tile`-token multiples (fx_chunk).
-template <class T, bool FLAT>
+template <class T>
 __device__ __forceinline__ void gqa_split_combine(
     T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
-    int n_kv_heads, int flat_blocks) {
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
     __shared__ float w_s[FX_MAX_SPLITS];
     __shared__ float red_s[FX_COMBINE_WARPS][32];
     const int h = blockIdx.x;
@@ -1474,15 +1331,8 @@ __device__ __forceinline__ void gqa_split_combine(
         if (threadIdx.x < 32 && d < head_dim) out_h[d] = fx_from_float<T>(0.f);
         return;
     }
-    int active;
-    if (FLAT) {
-        const FxFlat f = fx_flat(seq, n_kv_heads, flat_blocks);
-        const int g_kv = h / ((int)gridDim.x / n_kv_heads);
-        active = f.last(g_kv) - f.first(g_kv) + 1;
-    } else {
-        const int chunk = fx_chunk(seq, splits, tile);
-        active = (seq + chunk - 1) / chunk;
-    }
+    const int chunk = fx_chunk(seq, splits, tile);
+    const int active = (seq + chunk - 1) / chunk;
     const float* o = ws_o + (long long)h * splits * head_dim;
     const float* ml = ws_ml + (long long)h * splits * 2;
     if (active > FX_COMBINE_WARPS * FX_COMBINE_BATCH)
@@ -1495,14 +1345,7 @@ __device__ __forceinline__ void gqa_split_combine(
     extern "C" __global__ void __launch_bounds__(FX_COMBINE_THREADS) NAME(                  \
         T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
         const int* seq_len_dev, int splits, int tile) {                                     \
-        gqa_split_combine<T, false>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits, \
-                                    tile, 0, 0);                                                        \
-    }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FX_COMBINE_THREADS) NAME##_flat(           \
-        T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
-        const int* seq_len_dev, int slots, int n_kv_heads, int blocks) {                    \
-        gqa_split_combine<T, true>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, slots, \
-                                   0, n_kv_heads, blocks);                                         \
+        gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits, tile); \
     }
 
 FX_COMBINE_ENTRY(gqa_split_combine_f32, float)

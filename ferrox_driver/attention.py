@@ -103,16 +103,6 @@ class SplitPlan:
     step_tokens: int = 16  # ... of this many tokens
     cluster: int = 0  # blocks per thread block cluster (a KV head's chunks merge on chip,
     # no combine kernel); 0: the combine kernel merges them
-    flat: int = 0  # blocks of a flat plan: the KV heads' tokens in a row, cut into this
-    # many equal runs, one per block (so ``splits`` is partial slots per query head, runs
-    # crossing into a next KV head being two); 0: ``splits`` chunks per KV head
-
-    def combine_kernel(self, dtype: Any) -> str | None:
-        """The name of the kernel merging this plan's partials (None: a cluster plan,
-        merged on chip)."""
-        if self.cluster:
-            return None
-        return f"gqa_split_combine_{dtype_name(dtype)}{'_flat' if self.flat else ''}"
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
         """Floats of scratch the launch needs: partial outputs, maxima and sums (none for a
@@ -172,7 +162,7 @@ def plan_split(
 ) -> SplitPlan:
     """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens
     (memoised: every decode asks, once; the knobs FERROX_SPLIT_HEADS_PER_BLOCK,
-    FERROX_TC32, FERROX_CLUSTER and FERROX_FLAT are part of the key).
+    FERROX_TC32 and FERROX_CLUSTER are part of the key).
 
     The grid is at most one full wave of resident blocks; each block's chunk is a multiple
     of the plan's tile, computed on the device from the actual length (which may be
@@ -193,7 +183,6 @@ def plan_split(
         env.get("FERROX_SPLIT_HEADS_PER_BLOCK"),
         env.get("FERROX_TC32"),
         env.get("FERROX_CLUSTER"),
-        env.get("FERROX_FLAT"),
     )
     plan = _plans.get(key)
     if plan is None:
@@ -259,42 +248,10 @@ def _plan_split(
     shared += cluster_recv_bytes(head_dim)
     cluster = clusters_fit(device, f"{kname}_cluster", splits, n_kv_heads, threads, shared)
     if cluster:
-        return dataclasses.replace(
-            plan, kernel=f"{kname}_cluster", splits=splits, tile=tile, cluster=splits
-        )
-    plan = dataclasses.replace(plan, splits=splits, tile=tile)
-    if flat_pays(head_dim, n_kv_heads, splits, wave, seq):
-        return flat_plan(plan, device, n_kv_heads, wave)
-    return plan
-
-
-FLAT_HEAD_DIMS = (64, 128)  # tensor-core kernels with a flat entry
-
-
-def flat_pays(head_dim: int, n_kv_heads: int, splits: int, wave: int, plan_seq: int) -> bool:
-    """Whether a tensor-core plan with the combine kernel takes the flat form (flat_plan):
-    where whole chunks per KV head leave multiprocessors idle, for long plans.
-    ``FERROX_FLAT`` 0 turns it off, 1 on wherever a flat kernel exists (comparison knobs)."""
-    knob = os.environ.get("FERROX_FLAT")
-    slots = -(-wave // n_kv_heads) + 1
-    if head_dim not in FLAT_HEAD_DIMS or slots > MAX_SPLITS or n_kv_heads > wave or knob == "0":
-        return False
-    return knob == "1" or (n_kv_heads * splits < wave and plan_seq >= FLAT_MIN_SEQ)
-
-
-FLAT_MIN_SEQ = 1 << 62  # placeholder until measured
-
-
-def flat_plan(plan: SplitPlan, device: Device, n_kv_heads: int, wave: int) -> SplitPlan:
-    """The flat form of a tensor-core plan with the combine kernel: the KV heads' tokens in
-    a row cut into ``wave`` equal runs, one block each, so every multiprocessor has the same
-    work where whole chunks per KV head leave some idle (8 KV heads x 16 chunks = 128 of
-    132). A run crossing into the next KV head is two segments with a partial each, so a
-    KV head has at most ceil(wave / n_kv_heads) + 1 partial slots."""
-    kernel = f"{plan.kernel}_flat"
-    get_kernel(SPLIT_FILE, kernel, device)
-    slots = -(-wave // n_kv_heads) + 1
-    return dataclasses.replace(plan, kernel=kernel, splits=slots, flat=wave)
+        kname = f"{kname}_cluster"
+    return dataclasses.replace(
+        plan, kernel=kname, splits=splits, tile=tile, cluster=splits if cluster else 0
+    )
 
 
 _resident_clusters: dict[tuple[int, str, int], int] = {}
@@ -455,8 +412,7 @@ def launch_split(
     ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
     args: tuple[Any, ...]
     if plan.tensor_cores:
-        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits)
-        args += () if plan.flat else (tile,)
+        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
     else:
         args = (
             q,
@@ -472,9 +428,7 @@ def launch_split(
             np.int32(plan.lanes_per_token),
             tile,
         )
-    if plan.flat:
-        grid = (plan.flat, 1, 1)
-    elif plan.tensor_cores:
+    if plan.tensor_cores:
         grid = (plan.splits, n_kv_heads, 1)
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         grid = (plan.head_tiles, plan.splits, n_kv_heads)
@@ -488,12 +442,11 @@ def launch_split(
         )
     if parts == "main":
         return
-    combine = combine or get_kernel(SPLIT_FILE, str(plan.combine_kernel(q.dtype)), dev)
-    last = (np.int32(n_kv_heads), np.int32(plan.flat)) if plan.flat else (tile,)
+    combine = combine or get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
     combine.launch(
         (n_heads, -(-head_dim // 32)),
         COMBINE_THREADS,
-        (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits, *last),
+        (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits, tile),
         stream=stream,
         early=EARLY_COMBINE and parts == "both",  # it waits for the split kernel itself
     )

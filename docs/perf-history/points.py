@@ -58,29 +58,22 @@ class Point:
         """Percent of CEILING that reading the KV cache in ``us`` microseconds is."""
         return 100 * self.kv_bytes / (us * 1e-6) / CEILING
 
-    def plan(
-        self, plan_seq: int | None = None, clusters: bool = True, flat: bool | None = None
-    ) -> SplitPlan:
+    def plan(self, plan_seq: int | None = None, clusters: bool = True) -> SplitPlan:
         """plan_split's plan for this point (or for ``plan_seq`` tokens); with
-        ``clusters=False`` the plan with the combine kernel (FERROX_CLUSTER=0); ``flat``
-        False or True: never or wherever possible the flat form (FERROX_FLAT)."""
-        knobs = {"FERROX_CLUSTER": None if clusters else "0"}
-        knobs["FERROX_FLAT"] = None if flat is None else str(int(flat))
-        saved = {name: os.environ.get(name) for name in knobs}
-        for name, value in knobs.items():
-            if value is not None:
-                os.environ[name] = value
+        ``clusters=False`` the plan with the combine kernel (FERROX_CLUSTER=0)."""
+        saved = os.environ.get("FERROX_CLUSTER")
+        if not clusters:
+            os.environ["FERROX_CLUSTER"] = "0"
         try:
             return plan_split(
                 self.q.device, self.dtype, self.n_heads, self.n_kv, self.head_dim,
                 self.seq if plan_seq is None else plan_seq,
             )  # fmt: skip
         finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            if saved is None:
+                os.environ.pop("FERROX_CLUSTER", None)
+            else:
+                os.environ["FERROX_CLUSTER"] = saved
 
     def time(
         self, plan: SplitPlan, kernel: Any = None, parts: str = "both", combine: Any = None
