@@ -104,6 +104,11 @@ class SplitPlan:
     cluster: int = 0  # blocks per thread block cluster (a KV head's chunks merge on chip,
     # no combine kernel); 0: the combine kernel merges them
 
+    def combine_kernel(self, dtype: Any) -> str | None:
+        """The name of the kernel merging this plan's chunks for a ``dtype`` output (None:
+        a cluster plan, merged on chip)."""
+        return None if self.cluster else f"gqa_split_combine_{dtype_name(dtype)}"
+
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
         """Floats of scratch the launch needs: partial outputs, maxima and sums (none for a
         cluster plan, whose partials stay on chip)."""
@@ -442,7 +447,7 @@ def launch_split(
         )
     if parts == "main":
         return
-    combine = combine or get_kernel(SPLIT_FILE, f"gqa_split_combine_{dtype_name(q.dtype)}", dev)
+    combine = combine or get_kernel(SPLIT_FILE, str(plan.combine_kernel(q.dtype)), dev)
     combine.launch(
         (n_heads, -(-head_dim // 32)),
         COMBINE_THREADS,

@@ -369,8 +369,10 @@ class KVCache:
         n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
         append_kernel(self.device)
         if check_algorithm(algorithm) != "parity":
-            get_kernel("gqa_decode_split.cu", f"gqa_split_combine_{self.dtype_name}", self.device)
-            self._split_plan(n_heads, algorithm, is_aligned(self._k, self._v))
+            plan, _ = self._split_plan(n_heads, algorithm, is_aligned(self._k, self._v))
+            combine = plan.combine_kernel(self.dtype) if plan is not None else None
+            if combine is not None:  # a cluster plan has none
+                get_kernel("gqa_decode_split.cu", combine, self.device)
 
     @property
     def dtype_name(self) -> str:

@@ -202,6 +202,14 @@ def test_only_plans_with_a_combine_kernel_need_scratch():
     assert clustered.workspace_floats(32, 128) == 0  # the partials stay on chip
 
 
+def test_only_plans_with_a_combine_kernel_name_one():
+    plan = attention.SplitPlan("gqa_split_mma_bf16_d128", True, 1, 32, 16, stages=4)
+    assert plan.combine_kernel(ml_dtypes.bfloat16) == "gqa_split_combine_bf16"
+    assert plan.combine_kernel(np.float32) == "gqa_split_combine_f32"
+    clustered = dataclasses.replace(plan, kernel=f"{plan.kernel}_cluster", splits=8, cluster=8)
+    assert clustered.combine_kernel(ml_dtypes.bfloat16) is None
+
+
 @pytest.mark.parametrize("shape", bench_decode.SHAPES)
 def test_benchmark_rotation_keeps_every_point_out_of_l2(shape):
     _, n_kv, head_dim = shape
