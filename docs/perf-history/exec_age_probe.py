@@ -5,10 +5,12 @@ kernel x 64, and the 32/8/128 bf16 4096 indicator's chain of decodes) are kept a
 again after each measure_point, beside the same graphs instantiated afresh; and the old
 ones once more after cuGraphUpload.
 
-    PYTHONPATH=. python3 docs/perf-history/exec_age_probe.py
+    PYTHONPATH=. python3 docs/perf-history/exec_age_probe.py [measure_points, default 4]
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 from points import points
@@ -70,7 +72,7 @@ def main() -> None:
 
     row("fresh process")
     row("again")
-    for i in range(4):
+    for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 4):
         bench_decode.measure_point((32, 8, 128), 4096, "bf16", 30, stream.device)
         row(f"after measure_point {i + 1}")
     row("old ones uploaded again", upload=True)
