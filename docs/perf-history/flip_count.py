@@ -4,7 +4,11 @@ each stage in a fresh process does not). One kind of work, done REPEAT times, ea
 followed by the empty-kernel indicator (64 in a graph, kept from the start: ~0.55 us per
 kernel fast, ~0.73 slow), in this process; `all` runs each kind in a fresh process.
 
-    PYTHONPATH=. python3 docs/perf-history/flip_count.py [pool|stream|graphs|eager|point|all]
+    PYTHONPATH=. python3 docs/perf-history/flip_count.py [KIND|all]
+
+KIND: pool, stream, graphs, eager, point (measure_point itself), small (a 256 KiB
+allocation made and freed), smallkeep (one made and kept), streamonly (a stream made and
+closed after one empty kernel, no scratch).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from ferrox_driver.compiler import compile_source
 from ferrox_driver.launch import Module
 
 SRC = r"""extern "C" __global__ void fx_empty(int* p) { if (p) *p = 0; }"""
-KINDS = ("pool", "stream", "graphs", "eager", "point")
-REPEAT = 8
+KINDS = ("graphs", "small", "smallkeep", "streamonly", "pool", "stream", "eager", "point")
+REPEAT = 12
 
 
 def main(kind: str) -> None:
@@ -34,6 +38,8 @@ def main(kind: str) -> None:
     empty = Module(compile_source(SRC, name="fx_flip.cu")).get_function("fx_empty")
     gen = points([((32, 8, 128), "bf16", [4096])], stream)  # held: closing it frees the point
     p = next(gen)
+    kept = []
+    eager_first = True
     ind = captured(stream, lambda: empty.launch(1, 32, (np.uint64(0),), stream=stream), 64)
 
     def eager(i: int, on: fd.Stream) -> None:
@@ -43,7 +49,20 @@ def main(kind: str) -> None:
         )
 
     def work() -> None:
-        if kind == "pool":  # the KV sets of a point: one 400 MiB allocation, filled, freed
+        nonlocal eager_first
+        if eager_first:  # the stream's decode scratch, allocated outside any capture
+            eager(0, stream)
+            eager_first = False
+        if kind == "small":
+            fd.empty((65536,), np.float32).close()
+        elif kind == "smallkeep":
+            kept.append(fd.empty((65536,), np.float32))
+        elif kind == "streamonly":
+            s = fd.Stream()
+            empty.launch(1, 32, (np.uint64(0),), stream=s)
+            s.synchronize()
+            s.close()
+        elif kind == "pool":  # the KV sets of a point: one 400 MiB allocation, filled, freed
             rotated_kv_sets(4096, 8, 128, p.dtype, stream, stream.device).close()
         elif kind == "stream":  # a stream of its own with its decode scratch, closed
             s = fd.Stream()
