@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .attention import launch_decode
+from .device import default_device
 from .memory import DeviceArray, empty
 from .stream import Stream
 from .validation import check_dims
@@ -56,7 +57,9 @@ def time_decode(
     check_dims(n_heads, n_kv_heads, head_dim)
     dt = np.dtype(dtype)
     rng = np.random.default_rng(seed)
-    stream = Stream()
+    from .bench_decode import bench_stream
+
+    stream = bench_stream(default_device())
     kv_bytes = 2 * seq_len * n_kv_heads * head_dim * dt.itemsize
     n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / max(kv_bytes, 1))))
     q = empty((n_heads, head_dim), dt)
@@ -130,7 +133,9 @@ def time_appends(
     q = rng.standard_normal((n_heads, head_dim), dtype=np.float32)
     prefill = capacity - tokens - 1  # measure near the end of the cache, where it hurts
     results = []
-    with KVCache(n_kv_heads, head_dim, capacity) as kv:
+    from .bench_decode import bench_stream
+
+    with KVCache(n_kv_heads, head_dim, capacity, stream=bench_stream(default_device())) as kv:
         fill = rng.standard_normal((prefill, *row), dtype=np.float32)
         kv.extend(fill, fill)
         kv.synchronize()

@@ -100,9 +100,10 @@ def rotated_kv_sets(
 
     The sets are carved out of one allocation, as a model's caches allocated at once would
     be and as PyTorch's sets are: one allocation and free per point instead of up to 1024,
-    laid out alike for both libraries. (The two speeds short decodes show within a process
-    are not layout: every kernel in a graph costs ~0.18 us more once a process has done
-    some amount of work; docs/perf-history/NOTES.md, v13.)"""
+    laid out alike for both libraries. (The two speeds short decodes showed within a
+    process are not layout: every kernel in a graph costs ~0.18 us more once a process has
+    run work on about eight streams; docs/perf-history/NOTES.md, v13-v14, and
+    bench_stream.)"""
     dt = np.dtype(dtype)
     shape = (seq, n_kv_heads, head_dim)
     one = seq * n_kv_heads * head_dim * dt.itemsize  # bytes of one K or V
@@ -225,9 +226,10 @@ def time_graph_body(
     return times
 
 
-def measure_read_ceiling(device: Device, gib: float = 4.0) -> float:
-    """TB/s of reading ``gib`` GiB once (a sum over 16-byte loads)."""
-    stream = Stream(device)
+def measure_read_ceiling(device: Device, gib: float = 4.0, stream: Stream | None = None) -> float:
+    """TB/s of reading ``gib`` GiB once (a sum over 16-byte loads), on ``stream`` (default:
+    the benchmark's stream for ``device``)."""
+    stream = stream or bench_stream(device)
     n = int(gib * 2**30) // 4
     data = empty((n,), np.float32, device=device)
     fill_uniform(data, 1, stream)
@@ -241,6 +243,20 @@ def measure_read_ceiling(device: Device, gib: float = 4.0) -> float:
     us = time_events(run, stream, 20, 3)
     data.close()
     return n * 4 / (us * 1e-6) / 1e12
+
+
+_streams: dict[int, Stream] = {}
+
+
+def bench_stream(device: Device) -> Stream:
+    """The one stream every measurement of this process runs on, per device, as a decode
+    loop would use. Every stream that has run work counts: after about eight, each kernel
+    in a graph costs ~0.18 us more for the rest of the process (flip-count-v14.log), so a
+    stream per point would time most points in that state."""
+    stream = _streams.get(device.context_handle)
+    if stream is None:
+        stream = _streams[device.context_handle] = Stream(device)
+    return stream
 
 
 def import_torch() -> Any:
@@ -259,6 +275,15 @@ def import_torch() -> Any:
 
 
 _torch: Any = False
+_torch_side: Any = None
+
+
+def torch_side_stream(torch: Any) -> Any:
+    """PyTorch's stream for every measurement (one, as ours: bench_stream)."""
+    global _torch_side
+    if _torch_side is None:
+        _torch_side = torch.cuda.Stream()
+    return _torch_side
 
 
 def _torch_sdpa_us(
@@ -276,7 +301,7 @@ def _torch_sdpa_us(
     q = torch.rand(1, n_heads, 1, hd, device="cuda", dtype=tdt) * 2 - 1
     pool = torch.empty(n_sets, 2, 1, n_kv, seq, hd, device="cuda", dtype=tdt).uniform_(-1, 1)
     sets = [(pool[i, 0], pool[i, 1]) for i in range(n_sets)]  # one allocation, as ours
-    side = torch.cuda.Stream()
+    side = torch_side_stream(torch)
     graphs = []
     with torch.cuda.stream(side):
         for k, v in sets:  # warm-up outside capture
@@ -321,7 +346,7 @@ def measure_point(
 ) -> DecodePoint:
     n_heads, n_kv, hd = shape
     dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
-    stream = Stream(device)
+    stream = bench_stream(device)
     kv_bytes = 2 * seq * n_kv * hd * dt.itemsize
     q = empty((n_heads, hd), dt, device=device)
     out = empty((n_heads, hd), dt, device=device)
@@ -352,7 +377,6 @@ def measure_point(
     rotated.close()
     q.close()
     out.close()
-    stream.close()
     torch_us, torch_single_us = _torch_sdpa_us(shape, seq, dtype, iters)
     return DecodePoint(
         f"{n_heads}/{n_kv}/{hd}",
@@ -412,9 +436,11 @@ def measure_growing_graph(
     n_heads, n_kv, hd = shape
     dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
     device = default_device()
-    stream = Stream(device)
+    stream = bench_stream(device)
     n_sets, chain = rotation(2 * min(seq_lens) * n_kv * hd * dt.itemsize)
-    caches = [KVCache(n_kv, hd, capacity, dtype=dt, device=device) for _ in range(n_sets)]
+    caches = [
+        KVCache(n_kv, hd, capacity, dtype=dt, device=device, stream=stream) for _ in range(n_sets)
+    ]
     q = empty((n_heads * hd,), dt, device=device)
     out = empty((n_heads * hd,), dt, device=device)
     fill_uniform(q, 3, stream)
@@ -444,7 +470,6 @@ def measure_growing_graph(
         e.close()
     for kv in caches:
         kv.close()
-    stream.close()
     return results
 
 
@@ -471,7 +496,8 @@ def measure_step_latency(
     ks = rng.standard_normal((tokens, n_kv, hd), dtype=np.float32).astype(dt)
     vs = rng.standard_normal((tokens, n_kv, hd), dtype=np.float32).astype(dt)
     result = {}
-    with KVCache(n_kv, hd, cap, dtype=dt) as kv:
+    stream = bench_stream(default_device())
+    with KVCache(n_kv, hd, cap, dtype=dt, stream=stream) as kv:
         kv.extend(prefill, prefill)
         kv.decode(qs[0], n_heads=n_heads)  # warm-up
         t0 = time.perf_counter()
@@ -479,7 +505,10 @@ def measure_step_latency(
             kv.append(ks[t], vs[t])
             kv.decode(qs[t], n_heads=n_heads)
         result["ferrox eager"] = (time.perf_counter() - t0) / tokens * 1e6
-    with KVCache(n_kv, hd, cap, dtype=dt) as kv, DecodeGraph(kv, n_heads=n_heads) as step:
+    with (
+        KVCache(n_kv, hd, cap, dtype=dt, stream=stream) as kv,
+        DecodeGraph(kv, n_heads=n_heads) as step,
+    ):
         kv.extend(prefill, prefill)
         t0 = time.perf_counter()
         for t in range(tokens):
@@ -538,7 +567,7 @@ def _torch_step_us(
         host["out"].copy_(out.view(n_heads, hd), non_blocking=True)
         pos.add_(1)
 
-    side = torch.cuda.Stream()
+    side = torch_side_stream(torch)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         body()  # warm-up
@@ -579,7 +608,7 @@ def measure_fixed_costs(
     n_heads, n_kv, hd = shape
     dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
     device = default_device()
-    stream = Stream(device)
+    stream = bench_stream(device)
     noop = get_kernel("util.cu", "ferrox_noop", device)
     results = {}
 
@@ -622,5 +651,4 @@ def measure_fixed_costs(
             results[f"seq {seq}: {parts} ({plan.splits} chunks)"] = timed_graph(body)
         for a in (q, out, k, v, ws):
             a.close()
-    stream.close()
     return results

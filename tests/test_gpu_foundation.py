@@ -233,3 +233,29 @@ def test_rotated_kv_sets_are_disjoint_filled_views_freed_by_close(device):
     assert kv.sets == []
     assert device.mem_info()[0] > free_before - (1 << 27)
     stream.close()
+
+
+def test_benchmark_measurements_share_one_stream(monkeypatch, device):
+    # Every stream that has run work counts against the process: after about eight, each
+    # kernel in a graph costs ~0.18 us more (docs/perf-history/flip-count-v14.log), so the
+    # benchmark must not make a stream per point (it did, and timed most points so).
+    from ferrox_driver import bench_decode
+
+    made = []
+
+    class CountedStream(fd.Stream):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(bench_decode, "Stream", CountedStream)
+    monkeypatch.setattr(bench_decode, "_streams", {})
+    monkeypatch.setattr(bench_decode, "_torch", None)  # ours alone
+    points = [
+        bench_decode.measure_point((32, 8, 128), seq, dtype, 3, device)
+        for seq, dtype in ((32768, "bf16"), (32768, "f32"))
+    ]
+    grown = bench_decode.measure_growing_graph(seq_lens=(32768,), iters=3)
+    assert len(made) == 1 and bench_decode.bench_stream(device) is made[0]
+    assert all(p.graph_us > 0 and p.eager_us > 0 for p in points)
+    assert grown[32768][0] > 0
