@@ -8,7 +8,8 @@ kernel fast, ~0.73 slow), in this process; `all` runs each kind in a fresh proce
 
 KIND: pool, stream, graphs, eager, point (measure_point itself), small (a 256 KiB
 allocation made and freed), smallkeep (one made and kept), streamonly (a stream made and
-closed after one empty kernel, no scratch).
+closed after one empty kernel, no scratch), pointtorch (measure_point with PyTorch's
+SDPA beside ours).
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from ferrox_driver.compiler import compile_source
 from ferrox_driver.launch import Module
 
 SRC = r"""extern "C" __global__ void fx_empty(int* p) { if (p) *p = 0; }"""
-KINDS = ("graphs", "small", "smallkeep", "streamonly", "pool", "stream", "eager", "point")
+KINDS = ("point", "pointtorch")
 REPEAT = 12
 
 
 def main(kind: str) -> None:
-    bench_decode._torch = None  # no PyTorch in this process
+    if kind == "pointtorch":
+        bench_decode.import_torch()  # before any CUDA work of ours
+    else:
+        bench_decode._torch = None  # no PyTorch in this process
     stream = fd.Stream()
     empty = Module(compile_source(SRC, name="fx_flip.cu")).get_function("fx_empty")
     gen = points([((32, 8, 128), "bf16", [4096])], stream)  # held: closing it frees the point
@@ -74,7 +78,7 @@ def main(kind: str) -> None:
                 e.close()
         elif kind == "eager":  # the eager timing
             time_events(lambda i: eager(i, stream), stream, 30, 5)
-        else:
+        else:  # point, pointtorch
             bench_decode.measure_point((32, 8, 128), 4096, "bf16", 30, stream.device)
         stream.synchronize()
 
