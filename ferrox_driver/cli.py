@@ -109,7 +109,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         SHAPES,
         import_torch,
         measure_fixed_costs,
-        measure_growing_graph,
         measure_step_latency,
         run_decode_bench,
     )
@@ -145,13 +144,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.quick:
             shapes, seqs = shapes[:1], seqs[:2]
         dtypes = args.dtypes or ["f32", "f16", "bf16"]
-        run_decode_bench(Path(args.out) if args.out else None, shapes, seqs, dtypes)
-        grown = measure_growing_graph()
+        result = run_decode_bench(Path(args.out) if args.out else None, shapes, seqs, dtypes)
         _print("gqa_decode_async captured once at seq_len 1 (capacity 32768, 32/8/128 bf16):")
-        for seq, (chained_us, single_us) in grown.items():
+        for seq, replay in result["growing_graph"].items():
             _print(
-                f"  replayed at seq_len {seq:>6}: {chained_us:7.1f} us back to back, "
-                f"{single_us:7.1f} us single"
+                f"  replayed at seq_len {int(seq):>6}: {replay['graph_us']:7.1f} us back to "
+                f"back, {replay['single_us']:7.1f} us single"
             )
     return 0
 
