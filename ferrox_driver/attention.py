@@ -54,6 +54,15 @@ MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
 MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
+# The most floats a KV head's chunks exchange through distributed shared memory (chunks x
+# group x head_dim) for them to merge on chip; larger exchanges go through the combine
+# kernel, launched early. Measured at 512 and 1024 tokens, one stream, one process
+# (docs/perf-history/tile-variants-v14.log), the combine kernel against the cluster:
+# 8/1/256 bf16 -0.3 us at 512 (16384 floats), -0.7 at 1024; 16/4/256 -0.5 at 1024 (16384);
+# 28/4/128 -0.2 at 1024 (14336), fp32 28/4/128 -0.1; level at 8192 (64/8/128 and 16/4/256
+# at 512); the cluster ahead below it (16/2/64 at 1024, 8192: +0.2; 32/8/128 at 512, 4096:
+# +0.5; 28/4/128 at 512, 7168: +0.1).
+CLUSTER_MAX_EXCHANGE = 8192
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
 TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
 # The combine kernel is launched early (programmatic dependent launch, compute capability
@@ -246,12 +255,14 @@ def _plan_split(
         # 16-token tiles 9.2 / 11.8; in clusters 0.5-0.8 us slower (tile-variants-v8.log).
         tile = 32
         return dataclasses.replace(plan, splits=min(most, -(-seq // tile)), tile=tile)
-    # 64-token tiles, merged on chip where the chunks fit resident clusters: smaller tiles
-    # (more chunks, in clusters or not) measured level or slower for these kernels
-    # (docs/perf-history/tile-variants-v8.log).
+    # 64-token tiles, merged on chip where the chunks fit resident clusters and exchange at
+    # most CLUSTER_MAX_EXCHANGE floats: smaller tiles (more chunks, in clusters or not)
+    # measured level or slower for these kernels (docs/perf-history/tile-variants-v8.log).
     splits = min(most, -(-seq // tile))
     shared += cluster_recv_bytes(head_dim)
-    cluster = clusters_fit(device, f"{kname}_cluster", splits, n_kv_heads, threads, shared)
+    cluster = splits * group * head_dim <= CLUSTER_MAX_EXCHANGE and clusters_fit(
+        device, f"{kname}_cluster", splits, n_kv_heads, threads, shared
+    )
     if cluster:
         kname = f"{kname}_cluster"
     return dataclasses.replace(

@@ -177,7 +177,14 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     assert plan(bf16, (32, 8, 128), 4096) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
     assert plan(bf16, (32, 8, 128), 131072) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
     # 4 KV heads: 4 clusters of 16 are resident
-    assert plan(bf16, (28, 4, 128), 1024) == ("gqa_split_mma_bf16_d128_cluster", 64, 16, 16)
+    assert plan(bf16, (16, 4, 128), 1024) == ("gqa_split_mma_bf16_d128_cluster", 64, 16, 16)
+    # ... unless their exchange (chunks x group x head_dim floats) passes 8192
+    assert plan(bf16, (28, 4, 128), 512) == ("gqa_split_mma_bf16_d128_cluster", 64, 8, 8)
+    assert plan(bf16, (28, 4, 128), 1024) == ("gqa_split_mma_bf16_d128", 64, 16, 0)  # 14336
+    assert plan(bf16, (64, 8, 128), 512) == ("gqa_split_mma_bf16_d128_cluster", 64, 8, 8)
+    assert plan(bf16, (8, 1, 256), 256) == ("gqa_split_mma_bf16_d256_cluster", 64, 4, 4)
+    assert plan(bf16, (8, 1, 256), 512) == ("gqa_split_mma_bf16_d256", 64, 8, 0)  # 16384
+    assert plan(bf16, (2, 1, 256), 1024) == ("gqa_split_mma_bf16_d256_cluster", 64, 16, 16)
     assert plan(bf16, (28, 4, 128), 4096) == ("gqa_split_mma_bf16_d128", 64, 33, 0)
     # fp32 head_dim 256: 32-token tiles, as many chunks as a wave holds, never clusters
     assert plan(np.float32, (8, 1, 256), 512) == ("gqa_split_tc32_f32_d256", 32, 16, 0)
