@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .attention import launch_decode
+from .bench_decode import bench_stream, time_events
 from .device import default_device
 from .memory import DeviceArray, empty
 from .stream import Stream
@@ -57,8 +58,6 @@ def time_decode(
     check_dims(n_heads, n_kv_heads, head_dim)
     dt = np.dtype(dtype)
     rng = np.random.default_rng(seed)
-    from .bench_decode import bench_stream
-
     stream = bench_stream(default_device())
     kv_bytes = 2 * seq_len * n_kv_heads * head_dim * dt.itemsize
     n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / max(kv_bytes, 1))))
@@ -87,8 +86,6 @@ def time_decode(
             stream=stream,
             algorithm=algorithm,
         )
-
-    from .bench_decode import time_events
 
     median_us = time_events(run, stream, iters, warmup)
     stream.synchronize()
@@ -133,8 +130,6 @@ def time_appends(
     q = rng.standard_normal((n_heads, head_dim), dtype=np.float32)
     prefill = capacity - tokens - 1  # measure near the end of the cache, where it hurts
     results = []
-    from .bench_decode import bench_stream
-
     with KVCache(n_kv_heads, head_dim, capacity, stream=bench_stream(default_device())) as kv:
         fill = rng.standard_normal((prefill, *row), dtype=np.float32)
         kv.extend(fill, fill)

@@ -226,10 +226,9 @@ def time_graph_body(
     return times
 
 
-def measure_read_ceiling(device: Device, gib: float = 4.0, stream: Stream | None = None) -> float:
-    """TB/s of reading ``gib`` GiB once (a sum over 16-byte loads), on ``stream`` (default:
-    the benchmark's stream for ``device``)."""
-    stream = stream or bench_stream(device)
+def measure_read_ceiling(device: Device, gib: float = 4.0) -> float:
+    """TB/s of reading ``gib`` GiB once (a sum over 16-byte loads), on bench_stream."""
+    stream = bench_stream(device)
     n = int(gib * 2**30) // 4
     data = empty((n,), np.float32, device=device)
     fill_uniform(data, 1, stream)
