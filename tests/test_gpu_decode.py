@@ -270,10 +270,9 @@ def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
     assert plan.cluster == 0, plan  # a plan with a combine kernel
     kernels = {}
     if trigger == "at-entry":
-        combine = f"gqa_split_combine_{dtype}"
         kernels = {
             "kernel": combine_started_at_entry.get_function(plan.kernel),
-            "combine": combine_started_at_entry.get_function(combine),
+            "combine": combine_started_at_entry.get_function(plan.combine_kernel(dt)),
         }
     q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
     qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
