@@ -546,17 +546,10 @@ __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (
 // kernels trap (the host never picks them there).
 #define FX_MAX_CLUSTER 16  // the largest (non-portable) cluster of compute capability 9.0
 // A cluster block's receive area, in dynamic shared memory past its ring: the partials the
-// cluster's blocks push to it, W from each block (its warps' own, or one merged in the
-// block: W = 1): [FX_MAX_CLUSTER][W][8][2] maxima and sums, then [blocks][W][slots] float4
-// outputs (slots * blocks <= 8 * D / 4 + FX_MAX_CLUSTER). The host adds its size
+// cluster's blocks push to it, [FX_MAX_CLUSTER][8][2] maxima and sums, then [blocks][slots]
+// float4 outputs (slots * blocks <= 8 * D / 4 + FX_MAX_CLUSTER). The host adds its size
 // (attention.cluster_recv_bytes) to the launch's dynamic shared memory.
-#define FX_RECV_FLOATS(D, W) ((W) * (FX_MAX_CLUSTER * 16 + (2 * (D) + FX_MAX_CLUSTER) * 4))
-// The fp16/bf16 kernels up to this head_dim push each warp's partial to the cluster
-// (fx_push_warps, no merge of the warps in the block); wider heads (whose receive area
-// would not fit beside the ring) and the fp32 kernels merge the warps first.
-#ifndef FX_PUSH_WARPS_MAX_D
-#define FX_PUSH_WARPS_MAX_D 128
-#endif
+#define FX_RECV_FLOATS(D) (FX_MAX_CLUSTER * 16 + (2 * (D) + FX_MAX_CLUSTER) * 4)
 
 __device__ __forceinline__ unsigned fx_cluster_rank() {
     unsigned r = 0;
@@ -615,11 +608,11 @@ __device__ __forceinline__ void fx_check_cluster(int splits) {
 // leaves. A cluster's blocks all stay (an idle one with end = start: no tokens) to take
 // part in the merge, and arrive at the cluster barrier that fx_finish waits on before any
 // block writes into another's shared memory (which must have started by then).
-template <bool CLUSTER, int D, int W>
+template <bool CLUSTER, int D>
 __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned threads,
                                                int seq_len, const int* seq_len_dev, int splits,
                                                int tile, int split, int& start, int& end) {
-    fx_check_launch(ring_bytes + (CLUSTER ? FX_RECV_FLOATS(D, W) * 4 : 0), threads);
+    fx_check_launch(ring_bytes + (CLUSTER ? FX_RECV_FLOATS(D) * 4 : 0), threads);
     if (CLUSTER) {
         fx_check_cluster(splits);
         fx_cluster_arrive_relaxed();
@@ -630,62 +623,6 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
     return true;
 }
 
-// fx_cluster_merge with W > 1 partials from each block: `entries` = blocks * W of them,
-// entry e's maxima and sums at recv[(e * 8 + j) * 2 ..], its output units at o4[e * slots
-// ..]. FX_MERGE_TPU threads share an output unit: each takes every FX_MERGE_TPU-th entry in
-// order, and shuffles in a fixed pattern add up their shares (bitwise reproducible). The
-// loop's trip count is the same in every thread, so whole warps take part in the shuffles.
-#define FX_MERGE_TPU 8
-template <class T, int D, int THREADS>
-__device__ __forceinline__ void fx_merge_entries(const float* recv, const float4* o4,
-                                                 T* __restrict__ out, int h0, int units,
-                                                 int slots, unsigned entries, unsigned blocks,
-                                                 unsigned rank, int seq) {
-    constexpr int TPU = FX_MERGE_TPU, PER_ROUND = THREADS / TPU;
-    const int sub = threadIdx.x % TPU;
-    for (int base = 0; base < slots; base += PER_ROUND) {
-        const int sl = base + (int)threadIdx.x / TPU;
-        const int u = sl * (int)blocks + (int)rank;
-        const bool ok = sl < slots && u < units;
-        const int j = ok ? u / (D / 4) : 0, d = (u % (D / 4)) * 4;
-        const int n = ok ? (int)entries : 0;
-        float mx = -INFINITY;
-        for (int e = sub; e < n; e += TPU) mx = fmaxf(mx, recv[(e * 8 + j) * 2]);
-#pragma unroll
-        for (int off = TPU / 2; off > 0; off >>= 1)
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-        float lsum = 0.f;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-        for (int e = sub; e < n; e += TPU) {
-            const float m = recv[(e * 8 + j) * 2];
-            const float w = m == -INFINITY ? 0.f : fx_exp2(m - mx);
-            const float4 o = o4[e * slots + sl];
-            lsum += w * recv[(e * 8 + j) * 2 + 1];
-            acc.x += w * o.x;
-            acc.y += w * o.y;
-            acc.z += w * o.z;
-            acc.w += w * o.w;
-        }
-#pragma unroll
-        for (int off = TPU / 2; off > 0; off >>= 1) {
-            lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-            acc.x += __shfl_xor_sync(0xffffffffu, acc.x, off);
-            acc.y += __shfl_xor_sync(0xffffffffu, acc.y, off);
-            acc.z += __shfl_xor_sync(0xffffffffu, acc.z, off);
-            acc.w += __shfl_xor_sync(0xffffffffu, acc.w, off);
-        }
-        if (ok && sub == 0) {
-            const float inv = seq > 0 ? 1.f / lsum : 0.f;
-            T* dst = out + (long long)(h0 + j) * D + d;
-            dst[0] = fx_from_float<T>(acc.x * inv);
-            dst[1] = fx_from_float<T>(acc.y * inv);
-            dst[2] = fx_from_float<T>(acc.z * inv);
-            dst[3] = fx_from_float<T>(acc.w * inv);
-        }
-    }
-}
-
 // The cluster's merge, once every block has pushed its partial into the receive areas
 // (`recv`, this block's): out = sum_c w_c o_c / sum_c w_c l_c over the cluster's blocks c
 // in order (bitwise reproducible), w_c = 2^(m_c - max m); seq <= 0 writes zeros. Output
@@ -694,19 +631,14 @@ __device__ __forceinline__ void fx_merge_entries(const float* recv, const float4
 // memory. The pushes (remote stores, no round trip) and one barrier replace reads of the
 // other blocks' shared memory, a round trip, and the second barrier those needed to keep
 // every block alive while read (NOTES.md, v9).
-template <class T, int D, int THREADS, int W>
+template <class T, int D, int THREADS>
 __device__ __forceinline__ void fx_cluster_merge(const float* recv, T* __restrict__ out, int h0,
                                                  int group, int seq) {
     fx_cluster_arrive_release();
     fx_cluster_wait();  // every block's pushes have landed
     const unsigned blocks = fx_cluster_blocks(), rank = fx_cluster_rank();
     const int units = group * D / 4, slots = (units + (int)blocks - 1) / (int)blocks;
-    const float4* o4 = reinterpret_cast<const float4*>(recv + FX_MAX_CLUSTER * 16 * W);
-    if (W > 1) {
-        fx_merge_entries<T, D, THREADS>(recv, o4, out, h0, units, slots, blocks * W, blocks,
-                                        rank, seq);
-        return;
-    }
+    const float4* o4 = reinterpret_cast<const float4*>(recv + FX_MAX_CLUSTER * 16);
     for (int sl = threadIdx.x; sl < slots; sl += THREADS) {
         const int u = sl * (int)blocks + (int)rank;
         if (u >= units) break;
@@ -791,73 +723,7 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
                 fx_cluster_store(recv_at + (at + 1) * 4, c, l);
             }
         });
-    fx_cluster_merge<T, D, WARPS * 32, 1>(recv, out, h0, group,
-                                          fx_seq_len(seq_len, seq_len_dev));
-}
-
-// Store a float2 / float4 at shared-memory address `addr` of cluster block `rank`.
-__device__ __forceinline__ void fx_cluster_store2(unsigned addr, unsigned rank, float x,
-                                                  float y) {
-#if __CUDA_ARCH__ >= 900
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(remote), "f"(x), "f"(y)
-                 : "memory");
-#endif
-}
-__device__ __forceinline__ void fx_cluster_store4(unsigned addr, unsigned rank, float x,
-                                                  float y, float z, float w) {
-#if __CUDA_ARCH__ >= 900
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "f"(x),
-                 "f"(y), "f"(z), "f"(w)
-                 : "memory");
-#endif
-}
-
-// The fp16/bf16 kernels' cluster ending without a merge of the warps in the block: each
-// warp pushes its own partial (running max and sum per head, unscaled O) straight from
-// its registers into the receive areas (past the ring, RING bytes) as entry rank * WARPS +
-// warp, and fx_cluster_merge merges the cluster's blocks * WARPS entries. No block barrier
-// and no trip through the block's shared memory. oacc as gqa_split_mma's: lane 4g + tig
-// holds head g's columns hb*64 + tig*16 + c*8 + e in oacc[hb][e][c], so e = 4 e4 .. 4 e4
-// + 3 make one output unit (4 columns).
-template <class T, int D, int WARPS, int RING, int A>
-__device__ __forceinline__ void fx_push_warps(unsigned char* smem, float m_run, float l_run,
-                                              const float (&oacc)[A][8][2], T* out, int h0,
-                                              int group, int seq_len, const int* seq_len_dev) {
-    static_assert(RING % 16 == 0 && A * 64 == D, "oacc as gqa_split_mma's");
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-    float* recv = reinterpret_cast<float*>(smem + RING);
-    const unsigned recv_at = (unsigned)__cvta_generic_to_shared(recv);
-    const unsigned blocks = fx_cluster_blocks(), rank = fx_cluster_rank();
-    const unsigned slots = (unsigned)(group * D / 4 + (int)blocks - 1) / blocks;
-    const unsigned e = rank * WARPS + (unsigned)warp;  // this warp's entry
-    fx_cluster_wait();  // every block of the cluster has started: its shared memory exists
-    if (g < group) {
-        if (tig == 0) {
-            for (unsigned c = 0; c < blocks; ++c)
-                fx_cluster_store2(recv_at + (e * 8 + g) * 8, c, m_run, l_run);
-        }
-        const unsigned o_at = recv_at + FX_MAX_CLUSTER * 16 * WARPS * 4;
-#pragma unroll
-        for (int hb = 0; hb < A; ++hb)
-#pragma unroll
-            for (int c = 0; c < 2; ++c)
-#pragma unroll
-                for (int e4 = 0; e4 < 2; ++e4) {
-                    const int d = hb * 64 + tig * 16 + c * 8 + e4 * 4;
-                    const unsigned u = (unsigned)(g * D + d) >> 2;
-                    fx_cluster_store4(o_at + (e * slots + u / blocks) * 16, u % blocks,
-                                      oacc[hb][e4 * 4][c], oacc[hb][e4 * 4 + 1][c],
-                                      oacc[hb][e4 * 4 + 2][c], oacc[hb][e4 * 4 + 3][c]);
-                }
-    }
-    fx_cluster_merge<T, D, WARPS * 32, WARPS>(recv, out, h0, group,
-                                              fx_seq_len(seq_len, seq_len_dev));
+    fx_cluster_merge<T, D, WARPS * 32>(recv, out, h0, group, fx_seq_len(seq_len, seq_len_dev));
 }
 
 // One warp's K/V ring in the block's dynamic shared memory (fx_issue_step): S stages of
@@ -934,13 +800,10 @@ __device__ __forceinline__ void gqa_split_mma(
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    // with CLUSTER, partials pushed to the cluster per warp (PUSH_W = WARPS) or per block
-    constexpr int PUSH_W = D <= FX_PUSH_WARPS_MAX_D ? WARPS : 1;
-
     fx_let_combine_start<2>();
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_block_chunk<CLUSTER, D, PUSH_W>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len,
+    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len,
                                     seq_len_dev, splits, tile, split, start, end))
         return;
 
@@ -1072,14 +935,9 @@ __device__ __forceinline__ void gqa_split_mma(
         slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
         t = (d % 64) / 16;
     };
-    constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(T);
-    if (CLUSTER && PUSH_W > 1)
-        fx_push_warps<T, D, WARPS, RING>(fx_dyn_smem, m_run, l_run, oacc, out, h0, group,
-                                         seq_len, seq_len_dev);
-    else
-        fx_merge_warps<CLUSTER, WARPS, D, RING>(fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml,
-                                                out, h0, group, splits, split, seq_len,
-                                                seq_len_dev, where);
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T)>(
+        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
+        seq_len_dev, where);
 }
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
@@ -1209,7 +1067,7 @@ __device__ __forceinline__ void gqa_split_tc32(
     fx_let_combine_start<2>();
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_block_chunk<CLUSTER, D, 1>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len,
+    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len,
                                     seq_len_dev, splits, tile, split, start, end))
         return;
 

@@ -54,7 +54,6 @@ MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
 COMBINE_THREADS = kernel_define("FX_COMBINE_THREADS")
 MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
-PUSH_WARPS_MAX_D = kernel_define("FX_PUSH_WARPS_MAX_D")  # fp16/bf16: a partial per warp
 # The most floats a KV head's chunks exchange through distributed shared memory (chunks x
 # group x head_dim) for them to merge on chip; larger exchanges go through the combine
 # kernel, launched early. Measured at 512 and 1024 tokens, one stream, one process
@@ -131,21 +130,14 @@ class SplitPlan:
         if not self.tensor_cores:
             return 0
         ring = (self.threads // 32) * self.stages * self.step_tokens * 2 * head_dim * itemsize
-        return ring + (self.cluster_recv(head_dim, itemsize) if self.cluster else 0)
-
-    def cluster_recv(self, head_dim: int, itemsize: int) -> int:
-        """Bytes of the receive area of this plan's kernel in clusters: the fp16/bf16
-        kernels up to head_dim FX_PUSH_WARPS_MAX_D push a partial per warp, the rest one
-        per block."""
-        warps = self.threads // 32 if itemsize == 2 and head_dim <= PUSH_WARPS_MAX_D else 1
-        return cluster_recv_bytes(head_dim, warps)
+        return ring + (cluster_recv_bytes(head_dim) if self.cluster else 0)
 
 
-def cluster_recv_bytes(head_dim: int, pushers: int = 1) -> int:
+def cluster_recv_bytes(head_dim: int) -> int:
     """Bytes of a cluster block's receive area past its ring (FX_RECV_FLOATS in the kernel
-    file, whose launches trap with less) when each block pushes ``pushers`` partials:
-    their maxima and sums of every head, and the block's share of their output units."""
-    return 4 * pushers * (MAX_CLUSTER * 16 + (2 * head_dim + MAX_CLUSTER) * 4)
+    file, whose launches trap with less): maxima and sums of every block's heads, and the
+    block's share of the output units from every block."""
+    return 4 * (MAX_CLUSTER * 16 + (2 * head_dim + MAX_CLUSTER) * 4)
 
 
 # The tensor-core kernels' shape by head_dim: warps per block and each warp's ring of
@@ -267,7 +259,7 @@ def _plan_split(
     # most CLUSTER_MAX_EXCHANGE floats: smaller tiles (more chunks, in clusters or not)
     # measured level or slower for these kernels (docs/perf-history/tile-variants-v8.log).
     splits = min(most, -(-seq // tile))
-    shared += plan.cluster_recv(head_dim, np.dtype(dtype).itemsize)
+    shared += cluster_recv_bytes(head_dim)
     cluster = splits * group * head_dim <= CLUSTER_MAX_EXCHANGE and clusters_fit(
         device, f"{kname}_cluster", splits, n_kv_heads, threads, shared
     )

@@ -60,9 +60,7 @@ def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
         plan = a.SplitPlan(name, True, 1, 32, 1, 32 * warps, stages=stages, step_tokens=tokens)
         # and the cluster entry, whose receive area comes on top of the ring
         clustered = dataclasses.replace(plan, kernel=f"{name}_cluster", splits=16, cluster=16)
-        # the fp16/bf16 kernels up to FX_PUSH_WARPS_MAX_D take a partial from each warp
-        pushers = warps if itemsize == 2 and head_dim <= a.PUSH_WARPS_MAX_D else 1
-        recv = a.cluster_recv_bytes(head_dim, pushers)
+        recv = a.cluster_recv_bytes(head_dim)
         assert (
             clustered.shared_bytes(head_dim, itemsize)
             == plan.shared_bytes(head_dim, itemsize) + recv
@@ -75,34 +73,29 @@ def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
 
 
 def test_the_cluster_receive_area_holds_every_blocks_share_of_the_output():
-    """FX_RECV_FLOATS with W partials per block: 16 blocks x W x 8 heads x (max, sum), then
-    [blocks][W][slots] float4 with slots = ceil(units / blocks), units = group * head_dim /
-    4."""
+    """FX_RECV_FLOATS: 16 blocks x 8 heads x (max, sum), then [blocks][slots] float4 with
+    slots = ceil(units / blocks), units = group * head_dim / 4."""
     for head_dim in attention.MMA_HEAD_DIMS:
-        for w in (1, 4, 8):
-            for group in range(1, 9):
-                for blocks in range(1, attention.MAX_CLUSTER + 1):
-                    units = group * head_dim // 4
-                    slots = -(-units // blocks)
-                    floats = attention.MAX_CLUSTER * w * 16 + blocks * w * slots * 4
-                    recv = attention.cluster_recv_bytes(head_dim, w)
-                    assert 4 * floats <= recv, (head_dim, w, group, blocks)
+        for group in range(1, 9):
+            for blocks in range(1, attention.MAX_CLUSTER + 1):
+                units = group * head_dim // 4
+                slots = -(-units // blocks)
+                floats = attention.MAX_CLUSTER * 16 + blocks * slots * 4
+                assert 4 * floats <= attention.cluster_recv_bytes(head_dim), (head_dim, group)
 
 
 def test_the_hosts_receive_area_is_the_kernels():
-    """cluster_recv_bytes repeats FX_RECV_FLOATS (a macro of head_dim and the partials per
-    block, which kernel_define cannot read); a kernel given less traps, so the two must not
-    drift apart."""
+    """cluster_recv_bytes repeats FX_RECV_FLOATS (a macro of head_dim, which kernel_define
+    cannot read); a kernel given less traps, so the two must not drift apart."""
     match = re.search(
-        r"^#define FX_RECV_FLOATS\(D, W\) (.+)$", kernel_source(attention.SPLIT_FILE), re.M
+        r"^#define FX_RECV_FLOATS\(D\) (.+)$", kernel_source(attention.SPLIT_FILE), re.M
     )
-    assert match, "FX_RECV_FLOATS(D, W) is not defined on one line"
+    assert match, "FX_RECV_FLOATS(D) is not defined on one line"
     for head_dim in attention.MMA_HEAD_DIMS:
-        for w in (1, 4, 8):
-            expr = match[1].replace("FX_MAX_CLUSTER", str(attention.MAX_CLUSTER))
-            expr = expr.replace("(D)", f"({head_dim})").replace("(W)", f"({w})")
-            assert re.fullmatch(r"[0-9+*() ]+", expr), expr  # plain arithmetic, safe to eval
-            assert 4 * eval(expr) == attention.cluster_recv_bytes(head_dim, w), head_dim
+        expr = match[1].replace("FX_MAX_CLUSTER", str(attention.MAX_CLUSTER))
+        expr = expr.replace("(D)", f"({head_dim})")
+        assert re.fullmatch(r"[0-9+*() ]+", expr), expr  # plain arithmetic, safe to evaluate
+        assert 4 * eval(expr) == attention.cluster_recv_bytes(head_dim), head_dim
 
 
 def test_fp32_takes_tensor_cores_for_large_groups_and_group_four_up_to_32k(monkeypatch):

@@ -21,6 +21,7 @@ import ferrox_driver as fd
 from ferrox_driver.attention import (
     SPLIT_FILE,
     TILE,
+    cluster_recv_bytes,
     clusters_fit,
     plan_split,
 )
@@ -43,8 +44,7 @@ def resident_clusters(device: fd.Device) -> None:
         hd = int(name.rsplit("d", 1)[1])
         plan = plan_split(device, dt, 8 * 8, 8, hd, 1 << 20)  # a combine plan: the ring
         kern = get_kernel(SPLIT_FILE, f"{name}_cluster", device)
-        item = np.dtype(dt).itemsize
-        shared = plan.shared_bytes(hd, item) + plan.cluster_recv(hd, item)
+        shared = plan.shared_bytes(hd, np.dtype(dt).itemsize) + cluster_recv_bytes(hd)
         sizes = {c: kern.max_active_clusters(c, plan.threads, shared) for c in range(1, 17)}
         print(f"{name}_cluster resident clusters by size: {sizes}", flush=True)
 
