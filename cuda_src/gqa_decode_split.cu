@@ -595,17 +595,6 @@ __device__ __forceinline__ void fx_cluster_store(unsigned addr, unsigned rank, f
 #endif
 }
 
-// The same for two floats at an 8-byte aligned `addr`.
-__device__ __forceinline__ void fx_cluster_store2(unsigned addr, unsigned rank, float x,
-                                                  float y) {
-#if __CUDA_ARCH__ >= 900
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(remote), "f"(x), "f"(y)
-                 : "memory");
-#endif
-}
-
 // Trap unless the launch made the `splits` blocks of a KV head one cluster (a launch
 // without clusters would write each chunk's partial as the output).
 __device__ __forceinline__ void fx_check_cluster(int splits) {
@@ -720,17 +709,6 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
     const unsigned blocks = fx_cluster_blocks(), rank = fx_cluster_rank();
     const int slots = (group * D / 4 + (int)blocks - 1) / (int)blocks;
     fx_cluster_wait();  // every block of the cluster has started: its shared memory exists
-    // Every block needs every head's max and sum: thread t < group * blocks sends head
-    // t % group's to block t / group, one store each (not a loop over the blocks in one
-    // thread per head, whose stores would come one after another).
-    for (int t = threadIdx.x; t < group * (int)blocks; t += WARPS * 32) {
-        const int j = t % group;
-        float lb = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) lb += l_s[w][j] * w_s[w][j];
-        fx_cluster_store2(recv_at + ((rank * 8 + j) * 2) * 4, (unsigned)(t / group),
-                          mb_of<WARPS>(m_s, j), lb);
-    }
     fx_write_partial<WARPS, D, SLOTS>(
         o_f, m_s, l_s, w_s, group, where,
         [&](int j, int d, float x) {  // unit u: to block u % blocks, [rank][u / blocks]
@@ -738,7 +716,13 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
             const unsigned at = FX_MAX_CLUSTER * 16 + (rank * slots + u / blocks) * 4 + (d & 3);
             fx_cluster_store(recv_at + at * 4, u % blocks, x);
         },
-        [](int, float, float) {});  // sent above
+        [&](int j, float m, float l) {  // every block needs every head's max and sum
+            const int at = ((int)rank * 8 + j) * 2;
+            for (unsigned c = 0; c < blocks; ++c) {
+                fx_cluster_store(recv_at + at * 4, c, m);
+                fx_cluster_store(recv_at + (at + 1) * 4, c, l);
+            }
+        });
     fx_cluster_merge<T, D, WARPS * 32>(recv, out, h0, group, fx_seq_len(seq_len, seq_len_dev));
 }
 
