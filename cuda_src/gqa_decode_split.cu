@@ -68,13 +68,6 @@ __device__ __forceinline__ void fx_wait_for_split() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-// The cluster plans' split kernels are launched early too (attention.EARLY_SPLIT): a block
-// may start while the kernel queued before it (the previous decode, a KV append, a user's
-// kernel) still runs, and waits here, before its first read or write of global memory,
-// until that kernel has finished and its writes are visible. (The split kernels let the
-// next kernel start after their main loops, as they let the combine.) The tensor-core
-// kernels all wait; the host launches only cluster plans early (NOTES.md v15).
-__device__ __forceinline__ void fx_wait_for_prior() { fx_wait_for_split(); }
 
 __device__ __forceinline__ float fx_exp2(float x) {
     float y;
@@ -624,7 +617,6 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
         fx_check_cluster(splits);
         fx_cluster_arrive_relaxed();
     }
-    fx_wait_for_prior();  // the first global access below: seq_len_dev
     if (fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) return true;
     if (!CLUSTER) return false;
     end = start;

@@ -69,15 +69,6 @@ TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
 # 9.0 and up): it starts while the split kernel ends and waits for it on the GPU, so its
 # launch overlaps the split kernel's last blocks. FERROX_EARLY_COMBINE=0 turns it off.
 EARLY_COMBINE = os.environ.get("FERROX_EARLY_COMBINE", "1") != "0"
-# Cluster plans' split kernels are launched early as well: their blocks start while the
-# kernel before them ends (in a decode loop the previous decode's, which lets them after
-# its main loop; a KV append; a user's kernel) and wait on the GPU before their first
-# access to global memory. Measured in the back-to-back harness
-# (docs/perf-history/early-split-compare-v15.log): every cluster plan measured was
-# 1.6-13% faster (512 tokens; 32/8/128 bf16 4.85 -> 4.56 us). Combine plans launched so
-# were 0.5-3% faster from 32768 tokens but 2-19% slower at 4096 on four of six fp16/bf16
-# shapes, not understood, so they launch as before. FERROX_EARLY_SPLIT=0 turns it off.
-EARLY_SPLIT = os.environ.get("FERROX_EARLY_SPLIT", "1") != "0"
 
 
 def check_algorithm(algorithm: Any) -> str:
@@ -428,7 +419,6 @@ def launch_split(
                 shared_mem=plan.shared_bytes(head_dim, q.dtype.itemsize),
                 stream=stream,
                 cluster=plan.cluster,
-                early=EARLY_SPLIT,  # it waits for the kernel before it itself
             )
         return
     if workspace is None:

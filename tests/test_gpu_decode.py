@@ -296,46 +296,6 @@ def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(
     "n_heads,n_kv_heads,head_dim,seq_len",
-    [(32, 8, 128, 500), (28, 4, 128, 333), (16, 2, 64, 1000), (8, 1, 128, 300)],
-)
-def test_split_kernel_launched_early_waits_for_the_kernel_before_it(
-    rng, monkeypatch, device, dtype, n_heads, n_kv_heads, head_dim, seq_len
-):
-    # Two cluster decodes queued back to back, the second's q the first's output: the
-    # first decode's kernel lets the second start after its main loop, and is still
-    # merging and writing that q (NaN until written) when the second's blocks start. A
-    # split kernel that did not wait for it would read poison.
-    from ferrox_driver import attention
-
-    dt = DTYPES[dtype]
-    q1, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
-    kd, vd = fd.to_device(k), fd.to_device(v)
-    kw = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
-    plan = plan_split(device, dt, n_heads, n_kv_heads, head_dim, seq_len)
-    assert plan.cluster, plan  # the plans launched early
-    got = {}
-    for early in (False, True):
-        monkeypatch.setattr(attention, "EARLY_SPLIT", early)
-        q1d, out1, out2 = fd.to_device(q1), poisoned(q1.shape, dt), poisoned(q1.shape, dt)
-        stream = fd.Stream()
-        for q, out in ((q1d, out1), (out1, out2)):
-            attention.launch_split(
-                plan, q, kd, vd, out, None, seq_len=seq_len, seq_len_dev=None,
-                stream=stream, **kw,
-            )  # fmt: skip
-        stream.synchronize()
-        got[early] = (out1.to_host(), out2.to_host())
-        stream.close()
-    for a, b in zip(got[True], got[False], strict=True):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
-    first, second = got[True]
-    assert rel_err(first, fd.reference_gqa_decode(q1, k, v, **kw)) < TOL[dtype]
-    assert rel_err(second, fd.reference_gqa_decode(first, k, v, **kw)) < TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize(
-    "n_heads,n_kv_heads,head_dim,seq_len",
     [(8, 1, 256, 20001), (8, 1, 40, 20001), (6, 1, 24, 100003), (16, 2, 64, 65537)],
 )
 def test_combine_of_more_than_64_chunks_matches_reference(

@@ -1,4 +1,7 @@
-"""The cluster plans' split kernels launched early (attention.EARLY_SPLIT: programmatic
+"""Ran against commit 76e5fcd, which had attention.EARLY_SPLIT and the split kernels'
+wait (reverted since: early-after-probe-v15.log); on later code the flag does nothing.
+
+The cluster plans' split kernels launched early (attention.EARLY_SPLIT: programmatic
 dependent launch after the kernel before them, which in the back-to-back graph is the
 previous decode's) against an ordinary launch: the same bits out, and the time per decode
 of each, timed in turn, three rounds, the fastest kept; the benchmark's harness (one graph
