@@ -6,7 +6,11 @@ set up to 32768 tokens).
 
     PYTHONPATH=. python3 docs/perf-history/grid_merge_compare.py [shape ...]
 
-Each plan is timed three times, alternating, and the median printed.
+Each plan is timed three times, alternating, and the median printed. It ran against commit
+68a5e65 (`grid-merge-compare-relaxed-v16.log`; `grid-merge-compare-v16.log` against the same
+kernels with the counters polled by ld.acquire on one cache line). That commit was reverted:
+on later code there are no `_grid` kernels and FERROX_GRID_MERGE does nothing, so every line
+prints "no grid plan".
 """
 
 from __future__ import annotations
