@@ -116,7 +116,7 @@ class SplitPlan:
     def combine_kernel(self, dtype: Any) -> str | None:
         """The name of the kernel merging this plan's chunks for a ``dtype`` output (None:
         a cluster plan, merged on chip)."""
-        return None if self.cluster else f"gqa_split_combine_{dtype_name(dtype)}"
+        return None if self.cluster else combine_kernel_name(dtype)
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
         """Floats of scratch the launch needs: partial outputs, maxima and sums (none for a
@@ -131,6 +131,11 @@ class SplitPlan:
             return 0
         ring = (self.threads // 32) * self.stages * self.step_tokens * 2 * head_dim * itemsize
         return ring + (cluster_recv_bytes(head_dim) if self.cluster else 0)
+
+
+def combine_kernel_name(dtype: Any) -> str:
+    """The combine kernel for a ``dtype`` output."""
+    return f"gqa_split_combine_{dtype_name(dtype)}"
 
 
 def cluster_recv_bytes(head_dim: int) -> int:
@@ -458,7 +463,7 @@ def launch_split(
         )
     if parts == "main":
         return
-    combine = combine or get_kernel(SPLIT_FILE, str(plan.combine_kernel(q.dtype)), dev)
+    combine = combine or get_kernel(SPLIT_FILE, combine_kernel_name(q.dtype), dev)
     combine.launch(
         (n_heads, -(-head_dim // 32)),
         COMBINE_THREADS,
