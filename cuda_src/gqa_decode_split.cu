@@ -540,15 +540,6 @@ __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (
     }
 }
 
-// How the tensor-core kernels' blocks merge a KV head's chunks (their MERGE parameter):
-// partials to the workspace for the combine kernel; in a thread block cluster, through
-// distributed shared memory (below); or through the workspace in the same kernel, the
-// blocks of a KV head waiting for each other at a counter (fx_grid_merge).
-#define FX_MERGE_COMBINE 0
-#define FX_MERGE_CLUSTER 1
-#define FX_MERGE_GRID 2
-#define FX_SYNC_GEN 128  // sync words: arrivals [kv_head], then generations [kv_head]
-
 // ---- Thread block clusters (compute capability 9.0 and up): the blocks of one KV head's
 // chunks form one cluster and merge their partials through distributed shared memory, so
 // no combine kernel runs and no partial goes through global memory. Elsewhere the cluster
@@ -617,11 +608,10 @@ __device__ __forceinline__ void fx_check_cluster(int splits) {
 // leaves. A cluster's blocks all stay (an idle one with end = start: no tokens) to take
 // part in the merge, and arrive at the cluster barrier that fx_finish waits on before any
 // block writes into another's shared memory (which must have started by then).
-template <int MERGE, int D>
+template <bool CLUSTER, int D>
 __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned threads,
                                                int seq_len, const int* seq_len_dev, int splits,
                                                int tile, int split, int& start, int& end) {
-    constexpr bool CLUSTER = MERGE == FX_MERGE_CLUSTER;
     fx_check_launch(ring_bytes + (CLUSTER ? FX_RECV_FLOATS(D) * 4 : 0), threads);
     if (CLUSTER) {
         fx_check_cluster(splits);
@@ -689,156 +679,18 @@ __device__ __forceinline__ void fx_cluster_merge(const float* recv, T* __restric
     }
 }
 
-// ---- The merge through the workspace (FX_MERGE_GRID): every block of a KV head's chunks
-// writes its partial as for the combine kernel, waits until all the KV head's blocks with
-// tokens have (a counter per KV head in `sync`, two words: arrivals, generation), then
-// merges a share of the KV head's output units from the workspace. The launch has at most
-// one wave of blocks (the host's plan), so the blocks waited for are resident or will be
-// once others leave; the counters are zero when the workspace is allocated and every
-// merge leaves them zero.
-__device__ __forceinline__ unsigned fx_ld_relaxed(const unsigned* p) {
-    unsigned x;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(x) : "l"(p) : "memory");
-    return x;
-}
-
-// Wait until the `n` blocks taking part (this one included) have arrived; their writes
-// before the call are then visible to this block's threads. Release and acquire at GPU
-// scope (cumulative over the block barriers), not __threadfence (fence.sc).
-__device__ __forceinline__ void fx_grid_barrier(unsigned* sync, unsigned n) {
-    __syncthreads();  // the block's writes are issued
-    if (threadIdx.x == 0) {
-        unsigned* count = sync;
-        unsigned* gen = sync + FX_SYNC_GEN;  // another cache line than the arrivals
-        const unsigned g0 = fx_ld_relaxed(gen);  // before the arrival (its release orders it)
-        unsigned old;
-        asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;"
-                     : "=r"(old) : "l"(count) : "memory");
-        if (old == n - 1) {  // the last: reset, then release the others
-            asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(count) : "memory");
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(gen) : "memory");
-        } else {
-            while (fx_ld_relaxed(gen) == g0) {
-            }
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire what it released
-        }
-    }
-    __syncthreads();
-}
-
-// (max, sum, output) states of two sets of chunks merged; an empty set has max -inf.
-__device__ __forceinline__ void fx_merge_state(float& m, float& l, float4& o, float m2,
-                                               float l2, float4 o2) {
-    const float mx = fmaxf(m, m2);
-    const float a = m == -INFINITY ? 0.f : fx_exp2(m - mx);
-    const float b = m2 == -INFINITY ? 0.f : fx_exp2(m2 - mx);
-    m = mx;
-    l = a * l + b * l2;
-    o.x = a * o.x + b * o2.x;
-    o.y = a * o.y + b * o2.y;
-    o.z = a * o.z + b * o2.z;
-    o.w = a * o.w + b * o2.w;
-}
-
-// Output unit u (head u / (D/4), columns 4(u % (D/4))..+3) of this KV head belongs to
-// block u % active (the blocks with tokens). W lanes (the active chunks rounded up to a
-// power of two, at most 32) take one unit, lane c % W its chunks c, c + W, ... in order,
-// each keeping a running state; a warp holds 32 / W units side by side, and the W lanes'
-// states are merged by a fixed butterfly: bitwise reproducible for a given plan and length.
-// The loads of up to FX_GRID_PASSES units per lane are issued before the first is used
-// (one trip to L2 where the active chunks are at most 32).
-#define FX_GRID_PASSES 4
-template <class T, int D, int THREADS>
-__device__ __forceinline__ void fx_grid_merge(const float* ws_o, const float* ws_ml,
-                                              unsigned* sync, T* __restrict__ out, int h0,
-                                              int group, int splits, int split, int tile,
-                                              int seq) {
-    const int active = (seq + fx_chunk(seq, splits, tile) - 1) / fx_chunk(seq, splits, tile);
-    fx_grid_barrier(sync + blockIdx.y, (unsigned)active);
-    constexpr int WARPS = THREADS / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int W = 1;
-    while (W < active && W < 32) W <<= 1;
-    const int side = 32 / W;  // units side by side in a warp
-    const int c0 = lane % W;  // this lane's first chunk
-    const int units = group * (D / 4);
-    const int mine = (units - split + active - 1) / active;  // this block's units
-    // pass p of warp w holds the block's units (p * WARPS + w) * side + lane / W
-    for (int p0 = 0; p0 * WARPS * side < mine; p0 += FX_GRID_PASSES) {
-        float m[FX_GRID_PASSES], l[FX_GRID_PASSES];
-        float4 o[FX_GRID_PASSES];
-        int u[FX_GRID_PASSES];
-#pragma unroll
-        for (int i = 0; i < FX_GRID_PASSES; ++i) {  // every first load before any use
-            const int k = ((p0 + i) * WARPS + warp) * side + lane / W;
-            u[i] = k < mine ? split + k * active : -1;
-            m[i] = -INFINITY;
-            l[i] = 0.f;
-            o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (u[i] >= 0 && c0 < active) {
-                const long long at = (long long)(h0 + u[i] / (D / 4)) * splits + c0;
-                const float2 ml = __ldcg(reinterpret_cast<const float2*>(ws_ml) + at);
-                m[i] = ml.x;
-                l[i] = ml.y;
-                o[i] = __ldcg(reinterpret_cast<const float4*>(ws_o + at * D + (u[i] % (D / 4)) * 4));
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < FX_GRID_PASSES; ++i) {
-            if (u[i] >= 0) {  // chunks past the first 32 (W = 32), in order
-                const long long at0 = (long long)(h0 + u[i] / (D / 4)) * splits;
-                for (int c = c0 + W; c < active; c += W) {
-                    const float2 ml = __ldcg(reinterpret_cast<const float2*>(ws_ml) + at0 + c);
-                    const float4 x = __ldcg(
-                        reinterpret_cast<const float4*>(ws_o + (at0 + c) * D + (u[i] % (D / 4)) * 4));
-                    fx_merge_state(m[i], l[i], o[i], ml.x, ml.y, x);
-                }
-            }
-            for (int off = 1; off < W; off <<= 1) {  // the same in the whole warp
-                const float m2 = __shfl_xor_sync(0xffffffffu, m[i], off);
-                const float l2 = __shfl_xor_sync(0xffffffffu, l[i], off);
-                float4 o2;
-                o2.x = __shfl_xor_sync(0xffffffffu, o[i].x, off);
-                o2.y = __shfl_xor_sync(0xffffffffu, o[i].y, off);
-                o2.z = __shfl_xor_sync(0xffffffffu, o[i].z, off);
-                o2.w = __shfl_xor_sync(0xffffffffu, o[i].w, off);
-                fx_merge_state(m[i], l[i], o[i], m2, l2, o2);
-            }
-            if (u[i] >= 0 && c0 == 0) {
-                const float inv = 1.f / l[i];
-                T* dst = out + (long long)(h0 + u[i] / (D / 4)) * D + (u[i] % (D / 4)) * 4;
-                dst[0] = fx_from_float<T>(o[i].x * inv);
-                dst[1] = fx_from_float<T>(o[i].y * inv);
-                dst[2] = fx_from_float<T>(o[i].z * inv);
-                dst[3] = fx_from_float<T>(o[i].w * inv);
-            }
-        }
-    }
-}
-
-// A grid-merge launch at length 0 has no block with tokens: chunk 0's block of each KV
-// head writes the zeros.
-template <class T, int D, int THREADS>
-__device__ __forceinline__ void fx_grid_empty(T* __restrict__ out, int group, int seq_len,
-                                              const int* seq_len_dev) {
-    if (blockIdx.x != 0 || fx_seq_len(seq_len, seq_len_dev) > 0) return;
-    T* dst = out + (long long)blockIdx.y * group * D;
-    for (int i = threadIdx.x; i < group * D; i += THREADS) dst[i] = fx_from_float<T>(0.f);
-}
-
 // The block's result, after the warps have parked their fragments in the merge area o_f
 // (the first floats of the ring, RING bytes): without CLUSTER its partial goes to the
 // workspace for the combine kernel; with CLUSTER each value is pushed to the receive area
 // (past the ring) of the block whose output unit it feeds, and the cluster's merge writes
 // the output.
-template <int MERGE, int WARPS, int D, int SLOTS, int RING, class T, class Where>
+template <bool CLUSTER, int WARPS, int D, int SLOTS, int RING, class T, class Where>
 __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
                                           const float (*l_s)[8], const float (*w_s)[8],
-                                          float* ws_o, float* ws_ml, unsigned* sync,
+                                          float* ws_o, float* ws_ml,
                                           T* out, int h0, int group, int splits, int split,
-                                          int tile, int seq_len, const int* seq_len_dev,
-                                          Where where) {
-    if (MERGE != FX_MERGE_CLUSTER) {
+                                          int seq_len, const int* seq_len_dev, Where where) {
+    if (!CLUSTER) {
         fx_write_partial<WARPS, D, SLOTS>(
             o_f, m_s, l_s, w_s, group, where,
             [&](int j, int d, float x) {
@@ -849,9 +701,6 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
                 ml[0] = m;
                 ml[1] = l;
             });
-        if (MERGE == FX_MERGE_GRID)
-            fx_grid_merge<T, D, WARPS * 32>(ws_o, ws_ml, sync, out, h0, group, splits, split,
-                                            tile, fx_seq_len(seq_len, seq_len_dev));
         return;
     }
     static_assert(RING % 16 == 0 && D % 4 == 0, "the receive area must be 16-byte aligned");
@@ -917,13 +766,12 @@ __device__ __forceinline__ FxWarpRing<T, D, TOK, S, WARPS> fx_warp_ring(
 // FX_OPAD floats: the writes are whole rows, and fx_write_partial's column-ordered reads
 // hit 32 different banks. (Serial warp-by-warp rounds over a row-major o_s cost 4 us, with
 // 16-way bank conflicts: NOTES.md v6.) `where` maps an output column to its fragment slot.
-template <int MERGE, int WARPS, int D, int RING, class T, int A, int B, class Where>
+template <bool CLUSTER, int WARPS, int D, int RING, class T, int A, int B, class Where>
 __device__ __forceinline__ void fx_merge_warps(unsigned char* smem, float m_run, float l_run,
                                                const float (&oacc)[A][B][2], float* ws_o,
-                                               float* ws_ml, unsigned* sync, T* out, int h0,
-                                               int group, int splits, int split, int tile,
-                                               int seq_len, const int* seq_len_dev,
-                                               Where where) {
+                                               float* ws_ml, T* out, int h0, int group,
+                                               int splits, int split, int seq_len,
+                                               const int* seq_len_dev, Where where) {
     constexpr int SLOTS = A * B * 2;  // accumulators per lane
     static_assert(WARPS * SLOTS * FX_OPAD * 4 <= RING, "the merge area must fit in the ring");
     __shared__ float m_s[WARPS][8];
@@ -936,22 +784,17 @@ __device__ __forceinline__ void fx_merge_warps(unsigned char* smem, float m_run,
     fx_warp_weights<WARPS>(m_s, w_s);
     fx_park_fragments(o_f, oacc, threadIdx.x >> 5, threadIdx.x & 31);
     __syncthreads();
-    fx_finish<MERGE, WARPS, D, SLOTS, RING>(o_f, m_s, l_s, w_s, ws_o, ws_ml, sync, out, h0,
-                                            group, splits, split, tile, seq_len, seq_len_dev,
-                                            where);
+    fx_finish<CLUSTER, WARPS, D, SLOTS, RING>(o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0, group,
+                                              splits, split, seq_len, seq_len_dev, where);
 }
 
-// MERGE (FX_MERGE_*): FX_MERGE_COMBINE writes the partials to the workspace (ws_o, ws_ml)
-// for the combine kernel; FX_MERGE_CLUSTER: the launch makes the `splits` blocks of a KV
-// head one cluster, which merges its partials (fx_cluster_merge) and writes `out` (no
-// workspace); FX_MERGE_GRID: partials to the workspace, merged by the blocks themselves
-// into `out` (fx_grid_merge; `sync`: the counters).
-template <class T, int D, int MERGE>
+// CLUSTER: the launch makes the `splits` blocks of a KV head one cluster, which merges its
+// partials (fx_cluster_merge) and writes `out`; the workspace is not used.
+template <class T, int D, bool CLUSTER>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    float* __restrict__ ws_o, float* __restrict__ ws_ml, unsigned* sync, T* __restrict__ out,
-    int n_heads, int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits,
-    int tile) {
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
     constexpr int S = FxStages<D>::value;
     constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
@@ -960,12 +803,9 @@ __device__ __forceinline__ void gqa_split_mma(
     fx_let_combine_start<2>();
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_block_chunk<MERGE, D>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len,
-                                  seq_len_dev, splits, tile, split, start, end)) {
-        if (MERGE == FX_MERGE_GRID)
-            fx_grid_empty<T, D, THREADS>(out, n_heads / n_kv_heads, seq_len, seq_len_dev);
+    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len,
+                                    seq_len_dev, splits, tile, split, start, end))
         return;
-    }
 
     const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
@@ -1095,9 +935,9 @@ __device__ __forceinline__ void gqa_split_mma(
         slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
         t = (d % 64) / 16;
     };
-    fx_merge_warps<MERGE, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T)>(
-        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, sync, out, h0, group, splits, split,
-        tile, seq_len, seq_len_dev, where);
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T)>(
+        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
+        seq_len_dev, where);
 }
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
@@ -1107,23 +947,14 @@ __device__ __forceinline__ void gqa_split_mma(
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        gqa_split_mma<T, D, FX_MERGE_COMBINE>(q, k, v, ws_o, ws_ml, nullptr, nullptr,       \
-                                              n_heads, n_kv_heads, seq_len, seq_len_dev,    \
-                                              splits, tile);                                \
+        gqa_split_mma<T, D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,      \
+                                   seq_len, seq_len_dev, splits, tile);                     \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
         const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
         int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
-        gqa_split_mma<T, D, FX_MERGE_CLUSTER>(q, k, v, nullptr, nullptr, nullptr, out,      \
-                                              n_heads, n_kv_heads, seq_len, seq_len_dev,    \
-                                              splits, tile);                                \
-    }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_grid(        \
-        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, unsigned* sync,      \
-        T* out, int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev,           \
-        int splits, int tile) {                                                             \
-        gqa_split_mma<T, D, FX_MERGE_GRID>(q, k, v, ws_o, ws_ml, sync, out, n_heads,        \
-                                           n_kv_heads, seq_len, seq_len_dev, splits, tile); \
+        gqa_split_mma<T, D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,      \
+                                  seq_len, seq_len_dev, splits, tile);                      \
     }
 
 FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
@@ -1220,12 +1051,11 @@ __device__ __forceinline__ void fx_mma_3xtf32(float& c0, float& c1, float& c2, f
     fx_mma_tf32(c0, c1, c2, c3, ah0, ah2, bh0, bh1);
 }
 
-template <int D, int MERGE>  // MERGE: as gqa_split_mma
+template <int D, bool CLUSTER>  // CLUSTER: as gqa_split_mma
 __device__ __forceinline__ void gqa_split_tc32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    float* __restrict__ ws_o, float* __restrict__ ws_ml, unsigned* sync,
-    float* __restrict__ out, int n_heads, int n_kv_heads, int seq_len,
-    const int* __restrict__ seq_len_dev, int splits, int tile) {
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, float* __restrict__ out, int n_heads,
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
     constexpr int S = FxTc32Shape<D>::stages;
     constexpr int WARPS = FxTc32Shape<D>::warps, THREADS = WARPS * 32;
     constexpr int TOK = FxTc32Shape<D>::tokens, NB = TOK / 8;  // tokens per step, 8-blocks
@@ -1237,12 +1067,9 @@ __device__ __forceinline__ void gqa_split_tc32(
     fx_let_combine_start<2>();
     const int split = blockIdx.x;
     int start, end;
-    if (!fx_block_chunk<MERGE, D>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len,
-                                  seq_len_dev, splits, tile, split, start, end)) {
-        if (MERGE == FX_MERGE_GRID)
-            fx_grid_empty<float, D, THREADS>(out, n_heads / n_kv_heads, seq_len, seq_len_dev);
+    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len,
+                                    seq_len_dev, splits, tile, split, start, end))
         return;
-    }
 
     const int g_kv = blockIdx.y;
     const int group = n_heads / n_kv_heads;  // <= 8 on this path
@@ -1385,9 +1212,9 @@ __device__ __forceinline__ void gqa_split_tc32(
         slot = (d / 32) * 8 + (d % 4) * 2 + (n & 1);
         t = n >> 1;
     };
-    fx_merge_warps<MERGE, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(float)>(
-        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, sync, out, h0, group, splits, split,
-        tile, seq_len, seq_len_dev, where);
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(float)>(
+        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
+        seq_len_dev, where);
 }
 
 #define FX_TC32_ENTRY(NAME, D)                                                              \
@@ -1395,23 +1222,14 @@ __device__ __forceinline__ void gqa_split_tc32(
         const float* q, const float* k, const float* v, float* ws_o, float* ws_ml,          \
         int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev, int splits,       \
         int tile) {                                                                         \
-        gqa_split_tc32<D, FX_MERGE_COMBINE>(q, k, v, ws_o, ws_ml, nullptr, nullptr,         \
-                                            n_heads, n_kv_heads, seq_len, seq_len_dev,      \
-                                            splits, tile);                                  \
+        gqa_split_tc32<D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,        \
+                                 seq_len, seq_len_dev, splits, tile);                       \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(FX_TC32_WARPS_D##D * 32, 1) NAME##_cluster( \
         const float* q, const float* k, const float* v, float* out, int n_heads,            \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        gqa_split_tc32<D, FX_MERGE_CLUSTER>(q, k, v, nullptr, nullptr, nullptr, out,        \
-                                            n_heads, n_kv_heads, seq_len, seq_len_dev,      \
-                                            splits, tile);                                  \
-    }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FX_TC32_WARPS_D##D * 32, 1) NAME##_grid(   \
-        const float* q, const float* k, const float* v, float* ws_o, float* ws_ml,          \
-        unsigned* sync, float* out, int n_heads, int n_kv_heads, int seq_len,               \
-        const int* seq_len_dev, int splits, int tile) {                                     \
-        gqa_split_tc32<D, FX_MERGE_GRID>(q, k, v, ws_o, ws_ml, sync, out, n_heads,          \
-                                         n_kv_heads, seq_len, seq_len_dev, splits, tile);   \
+        gqa_split_tc32<D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,        \
+                                seq_len, seq_len_dev, splits, tile);                        \
     }
 
 FX_TC32_ENTRY(gqa_split_tc32_f32_d64, 64)

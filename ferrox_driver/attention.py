@@ -22,7 +22,7 @@ from .compiler import kernel_source
 from .device import Device, resolve
 from .errors import CudaError, FerroxError
 from .launch import Kernel
-from .memory import DeviceArray, as_device_array, empty, to_device, zeros
+from .memory import DeviceArray, as_device_array, empty, to_device
 from .module_cache import get_kernel
 from .stream import Stream, stream_handle
 from .validation import array_info, check_decode_args, dtype_name
@@ -63,11 +63,6 @@ MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
 # at 512); the cluster ahead below it (16/2/64 at 1024, 8192: +0.2; 32/8/128 at 512, 4096:
 # +0.5; 28/4/128 at 512, 7168: +0.1).
 CLUSTER_MAX_EXCHANGE = 8192
-# The first floats of every workspace: two counters per KV head for the kernels that merge
-# their chunks themselves through the workspace (FX_MERGE_GRID), zero when the workspace is
-# allocated (allocate_scratch) and after every such merge; the partials follow.
-SYNC_FLOATS = 256
-GRID_MAX_KV_HEADS = SYNC_FLOATS // 2
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
 TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
 # The combine kernel is launched early (programmatic dependent launch, compute capability
@@ -116,20 +111,17 @@ class SplitPlan:
     stages: int = 0  # tensor-core kernels: steps in each warp's ring ...
     step_tokens: int = 16  # ... of this many tokens
     cluster: int = 0  # blocks per thread block cluster (a KV head's chunks merge on chip,
-    # no combine kernel); 0: the combine kernel merges them ...
-    grid: bool = False  # ... or the split kernel's blocks, through the workspace
+    # no combine kernel); 0: the combine kernel merges them
 
     def combine_kernel(self, dtype: Any) -> str | None:
         """The name of the kernel merging this plan's chunks for a ``dtype`` output (None:
-        the split kernel merges them, on chip or through the workspace)."""
-        if self.cluster or self.grid:
-            return None
-        return f"gqa_split_combine_{dtype_name(dtype)}"
+        a cluster plan, merged on chip)."""
+        return None if self.cluster else combine_kernel_name(dtype)
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
-        """Floats of scratch the launch needs: the merge counters, then partial outputs,
-        maxima and sums (none for a cluster plan, whose partials stay on chip)."""
-        return 0 if self.cluster else SYNC_FLOATS + n_heads * self.splits * (head_dim + 2)
+        """Floats of scratch the launch needs: partial outputs, maxima and sums (none for a
+        cluster plan, whose partials stay on chip)."""
+        return 0 if self.cluster else n_heads * self.splits * (head_dim + 2)
 
     def shared_bytes(self, head_dim: int, itemsize: int) -> int:
         """Dynamic shared memory of the split kernel: the tensor-core kernels' per-warp ring
@@ -139,6 +131,11 @@ class SplitPlan:
             return 0
         ring = (self.threads // 32) * self.stages * self.step_tokens * 2 * head_dim * itemsize
         return ring + (cluster_recv_bytes(head_dim) if self.cluster else 0)
+
+
+def combine_kernel_name(dtype: Any) -> str:
+    """The combine kernel for a ``dtype`` output."""
+    return f"gqa_split_combine_{dtype_name(dtype)}"
 
 
 def cluster_recv_bytes(head_dim: int) -> int:
@@ -184,7 +181,7 @@ def plan_split(
 ) -> SplitPlan:
     """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens
     (memoised: every decode asks, once; the knobs FERROX_SPLIT_HEADS_PER_BLOCK,
-    FERROX_TC32, FERROX_CLUSTER and FERROX_GRID_MERGE are part of the key).
+    FERROX_TC32 and FERROX_CLUSTER are part of the key).
 
     The grid is at most one full wave of resident blocks; each block's chunk is a multiple
     of the plan's tile, computed on the device from the actual length (which may be
@@ -205,7 +202,6 @@ def plan_split(
         env.get("FERROX_SPLIT_HEADS_PER_BLOCK"),
         env.get("FERROX_TC32"),
         env.get("FERROX_CLUSTER"),
-        env.get("FERROX_GRID_MERGE"),
     )
     plan = _plans.get(key)
     if plan is None:
@@ -274,23 +270,9 @@ def _plan_split(
     )
     if cluster:
         kname = f"{kname}_cluster"
-    grid = not cluster and grid_merge_for(n_kv_heads)
-    if grid:
-        kname = f"{kname}_grid"
-        get_kernel(SPLIT_FILE, kname, device)
     return dataclasses.replace(
-        plan, kernel=kname, splits=splits, tile=tile, cluster=splits if cluster else 0, grid=grid
+        plan, kernel=kname, splits=splits, tile=tile, cluster=splits if cluster else 0
     )
-
-
-def grid_merge_for(n_kv_heads: int) -> bool:
-    """Whether a tensor-core plan's blocks merge their chunks themselves, through the
-    workspace, rather than in a combine kernel: up to GRID_MAX_KV_HEADS KV heads (the
-    counters' room). The plan's grid is one wave, so the blocks a merge waits for run.
-    ``FERROX_GRID_MERGE=0`` keeps the combine kernel (a comparison knob)."""
-    if os.environ.get("FERROX_GRID_MERGE", "1") == "0":
-        return False
-    return n_kv_heads <= GRID_MAX_KV_HEADS
 
 
 _resident_clusters: dict[tuple[int, str, int], int] = {}
@@ -376,14 +358,14 @@ def stream_workspace(device: Device, stream: Any, floats: int) -> DeviceArray:
 
 
 def allocate_scratch(floats: int, device: Device, in_capture: str) -> DeviceArray:
-    """``floats`` float32 of decode scratch, zero bytes (the merge counters need it).
+    """``floats`` float32 of decode scratch.
 
     Raises:
         FerroxError: with the message ``in_capture`` when a stream capture is open
             (allocation is not capturable).
     """
     try:
-        return zeros((floats,), np.float32, device=device)  # the merge counters start at 0
+        return empty((floats,), np.float32, device=device)
     except CudaError as exc:
         if exc.name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED":
             raise FerroxError(in_capture) from exc
@@ -445,22 +427,11 @@ def launch_split(
             )
         return
     if workspace is None:
-        raise ValueError("workspace: the plans without clusters need one (workspace_floats)")
+        raise ValueError("workspace: the combine kernel's plans need one (workspace_floats)")
     n_partial = n_heads * plan.splits
-    ws_o = workspace.view((n_partial * head_dim,), offset=SYNC_FLOATS * 4)
-    ws_ml = workspace.view((n_partial * 2,), offset=(SYNC_FLOATS + n_partial * head_dim) * 4)
+    ws_o = workspace
+    ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
     args: tuple[Any, ...]
-    if plan.grid:
-        tail = (seq_len_dev, splits, tile)
-        if parts != "combine":
-            (kernel or get_kernel(SPLIT_FILE, plan.kernel, dev)).launch(
-                (plan.splits, n_kv_heads, 1),
-                plan.threads,
-                (q, k, v, ws_o, ws_ml, workspace, out, *heads, np.int32(seq_len), *tail),
-                shared_mem=plan.shared_bytes(head_dim, q.dtype.itemsize),
-                stream=stream,
-            )
-        return
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
     else:
@@ -492,7 +463,7 @@ def launch_split(
         )
     if parts == "main":
         return
-    combine = combine or get_kernel(SPLIT_FILE, str(plan.combine_kernel(q.dtype)), dev)
+    combine = combine or get_kernel(SPLIT_FILE, combine_kernel_name(q.dtype), dev)
     combine.launch(
         (n_heads, -(-head_dim // 32)),
         COMBINE_THREADS,

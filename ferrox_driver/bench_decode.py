@@ -644,7 +644,7 @@ def measure_fixed_costs(
         for i, a in enumerate((q, k, v)):
             fill_uniform(a, 50 + i, stream)
         plan = plan_split(device, dt, n_heads, n_kv, hd, seq, is_aligned(q, k, v))
-        ws = zeros((plan.workspace_floats(n_heads, hd),), np.float32, device=device)
+        ws = empty((plan.workspace_floats(n_heads, hd),), np.float32, device=device)
         for parts in ("main", "combine", "both"):
             body = functools.partial(
                 launch_split,
