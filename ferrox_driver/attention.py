@@ -110,6 +110,7 @@ class SplitPlan:
     tile: int = TILE  # chunk sizes are multiples of this many tokens
     stages: int = 0  # tensor-core kernels: steps in each warp's ring ...
     step_tokens: int = 16  # ... of this many tokens
+    reserve_stages: int = 0  # the launch's shared memory holds this many (if more)
     cluster: int = 0  # blocks per thread block cluster (a KV head's chunks merge on chip,
     # no combine kernel); 0: the combine kernel merges them
 
@@ -125,11 +126,14 @@ class SplitPlan:
 
     def shared_bytes(self, head_dim: int, itemsize: int) -> int:
         """Dynamic shared memory of the split kernel: the tensor-core kernels' per-warp ring
-        of K/V steps (warps * stages * step tokens * (K, V) * head_dim elements), and for a
-        cluster plan the receive area its blocks push their partials into."""
+        of K/V steps (warps * stages * step tokens * (K, V) * head_dim elements; as much
+        as ``reserve_stages`` steps would take where that is more), and for a cluster plan
+        the receive area its blocks push their partials into (the kernel finds it past
+        its ring)."""
         if not self.tensor_cores:
             return 0
-        ring = (self.threads // 32) * self.stages * self.step_tokens * 2 * head_dim * itemsize
+        steps = max(self.stages, self.reserve_stages)  # see MMA_RESERVE_STAGES
+        ring = (self.threads // 32) * steps * self.step_tokens * 2 * head_dim * itemsize
         return ring + (cluster_recv_bytes(head_dim) if self.cluster else 0)
 
 
@@ -150,6 +154,10 @@ def cluster_recv_bytes(head_dim: int) -> int:
 # fp32 (FxTc32Shape, 8- or 16-token steps)
 MMA_WARPS = {d: kernel_define(f"FX_WARPS_D{d}") for d in MMA_HEAD_DIMS}
 MMA_STAGES = {d: kernel_define(f"FX_STAGES_D{d}") for d in MMA_HEAD_DIMS}
+# ... and the steps' worth of shared memory a launch reserves where the ring is shallower
+# (head_dim 128: one step in flight measured fastest, and the reserve keeps one block per
+# multiprocessor, as plan_split and clusters_fit assume)
+MMA_RESERVE_STAGES = {d: kernel_define(f"FX_RESERVE_STAGES_D{d}") for d in MMA_HEAD_DIMS}
 TC32_WARPS = {d: kernel_define(f"FX_TC32_WARPS_D{d}") for d in TC32_HEAD_DIMS}
 TC32_STAGES = {d: kernel_define(f"FX_TC32_STAGES_D{d}") for d in TC32_HEAD_DIMS}
 TC32_TOKENS = {d: kernel_define(f"FX_TC32_TOKENS_D{d}") for d in TC32_HEAD_DIMS}
@@ -226,10 +234,11 @@ def _plan_split(
 ) -> SplitPlan:
     group = n_heads // n_kv_heads
     name = dtype_name(dtype)
-    stages, step_tokens = 0, 16
+    stages, step_tokens, reserve = 0, 16, 0
     if name != "f32" and head_dim in MMA_HEAD_DIMS and group <= 8 and aligned:
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
         threads, stages = 32 * MMA_WARPS[head_dim], MMA_STAGES[head_dim]
+        reserve = MMA_RESERVE_STAGES[head_dim]
     elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group, plan_seq):
         kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
         threads, stages = 32 * TC32_WARPS[head_dim], TC32_STAGES[head_dim]
@@ -245,7 +254,9 @@ def _plan_split(
         kname, tc, threads = f"gqa_split_{name}_g{gt}_{vec}", False, THREADS
     kernel = get_kernel(SPLIT_FILE, kname, device)
     tile = TILE if tc else cuda_core_tile(lpt)
-    plan = SplitPlan(kname, tc, tiles, lpt, 1, threads, tile, stages, step_tokens)
+    plan = SplitPlan(
+        kname, tc, tiles, lpt, 1, threads, tile, stages, step_tokens, reserve_stages=reserve
+    )
     shared = plan.shared_bytes(head_dim, np.dtype(dtype).itemsize)
     wave = _blocks_per_sm(kernel, device, threads, shared) * device.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.

@@ -144,15 +144,17 @@ def test_clusters_need_compute_capability_9_at_most_16_blocks_all_resident(monke
 
 
 def test_plans_tile_and_merge_as_measured(monkeypatch):
-    """The plan rule on a fake H200 (132 multiprocessors, one block each; clusters of up to
-    8 blocks: 15 resident, of 9-16: 7), no GPU."""
+    """The plan rule on a fake H200 (132 multiprocessors of 228 KiB of shared memory, 1 KiB
+    of it reserved per block; clusters of up to 8 blocks: 15 resident, of 9-16: 7), no
+    GPU. Every tensor-core launch takes more than half a multiprocessor's shared memory (the
+    head_dim 128 one by its reserve), so one block fits each."""
 
     class FakeKernel:
         def __init__(self, name):
             self.name = name
 
         def max_active_blocks(self, threads, shared):
-            return 1
+            return max(1, min(2048 // threads, 228 * 1024 // (shared + 1024)))
 
         def max_active_clusters(self, cluster, threads, shared):
             return 15 if cluster <= 8 else 7
@@ -195,6 +197,28 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     monkeypatch.setattr(attention, "_plans", {})
     dev.compute_capability = (8, 0)
     assert plan(bf16, (32, 8, 128), 512) == ("gqa_split_mma_bf16_d128", 64, 8, 0)
+
+
+def test_the_head_dim_128_launch_reserves_more_shared_memory_than_its_ring():
+    """Its ring has 2 steps (one in flight while one is computed: measured fastest,
+    ring-smem-variants-v16.log) but the launch reserves the shared memory of 4, so one block
+    still fills a multiprocessor of 228 KiB, as the plans' one wave assumes."""
+    a = attention
+    assert a.MMA_STAGES[128] < a.MMA_RESERVE_STAGES[128]
+    plan = a.SplitPlan(
+        "gqa_split_mma_bf16_d128", True, 1, 32, 16, 32 * a.MMA_WARPS[128],
+        stages=a.MMA_STAGES[128], reserve_stages=a.MMA_RESERVE_STAGES[128],
+    )  # fmt: skip
+    ring = a.MMA_WARPS[128] * a.MMA_STAGES[128] * 16 * 2 * 128 * 2
+    assert plan.shared_bytes(128, 2) == ring * a.MMA_RESERVE_STAGES[128] // a.MMA_STAGES[128]
+    assert 2 * (plan.shared_bytes(128, 2) + 1024) > 228 * 1024
+    # the cluster entry's receive area comes past the reserve (the kernel finds it past its
+    # ring, inside what is reserved)
+    clustered = dataclasses.replace(plan, kernel=f"{plan.kernel}_cluster", cluster=8)
+    assert clustered.shared_bytes(128, 2) == plan.shared_bytes(128, 2) + a.cluster_recv_bytes(128)
+    # a deeper ring than the reserve takes what the ring needs
+    deep = dataclasses.replace(plan, stages=a.MMA_RESERVE_STAGES[128] + 2)
+    assert deep.shared_bytes(128, 2) == ring * deep.stages // a.MMA_STAGES[128]
 
 
 def test_cuda_core_plans_need_no_dynamic_shared_memory():
