@@ -1,9 +1,11 @@
-"""The fp16/bf16 head_dim 128 kernel with a shallower ring than planned (4 warps x 3 or 2
-steps instead of 4), each plan otherwise as planned (its chunks, its cluster): launched
-with the ring's own shared memory (two blocks then fit a multiprocessor) and "padded",
-with the planned ring's shared memory (one block per multiprocessor, as planned). Timed in
-turn, three rounds, the fastest kept, in the benchmark's back-to-back harness on its one
-stream; each output compared with the planned kernel's.
+"""The fp16/bf16 head_dim 128 kernel with other ring depths than planned (4 warps x 2, 3
+or 4 steps), each plan otherwise as planned (its chunks, its cluster): launched with the
+ring's own shared memory (two blocks may then fit a multiprocessor) and "padded", with the
+planned launch's shared memory (one block per multiprocessor, as planned). Timed in turn,
+three rounds, the fastest kept, in the benchmark's back-to-back harness on its one stream;
+each output compared with the planned kernel's. `ring-smem-variants-v16.log` ran when the
+planned ring had 4 steps; `-after-` with the 2-step ring planned (reserving 4 steps'
+shared memory).
 
     PYTHONPATH=. python3 docs/perf-history/ring_smem_variants.py [shape ...]
 """
@@ -16,7 +18,7 @@ import sys
 import numpy as np
 from points import load_variant, points
 
-from ferrox_driver.attention import stream_workspace
+from ferrox_driver.attention import MMA_STAGES, stream_workspace
 from ferrox_driver.bench_decode import bench_stream
 from ferrox_driver.compiler import kernel_source
 from ferrox_driver.device import default_device
@@ -28,7 +30,7 @@ CASES = [
     ((28, 4, 128), "bf16", [512, 4096, 32768]),
     ((32, 32, 128), "bf16", [4096, 32768]),
 ]
-RINGS = [3, 2]  # steps, 4 warps
+RINGS = [s for s in (2, 3, 4) if s != MMA_STAGES[128]]  # steps, 4 warps
 
 
 def main() -> None:
@@ -43,7 +45,8 @@ def main() -> None:
         runs = [("planned", base, None)]
         for s, mod in modules.items():
             kern = mod.get_function(base.kernel)
-            runs.append((f"4x{s}", dataclasses.replace(base, stages=s), kern))
+            own = dataclasses.replace(base, stages=s, reserve_stages=0)  # its ring alone
+            runs.append((f"4x{s}", own, kern))
             runs.append((f"4x{s} padded", base, kern))  # the planned ring's shared memory
         outs = {}
         for label, plan, kern in runs:
