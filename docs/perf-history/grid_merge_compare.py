@@ -8,9 +8,11 @@ set up to 32768 tokens).
 
 Each plan is timed three times, alternating, and the median printed. It ran against commit
 68a5e65 (`grid-merge-compare-relaxed-v16.log`; `grid-merge-compare-v16.log` against the same
-kernels with the counters polled by ld.acquire on one cache line). That commit was reverted:
-on later code there are no `_grid` kernels and FERROX_GRID_MERGE does nothing, so every line
-prints "no grid plan".
+kernels with the counters polled by ld.acquire on one cache line), then against 68a5e65's
+kernels with release/acquire atomics instead of __threadfence (`-acqrel-`, not committed
+alone) and against 9086ee3, which adds the chunks spread over lanes (`-lanes-`). Both
+commits were reverted: on later code there are no `_grid` kernels and FERROX_GRID_MERGE
+does nothing, so every line prints "no grid plan".
 """
 
 from __future__ import annotations
