@@ -17,7 +17,6 @@ import sys
 import numpy as np
 from points import load_variant, points
 
-from ferrox_driver.attention import stream_workspace
 from ferrox_driver.bench_decode import bench_stream
 from ferrox_driver.compiler import kernel_source
 from ferrox_driver.device import default_device
@@ -58,19 +57,8 @@ def main() -> None:
             )
             if fit >= need:
                 runs.append((f"{w}x{s} cluster", clustered, kern))
-        outs = {}
-        for label, plan, kern in runs:
-            floats = plan.workspace_floats(p.n_heads, p.head_dim)
-            ws = stream_workspace(stream.device, stream, floats) if floats else None
-            p.out.fill_bytes(0xFF, stream)
-            p.decode(plan, ws, kern)
-            stream.synchronize()
-            outs[label] = p.out.to_host().astype(np.float64)
-        best: dict[str, float] = {}
-        for _ in range(3):
-            for label, plan, kern in runs:
-                us = p.time(plan, kern)
-                best[label] = min(best.get(label, us), us)
+        outs = p.outputs(runs)
+        best = p.fastest(runs)
         ref = best["planned"]
         cells = [
             f"{k} {v:.2f} us ({100 * (v / ref - 1):+.1f}%, "

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.attention import SplitPlan, launch_split, plan_split
+from ferrox_driver.attention import SplitPlan, launch_split, plan_split, stream_workspace
 from ferrox_driver.bench_decode import KVSets, fill_uniform, rotated_kv_sets, time_split_plan
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
@@ -27,6 +27,7 @@ from ferrox_driver.launch import Module
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 CEILING = 4.35e12  # bytes/s: the percentages' nominal read ceiling (the bench measures its own)
 Case = tuple[tuple[int, int, int], str, Sequence[int]]  # (q heads, kv heads, head_dim), dtype
+Run = tuple[str, SplitPlan, Any]  # label, plan, its split kernel (None: the library's)
 
 
 @dataclass
@@ -100,6 +101,28 @@ class Point:
             head_dim=self.head_dim, seq_len=self.seq, seq_len_dev=None, stream=self.stream,
             kernel=kernel, combine=combine,
         )  # fmt: skip
+
+    def outputs(self, runs: Sequence[Run]) -> dict[str, np.ndarray]:
+        """Each run's output (float64) over the first KV set, ``out`` poisoned with NaN
+        before each, so an unwritten element shows."""
+        outs = {}
+        for label, plan, kern in runs:
+            floats = plan.workspace_floats(self.n_heads, self.head_dim)
+            ws = stream_workspace(self.stream.device, self.stream, floats) if floats else None
+            self.out.fill_bytes(0xFF, self.stream)
+            self.decode(plan, ws, kern)
+            self.stream.synchronize()
+            outs[label] = self.out.to_host().astype(np.float64)
+        return outs
+
+    def fastest(self, runs: Sequence[Run], rounds: int = 3) -> dict[str, float]:
+        """Each run's fastest time (``time``) over ``rounds`` rounds of the runs in turn."""
+        best: dict[str, float] = {}
+        for _ in range(rounds):
+            for label, plan, kern in runs:
+                us = self.time(plan, kern)
+                best[label] = min(best.get(label, us), us)
+        return best
 
 
 def points(cases: Iterable[Case], stream: fd.Stream, only: Sequence[str] = ()) -> Iterator[Point]:
