@@ -15,10 +15,9 @@ import dataclasses
 import sys
 
 import numpy as np
-from points import load_variant, points
+from points import points, ring_variant
 
 from ferrox_driver.bench_decode import bench_stream
-from ferrox_driver.compiler import kernel_source
 from ferrox_driver.device import default_device
 
 CASES = [
@@ -30,12 +29,7 @@ RINGS = [(4, 3), (2, 6), (4, 2)]  # (warps, steps): 96, 96 and 64 KB
 
 def main() -> None:
     stream = bench_stream(default_device())
-    src = kernel_source("gqa_decode_split.cu")
-    modules = {
-        (w, s): load_variant(f"#define FX_WARPS_D128 {w}\n#define FX_STAGES_D128 {s}\n" + src,
-                             f"ring{w}x{s}.cu", stream.device)
-        for w, s in RINGS
-    }  # fmt: skip
+    modules = {(w, s): ring_variant(128, w, s, stream.device) for w, s in RINGS}
     for p in points(CASES, stream, sys.argv[1:]):
         base = p.plan()
         item = np.dtype(p.dtype).itemsize

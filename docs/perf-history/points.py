@@ -163,3 +163,12 @@ def edited_source(edits: Iterable[tuple[str, str]], src: str | None = None) -> s
 def load_variant(src: str, name: str, device: Any = None) -> Module:
     """Compile a kernel-file variant and load it."""
     return Module(compile_source(src, name=name), device)
+
+
+def ring_variant(head_dim: int, warps: int, stages: int, device: Any = None) -> Module:
+    """The split-kernel file with the fp16/bf16 head_dim ``head_dim`` kernel's ring set to
+    ``warps`` x ``stages`` steps, compiled and loaded (the defines are prepended, so they
+    come before the file's own #ifndef defaults)."""
+    defines = f"#define FX_WARPS_D{head_dim} {warps}\n#define FX_STAGES_D{head_dim} {stages}\n"
+    return load_variant(defines + kernel_source("gqa_decode_split.cu"),
+                        f"ring{head_dim}_{warps}x{stages}.cu", device)  # fmt: skip

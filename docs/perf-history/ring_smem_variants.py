@@ -18,11 +18,10 @@ import sys
 from typing import Any
 
 import numpy as np
-from points import load_variant, points
+from points import points, ring_variant
 
 from ferrox_driver.attention import MMA_RESERVE_STAGES, MMA_STAGES, MMA_WARPS
 from ferrox_driver.bench_decode import bench_stream
-from ferrox_driver.compiler import kernel_source
 from ferrox_driver.device import default_device
 
 CASES = [
@@ -38,7 +37,6 @@ CASES = [
 
 def main() -> None:
     stream = bench_stream(default_device())
-    src = kernel_source("gqa_decode_split.cu")
     modules: dict[tuple[int, int], Any] = {}
     for p in points(CASES, stream, sys.argv[1:]):
         base = p.plan()
@@ -48,9 +46,7 @@ def main() -> None:
             if s == MMA_STAGES[hd]:
                 continue
             if (hd, s) not in modules:
-                modules[hd, s] = load_variant(
-                    f"#define FX_STAGES_D{hd} {s}\n" + src, f"ring{hd}x{s}.cu", stream.device
-                )
+                modules[hd, s] = ring_variant(hd, warps, s, stream.device)
             kern = modules[hd, s].get_function(base.kernel)
             own = dataclasses.replace(base, stages=s, reserve_stages=0)  # its ring alone
             runs.append((f"{warps}x{s}", own, kern))

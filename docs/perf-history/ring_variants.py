@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from points import load_variant, points
+from points import points, ring_variant
 
 from ferrox_driver.bench_decode import bench_stream
-from ferrox_driver.compiler import kernel_source
 from ferrox_driver.device import default_device
 
 CASES = [
@@ -29,13 +28,7 @@ RINGS = [(4, 6), (8, 3)]  # (warps, steps)
 
 def main() -> None:
     stream = bench_stream(default_device())
-    src = kernel_source("gqa_decode_split.cu")
-    # -D options must come before the file's own #ifndef defaults: prepend them
-    modules = {
-        (w, s): load_variant(f"#define FX_WARPS_D128 {w}\n#define FX_STAGES_D128 {s}\n" + src,
-                             f"ring{w}x{s}.cu", stream.device)
-        for w, s in RINGS
-    }  # fmt: skip
+    modules = {(w, s): ring_variant(128, w, s, stream.device) for w, s in RINGS}
     for p in points(CASES, stream, sys.argv[1:]):
         base = p.plan()
         runs = [("4x4 (planned)", base, None)]
