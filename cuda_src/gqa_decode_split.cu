@@ -992,13 +992,20 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 // Per head_dim: warps per block, steps in each warp's ring and tokens per step (8 or 16:
 // 8-token steps fit more warps or a wider head_dim into shared memory). The host reads
 // these defines (attention.py); overridable with -D for experiments
-// (docs/perf-history/tc32_variants.py).
+// (docs/perf-history/tc32_variants.py). Head_dim 64 and 128 keep one step in flight per warp
+// while they compute another: 8-12% faster at 4096 tokens than two in flight, 1-7% at
+// 32768 but for 64/8/128 (0.5% slower there, 1.2% at 131072); head_dim 256 keeps two, as
+// one was 1.1% slower at 512-4096 (tc32-ring-variants-v17.log). FX_TC32_RESERVE_STAGES_D<D>:
+// the launch's shared memory in steps, as measured (as FX_RESERVE_STAGES_D<D>).
 template <int D> struct FxTc32Shape;
+#define FX_TC32_RESERVE_STAGES_D64 3
+#define FX_TC32_RESERVE_STAGES_D128 3
+#define FX_TC32_RESERVE_STAGES_D256 3
 #ifndef FX_TC32_WARPS_D64
 #define FX_TC32_WARPS_D64 8
 #endif
 #ifndef FX_TC32_STAGES_D64
-#define FX_TC32_STAGES_D64 3
+#define FX_TC32_STAGES_D64 2
 #endif
 #ifndef FX_TC32_TOKENS_D64
 #define FX_TC32_TOKENS_D64 16
@@ -1007,7 +1014,7 @@ template <int D> struct FxTc32Shape;
 #define FX_TC32_WARPS_D128 8
 #endif
 #ifndef FX_TC32_STAGES_D128
-#define FX_TC32_STAGES_D128 3
+#define FX_TC32_STAGES_D128 2
 #endif
 #ifndef FX_TC32_TOKENS_D128
 #define FX_TC32_TOKENS_D128 8

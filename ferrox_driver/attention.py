@@ -155,12 +155,14 @@ def cluster_recv_bytes(head_dim: int) -> int:
 MMA_WARPS = {d: kernel_define(f"FX_WARPS_D{d}") for d in MMA_HEAD_DIMS}
 MMA_STAGES = {d: kernel_define(f"FX_STAGES_D{d}") for d in MMA_HEAD_DIMS}
 # ... and the steps' worth of shared memory a launch reserves where the ring is shallower
-# (head_dim 128: one step in flight measured fastest, and the reserve keeps one block per
-# multiprocessor, as plan_split and clusters_fit assume)
+# (fp16/bf16 head_dim 128 and fp32 head_dim 64 and 128: one step in flight measured
+# fastest, and the reserve keeps one block per multiprocessor, as plan_split and
+# clusters_fit assume)
 MMA_RESERVE_STAGES = {d: kernel_define(f"FX_RESERVE_STAGES_D{d}") for d in MMA_HEAD_DIMS}
 TC32_WARPS = {d: kernel_define(f"FX_TC32_WARPS_D{d}") for d in TC32_HEAD_DIMS}
 TC32_STAGES = {d: kernel_define(f"FX_TC32_STAGES_D{d}") for d in TC32_HEAD_DIMS}
 TC32_TOKENS = {d: kernel_define(f"FX_TC32_TOKENS_D{d}") for d in TC32_HEAD_DIMS}
+TC32_RESERVE_STAGES = {d: kernel_define(f"FX_TC32_RESERVE_STAGES_D{d}") for d in TC32_HEAD_DIMS}
 
 
 _resident_blocks: dict[tuple[int, str], int] = {}
@@ -243,6 +245,7 @@ def _plan_split(
         kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
         threads, stages = 32 * TC32_WARPS[head_dim], TC32_STAGES[head_dim]
         step_tokens = TC32_TOKENS[head_dim]
+        reserve = TC32_RESERVE_STAGES[head_dim]
     else:
         cap = int(os.environ.get("FERROX_SPLIT_HEADS_PER_BLOCK", "4"))  # tuning knob
         gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))

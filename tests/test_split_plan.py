@@ -39,6 +39,11 @@ def test_host_launch_constants_are_the_kernels_defines():
     assert sorted(attention.MMA_STAGES) == sorted(attention.MMA_WARPS) == [64, 128, 256]
     assert sorted(attention.TC32_STAGES) == sorted(attention.TC32_WARPS) == [64, 128, 256]
     assert all(t in (8, 16) for t in attention.TC32_TOKENS.values())
+    # a launch reserves at least its ring's steps
+    for head_dim, stages in attention.MMA_STAGES.items():
+        assert 2 <= stages <= attention.MMA_RESERVE_STAGES[head_dim], head_dim
+    for head_dim, stages in attention.TC32_STAGES.items():
+        assert 2 <= stages <= attention.TC32_RESERVE_STAGES[head_dim], head_dim
 
 
 def test_a_missing_define_is_a_clear_error():
@@ -50,14 +55,15 @@ def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
     program = compile_source(kernel_source("gqa_decode_split.cu"), arch="sm_90")
     a = attention
     kernels = [
-        (f"gqa_split_mma_f16_d{d}", d, 2, a.MMA_WARPS[d], a.MMA_STAGES[d], 16)
+        (f"gqa_split_mma_f16_d{d}", d, 2, a.MMA_WARPS[d], a.MMA_RESERVE_STAGES[d], 16)
         for d in a.MMA_HEAD_DIMS
     ] + [
-        (f"gqa_split_tc32_f32_d{d}", d, 4, a.TC32_WARPS[d], a.TC32_STAGES[d], a.TC32_TOKENS[d])
-        for d in a.TC32_HEAD_DIMS
+        (f"gqa_split_tc32_f32_d{d}", d, 4, a.TC32_WARPS[d], reserve, a.TC32_TOKENS[d])
+        for d, reserve in a.TC32_RESERVE_STAGES.items()
     ]
-    for name, head_dim, itemsize, warps, stages, tokens in kernels:
-        plan = a.SplitPlan(name, True, 1, 32, 1, 32 * warps, stages=stages, step_tokens=tokens)
+    for name, head_dim, itemsize, warps, reserve, tokens in kernels:
+        # the launch's shared memory: the reserve (at least the ring's steps)
+        plan = a.SplitPlan(name, True, 1, 32, 1, 32 * warps, stages=reserve, step_tokens=tokens)
         # and the cluster entry, whose receive area comes on top of the ring
         clustered = dataclasses.replace(plan, kernel=f"{name}_cluster", splits=16, cluster=16)
         recv = a.cluster_recv_bytes(head_dim)
@@ -192,6 +198,15 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     assert plan(np.float32, (8, 1, 256), 512) == ("gqa_split_tc32_f32_d256", 32, 16, 0)
     assert plan(np.float32, (8, 1, 256), 4096) == ("gqa_split_tc32_f32_d256", 32, 128, 0)
     assert plan(np.float32, (8, 1, 256), 131072) == ("gqa_split_tc32_f32_d256", 32, 132, 0)
+    # fp32 head_dim 64 and 128: a 2-step ring, launched with 3 steps' shared memory (as
+    # measured: tc32-ring-variants-v17.log); one block per multiprocessor either way
+    assert plan(np.float32, (32, 8, 128), 4096) == ("gqa_split_tc32_f32_d128", 64, 16, 0)
+    assert plan(np.float32, (16, 2, 64), 32768) == ("gqa_split_tc32_f32_d64", 64, 66, 0)
+    for heads in ((32, 8, 128), (16, 2, 64)):
+        p = attention.plan_split(dev, np.dtype(np.float32), *heads, 4096)
+        hd = heads[2]
+        assert (p.stages, p.reserve_stages) == (2, 3)
+        assert p.shared_bytes(hd, 4) == p.threads // 32 * 3 * p.step_tokens * 2 * hd * 4
     # no clusters before compute capability 9.0
     monkeypatch.setattr(attention, "_resident_clusters", {})
     monkeypatch.setattr(attention, "_plans", {})
