@@ -976,11 +976,12 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 
 // ---------------------------------------------------------------------------------------
 // Tensor-core split kernel for fp32 caches (head_dim 64/128/256, groups of up to 8): the same
-// design as gqa_split_mma, on mma m16n8k8 with TF32 inputs in the "3xTF32" form: each fp32
-// x is split into hi = tf32(x) and lo = tf32(x - hi), and a*b = al*bh + ah*bl + ah*bh (the
-// dropped al*bl is ~2^-22 relative), which keeps fp32 accuracy at a small cost in mmas
-// (memory, not the tensor cores, is the limit).
-//   S = Q K^T: rows = heads (8..15 padding), k = d, n = tokens. A lane reads 4 consecutive
+// design as gqa_split_mma, on mma m16n8k8 with TF32 inputs split in two: each fp32 x is
+// split into hi = tf32(x) and lo = tf32(x - hi), and a*b = al*bl + ah*bl + al*bh + ah*bh,
+// which keeps fp32 accuracy. Rows 0..7 of A (the heads) carry the high part and rows 8..15
+// the low part, so two mmas give the four terms (fx_mma_2xtf32; "3xTF32" on rows 0..7 alone
+// took three for three terms).
+//   S = Q K^T: rows = heads (+ 8: low parts), k = d, n = tokens. A lane reads 4 consecutive
 //     d of its row (16 bytes) and feeds them to two mmas (k slots tig and tig+4 of each);
 //     Q is read the same way, so the dot products pair up the same d.
 //   O += P V: k = tokens, n = d. The S accumulators give this lane P for tokens 2tig and
@@ -1048,24 +1049,29 @@ __device__ __forceinline__ void fx_split_tf32(float x, unsigned& hi, unsigned& l
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(rest));
 }
 
-// D(16x8) += A(16x8) B(8x8), TF32 in, f32 accumulate; rows 8..15 of A are zero (a1 = a3 = 0).
+// D(16x8) += A(16x8) B(8x8), TF32 in, f32 accumulate. A's rows g and g + 8 of this lane:
+// a0 (k = tig), a1 (row g + 8, k = tig), a2 (k = tig + 4), a3 (row g + 8, k = tig + 4).
 __device__ __forceinline__ void fx_mma_tf32(float& c0, float& c1, float& c2, float& c3,
-                                            unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+                                            unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                            unsigned b0, unsigned b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// a*b in 3xTF32 (small terms first), accumulated into c.
-__device__ __forceinline__ void fx_mma_3xtf32(float& c0, float& c1, float& c2, float& c3,
+// a*b in split TF32 on two mmas: A's 8 rows (heads) carry a's high part and rows 8..15 (which
+// the group leaves empty) its low part, so the mma with b's low part gives a_hi b_lo and
+// a_lo b_lo, the one with its high part a_hi b_hi and a_lo b_hi. The product of row g is
+// then c0 + c2 (c1 + c3): all four terms, where 3xTF32 on rows 0..7 alone took three mmas
+// for three of them.
+__device__ __forceinline__ void fx_mma_2xtf32(float& c0, float& c1, float& c2, float& c3,
                                               unsigned ah0, unsigned al0, unsigned ah2,
                                               unsigned al2, unsigned bh0, unsigned bl0,
                                               unsigned bh1, unsigned bl1) {
-    fx_mma_tf32(c0, c1, c2, c3, al0, al2, bh0, bh1);
-    fx_mma_tf32(c0, c1, c2, c3, ah0, ah2, bl0, bl1);
-    fx_mma_tf32(c0, c1, c2, c3, ah0, ah2, bh0, bh1);
+    fx_mma_tf32(c0, c1, c2, c3, ah0, al0, ah2, al2, bl0, bl1);  // small terms first
+    fx_mma_tf32(c0, c1, c2, c3, ah0, al0, ah2, al2, bh0, bh1);
 }
 
 template <int D, bool CLUSTER>  // CLUSTER: as gqa_split_mma
@@ -1116,12 +1122,9 @@ __device__ __forceinline__ void gqa_split_tc32(
     }
     __syncthreads();  // Q complete; the first steps' loads are already in flight
 
-    // O accumulators [q][j][c0, c1] (d = 32q + 4(2tig + c) + j, head g); padding rows'
-    // outputs go to a scratch pair per chain.
-    constexpr int PADS = 4;
-    float oacc[D / 32][4][2], pad[PADS][2];
-#pragma unroll
-    for (int i = 0; i < PADS; ++i) pad[i][0] = pad[i][1] = 0.f;
+    // O accumulators [q][j][c0, c1] (d = 32q + 4(2tig + c) + j, head g); each step's low
+    // parts (rows 8..15, fx_mma_2xtf32) are added in.
+    float oacc[D / 32][4][2];
 #pragma unroll
     for (int qq = 0; qq < D / 32; ++qq)
 #pragma unroll
@@ -1156,9 +1159,9 @@ __device__ __forceinline__ void gqa_split_tc32(
                 fx_split_tf32(kv.y, kh[1], kl[1]);
                 fx_split_tf32(kv.z, kh[2], kl[2]);
                 fx_split_tf32(kv.w, kh[3], kl[3]);
-                fx_mma_3xtf32(s[n][0], s[n][1], s[n][2], s[n][3], qh.x, ql.x, qh.y, ql.y, kh[0],
+                fx_mma_2xtf32(s[n][0], s[n][1], s[n][2], s[n][3], qh.x, ql.x, qh.y, ql.y, kh[0],
                               kl[0], kh[1], kl[1]);
-                fx_mma_3xtf32(s2[n][0], s2[n][1], s2[n][2], s2[n][3], qh.z, ql.z, qh.w, ql.w,
+                fx_mma_2xtf32(s2[n][0], s2[n][1], s2[n][2], s2[n][3], qh.z, ql.z, qh.w, ql.w,
                               kh[2], kl[2], kh[3], kl[3]);
             }
         }
@@ -1169,7 +1172,9 @@ __device__ __forceinline__ void gqa_split_tc32(
 #pragma unroll
             for (int e = 0; e < 2; ++e)
                 x[2 * n + e] =
-                    t0 + 8 * n + 2 * tig + e < end ? s[n][e] + s2[n][e] : -INFINITY;
+                    t0 + 8 * n + 2 * tig + e < end
+                        ? (s[n][e] + s[n][e + 2]) + (s2[n][e] + s2[n][e + 2])
+                        : -INFINITY;
         float mx = x[0];
 #pragma unroll
         for (int i = 1; i < 2 * NB; ++i) mx = fmaxf(mx, x[i]);
@@ -1212,9 +1217,11 @@ __device__ __forceinline__ void gqa_split_tc32(
                     unsigned bh0, bl0, bh1, bl1;
                     fx_split_tf32(wa[jj], bh0, bl0);
                     fx_split_tf32(wb[jj], bh1, bl1);
-                    float* pd = pad[(qq * 4 + jj) % PADS];
-                    fx_mma_3xtf32(oacc[qq][jj][0], oacc[qq][jj][1], pd[0], pd[1], ph0, pl0,
-                                  ph2, pl2, bh0, bl0, bh1, bl1);
+                    float lo0 = 0.f, lo1 = 0.f;
+                    fx_mma_2xtf32(oacc[qq][jj][0], oacc[qq][jj][1], lo0, lo1, ph0, pl0, ph2,
+                                  pl2, bh0, bl0, bh1, bl1);
+                    oacc[qq][jj][0] += lo0;
+                    oacc[qq][jj][1] += lo1;
                 }
             }
         }
