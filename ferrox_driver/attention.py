@@ -1,7 +1,7 @@
 """GQA decode: one query token attending over a KV cache, on the GPU.
 
-Two kernel families: the split-KV kernels (default; tensor cores for fp16/bf16 and, in
-3xTF32 form, for fp32 with groups of 4-8; CUDA cores otherwise) and the parity kernel (the
+Two kernel families: the split-KV kernels (default; tensor cores for fp16/bf16 and, with
+split TF32 products, for fp32 with groups of 2-8; CUDA cores otherwise) and the parity kernel (the
 seed's algorithm, corrected), kept as the reference path.
 """
 
@@ -241,7 +241,7 @@ def _plan_split(
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
         threads, stages = 32 * MMA_WARPS[head_dim], MMA_STAGES[head_dim]
         reserve = MMA_RESERVE_STAGES[head_dim]
-    elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group, plan_seq):
+    elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group):
         kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
         threads, stages = 32 * TC32_WARPS[head_dim], TC32_STAGES[head_dim]
         step_tokens = TC32_TOKENS[head_dim]
@@ -316,16 +316,19 @@ def clusters_fit(
     return n >= n_clusters
 
 
-def tc32_for(group: int, plan_seq: int) -> bool:
-    """Whether an fp32 decode takes the 3xTF32 tensor-core kernel (whose time does not
+def tc32_for(group: int) -> bool:
+    """Whether an fp32 decode takes the split-TF32 tensor-core kernel (whose time does not
     depend on the group: it always computes 8 rows) rather than a CUDA-core one (whose
-    time grows with the group). Measured on the H200 (docs/perf-history/NOTES.md, v7):
-    groups of 5 to 8 at every length; groups of 4 up to 32768 tokens (at 131072 the
-    CUDA-core kernel streams at 96% of the ceiling, the tensor-core one at 87%); smaller
-    groups never. ``FERROX_TC32=0`` keeps every group on CUDA cores (a comparison knob)."""
+    time grows with the group). Measured on the H200 with the two-mma products
+    (docs/perf-history/tc32-rule-v17.log): groups of 4 are 4.5-7.6% faster on tensor cores
+    at 32768-131072 tokens, groups of 2 2.7-4.1% at 4096-32768 and level at 131072 (groups
+    of 3, between them, were not measured); groups of 5-8 were faster at every length
+    already with three mmas (NOTES.md, v7). Groups of 1 (MHA) stay on CUDA cores, which
+    stream at the ceiling. ``FERROX_TC32=0`` keeps every group on CUDA cores (a comparison
+    knob)."""
     if os.environ.get("FERROX_TC32", "1") == "0":
         return False
-    return 5 <= group <= 8 or (group == 4 and plan_seq <= 32768)
+    return 2 <= group <= 8
 
 
 def cuda_core_tile(lanes_per_token: int) -> int:

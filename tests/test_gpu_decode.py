@@ -159,9 +159,8 @@ def test_split_handles_lengths_that_are_not_multiples_of_the_chunk(rng, seq_len)
     assert rel_err(decode_on_device(q32, k32, v32, 16, 2, 64, "split"), ref) < 1e-5
 
 
-# fp32 caches with head_dim 64/128/256 and groups of 5 to 8 (4 up to 32768 tokens) take the
-# 3xTF32 tensor-core kernels; FERROX_TC32=0 keeps them on the CUDA-core kernels. Both must
-# hold fp32 accuracy.
+# fp32 caches with head_dim 64/128/256 and groups of 2 to 8 take the split-TF32 tensor-core
+# kernels; FERROX_TC32=0 keeps them on the CUDA-core kernels. Both must hold fp32 accuracy.
 @pytest.mark.parametrize("tc32", ["1", "0"])
 @pytest.mark.parametrize(
     "n_heads,n_kv_heads,head_dim,seq_len",
@@ -174,6 +173,8 @@ def test_split_handles_lengths_that_are_not_multiples_of_the_chunk(rng, seq_len)
         (8, 1, 256, 2049),
         (40, 8, 64, 1),
         (5, 1, 256, 130),
+        (16, 8, 128, 4097),  # groups of 2 and 3
+        (24, 8, 64, 333),
     ],
 )
 @pytest.mark.parametrize("q_scale", [1.0, 8.0])

@@ -104,11 +104,10 @@ def test_the_hosts_receive_area_is_the_kernels():
         assert 4 * eval(expr) == attention.cluster_recv_bytes(head_dim), head_dim
 
 
-def test_fp32_takes_tensor_cores_for_large_groups_and_group_four_up_to_32k(monkeypatch):
-    assert [g for g in range(1, 17) if attention.tc32_for(g, 131072)] == [5, 6, 7, 8]
-    assert [g for g in range(1, 17) if attention.tc32_for(g, 32768)] == [4, 5, 6, 7, 8]
+def test_fp32_takes_tensor_cores_for_groups_of_two_to_eight(monkeypatch):
+    assert [g for g in range(1, 17) if attention.tc32_for(g)] == [2, 3, 4, 5, 6, 7, 8]
     monkeypatch.setenv("FERROX_TC32", "0")
-    assert not any(attention.tc32_for(g, 512) for g in range(1, 17))
+    assert not any(attention.tc32_for(g) for g in range(1, 17))
 
 
 class _FakeDevice:
