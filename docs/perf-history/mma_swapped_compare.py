@@ -1,0 +1,63 @@
+"""The fp16/bf16 tensor-core kernels with the mma's operands swapped (FX_MMA_SWAPPED=1:
+tokens and columns of d as the mma's 16 rows, the heads as its 8 columns, half the mmas)
+against the library's, on the same plans: timed in turn, three rounds, the fastest kept,
+in the benchmark's back-to-back harness, and each output's largest error relative to the
+float64 reference (up to 32768 tokens; max |out - ref| / max |ref|), NaN-poisoned before.
+
+    PYTHONPATH=. python3 docs/perf-history/mma_swapped_compare.py [shape ...]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from points import load_variant, points
+
+from ferrox_driver.bench_decode import bench_stream
+from ferrox_driver.compiler import kernel_source
+from ferrox_driver.device import default_device
+from ferrox_driver.reference import reference_gqa_decode
+
+SEQS = [512, 4096, 32768, 131072]
+CASES = [
+    ((32, 8, 128), "bf16", SEQS),
+    ((32, 8, 128), "f16", [4096, 32768]),
+    ((64, 8, 128), "bf16", SEQS),
+    ((28, 4, 128), "bf16", SEQS),
+    ((32, 32, 128), "bf16", [4096, 32768, 131072]),
+    ((16, 2, 64), "bf16", SEQS),
+    ((8, 1, 256), "bf16", SEQS),
+    ((5, 1, 256), "f16", [1, 77, 4099]),
+]
+
+
+def main() -> None:
+    stream = bench_stream(default_device())
+    src = "#define FX_MMA_SWAPPED 1\n" + kernel_source("gqa_decode_split.cu")
+    swapped = load_variant(src, "mma_swapped.cu", stream.device)
+    for p in points(CASES, stream, sys.argv[1:]):
+        plan = p.plan()
+        runs = [("now", plan, None), ("swapped", plan, swapped.get_function(plan.kernel))]
+        outs = p.outputs(runs)
+        best = p.fastest(runs)
+        cells = [f"{k} {v:.2f}" for k, v in best.items()]
+        cells.append(f"({100 * (best['swapped'] / best['now'] - 1):+.1f}%)")
+        if p.seq <= 32768:
+            k, v = p.sets[0]
+            ref = reference_gqa_decode(
+                p.q.to_host().astype(np.float64), k.to_host().astype(np.float64),
+                v.to_host().astype(np.float64),
+                n_heads=p.n_heads, n_kv_heads=p.n_kv, head_dim=p.head_dim,
+            )  # fmt: skip
+            scale = np.abs(ref).max()
+            for label, out in outs.items():
+                cells.append(f"{label} err {np.abs(out - ref).max() / scale:.1e}")
+        else:
+            cells.append(f"swapped - now {np.abs(outs['swapped'] - outs['now']).max():.1e}")
+        kind = f"cluster {plan.cluster}" if plan.cluster else f"{plan.splits} chunks"
+        print(f"{p.label} ({kind}): " + ", ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
