@@ -950,7 +950,7 @@ __device__ __forceinline__ void gqa_split_mma(
         seq_len_dev, where);
 }
 
-// The same decode with the mma's operands swapped (FX_MMA_SWAPPED=1, an experiment:
+// The same decode with the mma's operands swapped (head_dim 128; FX_MMA_SWAPPED_D<D>,
 // docs/perf-history/mma_swapped_compare.py). gqa_split_mma gives the heads the mma's 16
 // rows, of which a group fills at most 8; here the rows are 16 tokens (S^T = K Q^T) and 16
 // columns of d (O^T += V^T P^T), the heads are the 8 columns, and every row is used: half
@@ -1142,14 +1142,34 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                                               splits, split, seq_len, seq_len_dev, where);
 }
 
-#ifndef FX_MMA_SWAPPED
-#define FX_MMA_SWAPPED 0
+// Which head_dims take the swapped operands: measured against gqa_split_mma on the same
+// plans (mma-swapped-compare-v17.log), head_dim 128 was 0.1-2.3% faster (2% at 512 tokens,
+// 0.3-0.5% at 32768-131072) and 64 and 256 0.2-2.1% slower at 512-32768: halving the
+// mmas did not speed up the small shapes, so they were not bound by the tensor cores.
+#ifndef FX_MMA_SWAPPED_D64
+#define FX_MMA_SWAPPED_D64 0
 #endif
-#if FX_MMA_SWAPPED
-#define FX_MMA_BODY gqa_split_mma_swapped
-#else
-#define FX_MMA_BODY gqa_split_mma
+#ifndef FX_MMA_SWAPPED_D128
+#define FX_MMA_SWAPPED_D128 1
 #endif
+#ifndef FX_MMA_SWAPPED_D256
+#define FX_MMA_SWAPPED_D256 0
+#endif
+template <class T, int D, bool CLUSTER>
+__device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,
+                                            float* ws_ml, T* out, int n_heads, int n_kv_heads,
+                                            int seq_len, const int* seq_len_dev, int splits,
+                                            int tile) {
+    constexpr bool SWAPPED = D == 64    ? FX_MMA_SWAPPED_D64
+                             : D == 128 ? FX_MMA_SWAPPED_D128
+                                        : FX_MMA_SWAPPED_D256;
+    if (SWAPPED)
+        gqa_split_mma_swapped<T, D, CLUSTER>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads,
+                                             seq_len, seq_len_dev, splits, tile);
+    else
+        gqa_split_mma<T, D, CLUSTER>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len,
+                                     seq_len_dev, splits, tile);
+}
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
 // (launched in clusters of `splits` blocks per KV head, writes the output). Chunks are
@@ -1158,14 +1178,14 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        FX_MMA_BODY<T, D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,      \
-                                   seq_len, seq_len_dev, splits, tile);                     \
+        fx_mma_body<T, D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,        \
+                                 seq_len, seq_len_dev, splits, tile);                       \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
         const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
         int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
-        FX_MMA_BODY<T, D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,      \
-                                  seq_len, seq_len_dev, splits, tile);                      \
+        fx_mma_body<T, D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,        \
+                                seq_len, seq_len_dev, splits, tile);                        \
     }
 
 FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)

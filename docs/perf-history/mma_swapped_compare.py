@@ -1,6 +1,7 @@
-"""The fp16/bf16 tensor-core kernels with the mma's operands swapped (FX_MMA_SWAPPED=1:
+"""The fp16/bf16 tensor-core kernels with the mma's operands swapped (gqa_split_mma_swapped:
 tokens and columns of d as the mma's 16 rows, the heads as its 8 columns, half the mmas)
-against the library's, on the same plans: timed in turn, three rounds, the fastest kept,
+against gqa_split_mma ("now"), for every head_dim (FX_MMA_SWAPPED_D<D> all 1 and all 0),
+on the same plans: timed in turn, three rounds, the fastest kept,
 in the benchmark's back-to-back harness, and each output's largest error relative to the
 float64 reference (up to 32768 tokens; max |out - ref| / max |ref|), NaN-poisoned before.
 
@@ -34,11 +35,15 @@ CASES = [
 
 def main() -> None:
     stream = bench_stream(default_device())
-    src = "#define FX_MMA_SWAPPED 1\n" + kernel_source("gqa_decode_split.cu")
-    swapped = load_variant(src, "mma_swapped.cu", stream.device)
+    modules = {}
+    for on in (0, 1):
+        defines = "".join(f"#define FX_MMA_SWAPPED_D{d} {on}\n" for d in (64, 128, 256))
+        src = defines + kernel_source("gqa_decode_split.cu")
+        modules[on] = load_variant(src, f"mma_swapped{on}.cu", stream.device)
     for p in points(CASES, stream, sys.argv[1:]):
         plan = p.plan()
-        runs = [("now", plan, None), ("swapped", plan, swapped.get_function(plan.kernel))]
+        runs = [("now", plan, modules[0].get_function(plan.kernel))]
+        runs.append(("swapped", plan, modules[1].get_function(plan.kernel)))
         outs = p.outputs(runs)
         best = p.fastest(runs)
         cells = [f"{k} {v:.2f}" for k, v in best.items()]
