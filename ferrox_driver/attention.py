@@ -320,10 +320,10 @@ def tc32_for(group: int) -> bool:
     """Whether an fp32 decode takes the split-TF32 tensor-core kernel (whose time does not
     depend on the group: it always computes 8 rows) rather than a CUDA-core one (whose
     time grows with the group). Measured on the H200 with the two-mma products
-    (docs/perf-history/tc32-rule-v17.log): groups of 4 are 4.5-7.6% faster on tensor cores
-    at 32768-131072 tokens, groups of 2 2.7-4.1% at 4096-32768 and level at 131072 (groups
-    of 3, between them, were not measured); groups of 5-8 were faster at every length
-    already with three mmas (NOTES.md, v7). Groups of 1 (MHA) stay on CUDA cores, which
+    (docs/perf-history/tc32-rule-v17.log, tc32-rule-g3-v17.log): groups of 4 are 4.5-7.6%
+    faster on tensor cores at 32768-131072 tokens, groups of 3 3.9-22.9% at 4096-131072,
+    groups of 2 2.7-4.1% at 4096-32768 and level at 131072; groups of 5-8 were faster at
+    every length already with three mmas (NOTES.md, v7). Groups of 1 (MHA) stay on CUDA cores, which
     stream at the ceiling. ``FERROX_TC32=0`` keeps every group on CUDA cores (a comparison
     knob)."""
     if os.environ.get("FERROX_TC32", "1") == "0":
