@@ -13,12 +13,11 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from points import load_variant, points
+from points import load_variant, plan_kind, points
 
 from ferrox_driver.bench_decode import bench_stream
 from ferrox_driver.compiler import kernel_source
 from ferrox_driver.device import default_device
-from ferrox_driver.reference import reference_gqa_decode
 
 SEQS = [512, 4096, 32768, 131072]
 CASES = [
@@ -49,19 +48,10 @@ def main() -> None:
         cells = [f"{k} {v:.2f}" for k, v in best.items()]
         cells.append(f"({100 * (best['swapped'] / best['now'] - 1):+.1f}%)")
         if p.seq <= 32768:
-            k, v = p.sets[0]
-            ref = reference_gqa_decode(
-                p.q.to_host().astype(np.float64), k.to_host().astype(np.float64),
-                v.to_host().astype(np.float64),
-                n_heads=p.n_heads, n_kv_heads=p.n_kv, head_dim=p.head_dim,
-            )  # fmt: skip
-            scale = np.abs(ref).max()
-            for label, out in outs.items():
-                cells.append(f"{label} err {np.abs(out - ref).max() / scale:.1e}")
+            cells += [f"{label} err {e:.1e}" for label, e in p.errors(outs).items()]
         else:
             cells.append(f"swapped - now {np.abs(outs['swapped'] - outs['now']).max():.1e}")
-        kind = f"cluster {plan.cluster}" if plan.cluster else f"{plan.splits} chunks"
-        print(f"{p.label} ({kind}): " + ", ".join(cells), flush=True)
+        print(f"{p.label} ({plan_kind(plan)}): " + ", ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ variants: the split-kernel file with anchored edits, compiled and loaded.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +24,21 @@ from ferrox_driver.attention import SplitPlan, launch_split, plan_split, stream_
 from ferrox_driver.bench_decode import KVSets, fill_uniform, rotated_kv_sets, time_split_plan
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.launch import Module
+from ferrox_driver.reference import reference_gqa_decode
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 CEILING = 4.35e12  # bytes/s: the percentages' nominal read ceiling (the bench measures its own)
 Case = tuple[tuple[int, int, int], str, Sequence[int]]  # (q heads, kv heads, head_dim), dtype
 Run = tuple[str, SplitPlan, Any]  # label, plan, its split kernel (None: the library's)
+# The fp32 tensor-core points (groups of 4 went to CUDA cores above 32768 until v17)
+TC32_SEQS = [512, 4096, 32768, 131072]
+TC32_CASES: list[Case] = [
+    ((32, 8, 128), "f32", [512, 4096, 32768]),
+    ((64, 8, 128), "f32", TC32_SEQS),
+    ((28, 4, 128), "f32", [512, 4096, 32768]),
+    ((16, 2, 64), "f32", TC32_SEQS),
+    ((8, 1, 256), "f32", TC32_SEQS),
+]
 
 
 @dataclass
@@ -115,6 +126,18 @@ class Point:
             outs[label] = self.out.to_host().astype(np.float64)
         return outs
 
+    def errors(self, outs: dict[str, np.ndarray]) -> dict[str, float]:
+        """Each output's largest error against the float64 reference over the first KV
+        set, relative to the reference's largest magnitude (max |out - ref| / max |ref|)."""
+        k, v = self.sets[0]
+        ref = reference_gqa_decode(
+            self.q.to_host().astype(np.float64), k.to_host().astype(np.float64),
+            v.to_host().astype(np.float64),
+            n_heads=self.n_heads, n_kv_heads=self.n_kv, head_dim=self.head_dim,
+        )  # fmt: skip
+        scale = np.abs(ref).max()
+        return {label: float(np.abs(out - ref).max() / scale) for label, out in outs.items()}
+
     def fastest(self, runs: Sequence[Run], rounds: int = 3) -> dict[str, float]:
         """Each run's fastest time (``time``) over ``rounds`` rounds of the runs in turn."""
         best: dict[str, float] = {}
@@ -123,6 +146,22 @@ class Point:
                 us = self.time(plan, kern)
                 best[label] = min(best.get(label, us), us)
         return best
+
+
+def plan_kind(plan: SplitPlan) -> str:
+    """How a plan merges: "cluster N" or "N chunks" (the combine kernel)."""
+    return f"cluster {plan.cluster}" if plan.cluster else f"{plan.splits} chunks"
+
+
+def against(best: dict[str, float], outs: dict[str, np.ndarray], ref: str) -> list[str]:
+    """Each run's time and its difference from run ``ref``'s, flagged where its output's
+    bits differ from ``ref``'s."""
+    return [
+        f"{k} {v:.2f} ({100 * (v / best[ref] - 1):+.1f}%"
+        + ("" if np.array_equal(outs[k], outs[ref]) else ", BITS DIFFER")
+        + ")"
+        for k, v in best.items()
+    ]
 
 
 def points(cases: Iterable[Case], stream: fd.Stream, only: Sequence[str] = ()) -> Iterator[Point]:
@@ -158,6 +197,12 @@ def edited_source(edits: Iterable[tuple[str, str]], src: str | None = None) -> s
         assert src.count(anchor) == 1, anchor
         src = src.replace(anchor, replacement)
     return src
+
+
+def tc32_only(src: str) -> str:
+    """The split-kernel file ``src`` with only the fp32 tensor-core entries (and the
+    combine kernels) left: the others only slow a variant's compile down."""
+    return re.sub(r"^(FX_GENERIC_FOR_TYPE|FX_MMA_ENTRY)\(.*$", "", src, flags=re.MULTILINE)
 
 
 def load_variant(src: str, name: str, device: Any = None) -> Module:

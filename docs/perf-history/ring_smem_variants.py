@@ -17,8 +17,7 @@ import dataclasses
 import sys
 from typing import Any
 
-import numpy as np
-from points import points, ring_variant
+from points import against, plan_kind, points, ring_variant
 
 from ferrox_driver.attention import MMA_RESERVE_STAGES, MMA_STAGES, MMA_WARPS
 from ferrox_driver.bench_decode import bench_stream
@@ -53,15 +52,8 @@ def main() -> None:
             runs.append((f"{warps}x{s} padded", base, kern))  # the planned launch's memory
         outs = p.outputs(runs)
         best = p.fastest(runs)
-        ref = best["planned"]
-        cells = [
-            f"{k} {v:.2f} ({100 * (v / ref - 1):+.1f}%"
-            + ("" if np.array_equal(outs[k], outs["planned"]) else ", BITS DIFFER")
-            + ")"
-            for k, v in best.items()
-        ]
-        kind = f"cluster {base.cluster}" if base.cluster else f"{base.splits} chunks"
-        print(f"{p.label} ({kind}): " + ", ".join(cells), flush=True)
+        cells = against(best, outs, "planned")
+        print(f"{p.label} ({plan_kind(base)}): " + ", ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

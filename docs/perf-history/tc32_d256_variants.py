@@ -12,10 +12,9 @@ at 9.9-10.0x PyTorch, the issue's line).
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import numpy as np
-from points import load_variant, points
+from points import load_variant, points, tc32_only
 
 from ferrox_driver.attention import MAX_SPLITS, TC32_STAGES, TC32_TOKENS, TC32_WARPS
 from ferrox_driver.bench_decode import bench_stream
@@ -37,9 +36,7 @@ KERNEL = "gqa_split_tc32_f32_d256"
 def main() -> None:
     stream = bench_stream(default_device())
     dev = stream.device
-    src = kernel_source("gqa_decode_split.cu")
-    # Only the fp32 tensor-core kernels are needed (the others only slow the compile down).
-    src = re.sub(r"^(FX_GENERIC_FOR_TYPE|FX_MMA_ENTRY)\(.*$", "", src, flags=re.MULTILINE)
+    src = tc32_only(kernel_source("gqa_decode_split.cu"))
     assert TC32_TOKENS[256] == 8, TC32_TOKENS
     kernels = {}
     for warps, stages, _ in VARIANTS:

@@ -11,35 +11,22 @@ the planned kernel's (the ring depth does not change the arithmetic).
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 from typing import Any
 
-import numpy as np
-from points import load_variant, points
+from points import TC32_CASES, against, load_variant, plan_kind, points, tc32_only
 
 from ferrox_driver.attention import TC32_STAGES
 from ferrox_driver.bench_decode import bench_stream
 from ferrox_driver.compiler import kernel_source
 from ferrox_driver.device import default_device
 
-SEQS = [512, 4096, 32768, 131072]
-CASES = [
-    ((32, 8, 128), "f32", [512, 4096, 32768]),  # groups of 4: CUDA cores above 32768
-    ((64, 8, 128), "f32", SEQS),
-    ((28, 4, 128), "f32", [512, 4096, 32768]),
-    ((16, 2, 64), "f32", SEQS),
-    ((8, 1, 256), "f32", SEQS),
-]
-
 
 def main() -> None:
     stream = bench_stream(default_device())
-    src = kernel_source("gqa_decode_split.cu")
-    # Only the fp32 tensor-core kernels are needed (the others only slow the compile down).
-    src = re.sub(r"^(FX_GENERIC_FOR_TYPE|FX_MMA_ENTRY)\(.*$", "", src, flags=re.MULTILINE)
+    src = tc32_only(kernel_source("gqa_decode_split.cu"))
     modules: dict[tuple[int, int], Any] = {}
-    for p in points(CASES, stream, sys.argv[1:]):
+    for p in points(TC32_CASES, stream, sys.argv[1:]):
         base = p.plan()
         hd = p.head_dim
         if not base.kernel.startswith("gqa_split_tc32"):
@@ -56,15 +43,8 @@ def main() -> None:
             runs.append((f"x{s} padded", padded, kern))
         outs = p.outputs(runs)
         best = p.fastest(runs)
-        ref = best[runs[0][0]]
-        cells = [
-            f"{k} {v:.2f} ({100 * (v / ref - 1):+.1f}%"
-            + ("" if np.array_equal(outs[k], outs[runs[0][0]]) else ", BITS DIFFER")
-            + ")"
-            for k, v in best.items()
-        ]
-        kind = f"cluster {base.cluster}" if base.cluster else f"{base.splits} chunks"
-        print(f"{p.label} ({kind}): " + ", ".join(cells), flush=True)
+        cells = against(best, outs, runs[0][0])
+        print(f"{p.label} ({plan_kind(base)}): " + ", ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

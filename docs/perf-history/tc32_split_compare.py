@@ -11,37 +11,22 @@ the low parts) against commit 2c31a63's three-mma 3xTF32 kernels:
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 import numpy as np
-from points import load_variant, points
+from points import TC32_CASES, load_variant, plan_kind, points, tc32_only
 
 from ferrox_driver.bench_decode import bench_stream
 from ferrox_driver.device import default_device
-from ferrox_driver.reference import reference_gqa_decode
-
-SEQS = [512, 4096, 32768, 131072]
-CASES = [
-    ((32, 8, 128), "f32", [512, 4096, 32768]),  # groups of 4: CUDA cores above 32768
-    ((64, 8, 128), "f32", SEQS),
-    ((28, 4, 128), "f32", [512, 4096, 32768]),
-    ((16, 2, 64), "f32", SEQS),
-    ((8, 1, 256), "f32", SEQS),
-]
 
 
 def main() -> None:
     base_file, only = sys.argv[1], sys.argv[2:]
     stream = bench_stream(default_device())
-    # Only the fp32 tensor-core kernels are needed (the others only slow the compile down).
-    src = re.sub(
-        r"^(FX_GENERIC_FOR_TYPE|FX_MMA_ENTRY)\(.*$", "", Path(base_file).read_text(),
-        flags=re.MULTILINE,
-    )  # fmt: skip
+    src = tc32_only(Path(base_file).read_text())
     base = load_variant(src, "tc32_base.cu", stream.device)
-    for p in points(CASES, stream, only):
+    for p in points(TC32_CASES, stream, only):
         plan = p.plan()
         if not plan.kernel.startswith("gqa_split_tc32"):
             print(f"{p.label}: planned on CUDA cores ({plan.kernel}), skipped", flush=True)
@@ -52,19 +37,11 @@ def main() -> None:
         cells = [f"{k} {v:.2f}" for k, v in best.items()]
         cells.append(f"({100 * (best['now'] / best['base'] - 1):+.1f}%)")
         if p.seq <= 32768:
-            k, v = p.sets[0]
-            ref = reference_gqa_decode(
-                p.q.to_host(), k.to_host(), v.to_host(),
-                n_heads=p.n_heads, n_kv_heads=p.n_kv, head_dim=p.head_dim,
-            )  # fmt: skip
-            scale = np.abs(ref).max()
-            for label, out in outs.items():
-                cells.append(f"{label} err {np.abs(out - ref).max() / scale:.1e}")
+            cells += [f"{label} err {e:.1e}" for label, e in p.errors(outs).items()]
         else:
             diff = np.abs(outs["now"] - outs["base"]).max()
             cells.append(f"now - base {diff:.1e}")
-        kind = f"cluster {plan.cluster}" if plan.cluster else f"{plan.splits} chunks"
-        print(f"{p.label} ({kind}): " + ", ".join(cells), flush=True)
+        print(f"{p.label} ({plan_kind(plan)}): " + ", ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
