@@ -1,8 +1,8 @@
 """GQA decode: one query token attending over a KV cache, on the GPU.
 
 Two kernel families: the split-KV kernels (default; tensor cores for fp16/bf16 and, with
-split TF32 products, for fp32 with groups of 2-8; CUDA cores otherwise) and the parity kernel (the
-seed's algorithm, corrected), kept as the reference path.
+split TF32 products, for fp32 with groups of 2-8; CUDA cores otherwise) and the parity
+kernel (the seed's algorithm, corrected), kept as the reference path.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
 # +0.5; 28/4/128 at 512, 7168: +0.1).
 CLUSTER_MAX_EXCHANGE = 8192
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
-TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (3xTF32) kernels
+TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (split TF32) kernels
 # The combine kernel is launched early (programmatic dependent launch, compute capability
 # 9.0 and up): it starts while the split kernel ends and waits for it on the GPU, so its
 # launch overlaps the split kernel's last blocks. FERROX_EARLY_COMBINE=0 turns it off.
@@ -268,10 +268,11 @@ def _plan_split(
     if not tc:
         return dataclasses.replace(plan, splits=min(most, -(-seq // tile)))
     if name == "f32" and head_dim == 256:
-        # 32-token tiles, no clusters: this kernel's steps (8 tokens of 3xTF32 products over
-        # 256 columns) are long dependent chains, so short sequences want more blocks with
-        # fewer steps each. 8/1/256: 10.9 -> 8.8 us at 512 tokens, 13.1 -> 11.8 at 4096;
-        # 16-token tiles 9.2 / 11.8; in clusters 0.5-0.8 us slower (tile-variants-v8.log).
+        # 32-token tiles, no clusters: this kernel's steps (8 tokens of split-TF32 products
+        # over 256 columns) are long dependent chains, so short sequences want more blocks
+        # with fewer steps each. Measured with the three-mma products (tile-variants-v8.log):
+        # 8/1/256 10.9 -> 8.8 us at 512 tokens, 13.1 -> 11.8 at 4096; 16-token tiles 9.2 /
+        # 11.8; in clusters 0.5-0.8 us slower.
         tile = 32
         return dataclasses.replace(plan, splits=min(most, -(-seq // tile)), tile=tile)
     # 64-token tiles, merged on chip where the chunks fit resident clusters and exchange at
@@ -323,9 +324,9 @@ def tc32_for(group: int) -> bool:
     (docs/perf-history/tc32-rule-v17.log, tc32-rule-g3-v17.log): groups of 4 are 4.5-7.6%
     faster on tensor cores at 32768-131072 tokens, groups of 3 3.9-22.9% at 4096-131072,
     groups of 2 2.7-4.1% at 4096-32768 and level at 131072; groups of 5-8 were faster at
-    every length already with three mmas (NOTES.md, v7). Groups of 1 (MHA) stay on CUDA cores, which
-    stream at the ceiling. ``FERROX_TC32=0`` keeps every group on CUDA cores (a comparison
-    knob)."""
+    every length already with three mmas (NOTES.md, v7). Groups of 1 (MHA) stay on CUDA
+    cores, which stream at the ceiling. ``FERROX_TC32=0`` keeps every group on CUDA cores
+    (a comparison knob)."""
     if os.environ.get("FERROX_TC32", "1") == "0":
         return False
     return 2 <= group <= 8
