@@ -1,0 +1,207 @@
+# ruff: noqa: B023  (closures are called before the loop moves on)
+"""How fast can one block per multiprocessor stream the KV cache, with nothing to compute,
+through per-lane cp.async (the split kernels' ring) or through the Tensor Memory
+Accelerator's bulk copies (one `cp.async.bulk` per K or V row, completing on an mbarrier
+per ring stage)? The small shapes' split kernels stream at 88-92% of the big shapes' rate
+at 131072 tokens (NOTES.md v18); if the bulk copies stream faster with the same ring, the
+split kernels' loads are worth moving to them.
+
+    PYTHONPATH=. python3 docs/perf-history/stream_probe.py [shape ...]
+
+Each probe kernel has the split kernels' grid (chunks x KV heads, one block per
+multiprocessor), rotation (warps take 16-token steps in turn) and ring (S steps per warp, the
+next S - 1 in flight); per step it reads one 16-byte word of K and V and, with SPIN,
+runs a dependent chain of SPIN FMAs (a stand-in for the step's mma/softmax chain). Timed
+back to back over the benchmark's rotated KV sets, next to the library's decode of the
+same point.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from points import points
+
+import ferrox_driver as fd
+from ferrox_driver.bench_decode import bench_stream, captured, measure_read_ceiling, time_events
+from ferrox_driver.compiler import compile_source
+from ferrox_driver.device import default_device
+from ferrox_driver.launch import Module
+
+SOURCE = r"""
+#define TOK 16
+#define STEPB (TOK * ROWB)  // bytes of one step's K (or V)
+#define NT (WARPS * 32)
+
+__device__ __forceinline__ unsigned fx_smem(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// A stand-in for a step's dependent chain of work.
+__device__ __forceinline__ unsigned spin(unsigned acc) {
+    float x = __uint_as_float(acc & 0x3fffffffu);
+#pragma unroll
+    for (int i = 0; i < SPIN; ++i) x = fmaf(x, 0.999f, 1e-7f);
+    return acc ^ __float_as_uint(x);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
+stream_cpasync(const char* __restrict__ k, const char* __restrict__ v, long long row,
+               int chunk, unsigned* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int start = blockIdx.x * chunk, end = start + chunk;
+    const char* kg = k + (long long)blockIdx.y * ROWB;
+    const char* vg = v + (long long)blockIdx.y * ROWB;
+    unsigned char* ring = smem + warp * S * 2 * STEPB;
+    auto t0 = [&](int j) { return start + warp * TOK + j * (WARPS * TOK); };
+    auto issue = [&](int j) {
+        const int t = t0(j);
+        if (t < end) {
+            unsigned char* ks = ring + (j % S) * 2 * STEPB;
+#pragma unroll
+            for (int i = 0; i < STEPB / 16 / 32; ++i) {
+                const int idx = i * 32 + lane, r = idx / (ROWB / 16), c = idx % (ROWB / 16);
+                const long long off = (long long)(t + r) * row + c * 16;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                    fx_smem(ks + r * ROWB + c * 16)), "l"(kg + off));
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                    fx_smem(ks + STEPB + r * ROWB + c * 16)), "l"(vg + off));
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) issue(j);
+    unsigned acc = lane;
+    for (int j = 0; t0(j) < end; ++j) {
+        issue(j + S - 1);
+        asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory");
+        __syncwarp();
+        const uint4* ks = reinterpret_cast<const uint4*>(ring + (j % S) * 2 * STEPB);
+        const uint4 a = ks[lane], b = ks[STEPB / 16 + lane];
+        acc = spin(acc ^ a.x ^ b.y);
+        __syncwarp();
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
+stream_bulk(const char* __restrict__ k, const char* __restrict__ v, long long row, int chunk,
+            unsigned* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bar[WARPS][S];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int start = blockIdx.x * chunk, end = start + chunk;
+    const char* kg = k + (long long)blockIdx.y * ROWB;
+    const char* vg = v + (long long)blockIdx.y * ROWB;
+    unsigned char* ring = smem + warp * S * 2 * STEPB;
+    if (lane < S)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(fx_smem(&bar[warp][lane])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncwarp();
+    auto t0 = [&](int j) { return start + warp * TOK + j * (WARPS * TOK); };
+    // One bulk copy per row: lanes 0-15 the step's 16 K rows, 16-31 its V rows (a row of
+    // ROWB bytes per copy; ROWB / 16 * 16 bytes would need fewer lanes for wider rows).
+    auto issue = [&](int j) {
+        const int t = t0(j);
+        if (t >= end) return;
+        const int stage = j % S;
+        const unsigned b = fx_smem(&bar[warp][stage]);
+        if (lane == 0)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b),
+                         "r"(2 * STEPB) : "memory");
+        __syncwarp();
+        const int r = lane & 15;
+        const char* src = (lane < 16 ? kg : vg) + (long long)(t + r) * row;
+        unsigned char* dst = ring + stage * 2 * STEPB + (lane >= 16 ? STEPB : 0) + r * ROWB;
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+            "[%3];" ::"r"(fx_smem(dst)), "l"(src), "r"(ROWB), "r"(b) : "memory");
+    };
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) issue(j);
+    unsigned acc = lane;
+    for (int j = 0; t0(j) < end; ++j) {
+        issue(j + S - 1);
+        const unsigned b = fx_smem(&bar[warp][j % S]);
+        const unsigned parity = (j / S) & 1;
+        asm volatile(
+            "{\n .reg .pred p;\n WAIT_%=:\n"
+            " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+            " @!p bra WAIT_%=;\n}" ::"r"(b), "r"(parity) : "memory");
+        const uint4* ks = reinterpret_cast<const uint4*>(ring + (j % S) * 2 * STEPB);
+        const uint4 a = ks[lane], bb = ks[STEPB / 16 + lane];
+        acc = spin(acc ^ a.x ^ bb.y);
+        __syncwarp();
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+"""
+
+# shape -> (row bytes of one KV head (bf16), chunks, [(method, warps, steps), ...]);
+# the first ring is the library's (FX_WARPS_D* x FX_STAGES_D*)
+CASES = {
+    (8, 1, 256): (512, 132, [("cpasync", 4, 3), ("cpasync", 4, 2), ("bulk", 4, 3),
+                             ("bulk", 4, 2), ("bulk", 2, 6)]),
+    (16, 2, 64): (128, 66, [("cpasync", 8, 3), ("cpasync", 8, 4), ("bulk", 8, 3),
+                            ("bulk", 8, 4), ("bulk", 4, 6)]),
+    (32, 8, 128): (256, 16, [("cpasync", 4, 2), ("cpasync", 4, 4), ("bulk", 4, 2),
+                             ("bulk", 4, 4)]),
+    (32, 32, 128): (256, 4, [("cpasync", 4, 2), ("cpasync", 4, 4), ("bulk", 4, 2),
+                             ("bulk", 4, 4)]),
+}  # fmt: skip
+SEQS = [32768, 131072]
+SPINS = [0, 200]
+
+
+def main() -> None:
+    dev = default_device()
+    stream = bench_stream(dev)
+    ceiling = measure_read_ceiling(dev)
+    print(f"read ceiling {ceiling:.2f} TB/s (ferrox_read_sum)", flush=True)
+    sink = fd.zeros(4, np.uint32, device=dev)
+    modules: dict[tuple[int, int, int, int], Module] = {}
+    cases = [((nh, nkv, hd), "bf16", SEQS) for (nh, nkv, hd) in CASES]
+    for p in points(cases, stream, sys.argv[1:]):
+        rowb, chunks, rings = CASES[p.n_heads, p.n_kv, p.head_dim]
+        ours = p.time(p.plan())
+        cells = [f"decode {ours:.2f} us ({p.kv_bytes / ours / 1e6:.2f} TB/s)"]
+        chunk = p.seq // chunks // 16 * 16
+        read = 2 * chunks * chunk * p.n_kv * rowb
+        row = np.int64(p.n_kv * rowb)
+        for spin in SPINS:
+            for method, warps, steps in rings:
+                key = (rowb, warps, steps, spin)
+                if key not in modules:
+                    defines = (f"-DROWB={rowb}", f"-DWARPS={warps}", f"-DS={steps}",
+                               f"-DSPIN={spin}")  # fmt: skip
+                    modules[key] = Module(
+                        compile_source(SOURCE, options=defines, name="stream_probe.cu"), dev
+                    )
+                kern = modules[key].get_function(f"stream_{method}")
+                smem = warps * steps * 2 * 16 * rowb
+                turn = [0]
+
+                def body() -> None:
+                    k, v = p.sets[turn[0] % len(p.sets)]
+                    turn[0] += 1
+                    kern.launch((chunks, p.n_kv), warps * 32, (k, v, row, np.int32(chunk), sink),
+                                shared_mem=smem, stream=stream)  # fmt: skip
+
+                exe = captured(stream, body, p.chain)
+                us = time_events(lambda i: exe.launch(stream), stream, 30, 3, p.chain)
+                exe.close()
+                cells.append(
+                    f"{method} {warps}x{steps} spin {spin} {us:.2f} us ({read / us / 1e6:.2f} TB/s)"
+                )
+        print(f"{p.label}: " + "; ".join(cells), flush=True)
+    for m in modules.values():
+        m.close()
+    sink.close()
+
+
+if __name__ == "__main__":
+    main()
