@@ -19,6 +19,7 @@ same point.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 from points import points
@@ -33,6 +34,9 @@ SOURCE = r"""
 #define TOK 16
 #define STEPB (TOK * ROWB)  // bytes of one step's K (or V)
 #define NT (WARPS * 32)
+#ifndef READ_ALL
+#define READ_ALL 0
+#endif
 
 __device__ __forceinline__ unsigned fx_smem(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -48,17 +52,21 @@ __device__ __forceinline__ unsigned spin(unsigned acc) {
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
 stream_cpasync(const char* __restrict__ k, const char* __restrict__ v, long long row,
-               int chunk, unsigned* sink) {
+               int steps, int g, unsigned* sink) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int start = blockIdx.x * chunk, end = start + chunk;
     const char* kg = k + (long long)blockIdx.y * ROWB;
     const char* vg = v + (long long)blockIdx.y * ROWB;
     unsigned char* ring = smem + warp * S * 2 * STEPB;
-    auto t0 = [&](int j) { return start + warp * TOK + j * (WARPS * TOK); };
+    // block-step j (WARPS * TOK tokens) of this block: runs of g block-steps, the blocks
+    // of a KV head taking runs in turn (g = steps: each block one contiguous chunk)
+    auto t0 = [&](int j) {
+        return (((j / g) * (int)gridDim.x + (int)blockIdx.x) * g + j % g) * (WARPS * TOK) +
+               warp * TOK;
+    };
     auto issue = [&](int j) {
         const int t = t0(j);
-        if (t < end) {
+        if (j < steps) {
             unsigned char* ks = ring + (j % S) * 2 * STEPB;
 #pragma unroll
             for (int i = 0; i < STEPB / 16 / 32; ++i) {
@@ -75,16 +83,38 @@ stream_cpasync(const char* __restrict__ k, const char* __restrict__ v, long long
 #pragma unroll
     for (int j = 0; j < S - 1; ++j) issue(j);
     unsigned acc = lane;
-    for (int j = 0; t0(j) < end; ++j) {
+    for (int j = 0; j < steps; ++j) {
         issue(j + S - 1);
         asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory");
         __syncwarp();
         const uint4* ks = reinterpret_cast<const uint4*>(ring + (j % S) * 2 * STEPB);
+#if READ_ALL  // every 16 bytes of the step read once from shared memory, as the mmas do
+#pragma unroll
+        for (int i = 0; i < 2 * STEPB / 16 / 32; ++i) {
+            const uint4 a = ks[i * 32 + lane];
+            acc ^= a.x ^ a.w;
+        }
+#else
         const uint4 a = ks[lane], b = ks[STEPB / 16 + lane];
-        acc = spin(acc ^ a.x ^ b.y);
+        acc ^= a.x ^ b.y;
+#endif
+        acc = spin(acc);
         __syncwarp();
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+// Every byte of K and V once, 16-byte loads, grid-stride: the best one kernel does.
+extern "C" __global__ void flat_read(const uint4* __restrict__ k, const uint4* __restrict__ v,
+                                     long long n16, unsigned* sink) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    unsigned acc = 0;
+    for (; i < n16; i += stride) {
+        const uint4 a = __ldg(k + i), b = __ldg(v + i);
+        acc ^= a.x ^ b.y;
+    }
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
@@ -154,49 +184,85 @@ CASES = {
                              ("bulk", 4, 4)]),
 }  # fmt: skip
 SEQS = [32768, 131072]
-SPINS = [0, 200]
+SPINS = [0, 200, 800]
+# Token orders for the library's ring: runs of g block-steps taken by the blocks of a KV
+# head in turn (None: each block one contiguous chunk, as the split kernels read).
+ORDERS = [None, 5, 1]
 
 
 def main() -> None:
+    rings_too = "--rings" in sys.argv  # every ring of CASES (cp.async and bulk), contiguous
+    only = [a for a in sys.argv[1:] if not a.startswith("--")]
     dev = default_device()
     stream = bench_stream(dev)
     ceiling = measure_read_ceiling(dev)
     print(f"read ceiling {ceiling:.2f} TB/s (ferrox_read_sum)", flush=True)
     sink = fd.zeros(4, np.uint32, device=dev)
-    modules: dict[tuple[int, int, int, int], Module] = {}
+    modules: dict[tuple[int, int, int, int, int], Module] = {}
+
+    def module(rowb: int, warps: int, steps: int, spin: int, read_all: int = 0) -> Module:
+        key = (rowb, warps, steps, spin, read_all)
+        if key not in modules:
+            defines = (f"-DROWB={rowb}", f"-DWARPS={warps}", f"-DS={steps}", f"-DSPIN={spin}",
+                       f"-DREAD_ALL={read_all}")  # fmt: skip
+            src = compile_source(SOURCE, options=defines, name="stream_probe.cu")
+            modules[key] = Module(src, dev)
+        return modules[key]
+
     cases = [((nh, nkv, hd), "bf16", SEQS) for (nh, nkv, hd) in CASES]
-    for p in points(cases, stream, sys.argv[1:]):
+    for p in points(cases, stream, only):
         rowb, chunks, rings = CASES[p.n_heads, p.n_kv, p.head_dim]
-        ours = p.time(p.plan())
+        plan = p.plan()
+        ours = p.time(plan)
         cells = [f"decode {ours:.2f} us ({p.kv_bytes / ours / 1e6:.2f} TB/s)"]
-        chunk = p.seq // chunks // 16 * 16
-        read = 2 * chunks * chunk * p.n_kv * rowb
+        if not plan.cluster:  # each kernel of the decode alone
+            cells += [
+                f"{part} alone {p.time(plan, parts=part):.2f} us" for part in ("main", "combine")
+            ]
+
+        def timed(launch: Any, read: int, label: str) -> None:
+            turn = [0]
+
+            def body() -> None:
+                k, v = p.sets[turn[0] % len(p.sets)]
+                turn[0] += 1
+                launch(k, v)
+
+            exe = captured(stream, body, p.chain)
+            us = time_events(lambda i: exe.launch(stream), stream, 30, 3, p.chain)
+            exe.close()
+            cells.append(f"{label} {us:.2f} us ({read / us / 1e6:.2f} TB/s)")
+
+        flat = module(rowb, 4, 2, 0).get_function("flat_read")
+        n16 = np.int64(p.kv_bytes // 32)
+        blocks = dev.multiprocessor_count * 8
+        timed(lambda k, v: flat.launch(blocks, 256, (k, v, n16, sink), stream=stream),
+              p.kv_bytes, "flat")  # fmt: skip
         row = np.int64(p.n_kv * rowb)
-        for spin in SPINS:
-            for method, warps, steps in rings:
-                key = (rowb, warps, steps, spin)
-                if key not in modules:
-                    defines = (f"-DROWB={rowb}", f"-DWARPS={warps}", f"-DS={steps}",
-                               f"-DSPIN={spin}")  # fmt: skip
-                    modules[key] = Module(
-                        compile_source(SOURCE, options=defines, name="stream_probe.cu"), dev
-                    )
-                kern = modules[key].get_function(f"stream_{method}")
+        variants = [(spin, 0) for spin in SPINS] + [(spin, 1) for spin in SPINS]
+        for spin, read_all in variants if not rings_too else [(0, 0)]:
+            for method, warps, steps in rings if rings_too else rings[:1]:
+                kern = module(rowb, warps, steps, spin, read_all).get_function(f"stream_{method}")
                 smem = warps * steps * 2 * 16 * rowb
-                turn = [0]
-
-                def body() -> None:
-                    k, v = p.sets[turn[0] % len(p.sets)]
-                    turn[0] += 1
-                    kern.launch((chunks, p.n_kv), warps * 32, (k, v, row, np.int32(chunk), sink),
-                                shared_mem=smem, stream=stream)  # fmt: skip
-
-                exe = captured(stream, body, p.chain)
-                us = time_events(lambda i: exe.launch(stream), stream, 30, 3, p.chain)
-                exe.close()
-                cells.append(
-                    f"{method} {warps}x{steps} spin {spin} {us:.2f} us ({read / us / 1e6:.2f} TB/s)"
-                )
+                bsteps = p.seq // chunks // (warps * 16)  # block-steps per block
+                orders = ORDERS if method == "cpasync" and not rings_too else [None]
+                for g in orders if not read_all else [None]:
+                    n = bsteps if g is None else bsteps // g * g  # whole runs only
+                    if n == 0:
+                        continue
+                    read = 2 * chunks * n * warps * 16 * p.n_kv * rowb
+                    if method == "bulk":
+                        args: tuple[Any, ...] = (row, np.int32(n * warps * 16), sink)
+                    else:
+                        args = (row, np.int32(n), np.int32(g or n), sink)
+                    label = f"{method} {warps}x{steps} spin {spin}" + (
+                        " read all" if read_all else ""
+                    )
+                    timed(
+                        lambda k, v: kern.launch((chunks, p.n_kv), warps * 32, (k, v, *args),
+                                                 shared_mem=smem, stream=stream),
+                        read, label + (" chunks" if g is None else f" runs of {g}"),
+                    )  # fmt: skip
         print(f"{p.label}: " + "; ".join(cells), flush=True)
     for m in modules.values():
         m.close()
