@@ -1,19 +1,27 @@
 # ruff: noqa: B023  (closures are called before the loop moves on)
-"""How fast can one block per multiprocessor stream the KV cache, with nothing to compute,
-through per-lane cp.async (the split kernels' ring) or through the Tensor Memory
-Accelerator's bulk copies (one `cp.async.bulk` per K or V row, completing on an mbarrier
-per ring stage)? The small shapes' split kernels stream at 88-92% of the big shapes' rate
-at 131072 tokens (NOTES.md v18); if the bulk copies stream faster with the same ring, the
-split kernels' loads are worth moving to them.
+"""How fast can one block per multiprocessor stream the KV cache, with nothing (or a stand-in
+chain) to compute? The small shapes' decodes read 72-80% of the ceiling at 131072 tokens
+against 99% for the big ones (NOTES.md v18).
 
-    PYTHONPATH=. python3 docs/perf-history/stream_probe.py [shape ...]
+    PYTHONPATH=. python3 docs/perf-history/stream_probe.py [shape ...] [--rings]
 
 Each probe kernel has the split kernels' grid (chunks x KV heads, one block per
 multiprocessor), rotation (warps take 16-token steps in turn) and ring (S steps per warp, the
-next S - 1 in flight); per step it reads one 16-byte word of K and V and, with SPIN,
-runs a dependent chain of SPIN FMAs (a stand-in for the step's mma/softmax chain). Timed
-back to back over the benchmark's rotated KV sets, next to the library's decode of the
-same point.
+next S - 1 in flight). Per step it reads one 16-byte word of K and V (with READ_ALL, every
+16 bytes of the step, as the mmas do) and runs a dependent chain of SPIN FMAs (a stand-in
+for the step's mma/softmax chain). Timed back to back over the benchmark's rotated KV sets,
+next to the library's decode of the same point (and its two kernels alone) and a flat
+grid-stride read of the same bytes (8 blocks of 256 threads per multiprocessor, 16-byte
+loads): the best one kernel reading them does.
+
+- default: the library's ring, cp.async, the token orders of ORDERS (runs of g block-steps
+  taken by a KV head's blocks in turn, or one contiguous chunk each) and the chains of SPINS
+  (`stream-probe-orders-v18.log`).
+- `--rings`: every ring of CASES, cp.async and the Tensor Memory Accelerator's bulk copies
+  (one `cp.async.bulk` per K or V row, completing on an mbarrier per ring stage), contiguous
+  chunks, no chain. `--short`: 512 and 4096 tokens (the issue's 4 and 7 us points) instead
+  of SEQS. `stream-probe-v18.log` came from the first version of this script
+  (f478916: every ring at chains of 0 and 200 FMAs).
 """
 
 from __future__ import annotations
@@ -209,7 +217,8 @@ def main() -> None:
             modules[key] = Module(src, dev)
         return modules[key]
 
-    cases = [((nh, nkv, hd), "bf16", SEQS) for (nh, nkv, hd) in CASES]
+    seqs = [512, 4096] if "--short" in sys.argv else SEQS
+    cases = [((nh, nkv, hd), "bf16", seqs) for (nh, nkv, hd) in CASES]
     for p in points(cases, stream, only):
         rowb, chunks, rings = CASES[p.n_heads, p.n_kv, p.head_dim]
         plan = p.plan()
