@@ -771,35 +771,87 @@ __device__ __forceinline__ FxWarpRing<T, D, TOK, S, WARPS> fx_warp_ring(
 
 // The tensor-core kernels' ending, once the warp's loop is done: the warps merged in a
 // fixed order (bitwise reproducible), then fx_finish. Each warp parks its running max and
-// sum, and, once every warp is past its loop (the rings are free), its unscaled O
-// accumulators oacc[A][B][2] in the ring in fragment order, [warp][slot][lane] with rows of
-// FX_OPAD floats: the writes are whole rows, and fx_write_partial's column-ordered reads
-// hit 32 different banks. (Serial warp-by-warp rounds over a row-major o_s cost 4 us, with
-// 16-way bank conflicts: NOTES.md v6.) `where` maps an output column to its fragment slot.
+// sum per head (park_stats(m_s, l_s): m_s/l_s[warp][head]), and, once every warp is past its
+// loop (the rings are free), its unscaled O accumulators in the ring in fragment order
+// (park_o(o_f)): [warp][slot][lane] with rows of FX_OPAD floats, SLOTS accumulators per
+// lane. The writes are whole rows, and fx_write_partial's column-ordered reads hit 32
+// different banks. (Serial warp-by-warp rounds over a row-major o_s cost 4 us, with 16-way
+// bank conflicts: NOTES.md v6.) `where` maps an output column to its fragment slot and lane.
+template <bool CLUSTER, int WARPS, int D, int SLOTS, int RING, class T, class ParkStats,
+          class ParkO, class Where>
+__device__ __forceinline__ void fx_merge_parked(unsigned char* smem, ParkStats park_stats,
+                                                ParkO park_o, float* ws_o, float* ws_ml, T* out,
+                                                int h0, int group, int splits, int split,
+                                                int seq_len, const int* seq_len_dev,
+                                                Where where) {
+    static_assert(WARPS * SLOTS * FX_OPAD * 4 <= RING, "the merge area must fit in the ring");
+    __shared__ float m_s[WARPS][8];
+    __shared__ float l_s[WARPS][8];
+    __shared__ float w_s[WARPS][8];
+    park_stats(m_s, l_s);
+    float* o_f = reinterpret_cast<float*>(smem);
+    __syncthreads();  // every warp is past its loop: the rings are free; m_s complete
+    fx_let_combine_start<1>();
+    fx_warp_weights<WARPS>(m_s, w_s);
+    park_o(o_f);
+    __syncthreads();
+    fx_finish<CLUSTER, WARPS, D, SLOTS, RING>(o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0, group,
+                                              splits, split, seq_len, seq_len_dev, where);
+}
+
+// fx_merge_parked for the kernels whose rows are heads: lane 4g + tig holds head g's running
+// max and a quarter of its sum, and O accumulators oacc[A][B][2] (fx_park_fragments).
 template <bool CLUSTER, int WARPS, int D, int RING, class T, int A, int B, class Where>
 __device__ __forceinline__ void fx_merge_warps(unsigned char* smem, float m_run, float l_run,
                                                const float (&oacc)[A][B][2], float* ws_o,
                                                float* ws_ml, T* out, int h0, int group,
                                                int splits, int split, int seq_len,
                                                const int* seq_len_dev, Where where) {
-    constexpr int SLOTS = A * B * 2;  // accumulators per lane
-    static_assert(WARPS * SLOTS * FX_OPAD * 4 <= RING, "the merge area must fit in the ring");
-    __shared__ float m_s[WARPS][8];
-    __shared__ float l_s[WARPS][8];
-    __shared__ float w_s[WARPS][8];
-    fx_park_warp_stats(m_run, l_run, m_s, l_s);
-    float* o_f = reinterpret_cast<float*>(smem);
-    __syncthreads();  // every warp is past its loop: the rings are free; m_s complete
-    fx_let_combine_start<1>();
-    fx_warp_weights<WARPS>(m_s, w_s);
-    fx_park_fragments(o_f, oacc, threadIdx.x >> 5, threadIdx.x & 31);
-    __syncthreads();
-    fx_finish<CLUSTER, WARPS, D, SLOTS, RING>(o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0, group,
-                                              splits, split, seq_len, seq_len_dev, where);
+    auto park_stats = [&](float (*m_s)[8], float (*l_s)[8]) {
+        fx_park_warp_stats(m_run, l_run, m_s, l_s);
+    };
+    auto park_o = [&](float* o_f) {
+        fx_park_fragments(o_f, oacc, threadIdx.x >> 5, threadIdx.x & 31);
+    };
+    fx_merge_parked<CLUSTER, WARPS, D, A * B * 2, RING>(smem, park_stats, park_o, ws_o, ws_ml,
+                                                        out, h0, group, splits, split, seq_len,
+                                                        seq_len_dev, where);
 }
 
-// CLUSTER: the launch makes the `splits` blocks of a KV head one cluster, which merges its
-// partials (fx_cluster_merge) and writes `out`; the workspace is not used.
+// Q of the block's group for the fp16/bf16 mma kernels, as a lane reads it: head g, d =
+// kb*32 + tig*8 .. +8 (row g of the A operand, or column g of the swapped B operand). Staged
+// in shared memory (heads past the group are zero; rows padded by 16 bytes against bank
+// conflicts) and, up to head_dim 128, kept in registers, read once; for head_dim 256 that
+// would take 32 more registers than there are (sm_100 spills): there `at` reads shared
+// memory at each step.
+template <class T, int D>
+struct FxQ {
+    static constexpr bool IN_REGS = D <= 128;
+    uint4 frag[IN_REGS ? D / 32 : 1];
+    const T* row;  // head g's row in shared memory
+    __device__ __forceinline__ uint4 at(int kb, int tig) const {
+        return IN_REGS ? frag[IN_REGS ? kb : 0]
+                       : *reinterpret_cast<const uint4*>(row + kb * 32 + tig * 8);
+    }
+};
+template <class T, int D, int THREADS>
+__device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, int g, int tig) {
+    __shared__ __align__(16) T q_s[8][D + 8];
+    for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
+        const int j = i / (D / 8), c = (i % (D / 8)) * 8;
+        *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
+    }
+    __syncthreads();  // q_s complete; the first steps' loads are already in flight
+    FxQ<T, D> r;
+    r.row = q_s[g];
+    if (FxQ<T, D>::IN_REGS) {
+#pragma unroll
+        for (int kb = 0; kb < D / 32; ++kb)
+            r.frag[kb] = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
+    }
+    return r;
+}
+
 template <class T, int D, bool CLUSTER>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -827,25 +879,8 @@ __device__ __forceinline__ void gqa_split_mma(
     const auto wr = fx_warp_ring<T, D, 16, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
                                                       start, end, warp, lane);
 
-    // Q as the A operand (rows = heads; rows 8..15 and heads past the group are zero),
-    // in shared memory. Lane reads head g, d = kb*32 + tig*8 .. +8; rows are padded by
-    // 16 bytes against bank conflicts.
-    __shared__ __align__(16) T q_s[8][D + 8];
-    for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
-        const int j = i / (D / 8), c = (i % (D / 8)) * 8;
-        *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
-    }
-    __syncthreads();  // q_s complete; the first steps' loads are already in flight
-    // This lane's Q (head g, d = kb*32 + tig*8 .. +8) stays in registers, read once; for
-    // head_dim 256 that would take 32 more registers than there are (sm_100 spills): there
-    // it is read from shared memory at each step.
-    constexpr bool Q_IN_REGS = D <= 128;
-    uint4 qfrag[Q_IN_REGS ? D / 32 : 1];
-    if (Q_IN_REGS) {
-#pragma unroll
-        for (int kb = 0; kb < D / 32; ++kb)
-            qfrag[kb] = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
-    }
+    // Q as the A operand (rows = heads; rows 8..15 are zero)
+    const FxQ<T, D> qf = fx_load_q<T, D, THREADS>(q, h0, group, g, tig);
 
     const float sscale = rsqrtf((float)D) * FX_LOG2E;
 
@@ -884,9 +919,7 @@ __device__ __forceinline__ void gqa_split_mma(
             for (int kb = 0; kb < D / 32; ++kb) {
                 const int c = (kb * 4 + tig) ^ ((r & 1) << 2);
                 const uint4 kv = *reinterpret_cast<const uint4*>(ks + r * D + c * 8);
-                const uint4 qv = Q_IN_REGS ? qfrag[Q_IN_REGS ? kb : 0]
-                                           : *reinterpret_cast<const uint4*>(
-                                                 &q_s[g][kb * 32 + tig * 8]);
+                const uint4 qv = qf.at(kb, tig);
                 FxMma<T>::run(s[n][0], s[n][1], s[n][2], s[n][3], qv.x, 0u, qv.y, 0u, kv.x, kv.y);
                 FxMma<T>::run(s2[n][0], s2[n][1], s2[n][2], s2[n][3], qv.z, 0u, qv.w, 0u, kv.z,
                               kv.w);
@@ -990,21 +1023,8 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     const auto wr = fx_warp_ring<T, D, 16, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
                                                       start, end, warp, lane);
 
-    // Q as the B operand (n = heads; heads past the group are zero): lane reads head g,
-    // d = kb*32 + tig*8 .. +8, as gqa_split_mma reads it for its A operand.
-    __shared__ __align__(16) T q_s[8][D + 8];
-    for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
-        const int j = i / (D / 8), c = (i % (D / 8)) * 8;
-        *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
-    }
-    __syncthreads();
-    constexpr bool Q_IN_REGS = D <= 128;
-    uint4 qfrag[Q_IN_REGS ? D / 32 : 1];
-    if (Q_IN_REGS) {
-#pragma unroll
-        for (int kb = 0; kb < D / 32; ++kb)
-            qfrag[kb] = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
-    }
+    // Q as the B operand (n = heads), read as gqa_split_mma reads it for its A operand
+    const FxQ<T, D> qf = fx_load_q<T, D, THREADS>(q, h0, group, g, tig);
 
     const float sscale = rsqrtf((float)D) * FX_LOG2E;
 
@@ -1033,9 +1053,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
             const int cg = (kb * 4 + tig) ^ ((g & 1) << 2);  // rows g and g + 8: same parity
             const uint4 ka = *reinterpret_cast<const uint4*>(ks + g * D + cg * 8);
             const uint4 kc = *reinterpret_cast<const uint4*>(ks + (g + 8) * D + cg * 8);
-            const uint4 qv = Q_IN_REGS ? qfrag[Q_IN_REGS ? kb : 0]
-                                       : *reinterpret_cast<const uint4*>(
-                                             &q_s[g][kb * 32 + tig * 8]);
+            const uint4 qv = qf.at(kb, tig);
             FxMma<T>::run(s[0], s[1], s[2], s[3], ka.x, kc.x, ka.y, kc.y, qv.x, qv.y);
             FxMma<T>::run(s2[0], s2[1], s2[2], s2[3], ka.z, kc.z, ka.w, kc.w, qv.z, qv.w);
         }
@@ -1098,48 +1116,44 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     }
     fx_cp_async_wait<0>();
 
-    // ---- the warps' merge, as gqa_split_mma's (fx_finish), from this layout: the sums
-    // over the lanes of a column (xor 4, 8, 16), then head 2tig's max and sum from lane tig
+    // ---- the warps' merge, as gqa_split_mma's, from this layout: the sums over the lanes
+    // of a column (xor 4, 8, 16), then head 2tig's max and sum from lane tig
     la += __shfl_xor_sync(0xffffffffu, la, 4);
     lb += __shfl_xor_sync(0xffffffffu, lb, 4);
     la += __shfl_xor_sync(0xffffffffu, la, 8);
     lb += __shfl_xor_sync(0xffffffffu, lb, 8);
     la += __shfl_xor_sync(0xffffffffu, la, 16);
     lb += __shfl_xor_sync(0xffffffffu, lb, 16);
-    __shared__ float m_s[WARPS][8];
-    __shared__ float l_s[WARPS][8];
-    __shared__ float w_s[WARPS][8];
-    if (g == 0) {
-        m_s[warp][2 * tig] = ma;
-        m_s[warp][2 * tig + 1] = mb;
-        l_s[warp][2 * tig] = la;
-        l_s[warp][2 * tig + 1] = lb;
-    }
-    float* o_f = reinterpret_cast<float*>(fx_dyn_smem);
-    __syncthreads();  // every warp is past its loop: the rings are free; m_s complete
-    fx_let_combine_start<1>();
-    fx_warp_weights<WARPS>(m_s, w_s);
+    auto park_stats = [&](float (*m_s)[8], float (*l_s)[8]) {
+        if (g == 0) {
+            m_s[warp][2 * tig] = ma;
+            m_s[warp][2 * tig + 1] = mb;
+            l_s[warp][2 * tig] = la;
+            l_s[warp][2 * tig + 1] = lb;
+        }
+    };
     // column d = hb*64 + g*8 + e of head h: slot hb*16 + (g >> 2)*8 + e of lane 4h + (g & 3)
     constexpr int SLOTS = D / 4;
-    static_assert(WARPS * SLOTS * FX_OPAD * 4 <= RING, "the merge area must fit in the ring");
+    auto park_o = [&](float* o_f) {
 #pragma unroll
-    for (int hb = 0; hb < D / 64; ++hb)
+        for (int hb = 0; hb < D / 64; ++hb)
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+            for (int i = 0; i < 4; ++i)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int slot = hb * 16 + (g >> 2) * 8 + 2 * i + (c >> 1);
-                const int ln = 4 * (2 * tig + (c & 1)) + (g & 3);
-                o_f[(warp * SLOTS + slot) * FX_OPAD + ln] = oacc[hb][i][c];
-            }
-    __syncthreads();
+                for (int c = 0; c < 4; ++c) {
+                    const int slot = hb * 16 + (g >> 2) * 8 + 2 * i + (c >> 1);
+                    const int ln = 4 * (2 * tig + (c & 1)) + (g & 3);
+                    o_f[(warp * SLOTS + slot) * FX_OPAD + ln] = oacc[hb][i][c];
+                }
+    };
     auto where = [](int d, int& slot, int& t) {
         const int gg = (d % 64) / 8;
         slot = (d / 64) * 16 + (gg >> 2) * 8 + d % 8;
         t = gg & 3;
     };
-    fx_finish<CLUSTER, WARPS, D, SLOTS, RING>(o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0, group,
-                                              splits, split, seq_len, seq_len_dev, where);
+    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING>(fx_dyn_smem, park_stats, park_o, ws_o, ws_ml,
+                                                    out, h0, group, splits, split, seq_len,
+                                                    seq_len_dev, where);
 }
 
 // Which head_dims take the swapped operands: measured against gqa_split_mma on the same
