@@ -19,9 +19,13 @@ loads): the best one kernel reading them does.
   (`stream-probe-orders-v18.log`).
 - `--rings`: every ring of CASES, cp.async and the Tensor Memory Accelerator's bulk copies
   (one `cp.async.bulk` per K or V row, completing on an mbarrier per ring stage), contiguous
-  chunks, no chain. `--short`: 512 and 4096 tokens (the issue's 4 and 7 us points) instead
-  of SEQS. `stream-probe-v18.log` came from the first version of this script
+  chunks, no chain. `stream-probe-v18.log` came from the first version of this script
   (f478916: every ring at chains of 0 and 200 FMAs).
+- `--short`: 512 and 4096 tokens (the issue's 4 and 7 us points) instead of SEQS
+  (`stream-probe-short-v18.log`).
+- `--half`: the shapes of HALF_RINGS at 4096 and 32768 tokens with half the chunks (every
+  other multiprocessor idle) and deeper rings, cp.async and bulk, no chain
+  (`stream-probe-half-v18.log`).
 """
 
 from __future__ import annotations
@@ -192,6 +196,12 @@ CASES = {
                              ("bulk", 4, 4)]),
 }  # fmt: skip
 SEQS = [32768, 131072]
+# --half: half the chunks (one block on every other multiprocessor, as clusters of 8 per KV
+# head would take), with deeper rings: how much can one multiprocessor pull?
+HALF_RINGS = {
+    (32, 8, 128): [("cpasync", 4, 2), ("cpasync", 4, 4), ("cpasync", 4, 6), ("cpasync", 8, 3),
+                   ("bulk", 4, 4), ("bulk", 4, 6)],
+}  # fmt: skip
 SPINS = [0, 200, 800]
 # Token orders for the library's ring: runs of g block-steps taken by the blocks of a KV
 # head in turn (None: each block one contiguous chunk, as the split kernels read).
@@ -199,7 +209,8 @@ ORDERS = [None, 5, 1]
 
 
 def main() -> None:
-    rings_too = "--rings" in sys.argv  # every ring of CASES (cp.async and bulk), contiguous
+    half = "--half" in sys.argv
+    rings_too = half or "--rings" in sys.argv  # every ring (cp.async and bulk), contiguous
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
     dev = default_device()
     stream = bench_stream(dev)
@@ -217,10 +228,13 @@ def main() -> None:
             modules[key] = Module(src, dev)
         return modules[key]
 
-    seqs = [512, 4096] if "--short" in sys.argv else SEQS
-    cases = [((nh, nkv, hd), "bf16", seqs) for (nh, nkv, hd) in CASES]
+    seqs = [512, 4096] if "--short" in sys.argv else [4096, 32768] if half else SEQS
+    shapes = HALF_RINGS if half else CASES
+    cases = [((nh, nkv, hd), "bf16", seqs) for (nh, nkv, hd) in shapes]
     for p in points(cases, stream, only):
         rowb, chunks, rings = CASES[p.n_heads, p.n_kv, p.head_dim]
+        if half:
+            chunks, rings = chunks // 2, HALF_RINGS[p.n_heads, p.n_kv, p.head_dim]
         plan = p.plan()
         ours = p.time(plan)
         cells = [f"decode {ours:.2f} us ({p.kv_bytes / ours / 1e6:.2f} TB/s)"]
