@@ -945,18 +945,7 @@ __device__ __forceinline__ void gqa_split_mma(
         m_run = m_new;
         const unsigned pa0 = fx_pack2<T>(p[0], p[1]);  // P[g][tokens 2tig, 2tig+1]
         const unsigned pa2 = fx_pack2<T>(p[2], p[3]);  // P[g][tokens 8+2tig, 9+2tig]
-        // ---- O = O * alpha + P V; this lane's V rows are 2tig, 2tig+1, 2tig+8, 2tig+9.
-        // Once the maxima settle alpha is 1 for every head, and the rescale is skipped
-        // (multiplying by 1 changes no bit; the mmas need not wait for it).
-        if (__any_sync(0xffffffffu, alpha != 1.f)) {
-#pragma unroll
-            for (int hb = 0; hb < D / 64; ++hb)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    oacc[hb][e][0] *= alpha;
-                    oacc[hb][e][1] *= alpha;
-                }
-        }
+        // ---- O = O * alpha + P V; this lane's V rows are 2tig, 2tig+1, 2tig+8, 2tig+9
 #pragma unroll
         for (int hb = 0; hb < D / 64; ++hb) {
             const int c = (hb * 8 + g) ^ (tig * 2);  // (r & 6) == 2 tig for all four rows
@@ -973,6 +962,8 @@ __device__ __forceinline__ void gqa_split_mma(
                 const unsigned sel = (e & 1) ? 0x7632u : 0x5410u;
                 const unsigned b0 = __byte_perm(wa[e >> 1], wb[e >> 1], sel);
                 const unsigned b1 = __byte_perm(wc[e >> 1], wd[e >> 1], sel);
+                oacc[hb][e][0] *= alpha;
+                oacc[hb][e][1] *= alpha;
                 FxMma<T>::run(oacc[hb][e][0], oacc[hb][e][1], pad[hb][e % PADS][0],
                               pad[hb][e % PADS][1], pa0, 0u, pa2, 0u, b0, b1);
             }
@@ -1094,20 +1085,8 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         // head g), each 8x8 block of P (token g; heads 2tig, 2tig + 1) transposed
         const unsigned pb0 = fx_movmatrix_trans(fx_pack2<T>(p[0], p[1]));
         const unsigned pb1 = fx_movmatrix_trans(fx_pack2<T>(p[2], p[3]));
-        // ---- O^T = O^T * alpha + V^T P^T (the rescale skipped where every alpha is 1, as
-        // in gqa_split_mma); this lane's V rows are 2tig, 2tig+1, 2tig+8, 2tig+9, at d =
-        // hb*64 + g*8 .. +8 (rows g and g + 8 of the mma: elements 2i, 2i+1)
-        if (__any_sync(0xffffffffu, alpha_a != 1.f || alpha_b != 1.f)) {
-#pragma unroll
-            for (int hb = 0; hb < D / 64; ++hb)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    oacc[hb][i][0] *= alpha_a;
-                    oacc[hb][i][1] *= alpha_b;
-                    oacc[hb][i][2] *= alpha_a;
-                    oacc[hb][i][3] *= alpha_b;
-                }
-        }
+        // ---- O^T = O^T * alpha + V^T P^T; this lane's V rows are 2tig, 2tig+1, 2tig+8,
+        // 2tig+9, at d = hb*64 + g*8 .. +8 (rows g and g + 8 of the mma: elements 2i, 2i+1)
 #pragma unroll
         for (int hb = 0; hb < D / 64; ++hb) {
             const int c = (hb * 8 + g) ^ (tig * 2);
@@ -1126,6 +1105,10 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                 const unsigned a2 = __byte_perm(wc[i], wd[i], 0x5410u);
                 const unsigned a3 = __byte_perm(wc[i], wd[i], 0x7632u);
                 float* o = oacc[hb][i];
+                o[0] *= alpha_a;
+                o[1] *= alpha_b;
+                o[2] *= alpha_a;
+                o[3] *= alpha_b;
                 FxMma<T>::run(o[0], o[1], o[2], o[3], a0, a1, a2, a3, pb0, pb1);
             }
         }
@@ -1442,15 +1425,13 @@ __device__ __forceinline__ void gqa_split_tc32(
         for (int n = 1; n < NB; ++n) psum += p[2 * n] + p[2 * n + 1];
         l_run = l_run * alpha + psum;
         m_run = m_new;
-        if (__any_sync(0xffffffffu, alpha != 1.f)) {  // skipped once the maxima settle
 #pragma unroll
-            for (int qq = 0; qq < D / 32; ++qq)
+        for (int qq = 0; qq < D / 32; ++qq)
 #pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    oacc[qq][jj][0] *= alpha;
-                    oacc[qq][jj][1] *= alpha;
-                }
-        }
+            for (int jj = 0; jj < 4; ++jj) {
+                oacc[qq][jj][0] *= alpha;
+                oacc[qq][jj][1] *= alpha;
+            }
         // ---- O += P V, tokens of S block kb: k slot tig <-> token 8kb + 2tig, slot tig+4
         // <-> 8kb + 2tig + 1
 #pragma unroll
