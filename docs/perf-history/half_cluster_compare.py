@@ -8,6 +8,10 @@ combine costs 1.7-2.4 us of every decode (NOTES.md v18).
 
     PYTHONPATH=. python3 docs/perf-history/half_cluster_compare.py [shape ...]
 
+MHA (32/32/128, planned 4 chunks per KV head and the combine: 32 clusters of 4 would not
+all be resident) takes clusters of 3 (96 blocks), at 32768 and 131072 tokens, where it
+trails PyTorch by 0.3-0.4% (`half-cluster-compare-mha-v18.log`).
+
 Each cluster plan runs with the library's ring (4 warps x 2 steps) and with 3 and 4 steps,
 each launched with 4 steps' shared memory (one block per multiprocessor). Timed in turn,
 three rounds, the fastest kept, in the benchmark's back-to-back harness; errors against the
@@ -32,8 +36,9 @@ CASES = [
     ((32, 8, 128), "bf16", SEQS),
     ((64, 8, 128), "bf16", SEQS),
     ((28, 4, 128), "bf16", SEQS),
+    ((32, 32, 128), "bf16", [32768, 131072]),  # MHA: 96 blocks in clusters of 3
 ]
-CLUSTER = {8: 8, 4: 16}  # chunks per KV head (cluster size) by KV heads
+CLUSTER = {8: 8, 4: 16, 32: 3}  # chunks per KV head (cluster size) by KV heads
 
 
 def main() -> None:
