@@ -390,9 +390,7 @@ __device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
 #define FX_STAGES_D256 3  // 4 warps x 3 x 16 KB: as much as a block may have
 #endif
 template <int D> struct FxStages {
-    static constexpr int value = D == 64    ? FX_STAGES_D64
-                                 : D == 128 ? FX_STAGES_D128
-                                            : FX_STAGES_D256;
+    static constexpr int value = D == 64 ? FX_STAGES_D64 : D == 128 ? FX_STAGES_D128 : FX_STAGES_D256;
 };
 template <int D> struct FxWarps {
     static constexpr int value = D == 64 ? FX_WARPS_D64 : D == 128 ? FX_WARPS_D128 : FX_WARPS_D256;
@@ -635,31 +633,6 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
     return true;
 }
 
-// Where a tensor-core block and its lane stand: chunk `split` (blockIdx.x) of KV head g_kv
-// (blockIdx.y) with tokens [start, end), the group's first query head h0, and the lane in
-// the mma fragments (g = lane / 4, the fragment row; tig = lane % 4). fx_place checks the
-// launch and finds the chunk (fx_block_chunk); false: the block has no tokens and may leave.
-struct FxPlace {
-    int split, start, end, g_kv, group, h0, lane, warp, g, tig;
-};
-template <bool CLUSTER, int D>
-__device__ __forceinline__ bool fx_place(FxPlace& at, unsigned ring_bytes, unsigned threads,
-                                         int n_heads, int n_kv_heads, int seq_len,
-                                         const int* seq_len_dev, int splits, int tile) {
-    at.split = blockIdx.x;
-    if (!fx_block_chunk<CLUSTER, D>(ring_bytes, threads, seq_len, seq_len_dev, splits, tile,
-                                    at.split, at.start, at.end))
-        return false;
-    at.g_kv = blockIdx.y;
-    at.group = n_heads / n_kv_heads;  // <= 8 on the tensor-core paths
-    at.h0 = at.g_kv * at.group;
-    at.lane = threadIdx.x & 31;
-    at.warp = threadIdx.x >> 5;
-    at.g = at.lane >> 2;
-    at.tig = at.lane & 3;
-    return true;
-}
-
 // The cluster's merge, once every block has pushed its partial into the receive areas
 // (`recv`, this block's): out = sum_c w_c o_c / sum_c w_c l_c over the cluster's blocks c
 // in order (bitwise reproducible), w_c = 2^(m_c - max m); seq <= 0 writes zeros. Output
@@ -866,8 +839,7 @@ __device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, in
     __shared__ __align__(16) T q_s[8][D + 8];
     for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
         const int j = i / (D / 8), c = (i % (D / 8)) * 8;
-        *reinterpret_cast<uint4*>(&q_s[j][c]) =
-            fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
+        *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
     }
     __syncthreads();  // q_s complete; the first steps' loads are already in flight
     FxQ<T, D> r;
@@ -888,17 +860,20 @@ __device__ __forceinline__ void gqa_split_mma(
     constexpr int S = FxStages<D>::value;
     constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
-    constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(T);
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     fx_let_combine_start<2>();
-    FxPlace at;
-    if (!fx_place<CLUSTER, D>(at, RING, THREADS, n_heads, n_kv_heads, seq_len, seq_len_dev,
-                              splits, tile))
+    const int split = blockIdx.x;
+    int start, end;
+    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len,
+                                    seq_len_dev, splits, tile, split, start, end))
         return;
-    const int split = at.split, start = at.start, end = at.end, g_kv = at.g_kv;
-    const int group = at.group, h0 = at.h0, lane = at.lane, warp = at.warp;
-    const int g = at.g, tig = at.tig;
+
+    const int g_kv = blockIdx.y;
+    const int group = n_heads / n_kv_heads;  // <= 8 on this path
+    const int h0 = g_kv * group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
 
     // this warp's ring of 16-token steps, the first S - 1 queued
     const auto wr = fx_warp_ring<T, D, 16, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
@@ -1003,8 +978,9 @@ __device__ __forceinline__ void gqa_split_mma(
         slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
         t = (d % 64) / 16;
     };
-    fx_merge_warps<CLUSTER, WARPS, D, RING>(fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0,
-                                            group, splits, split, seq_len, seq_len_dev, where);
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T)>(
+        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
+        seq_len_dev, where);
 }
 
 // The same decode with the mma's operands swapped (head_dim 128; FX_MMA_SWAPPED_D<D>,
@@ -1032,13 +1008,17 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     fx_let_combine_start<2>();
-    FxPlace at;
-    if (!fx_place<CLUSTER, D>(at, RING, THREADS, n_heads, n_kv_heads, seq_len, seq_len_dev,
-                              splits, tile))
+    const int split = blockIdx.x;
+    int start, end;
+    if (!fx_block_chunk<CLUSTER, D>(RING, THREADS, seq_len, seq_len_dev, splits, tile, split,
+                                    start, end))
         return;
-    const int split = at.split, start = at.start, end = at.end, g_kv = at.g_kv;
-    const int group = at.group, h0 = at.h0, lane = at.lane, warp = at.warp;
-    const int g = at.g, tig = at.tig;
+
+    const int g_kv = blockIdx.y;
+    const int group = n_heads / n_kv_heads;  // <= 8 on this path
+    const int h0 = g_kv * group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
 
     const auto wr = fx_warp_ring<T, D, 16, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
                                                       start, end, warp, lane);
@@ -1054,9 +1034,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #pragma unroll
     for (int hb = 0; hb < D / 64; ++hb)
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) oacc[hb][i][c] = 0.f;
+        for (int i = 0; i < 4; ++i) oacc[hb][i][0] = oacc[hb][i][1] = oacc[hb][i][2] = oacc[hb][i][3] = 0.f;
     // heads 2tig (a) and 2tig + 1 (b): running max, and this lane's share of the sum
     float ma = -INFINITY, mb = -INFINITY, la = 0.f, lb = 0.f;
 
@@ -1342,17 +1320,20 @@ __device__ __forceinline__ void gqa_split_tc32(
     static_assert(TOK == 8 || TOK == 16, "steps of 8 or 16 tokens");
     constexpr int NCH = D / 4;     // 16-byte chunks per row
     constexpr int STEP = TOK * D;  // floats of one step's K (or V)
-    constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(float);
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     fx_let_combine_start<2>();
-    FxPlace at;
-    if (!fx_place<CLUSTER, D>(at, RING, THREADS, n_heads, n_kv_heads, seq_len, seq_len_dev,
-                              splits, tile))
+    const int split = blockIdx.x;
+    int start, end;
+    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len,
+                                    seq_len_dev, splits, tile, split, start, end))
         return;
-    const int split = at.split, start = at.start, end = at.end, g_kv = at.g_kv;
-    const int group = at.group, h0 = at.h0, lane = at.lane, warp = at.warp;
-    const int g = at.g, tig = at.tig;
+
+    const int g_kv = blockIdx.y;
+    const int group = n_heads / n_kv_heads;  // <= 8 on this path
+    const int h0 = g_kv * group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
 
     const auto wr = fx_warp_ring<float, D, TOK, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
                                                           start, end, warp, lane);
@@ -1490,8 +1471,9 @@ __device__ __forceinline__ void gqa_split_tc32(
         slot = (d / 32) * 8 + (d % 4) * 2 + (n & 1);
         t = n >> 1;
     };
-    fx_merge_warps<CLUSTER, WARPS, D, RING>(fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0,
-                                            group, splits, split, seq_len, seq_len_dev, where);
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(float)>(
+        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
+        seq_len_dev, where);
 }
 
 #define FX_TC32_ENTRY(NAME, D)                                                              \
