@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-from points import load_variant, plan_kind, points
+from points import load_variant, new_against_old, plan_kind, points
 
 from ferrox_driver.bench_decode import bench_stream
 from ferrox_driver.compiler import kernel_source
@@ -43,14 +42,7 @@ def main() -> None:
         plan = p.plan()
         runs = [("now", plan, modules[0].get_function(plan.kernel))]
         runs.append(("swapped", plan, modules[1].get_function(plan.kernel)))
-        outs = p.outputs(runs)
-        best = p.fastest(runs)
-        cells = [f"{k} {v:.2f}" for k, v in best.items()]
-        cells.append(f"({100 * (best['swapped'] / best['now'] - 1):+.1f}%)")
-        if p.seq <= 32768:
-            cells += [f"{label} err {e:.1e}" for label, e in p.errors(outs).items()]
-        else:
-            cells.append(f"swapped - now {np.abs(outs['swapped'] - outs['now']).max():.1e}")
+        cells = new_against_old(p, runs, "swapped", "now")
         print(f"{p.label} ({plan_kind(plan)}): " + ", ".join(cells), flush=True)
 
 

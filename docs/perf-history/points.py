@@ -164,6 +164,22 @@ def against(best: dict[str, float], outs: dict[str, np.ndarray], ref: str) -> li
     ]
 
 
+def new_against_old(p: Point, runs: Sequence[Run], new: str, old: str) -> list[str]:
+    """Time two kernels on point ``p`` (``fastest``): each run's time, run ``new``'s change
+    against run ``old``'s, and each output's error against the float64 reference up to
+    32768 tokens (past that, the largest difference between the two outputs: the host
+    reference would take minutes)."""
+    outs = p.outputs(runs)
+    best = p.fastest(runs)
+    cells = [f"{k} {v:.2f}" for k, v in best.items()]
+    cells.append(f"({100 * (best[new] / best[old] - 1):+.1f}%)")
+    if p.seq <= 32768:
+        cells += [f"{label} err {e:.1e}" for label, e in p.errors(outs).items()]
+    else:
+        cells.append(f"{new} - {old} {np.abs(outs[new] - outs[old]).max():.1e}")
+    return cells
+
+
 def points(cases: Iterable[Case], stream: fd.Stream, only: Sequence[str] = ()) -> Iterator[Point]:
     """Each case's points in turn (``only``: shapes such as "16/2/64" to keep; all when
     empty), the arrays of one closed before the next is made."""

@@ -14,8 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
-from points import TC32_CASES, load_variant, plan_kind, points, tc32_only
+from points import TC32_CASES, load_variant, new_against_old, plan_kind, points, tc32_only
 
 from ferrox_driver.bench_decode import bench_stream
 from ferrox_driver.device import default_device
@@ -32,15 +31,7 @@ def main() -> None:
             print(f"{p.label}: planned on CUDA cores ({plan.kernel}), skipped", flush=True)
             continue
         runs = [("now", plan, None), ("base", plan, base.get_function(plan.kernel))]
-        outs = p.outputs(runs)
-        best = p.fastest(runs)
-        cells = [f"{k} {v:.2f}" for k, v in best.items()]
-        cells.append(f"({100 * (best['now'] / best['base'] - 1):+.1f}%)")
-        if p.seq <= 32768:
-            cells += [f"{label} err {e:.1e}" for label, e in p.errors(outs).items()]
-        else:
-            diff = np.abs(outs["now"] - outs["base"]).max()
-            cells.append(f"now - base {diff:.1e}")
+        cells = new_against_old(p, runs, "now", "base")
         print(f"{p.label} ({plan_kind(plan)}): " + ", ".join(cells), flush=True)
 
 
