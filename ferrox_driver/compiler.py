@@ -37,10 +37,46 @@ def source_dir() -> Path:
     )
 
 
+_INCLUDE_RE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.M)
+
+
 @cache
 def kernel_source(filename: str) -> str:
-    """The text of one kernel file from the source directory."""
-    return (source_dir() / filename).read_text()
+    """The text of one kernel file from the source directory, its parts in place
+    (:func:`expand_includes`): the one string is all that NVRTC compiles and all that the
+    module cache keys on."""
+    return expand_includes(filename, source_dir())
+
+
+def expand_includes(filename: str, directory: Path) -> str:
+    """The text of ``directory/filename`` with each ``#include "name"`` line replaced by the
+    text of ``directory/name`` (expanded the same way, each file once), between ``#line``
+    marks so that NVRTC's messages name the part and its line.
+
+    Raises:
+        FileNotFoundError: the file, or a file it includes, is not in ``directory``.
+    """
+    return _expanded(filename, Path(directory), set())
+
+
+def _expanded(filename: str, directory: Path, seen: set[str]) -> str:
+    seen.add(filename)
+    text = (directory / filename).read_text()
+    pieces: list[str] = []
+    at = 0
+    for m in _INCLUDE_RE.finditer(text):
+        name = m.group(1)
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{filename} includes {name!r}, which is not in {directory}")
+        pieces.append(text[at : m.start()])
+        if name not in seen:
+            body = _expanded(name, directory, seen)
+            body += "" if body.endswith("\n") else "\n"
+            line = text.count("\n", 0, m.end()) + 2  # the line after the #include
+            pieces.append(f'#line 1 "{name}"\n{body}#line {line} "{filename}"')
+        at = m.end()
+    pieces.append(text[at:])
+    return "".join(pieces)
 
 
 @dataclass(frozen=True)

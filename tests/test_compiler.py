@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 import ferrox_driver as fd
 from ferrox_driver import module_cache
-from ferrox_driver.compiler import kernel_source, parse_resources
+from ferrox_driver.compiler import expand_includes, kernel_source, parse_resources, source_dir
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
 KERNEL_FILES = ["gqa_decode.cu", "gqa_decode_split.cu", "kv_cache.cu", "util.cu"]
@@ -89,6 +92,40 @@ def test_compile_error_carries_the_nvrtc_log_and_options() -> None:
     assert "-DFOO=1" in err.options
     assert err.source_name == "broken.cu"
     assert "undefined_name" in str(err)
+
+
+def test_split_kernel_file_is_compiled_with_its_parts_in_place() -> None:
+    src = kernel_source("gqa_decode_split.cu")
+    assert not re.search(r"^#include", src, re.M)
+    for part in sorted(source_dir().glob("split_*.cuh")):
+        assert f'#line 1 "{part.name}"' in src
+        assert part.read_text().strip() in src
+
+
+def test_compile_error_in_an_included_part_names_the_part_and_its_line(tmp_path: Path) -> None:
+    (tmp_path / "main.cu").write_text('// main\n#include "part.cuh"\nMAIN_ERROR;\n')
+    (tmp_path / "part.cuh").write_text("// part\n\nPART_ERROR;\n")
+    src = expand_includes("main.cu", tmp_path)
+    with pytest.raises(fd.CompileError) as info:
+        fd.compile_source(src, arch="sm_90", name="main.cu")
+    log = info.value.log
+    assert re.search(r"part\.cuh\(3\): error", log), log
+    assert re.search(r"main\.cu\(3\): error", log), log
+
+
+def test_each_part_is_included_once(tmp_path: Path) -> None:
+    (tmp_path / "main.cu").write_text('#include "a.cuh"\n#include "b.cuh"\n')
+    (tmp_path / "a.cuh").write_text('#include "b.cuh"\nint a;\n')
+    (tmp_path / "b.cuh").write_text("int b;\n")
+    src = expand_includes("main.cu", tmp_path)
+    assert src.count("int b;") == 1
+    assert src.index("int b;") < src.index("int a;")
+
+
+def test_include_of_a_missing_part_names_both_files(tmp_path: Path) -> None:
+    (tmp_path / "main.cu").write_text('#include "gone.cuh"\n')
+    with pytest.raises(FileNotFoundError, match=r"main\.cu includes 'gone\.cuh'"):
+        expand_includes("main.cu", tmp_path)
 
 
 def test_options_reach_the_compiler() -> None:

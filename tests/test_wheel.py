@@ -41,10 +41,13 @@ def test_installed_wheel_compiles_the_kernels_outside_the_checkout(tmp_path: Pat
         "assert str(pathlib.Path(fd.__file__)).startswith(sys.prefix), fd.__file__;"
         "assert c.source_dir().is_relative_to(sys.prefix), c.source_dir();"
         "p = fd.compile_source(c.kernel_source('gqa_decode.cu'), arch='sm_90');"
-        "print(sorted(p.resources))"
+        "print(sorted(p.resources));"
+        # the split kernels' parts ship too (kernel_source puts them in place)
+        "print(len(c.kernel_source('gqa_decode_split.cu')))"
     )
     done = subprocess.run(
         [python, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     assert "gqa_decode_f32" in done.stdout
+    assert int(done.stdout.split()[-1]) > 50_000  # the expanded split file, every part in it

@@ -1,0 +1,117 @@
+// Split kernels (gqa_decode_split.cu), part 9: the combine kernel, which merges the chunks
+// of the plans without clusters.
+
+// Merge the chunks of each query head: out = sum_c w_c o_c / sum_c w_c l_c, with
+// w_c = 2^(m_c - max m). One block per (head, 32 columns): lanes are columns, the four
+// warps take every fourth chunk (BATCH loads in flight each) and add up in a fixed order,
+// so results are reproducible bit for bit. seq_len 0 writes zeros.
+// (Eight warps cost 0.3 us more at 16 chunks: more threads to synchronise. 40 loads in
+// flight instead of 16 made 132-chunk plans 1-3% faster and 16- and 64-chunk ones 2-3%
+// slower: NOTES.md v11. So up to 64 chunks take 16 per lane, more take FX_COMBINE_MANY.)
+#define FX_COMBINE_THREADS 128
+#define FX_COMBINE_BATCH 16  // chunk loads in flight per lane, up to 64 chunks
+#define FX_COMBINE_MANY 33   // ... and past 64: 132 chunks in one trip to L2
+#define FX_COMBINE_WARPS (FX_COMBINE_THREADS / 32)
+template <class T, int BATCH>
+__device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
+                                                  const float* __restrict__ ws_o,
+                                                  const float* __restrict__ ml, int head_dim,
+                                                  int d, int active, float* w_s,
+                                                  float (*red_s)[32]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // This warp's first chunk outputs do not depend on the weights: load them now, so the
+    // loads of the maxima below and these share one trip to L2.
+    constexpr int W = FX_COMBINE_WARPS;
+    const bool col = d < head_dim;
+    const float* o = ws_o + (col ? d : 0);
+    float x[BATCH];
+#pragma unroll
+    for (int i = 0; i < BATCH; ++i) {
+        const int c = warp + i * W;
+        x[i] = col && c < active ? o[(long long)c * head_dim] : 0.f;
+    }
+
+    // ---- the largest chunk maximum, then the chunk weights and the total sum
+    float mx = -INFINITY;
+    for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) mx = fmaxf(mx, ml[2 * c]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if (lane == 0) red_s[warp][0] = mx;
+    __syncthreads();
+    mx = red_s[0][0];
+#pragma unroll
+    for (int w = 1; w < W; ++w) mx = fmaxf(mx, red_s[w][0]);
+    float lsum = 0.f;
+    for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) {
+        const float mc = ml[2 * c];
+        const float w = mc == -INFINITY ? 0.f : fx_exp2(mc - mx);
+        w_s[c] = w;
+        lsum += w * ml[2 * c + 1];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
+    __syncthreads();  // every warp has read red_s[.][0] (the maxima) before it is reused
+    if (lane == 0) red_s[warp][1] = lsum;
+    __syncthreads();  // w_s and the partial sums complete
+    lsum = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) lsum += red_s[w][1];
+
+    // ---- weighted sum of the chunk outputs: warp w takes chunks w, w+4, w+8, ... in order
+    float acc = 0.f;
+    for (int c = warp;;) {
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i)
+            if (c + i * W < active) acc = fmaf(w_s[c + i * W], x[i], acc);
+        c += BATCH * W;
+        if (c >= active) break;
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i)
+            x[i] = col && c + i * W < active ? o[(long long)(c + i * W) * head_dim] : 0.f;
+    }
+    __syncthreads();  // red_s[.][1] read by every warp
+    red_s[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0 && d < head_dim) {
+        float total = red_s[0][lane];
+#pragma unroll
+        for (int w = 1; w < W; ++w) total += red_s[w][lane];
+        out_h[d] = fx_from_float<T>(total / lsum);
+    }
+}
+
+template <class T>
+__device__ __forceinline__ void gqa_split_combine(
+    T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
+    __shared__ float w_s[FX_MAX_SPLITS];
+    __shared__ float red_s[FX_COMBINE_WARPS][32];
+    const int h = blockIdx.x;
+    const int d = blockIdx.y * 32 + (threadIdx.x & 31);
+    const int seq = fx_seq_len(seq_len, seq_len_dev);  // written before the split kernel ran
+    fx_wait_for_split();  // every block, so the combine ends after the split kernel
+    T* out_h = out + (long long)h * head_dim;
+    if (seq <= 0) {
+        if (threadIdx.x < 32 && d < head_dim) out_h[d] = fx_from_float<T>(0.f);
+        return;
+    }
+    const int chunk = fx_chunk(seq, splits, tile);
+    const int active = (seq + chunk - 1) / chunk;
+    const float* o = ws_o + (long long)h * splits * head_dim;
+    const float* ml = ws_ml + (long long)h * splits * 2;
+    if (active > FX_COMBINE_WARPS * FX_COMBINE_BATCH)
+        fx_combine_chunks<T, FX_COMBINE_MANY>(out_h, o, ml, head_dim, d, active, w_s, red_s);
+    else
+        fx_combine_chunks<T, FX_COMBINE_BATCH>(out_h, o, ml, head_dim, d, active, w_s, red_s);
+}
+
+#define FX_COMBINE_ENTRY(NAME, T)                                                           \
+    extern "C" __global__ void __launch_bounds__(FX_COMBINE_THREADS) NAME(                  \
+        T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
+        const int* seq_len_dev, int splits, int tile) {                                     \
+        gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits, tile); \
+    }
+
+FX_COMBINE_ENTRY(gqa_split_combine_f32, float)
+FX_COMBINE_ENTRY(gqa_split_combine_f16, fx_half)
+FX_COMBINE_ENTRY(gqa_split_combine_bf16, fx_bf16)

@@ -1,0 +1,229 @@
+// Split kernels (gqa_decode_split.cu), part 7: fp16/bf16 caches on tensor cores with the
+// mma's operands swapped (tokens as the rows), which body each head_dim takes, and the
+// fp16/bf16 entry points.
+
+// The same decode with the mma's operands swapped (head_dim 128; FX_MMA_SWAPPED_D<D>,
+// docs/perf-history/mma_swapped_compare.py). gqa_split_mma gives the heads the mma's 16
+// rows, of which a group fills at most 8; here the rows are 16 tokens (S^T = K Q^T) and 16
+// columns of d (O^T += V^T P^T), the heads are the 8 columns, and every row is used: half
+// the mmas. The scores come out as (token, head) and P^T is needed as (head, tokens): each
+// 8x8 block of P is transposed in registers (movmatrix). A lane keeps the running max and
+// sum of heads 2tig and 2tig + 1.
+__device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
+    unsigned y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+template <class T, int D, bool CLUSTER>
+__device__ __forceinline__ void gqa_split_mma_swapped(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
+    constexpr int S = FxStages<D>::value;
+    constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
+    constexpr int STEP = 16 * D;  // elements of one step's K (or V)
+    constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(T);
+    extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
+
+    fx_let_combine_start<2>();
+    const int split = blockIdx.x;
+    int start, end;
+    if (!fx_block_chunk<CLUSTER, D>(RING, THREADS, seq_len, seq_len_dev, splits, tile, split,
+                                    start, end))
+        return;
+
+    const int g_kv = blockIdx.y;
+    const int group = n_heads / n_kv_heads;  // <= 8 on this path
+    const int h0 = g_kv * group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+
+    const auto wr = fx_warp_ring<T, D, 16, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
+                                                      start, end, warp, lane);
+
+    // Q as the B operand (n = heads), read as gqa_split_mma reads it for its A operand
+    const FxQ<T, D> qf = fx_load_q<T, D, THREADS>(q, h0, group, g, tig);
+
+    const float sscale = rsqrtf((float)D) * FX_LOG2E;
+
+    // O^T accumulators [64-d block][i][c]: d = hb*64 + g*8 + 2i + (c >> 1), head
+    // 2tig + (c & 1).
+    float oacc[D / 64][4][4];
+#pragma unroll
+    for (int hb = 0; hb < D / 64; ++hb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) oacc[hb][i][0] = oacc[hb][i][1] = oacc[hb][i][2] = oacc[hb][i][3] = 0.f;
+    // heads 2tig (a) and 2tig + 1 (b): running max, and this lane's share of the sum
+    float ma = -INFINITY, mb = -INFINITY, la = 0.f, lb = 0.f;
+
+    for (int j = 0; wr.t0(j) < end; ++j) {
+        wr.issue(j + S - 1);
+        fx_cp_async_wait<S - 1>();
+        __syncwarp();
+        const int t0 = wr.t0(j);
+        const T* ks = wr.k_stage(j);
+        const T* vs = ks + STEP;
+        // ---- S^T = K Q^T: rows = tokens t0 + g (c0, c1) and t0 + g + 8 (c2, c3), columns
+        // = heads 2tig, 2tig + 1; two chains (the 16-byte reads' halves)
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int kb = 0; kb < D / 32; ++kb) {
+            const int cg = (kb * 4 + tig) ^ ((g & 1) << 2);  // rows g and g + 8: same parity
+            const uint4 ka = *reinterpret_cast<const uint4*>(ks + g * D + cg * 8);
+            const uint4 kc = *reinterpret_cast<const uint4*>(ks + (g + 8) * D + cg * 8);
+            const uint4 qv = qf.at(kb, tig);
+            FxMma<T>::run(s[0], s[1], s[2], s[3], ka.x, kc.x, ka.y, kc.y, qv.x, qv.y);
+            FxMma<T>::run(s2[0], s2[1], s2[2], s2[3], ka.z, kc.z, ka.w, kc.w, qv.z, qv.w);
+        }
+        const int ta = t0 + g, tc = ta + 8;
+        float x[4];
+        x[0] = ta < end ? (s[0] + s2[0]) * sscale : -INFINITY;  // head a
+        x[1] = ta < end ? (s[1] + s2[1]) * sscale : -INFINITY;  // head b
+        x[2] = tc < end ? (s[2] + s2[2]) * sscale : -INFINITY;  // head a
+        x[3] = tc < end ? (s[3] + s2[3]) * sscale : -INFINITY;  // head b
+        float mxa = fmaxf(x[0], x[2]), mxb = fmaxf(x[1], x[3]);
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, o));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, o));
+        }
+        const float na = fmaxf(ma, mxa), nb = fmaxf(mb, mxb);
+        const float alpha_a = ma == -INFINITY ? 0.f : fx_exp2(ma - na);
+        const float alpha_b = mb == -INFINITY ? 0.f : fx_exp2(mb - nb);
+        float p[4];
+        p[0] = x[0] == -INFINITY ? 0.f : fx_exp2(x[0] - na);
+        p[1] = x[1] == -INFINITY ? 0.f : fx_exp2(x[1] - nb);
+        p[2] = x[2] == -INFINITY ? 0.f : fx_exp2(x[2] - na);
+        p[3] = x[3] == -INFINITY ? 0.f : fx_exp2(x[3] - nb);
+        la = la * alpha_a + (p[0] + p[2]);
+        lb = lb * alpha_b + (p[1] + p[3]);
+        ma = na;
+        mb = nb;
+        // P^T as the B operand: (tokens 2tig, 2tig + 1; head g) and (tokens 2tig + 8, + 9;
+        // head g), each 8x8 block of P (token g; heads 2tig, 2tig + 1) transposed
+        const unsigned pb0 = fx_movmatrix_trans(fx_pack2<T>(p[0], p[1]));
+        const unsigned pb1 = fx_movmatrix_trans(fx_pack2<T>(p[2], p[3]));
+        // ---- O^T = O^T * alpha + V^T P^T; this lane's V rows are 2tig, 2tig+1, 2tig+8,
+        // 2tig+9, at d = hb*64 + g*8 .. +8 (rows g and g + 8 of the mma: elements 2i, 2i+1)
+#pragma unroll
+        for (int hb = 0; hb < D / 64; ++hb) {
+            const int c = (hb * 8 + g) ^ (tig * 2);
+            const uint4 va = *reinterpret_cast<const uint4*>(vs + (tig * 2) * D + c * 8);
+            const uint4 vb = *reinterpret_cast<const uint4*>(vs + (tig * 2 + 1) * D + c * 8);
+            const uint4 vc = *reinterpret_cast<const uint4*>(vs + (tig * 2 + 8) * D + c * 8);
+            const uint4 vd = *reinterpret_cast<const uint4*>(vs + (tig * 2 + 9) * D + c * 8);
+            const unsigned wa[4] = {va.x, va.y, va.z, va.w};
+            const unsigned wb[4] = {vb.x, vb.y, vb.z, vb.w};
+            const unsigned wc[4] = {vc.x, vc.y, vc.z, vc.w};
+            const unsigned wd[4] = {vd.x, vd.y, vd.z, vd.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned a0 = __byte_perm(wa[i], wb[i], 0x5410u);  // d element 2i
+                const unsigned a1 = __byte_perm(wa[i], wb[i], 0x7632u);  // d element 2i+1
+                const unsigned a2 = __byte_perm(wc[i], wd[i], 0x5410u);
+                const unsigned a3 = __byte_perm(wc[i], wd[i], 0x7632u);
+                float* o = oacc[hb][i];
+                o[0] *= alpha_a;
+                o[1] *= alpha_b;
+                o[2] *= alpha_a;
+                o[3] *= alpha_b;
+                FxMma<T>::run(o[0], o[1], o[2], o[3], a0, a1, a2, a3, pb0, pb1);
+            }
+        }
+        __syncwarp();
+    }
+    fx_cp_async_wait<0>();
+
+    // ---- the warps' merge, as gqa_split_mma's, from this layout: the sums over the lanes
+    // of a column (xor 4, 8, 16), then head 2tig's max and sum from lane tig
+    la += __shfl_xor_sync(0xffffffffu, la, 4);
+    lb += __shfl_xor_sync(0xffffffffu, lb, 4);
+    la += __shfl_xor_sync(0xffffffffu, la, 8);
+    lb += __shfl_xor_sync(0xffffffffu, lb, 8);
+    la += __shfl_xor_sync(0xffffffffu, la, 16);
+    lb += __shfl_xor_sync(0xffffffffu, lb, 16);
+    auto park_stats = [&](float (*m_s)[8], float (*l_s)[8]) {
+        if (g == 0) {
+            m_s[warp][2 * tig] = ma;
+            m_s[warp][2 * tig + 1] = mb;
+            l_s[warp][2 * tig] = la;
+            l_s[warp][2 * tig + 1] = lb;
+        }
+    };
+    // column d = hb*64 + g*8 + e of head h: slot hb*16 + (g >> 2)*8 + e of lane 4h + (g & 3)
+    constexpr int SLOTS = D / 4;
+    auto park_o = [&](float* o_f) {
+#pragma unroll
+        for (int hb = 0; hb < D / 64; ++hb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int slot = hb * 16 + (g >> 2) * 8 + 2 * i + (c >> 1);
+                    const int ln = 4 * (2 * tig + (c & 1)) + (g & 3);
+                    o_f[(warp * SLOTS + slot) * FX_OPAD + ln] = oacc[hb][i][c];
+                }
+    };
+    auto where = [](int d, int& slot, int& t) {
+        const int gg = (d % 64) / 8;
+        slot = (d / 64) * 16 + (gg >> 2) * 8 + d % 8;
+        t = gg & 3;
+    };
+    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING>(fx_dyn_smem, park_stats, park_o, ws_o, ws_ml,
+                                                    out, h0, group, splits, split, seq_len,
+                                                    seq_len_dev, where);
+}
+
+// Which head_dims take the swapped operands: measured against gqa_split_mma on the same
+// plans (mma-swapped-compare-v17.log), head_dim 128 was 0.1-2.3% faster (2% at 512 tokens,
+// 0.3-0.5% at 32768-131072) and 64 and 256 0.2-2.1% slower at 512-32768: halving the
+// mmas did not speed up the small shapes, so they were not bound by the tensor cores.
+#ifndef FX_MMA_SWAPPED_D64
+#define FX_MMA_SWAPPED_D64 0
+#endif
+#ifndef FX_MMA_SWAPPED_D128
+#define FX_MMA_SWAPPED_D128 1
+#endif
+#ifndef FX_MMA_SWAPPED_D256
+#define FX_MMA_SWAPPED_D256 0
+#endif
+template <class T, int D, bool CLUSTER>
+__device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,
+                                            float* ws_ml, T* out, int n_heads, int n_kv_heads,
+                                            int seq_len, const int* seq_len_dev, int splits,
+                                            int tile) {
+    constexpr bool SWAPPED = D == 64    ? FX_MMA_SWAPPED_D64
+                             : D == 128 ? FX_MMA_SWAPPED_D128
+                                        : FX_MMA_SWAPPED_D256;
+    if (SWAPPED)
+        gqa_split_mma_swapped<T, D, CLUSTER>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads,
+                                             seq_len, seq_len_dev, splits, tile);
+    else
+        gqa_split_mma<T, D, CLUSTER>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len,
+                                     seq_len_dev, splits, tile);
+}
+
+// Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
+// (launched in clusters of `splits` blocks per KV head, writes the output). Chunks are
+// multiples of `tile` tokens (16 to FX_TILE; the host picks it per plan).
+#define FX_MMA_ENTRY(NAME, T, D)                                                            \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
+        fx_mma_body<T, D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,        \
+                                 seq_len, seq_len_dev, splits, tile);                       \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
+        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
+        int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
+        fx_mma_body<T, D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,        \
+                                seq_len, seq_len_dev, splits, tile);                        \
+    }
+
+FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
+FX_MMA_ENTRY(gqa_split_mma_f16_d128, fx_half, 128)
+FX_MMA_ENTRY(gqa_split_mma_f16_d256, fx_half, 256)
+FX_MMA_ENTRY(gqa_split_mma_bf16_d64, fx_bf16, 64)
+FX_MMA_ENTRY(gqa_split_mma_bf16_d128, fx_bf16, 128)
+FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)

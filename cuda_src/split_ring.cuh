@@ -1,0 +1,114 @@
+// Split kernels (gqa_decode_split.cu), part 4: the tensor-core kernels' start (launch checks,
+// the block's chunk) and loads (16-byte reads, each warp's cp.async ring of K/V steps).
+
+__device__ __forceinline__ uint4 fx_ldg16(const void* p, bool ok) {
+    return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// 16 bytes global -> shared without registers; ok == false writes zeros and reads nothing.
+__device__ __forceinline__ void fx_cp_async16(void* dst, const void* src, bool ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
+                 "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void fx_cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void fx_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The tensor-core kernels' shared pieces. Element type T (2 or 4 bytes), TOK tokens per
+// step, S steps in each warp's ring.
+//
+// Queue step j of a warp: K and V rows t0..t0+TOK into stage j % S of its ring, 16 bytes per
+// cp.async, rows XOR-swizzled in 16-byte units (K chunk c of row r at c ^ ((r & 1) << 2), V
+// at c ^ (r & 6)); rows past `end` are zeros. One commit group per step, even an empty one,
+// so the waits count steps.
+template <class T, int D, int TOK, int S>
+__device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start, int end,
+                                              int lane, const T* kg, const T* vg,
+                                              long long row) {
+    constexpr int EPC = 16 / (int)sizeof(T);  // elements per 16-byte chunk
+    constexpr int NCH = D / EPC, STEP = TOK * D;
+    if (t0 < end) {
+        T* ks = ring + (j % S) * 2 * STEP;
+        T* vs = ks + STEP;
+#pragma unroll
+        for (int i = 0; i < TOK * NCH / 32; ++i) {
+            const int idx = i * 32 + lane, r = idx / NCH, c = idx % NCH;
+            const bool ok = t0 + r < end;
+            const long long off = (long long)(ok ? t0 + r : start) * row + c * EPC;
+            fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * EPC), kg + off, ok);
+            fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * EPC), vg + off, ok);
+        }
+    }
+    fx_cp_async_commit();
+}
+
+// One warp's K/V ring in the block's dynamic shared memory (fx_issue_step): S stages of
+// [K, V][TOK][D], the block's WARPS warps taking turns, so this warp's step j holds tokens
+// t0(j) .. t0(j) + TOK of the block's [start, end). fx_warp_ring queues the first S - 1.
+template <class T, int D, int TOK, int S, int WARPS>
+struct FxWarpRing {
+    T* ring;
+    const T* kg;  // the block's KV head at token 0
+    const T* vg;
+    long long row;  // elements from one token to the next
+    int start, end, warp, lane;
+    __device__ __forceinline__ int t0(int j) const {
+        return start + warp * TOK + j * (WARPS * TOK);
+    }
+    __device__ __forceinline__ void issue(int j) const {
+        fx_issue_step<T, D, TOK, S>(ring, j, t0(j), start, end, lane, kg, vg, row);
+    }
+    // step j's K rows (its V rows follow, TOK * D elements on)
+    __device__ __forceinline__ const T* k_stage(int j) const {
+        return ring + (j % S) * 2 * (TOK * D);
+    }
+};
+template <class T, int D, int TOK, int S, int WARPS>
+__device__ __forceinline__ FxWarpRing<T, D, TOK, S, WARPS> fx_warp_ring(
+    unsigned char* smem, const T* k, const T* v, int g_kv, int n_kv_heads, int start, int end,
+    int warp, int lane) {
+    const FxWarpRing<T, D, TOK, S, WARPS> r{
+        reinterpret_cast<T*>(smem) + warp * S * 2 * (TOK * D), k + (long long)g_kv * D,
+        v + (long long)g_kv * D, (long long)n_kv_heads * D, start, end, warp, lane};
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) r.issue(j);
+    return r;
+}
+
+// Refuse (trap) a launch with less dynamic shared memory than `bytes` (the ring would be
+// written past its end) or with other than `threads` threads (fewer warps would skip their
+// tokens).
+__device__ __forceinline__ void fx_check_launch(unsigned bytes, unsigned threads) {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < bytes) __trap();
+    if (blockDim.x != threads) __trap();
+}
+
+// The tensor-core kernels' start: check the launch (dynamic shared memory: the ring's
+// `ring_bytes`, and with CLUSTER the receive area past it; threads; and with CLUSTER that
+// the `splits` blocks of a KV head form one cluster), then
+// this block's tokens [start, end) of its chunk `split`. False: the block has none and
+// leaves. A cluster's blocks all stay (an idle one with end = start: no tokens) to take
+// part in the merge, and arrive at the cluster barrier that fx_finish waits on before any
+// block writes into another's shared memory (which must have started by then).
+template <bool CLUSTER, int D>
+__device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned threads,
+                                               int seq_len, const int* seq_len_dev, int splits,
+                                               int tile, int split, int& start, int& end) {
+    fx_check_launch(ring_bytes + (CLUSTER ? FX_RECV_FLOATS(D) * 4 : 0), threads);
+    if (CLUSTER) {
+        fx_check_cluster(splits);
+        fx_cluster_arrive_relaxed();
+    }
+    if (fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) return true;
+    if (!CLUSTER) return false;
+    end = start;
+    return true;
+}
