@@ -3,9 +3,10 @@ the time per decode of each (its split and combine kernels both from the file co
 for the plans plan_split makes (cluster and combine plans), in the benchmark's
 back-to-back harness over rotated KV sets.
 
-    PYTHONPATH=. python3 docs/perf-history/kernel_compare.py OLD.cu [shape ...]
+    PYTHONPATH=. python3 docs/perf-history/kernel_compare.py OLD [shape ...]
 
-OLD.cu: the kernel file before the change (e.g. `git show HEAD~1:cuda_src/gqa_decode_split.cu`).
+OLD: the kernel file before the change, as a git revision (e.g. HEAD~1; its parts in place) or
+a file holding the whole source.
 Each kernel is timed twice, alternating, and the faster of its two times is printed.
 """
 
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from points import load_variant, points
+from points import load_variant, points, source_at
 
 import ferrox_driver as fd
 from ferrox_driver import attention
@@ -41,7 +42,11 @@ CASES = [
 
 def main() -> None:
     stream = fd.Stream()
-    sources = {"old": Path(sys.argv[1]).read_text(), "new": kernel_source("gqa_decode_split.cu")}
+    old = Path(sys.argv[1])
+    sources = {
+        "old": old.read_text() if old.is_file() else source_at(sys.argv[1]),
+        "new": kernel_source("gqa_decode_split.cu"),
+    }
     modules = {k: load_variant(src, f"{k}.cu") for k, src in sources.items()}
     # a combine kernel launched early must wait for the split kernel (fx_wait_for_split)
     attention.EARLY_COMBINE = all("fx_wait_for_split" in src for src in sources.values())

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -22,7 +25,7 @@ import numpy as np
 import ferrox_driver as fd
 from ferrox_driver.attention import SplitPlan, launch_split, plan_split, stream_workspace
 from ferrox_driver.bench_decode import KVSets, fill_uniform, rotated_kv_sets, time_split_plan
-from ferrox_driver.compiler import compile_source, kernel_source
+from ferrox_driver.compiler import compile_source, expand_includes, kernel_source
 from ferrox_driver.launch import Module
 from ferrox_driver.reference import reference_gqa_decode
 
@@ -203,6 +206,19 @@ def points(cases: Iterable[Case], stream: fd.Stream, only: Sequence[str] = ()) -
         finally:
             q.close()
             out.close()
+
+
+def source_at(rev: str, filename: str = "gqa_decode_split.cu") -> str:
+    """The kernel file ``filename`` as it was at git revision ``rev``, its parts in place (as
+    kernel_source reads the working tree's)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in git("ls-tree", "--full-tree", "--name-only", rev, "cuda_src/").split():
+            (Path(tmp) / Path(path).name).write_text(git("show", f"{rev}:{path}"))
+        return expand_includes(filename, Path(tmp))
 
 
 def edited_source(edits: Iterable[tuple[str, str]], src: str | None = None) -> str:

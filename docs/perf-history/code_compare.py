@@ -1,0 +1,76 @@
+"""The split kernels' machine code at a git revision against the working tree's, on sm_80,
+sm_90 and sm_100 (NVRTC, no GPU): each kernel's code, its .nv.info and constant bank and its
+shared memory, and its ptxas report (registers, stack, spills). A change that leaves all of
+them alike needs no timing run; one that does not says where to look. Exit status 1 when
+any kernel differs.
+
+    PYTHONPATH=. python3 docs/perf-history/code_compare.py REV [arch ...]
+
+(A tidy-up once compiled to the same code on sm_90 and sm_80 but spilled on sm_100, which
+the CPU compile test caught: NOTES.md v18. So all three by default.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from points import source_at
+
+from ferrox_driver.compiler import compile_source, kernel_source
+
+ARCHS = ["sm_80", "sm_90", "sm_100"]
+KERNEL_SECTIONS = (".text.", ".nv.info.", ".nv.constant0.", ".nv.shared.")
+
+
+def sections(elf: bytes) -> dict[str, str]:
+    """A digest of each kernel's sections of a cubin (ELF64), by section name (.nv.shared.*
+    holds no bytes: its size)."""
+    shoff = struct.unpack_from("<Q", elf, 0x28)[0]
+    entsize, count, names_at = struct.unpack_from("<HHH", elf, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", elf, shoff + i * entsize) for i in range(count)]
+    names = headers[names_at][4]
+    out = {}
+    for name_off, kind, _flags, _addr, off, size in headers:
+        name = elf[names + name_off : elf.index(b"\0", names + name_off)].decode()
+        if name.startswith(KERNEL_SECTIONS):
+            nobits = kind == 8
+            out[name] = (
+                f"{size} bytes" if nobits else hashlib.sha256(elf[off : off + size]).hexdigest()
+            )
+    return out
+
+
+def report(job: tuple[str, str, str]) -> tuple[str, str, dict[str, str], dict[str, object]]:
+    label, arch, src = job
+    program = compile_source(src, arch=arch, name="gqa_decode_split.cu")
+    return label, arch, sections(program.cubin), dict(program.resources)
+
+
+def main() -> None:
+    rev, archs = sys.argv[1], sys.argv[2:] or ARCHS
+    sources = {rev: source_at(rev), "working tree": kernel_source("gqa_decode_split.cu")}
+    jobs = [(label, arch, src) for label, src in sources.items() for arch in archs]
+    with ProcessPoolExecutor(len(jobs)) as pool:
+        done = {(label, arch): (secs, res) for label, arch, secs, res in pool.map(report, jobs)}
+    differ = 0
+    for arch in archs:
+        (old_secs, old_res), (new_secs, new_res) = (done[label, arch] for label in sources)
+        kernels = sorted(set(old_res) | set(new_res))
+        for k in kernels:
+            names = sorted(n for n in set(old_secs) | set(new_secs) if n.endswith("." + k))
+            changed = [n.rsplit(".", 1)[0] for n in names if old_secs.get(n) != new_secs.get(n)]
+            if changed or old_res.get(k) != new_res.get(k):
+                differ += 1
+                print(
+                    f"{arch} {k}: {', '.join(changed) or 'same sections'}; "
+                    f"{old_res.get(k)} -> {new_res.get(k)}"
+                )
+        print(f"{arch}: {len(kernels)} kernels, {differ} differ so far", flush=True)
+    sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
