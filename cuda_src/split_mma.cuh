@@ -111,13 +111,13 @@ __device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, in
     return r;
 }
 
-template <class T, int D, bool CLUSTER>
+template <class T, int D, bool CLUSTER, int WARPS>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
     int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
     constexpr int S = FxStages<D>::value;
-    constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
+    constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 

@@ -15,13 +15,13 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
     return y;
 }
 
-template <class T, int D, bool CLUSTER>
+template <class T, int D, bool CLUSTER, int WARPS>
 __device__ __forceinline__ void gqa_split_mma_swapped(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
     int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
     constexpr int S = FxStages<D>::value;
-    constexpr int WARPS = FxWarps<D>::value, THREADS = WARPS * 32;
+    constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;  // elements of one step's K (or V)
     constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(T);
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
@@ -188,7 +188,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #ifndef FX_MMA_SWAPPED_D256
 #define FX_MMA_SWAPPED_D256 0
 #endif
-template <class T, int D, bool CLUSTER>
+template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value>
 __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,
                                             float* ws_ml, T* out, int n_heads, int n_kv_heads,
                                             int seq_len, const int* seq_len_dev, int splits,
@@ -197,11 +197,12 @@ __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, 
                              : D == 128 ? FX_MMA_SWAPPED_D128
                                         : FX_MMA_SWAPPED_D256;
     if (SWAPPED)
-        gqa_split_mma_swapped<T, D, CLUSTER>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads,
-                                             seq_len, seq_len_dev, splits, tile);
+        gqa_split_mma_swapped<T, D, CLUSTER, WARPS>(q, k, v, ws_o, ws_ml, out, n_heads,
+                                                    n_kv_heads, seq_len, seq_len_dev, splits,
+                                                    tile);
     else
-        gqa_split_mma<T, D, CLUSTER>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len,
-                                     seq_len_dev, splits, tile);
+        gqa_split_mma<T, D, CLUSTER, WARPS>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads,
+                                            seq_len, seq_len_dev, splits, tile);
 }
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
@@ -227,3 +228,22 @@ FX_MMA_ENTRY(gqa_split_mma_f16_d256, fx_half, 256)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d64, fx_bf16, 64)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d128, fx_bf16, 128)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
+
+// The "wide" cluster kernels (head_dim 128, attention.py's wide plans): FX_WIDE_WARPS warps
+// per block, twice the others', for grids of 8 chunks per KV head, merged on chip in
+// clusters of 8, where the other plans take 16 chunks and the combine kernel. Half the
+// multiprocessors stream the cache as fast (NOTES.md v18), no combine kernel runs, and
+// twice the warps share each block's doubled products (with 4 warps the same plans were
+// 3-32% slower: half-cluster-compare-v18.log, -8warps-*-v19.log).
+#define FX_WIDE_WARPS 8
+#define FX_MMA_WIDE_ENTRY(NAME, T)                                                          \
+    extern "C" __global__ void __launch_bounds__(FX_WIDE_WARPS * 32, 1) NAME(               \
+        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
+        int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
+        fx_mma_body<T, 128, true, FX_WIDE_WARPS>(q, k, v, nullptr, nullptr, out, n_heads,   \
+                                                 n_kv_heads, seq_len, seq_len_dev, splits,  \
+                                                 tile);                                     \
+    }
+
+FX_MMA_WIDE_ENTRY(gqa_split_mma_f16_d128_wide_cluster, fx_half)
+FX_MMA_WIDE_ENTRY(gqa_split_mma_bf16_d128_wide_cluster, fx_bf16)

@@ -163,6 +163,23 @@ TC32_WARPS = {d: kernel_define(f"FX_TC32_WARPS_D{d}") for d in TC32_HEAD_DIMS}
 TC32_STAGES = {d: kernel_define(f"FX_TC32_STAGES_D{d}") for d in TC32_HEAD_DIMS}
 TC32_TOKENS = {d: kernel_define(f"FX_TC32_TOKENS_D{d}") for d in TC32_HEAD_DIMS}
 TC32_RESERVE_STAGES = {d: kernel_define(f"FX_TC32_RESERVE_STAGES_D{d}") for d in TC32_HEAD_DIMS}
+# The "wide" plans (fp16/bf16, head_dim 128): WIDE_CHUNKS chunks per KV head in clusters of
+# as many blocks of WIDE_WARPS warps (gqa_split_mma_*_d128_wide_cluster), merged on chip,
+# instead of 16 chunks and the combine kernel. Measured on the H200 with 8 KV heads, 64
+# blocks (docs/perf-history/half-cluster-compare-8warps-*-v19.log): groups of 4 1.4-3.9%
+# faster from 1024 to 65536 tokens and 0.8% at 131072; groups of 8 2.1-2.2% faster at
+# 16384-32768 and 0.7-0.9% at 65536-131072, but 0-2.2% slower at 1024-8192. With fewer
+# blocks (28/4/128 in clusters of 16: 64 blocks of a 16-block cluster each) or more, smaller
+# clusters (MHA, 2 per KV head) they were slower, so the plan needs WIDE_MIN_BLOCKS.
+WIDE_WARPS = kernel_define("FX_WIDE_WARPS")
+WIDE_CHUNKS = 8
+WIDE_MIN_BLOCKS = 64
+WIDE_HEAD_DIM = 128
+
+
+def wide_from(group: int) -> int:
+    """The shortest sequence a wide plan takes for groups of ``group`` (see WIDE_WARPS)."""
+    return 1024 if group <= 4 else 16384
 
 
 _resident_blocks: dict[tuple[int, str], int] = {}
@@ -191,14 +208,16 @@ def plan_split(
 ) -> SplitPlan:
     """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens
     (memoised: every decode asks, once; the knobs FERROX_SPLIT_HEADS_PER_BLOCK,
-    FERROX_TC32 and FERROX_CLUSTER are part of the key).
+    FERROX_TC32, FERROX_CLUSTER and FERROX_WIDE are part of the key).
 
     The grid is at most one full wave of resident blocks; each block's chunk is a multiple
     of the plan's tile, computed on the device from the actual length (which may be
     shorter, as in a captured graph sized for the cache's capacity). CUDA-core tiles are the
     tokens a block takes per iteration (8-64). Tensor-core tiles are 64 tokens (32 for the
     fp32 head_dim 256 kernel), and a KV head's chunks merge on chip where they fit resident
-    clusters (clusters_fit).
+    clusters (clusters_fit); fp16/bf16 head_dim 128 plans of at least WIDE_MIN_BLOCKS
+    blocks take WIDE_CHUNKS chunks per KV head of 8-warp blocks in clusters from
+    ``wide_from(group)`` tokens (wide_plan).
     """
     env = os.environ
     key = (
@@ -212,6 +231,7 @@ def plan_split(
         env.get("FERROX_SPLIT_HEADS_PER_BLOCK"),
         env.get("FERROX_TC32"),
         env.get("FERROX_CLUSTER"),
+        env.get("FERROX_WIDE"),
     )
     plan = _plans.get(key)
     if plan is None:
@@ -278,6 +298,9 @@ def _plan_split(
     # 64-token tiles, merged on chip where the chunks fit resident clusters and exchange at
     # most CLUSTER_MAX_EXCHANGE floats: smaller tiles (more chunks, in clusters or not)
     # measured level or slower for these kernels (docs/perf-history/tile-variants-v8.log).
+    wide = wide_plan(device, plan, name, n_kv_heads, group, head_dim, seq)
+    if wide is not None:
+        return wide
     splits = min(most, -(-seq // tile))
     shared += cluster_recv_bytes(head_dim)
     cluster = splits * group * head_dim <= CLUSTER_MAX_EXCHANGE and clusters_fit(
@@ -288,6 +311,38 @@ def _plan_split(
     return dataclasses.replace(
         plan, kernel=kname, splits=splits, tile=tile, cluster=splits if cluster else 0
     )
+
+
+def wide_plan(
+    device: Device,
+    plan: SplitPlan,
+    name: str,
+    n_kv_heads: int,
+    group: int,
+    head_dim: int,
+    seq: int,
+) -> SplitPlan | None:
+    """The wide plan replacing the fp16/bf16 tensor-core ``plan`` (see WIDE_WARPS), or None
+    where it does not apply: another head_dim, fewer than WIDE_MIN_BLOCKS blocks, a sequence
+    shorter than ``wide_from(group)``, clusters that would not all be resident, or
+    ``FERROX_WIDE=0`` (a comparison knob; FERROX_CLUSTER=0 turns it off too)."""
+    if os.environ.get("FERROX_WIDE", "1") == "0" or name == "f32" or head_dim != WIDE_HEAD_DIM:
+        return None
+    if n_kv_heads * WIDE_CHUNKS < WIDE_MIN_BLOCKS or seq < wide_from(group):
+        return None
+    wide = dataclasses.replace(
+        plan,
+        kernel=f"gqa_split_mma_{name}_d{head_dim}_wide_cluster",
+        threads=32 * WIDE_WARPS,
+        reserve_stages=0,  # WIDE_WARPS x stages steps already fill a multiprocessor's share
+        splits=WIDE_CHUNKS,
+        tile=TILE,
+        cluster=WIDE_CHUNKS,
+    )
+    shared = wide.shared_bytes(head_dim, 2)
+    if not clusters_fit(device, wide.kernel, WIDE_CHUNKS, n_kv_heads, wide.threads, shared):
+        return None
+    return wide
 
 
 _resident_clusters: dict[tuple[int, str, int], int] = {}

@@ -225,17 +225,24 @@ def test_misaligned_foreign_arrays_take_the_generic_path(rng):
 
 @pytest.mark.parametrize("heads_per_block", ["1", "2", "4", "8"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("seq_len", [3001, 500], ids=["combine-kernel", "cluster-merge"])
-def test_split_decode_is_bitwise_reproducible(rng, monkeypatch, heads_per_block, dtype, seq_len):
+@pytest.mark.parametrize(
+    "n_heads,seq_len", [(64, 3001), (32, 500), (32, 3001)],
+    ids=["combine-kernel", "cluster-merge", "wide-cluster-merge"],
+)  # fmt: skip
+def test_split_decode_is_bitwise_reproducible(
+    rng, monkeypatch, heads_per_block, dtype, n_heads, seq_len
+):
     # A result that moves between identical runs means a race: run each kernel family 20x
-    # (500 tokens: 8 chunks per KV head, merged on chip on compute capability 9.0).
+    # (on compute capability 9.0, fp16/bf16: 500 tokens, 8 chunks per KV head merged on
+    # chip; 3001 tokens of groups of 4, the same in 8-warp blocks; of groups of 8, 16 chunks
+    # and the combine kernel).
     monkeypatch.setenv("FERROX_SPLIT_HEADS_PER_BLOCK", heads_per_block)
-    q, k, v = random_decode_inputs(rng, 32, 8, 128, seq_len, DTYPES[dtype])
+    q, k, v = random_decode_inputs(rng, n_heads, 8, 128, seq_len, DTYPES[dtype])
     qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
     first = None
     for _ in range(20):
         out = poisoned(q.shape, q.dtype)
-        fd.gqa_decode(qd, kd, vd, n_heads=32, n_kv_heads=8, head_dim=128, out=out)
+        fd.gqa_decode(qd, kd, vd, n_heads=n_heads, n_kv_heads=8, head_dim=128, out=out)
         got = out.to_host().view(np.uint8)
         if first is None:
             first = got
@@ -254,7 +261,7 @@ def combine_started_at_entry(device):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(
     "n_heads,n_kv_heads,head_dim,seq_len",
-    [(32, 8, 128, 3001), (32, 32, 128, 5000), (8, 1, 256, 20001), (16, 2, 40, 777)],
+    [(64, 8, 128, 3001), (32, 32, 128, 5000), (8, 1, 256, 20001), (16, 2, 40, 777)],
 )
 def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
     rng, monkeypatch, device, combine_started_at_entry, trigger, dtype, n_heads, n_kv_heads,
@@ -374,6 +381,47 @@ def test_cluster_merge_and_combine_kernel_match_reference(
             kv.extend(k, v)
         out = poisoned(q.shape, q.dtype)
         # the length read on the device, as in a captured graph
+        kv.launch_decode(
+            fd.to_device(q), out, n_heads=n_heads, stream=kv.stream, length_on_device=True
+        )
+        kv.synchronize()
+        got = out.to_host()
+    assert rel_err(got, ref) < TOL[dtype]
+    if seq_len == 0:
+        assert not np.any(got)
+
+
+# fp16/bf16 head_dim 128 with 8 KV heads: from 1024 tokens (groups up to 4) or 16384 (groups
+# of 8), 8 chunks per KV head in clusters of 8-warp blocks (the wide plans; FERROX_WIDE=0:
+# the combine kernel's). A cache planned for its capacity and read at shorter lengths (the
+# length on the device, as in a captured graph) leaves blocks of a cluster without tokens.
+@pytest.mark.parametrize("wide", ["1", "0"])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize(
+    "n_heads,capacity", [(32, 1024), (32, 4096), (16, 32768), (64, 16384)]
+)  # fmt: skip
+@pytest.mark.parametrize("seq_len", [0, 1, 65, 1000, "full-1", "full"])
+def test_wide_cluster_plans_match_reference(
+    rng, monkeypatch, device, wide, dtype, n_heads, capacity, seq_len
+):
+    from ferrox_driver import attention
+
+    monkeypatch.setenv("FERROX_WIDE", wide)
+    dt = DTYPES[dtype]
+    seq_len = {"full": capacity, "full-1": capacity - 1}.get(seq_len, seq_len)
+    plan = plan_split(device, dt, n_heads, 8, 128, capacity)
+    if wide == "0" or device.compute_capability < (9, 0):
+        assert plan.cluster == 0, plan
+    else:
+        assert plan.kernel.endswith("_d128_wide_cluster"), plan
+        assert plan.splits == plan.cluster == attention.WIDE_CHUNKS, plan
+        assert plan.threads == 32 * attention.WIDE_WARPS, plan
+    q, k, v = random_decode_inputs(rng, n_heads, 8, 128, seq_len, dt)
+    ref = fd.reference_gqa_decode(q, k, v, n_heads=n_heads, n_kv_heads=8, head_dim=128)
+    with fd.KVCache(8, 128, capacity, dtype=dt) as kv:
+        if seq_len:
+            kv.extend(k, v)
+        out = poisoned(q.shape, q.dtype)
         kv.launch_decode(
             fd.to_device(q), out, n_heads=n_heads, stream=kv.stream, length_on_device=True
         )

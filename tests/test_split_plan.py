@@ -61,6 +61,11 @@ def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
         (f"gqa_split_tc32_f32_d{d}", d, 4, a.TC32_WARPS[d], reserve, a.TC32_TOKENS[d])
         for d, reserve in a.TC32_RESERVE_STAGES.items()
     ]
+    # the wide cluster entries: 8 warps, their ring's own steps (no reserve beyond it)
+    kernels += [
+        (f"gqa_split_mma_{t}_d128_wide", 128, 2, a.WIDE_WARPS, a.MMA_STAGES[128], 16)
+        for t in ("f16", "bf16")
+    ]
     for name, head_dim, itemsize, warps, reserve, tokens in kernels:
         # the launch's shared memory: the reserve (at least the ring's steps)
         plan = a.SplitPlan(name, True, 1, 32, 1, 32 * warps, stages=reserve, step_tokens=tokens)
@@ -71,11 +76,14 @@ def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
             clustered.shared_bytes(head_dim, itemsize)
             == plan.shared_bytes(head_dim, itemsize) + recv
         )
-        for p in (plan, clustered):
+        wide = name.endswith("_wide")  # only a cluster entry
+        for p in (clustered,) if wide else (plan, clustered):
             dynamic = p.shared_bytes(head_dim, itemsize)
             static = program.resources[p.kernel].shared_bytes
             assert dynamic > 0
             assert dynamic + static <= MAX_BLOCK_SHARED, (p.kernel, dynamic, static)
+            # more than half a multiprocessor's 228 KiB (1 KiB per block reserved): one block
+            assert 2 * (dynamic + static + 1024) > 228 * 1024, (p.kernel, dynamic, static)
 
 
 def test_the_cluster_receive_area_holds_every_blocks_share_of_the_output():
@@ -180,9 +188,23 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     bf16 = ml_dtypes.bfloat16
     # 8 chunks of a KV head fit a resident cluster (8 of 15): merged on chip
     assert plan(bf16, (32, 8, 128), 512) == ("gqa_split_mma_bf16_d128_cluster", 64, 8, 8)
-    # 16 chunks per KV head: 8 clusters of 16 would not all be resident (7): combine kernel
-    assert plan(bf16, (32, 8, 128), 4096) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
-    assert plan(bf16, (32, 8, 128), 131072) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
+    # 16 chunks per KV head: 8 clusters of 16 would not all be resident (7), so from 1024
+    # tokens (groups up to 4) 8 chunks of 8-warp blocks in clusters: the wide plans
+    wide = "gqa_split_mma_bf16_d128_wide_cluster"
+    assert plan(bf16, (32, 8, 128), 1024) == (wide, 64, 8, 8)
+    assert plan(bf16, (32, 8, 128), 4096) == (wide, 64, 8, 8)
+    assert plan(bf16, (32, 8, 128), 131072) == (wide, 64, 8, 8)
+    assert plan(np.float16, (32, 8, 128), 4096)[0] == "gqa_split_mma_f16_d128_wide_cluster"
+    # groups of 8 from 16384 tokens; before, 16 chunks and the combine kernel
+    assert plan(bf16, (64, 8, 128), 8192) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
+    assert plan(bf16, (64, 8, 128), 16384) == (wide, 64, 8, 8)
+    # too few blocks (4 KV heads: 32), or clusters that would not all be resident (MHA: 32)
+    assert plan(bf16, (16, 4, 128), 32768) == ("gqa_split_mma_bf16_d128", 64, 33, 0)
+    assert plan(bf16, (32, 32, 128), 32768) == ("gqa_split_mma_bf16_d128", 64, 4, 0)
+    p = attention.plan_split(dev, np.dtype(bf16), 32, 8, 128, 4096)
+    assert (p.threads, p.stages) == (32 * attention.WIDE_WARPS, attention.MMA_STAGES[128])
+    ring = attention.WIDE_WARPS * attention.MMA_STAGES[128] * 16 * 2 * 128 * 2
+    assert p.shared_bytes(128, 2) == ring + attention.cluster_recv_bytes(128)
     # 4 KV heads: 4 clusters of 16 are resident
     assert plan(bf16, (16, 4, 128), 1024) == ("gqa_split_mma_bf16_d128_cluster", 64, 16, 16)
     # ... unless their exchange (chunks x group x head_dim floats) passes 8192
@@ -206,11 +228,16 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
         hd = heads[2]
         assert (p.stages, p.reserve_stages) == (2, 3)
         assert p.shared_bytes(hd, 4) == p.threads // 32 * 3 * p.step_tokens * 2 * hd * 4
+    # FERROX_WIDE=0: the combine kernel's plans again (a comparison knob)
+    monkeypatch.setenv("FERROX_WIDE", "0")
+    assert plan(bf16, (32, 8, 128), 4096) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
+    monkeypatch.delenv("FERROX_WIDE")
     # no clusters before compute capability 9.0
     monkeypatch.setattr(attention, "_resident_clusters", {})
     monkeypatch.setattr(attention, "_plans", {})
     dev.compute_capability = (8, 0)
     assert plan(bf16, (32, 8, 128), 512) == ("gqa_split_mma_bf16_d128", 64, 8, 0)
+    assert plan(bf16, (32, 8, 128), 4096) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
 
 
 def test_the_head_dim_128_launch_reserves_more_shared_memory_than_its_ring():

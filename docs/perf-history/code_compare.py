@@ -1,8 +1,9 @@
 """The split kernels' machine code at a git revision against the working tree's, on sm_80,
-sm_90 and sm_100 (NVRTC, no GPU): each kernel's code, its .nv.info and constant bank and its
-shared memory, and its ptxas report (registers, stack, spills). A change that leaves all of
-them alike needs no timing run; one that does not says where to look. Exit status 1 when
-any kernel differs.
+sm_90 and sm_100 (NVRTC, no GPU): each kernel's code, its constant bank and its shared
+memory, and its ptxas report (registers, stack, spills); kernels added or removed are listed
+apart. (Not .nv.info: it names symbols by their index, which moves when a kernel is added.)
+A change that leaves the kernels of both alike needs no timing run for them; one that does
+not says where to look. Exit status 1 when any kernel of both differs.
 
     PYTHONPATH=. python3 docs/perf-history/code_compare.py REV [arch ...]
 
@@ -22,7 +23,7 @@ from points import source_at
 from ferrox_driver.compiler import compile_source, kernel_source
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
-KERNEL_SECTIONS = (".text.", ".nv.info.", ".nv.constant0.", ".nv.shared.")
+KERNEL_SECTIONS = (".text.", ".nv.constant0.", ".nv.shared.")
 
 
 def sections(elf: bytes) -> dict[str, str]:
@@ -58,7 +59,13 @@ def main() -> None:
     differ = 0
     for arch in archs:
         (old_secs, old_res), (new_secs, new_res) = (done[label, arch] for label in sources)
-        kernels = sorted(set(old_res) | set(new_res))
+        kernels = sorted(set(old_res) & set(new_res))
+        for label, names in (
+            ("only at " + rev, set(old_res) - set(new_res)),
+            ("only in the working tree", set(new_res) - set(old_res)),
+        ):
+            if names:
+                print(f"{arch} {label}: {', '.join(sorted(names))}")
         for k in kernels:
             names = sorted(n for n in set(old_secs) | set(new_secs) if n.endswith("." + k))
             changed = [n.rsplit(".", 1)[0] for n in names if old_secs.get(n) != new_secs.get(n)]
@@ -68,7 +75,7 @@ def main() -> None:
                     f"{arch} {k}: {', '.join(changed) or 'same sections'}; "
                     f"{old_res.get(k)} -> {new_res.get(k)}"
                 )
-        print(f"{arch}: {len(kernels)} kernels, {differ} differ so far", flush=True)
+        print(f"{arch}: {len(kernels)} kernels in both, {differ} differ so far", flush=True)
     sys.exit(1 if differ else 0)
 
 
