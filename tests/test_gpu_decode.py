@@ -324,6 +324,28 @@ def test_combine_of_more_than_64_chunks_matches_reference(
     assert rel_err(out.to_host(), fd.reference_gqa_decode(q, k, v, **kw)) < TOL[dtype]
 
 
+def assert_cache_decode_matches_reference(q, k, v, n_heads, capacity, dtype):
+    """Decode q over k and v appended to a KVCache of ``capacity`` (planned for it), the
+    length read on the device as in a captured graph: within TOL of the float64 reference,
+    and zeros for an empty cache."""
+    _, n_kv_heads, head_dim = k.shape
+    ref = fd.reference_gqa_decode(
+        q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
+    )
+    with fd.KVCache(n_kv_heads, head_dim, capacity, dtype=q.dtype) as kv:
+        if len(k):
+            kv.extend(k, v)
+        out = poisoned(q.shape, q.dtype)
+        kv.launch_decode(
+            fd.to_device(q), out, n_heads=n_heads, stream=kv.stream, length_on_device=True
+        )
+        kv.synchronize()
+        got = out.to_host()
+    assert rel_err(got, ref) < TOL[dtype]
+    if len(k) == 0:
+        assert not np.any(got)
+
+
 # Tensor-core plans whose chunks per KV head fit one thread block cluster (compute
 # capability 9.0, at most 16 blocks, every cluster resident at once) merge them on chip
 # where they exchange at most 8192 floats (chunks x group x head_dim; ``blocks`` 0: more,
@@ -373,22 +395,7 @@ def test_cluster_merge_and_combine_kernel_match_reference(
     elif device.compute_capability >= (9, 0):
         assert plan.splits == capacity // 64 and plan.cluster == blocks, plan
     q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
-    ref = fd.reference_gqa_decode(
-        q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
-    )
-    with fd.KVCache(n_kv_heads, head_dim, capacity, dtype=dt) as kv:
-        if seq_len:
-            kv.extend(k, v)
-        out = poisoned(q.shape, q.dtype)
-        # the length read on the device, as in a captured graph
-        kv.launch_decode(
-            fd.to_device(q), out, n_heads=n_heads, stream=kv.stream, length_on_device=True
-        )
-        kv.synchronize()
-        got = out.to_host()
-    assert rel_err(got, ref) < TOL[dtype]
-    if seq_len == 0:
-        assert not np.any(got)
+    assert_cache_decode_matches_reference(q, k, v, n_heads, capacity, dtype)
 
 
 # fp16/bf16 head_dim 128 with 8 KV heads: from 1024 tokens (groups up to 4) or 16384 (groups
@@ -417,16 +424,4 @@ def test_wide_cluster_plans_match_reference(
         assert plan.splits == plan.cluster == attention.WIDE_CHUNKS, plan
         assert plan.threads == 32 * attention.WIDE_WARPS, plan
     q, k, v = random_decode_inputs(rng, n_heads, 8, 128, seq_len, dt)
-    ref = fd.reference_gqa_decode(q, k, v, n_heads=n_heads, n_kv_heads=8, head_dim=128)
-    with fd.KVCache(8, 128, capacity, dtype=dt) as kv:
-        if seq_len:
-            kv.extend(k, v)
-        out = poisoned(q.shape, q.dtype)
-        kv.launch_decode(
-            fd.to_device(q), out, n_heads=n_heads, stream=kv.stream, length_on_device=True
-        )
-        kv.synchronize()
-        got = out.to_host()
-    assert rel_err(got, ref) < TOL[dtype]
-    if seq_len == 0:
-        assert not np.any(got)
+    assert_cache_decode_matches_reference(q, k, v, n_heads, capacity, dtype)

@@ -14,11 +14,10 @@ the CPU compile test caught: NOTES.md v18. So all three by default.)
 from __future__ import annotations
 
 import hashlib
-import struct
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from points import source_at
+from points import cubin_sections, source_at
 
 from ferrox_driver.compiler import compile_source, kernel_source
 
@@ -26,22 +25,14 @@ ARCHS = ["sm_80", "sm_90", "sm_100"]
 KERNEL_SECTIONS = (".text.", ".nv.constant0.", ".nv.shared.")
 
 
-def sections(elf: bytes) -> dict[str, str]:
-    """A digest of each kernel's sections of a cubin (ELF64), by section name (.nv.shared.*
-    holds no bytes: its size)."""
-    shoff = struct.unpack_from("<Q", elf, 0x28)[0]
-    entsize, count, names_at = struct.unpack_from("<HHH", elf, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", elf, shoff + i * entsize) for i in range(count)]
-    names = headers[names_at][4]
-    out = {}
-    for name_off, kind, _flags, _addr, off, size in headers:
-        name = elf[names + name_off : elf.index(b"\0", names + name_off)].decode()
-        if name.startswith(KERNEL_SECTIONS):
-            nobits = kind == 8
-            out[name] = (
-                f"{size} bytes" if nobits else hashlib.sha256(elf[off : off + size]).hexdigest()
-            )
-    return out
+def sections(cubin: bytes) -> dict[str, str]:
+    """A digest of each kernel's sections of a cubin, by section name (.nv.shared.* holds
+    no bytes: its size)."""
+    return {
+        name: f"{data} bytes" if isinstance(data, int) else hashlib.sha256(data).hexdigest()
+        for name, data in cubin_sections(cubin).items()
+        if name.startswith(KERNEL_SECTIONS)
+    }
 
 
 def report(job: tuple[str, str, str]) -> tuple[str, str, dict[str, str], dict[str, object]]:

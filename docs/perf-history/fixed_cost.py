@@ -15,9 +15,8 @@ fixed cost of every launch, and the split kernels (30-115 KB) pay it. Grid: 132 
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
+from points import cubin_sections
 
 import ferrox_driver as fd
 from ferrox_driver.bench_decode import captured, time_events
@@ -49,16 +48,11 @@ extern "C" __global__ void straight_kernel(float* out, float a) { FX_BODY(_Pragm
 
 def text_sizes(cubin: bytes) -> dict[str, int]:
     """Bytes of machine code per kernel (the ELF's .text.<kernel> sections)."""
-    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    names = sections[shstrndx][4]
-    sizes = {}
-    for name, _, _, _, _, size in sections:
-        text = cubin[names + name : cubin.index(b"\0", names + name)].decode()
-        if text.startswith(".text."):
-            sizes[text[6:]] = size
-    return sizes
+    return {
+        name[6:]: len(data)
+        for name, data in cubin_sections(cubin).items()
+        if name.startswith(".text.") and isinstance(data, bytes)
+    }
 
 
 def main() -> None:
