@@ -121,22 +121,7 @@ __device__ __forceinline__ void gqa_split_mma(
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    fx_let_combine_start<2>();
-    const int split = blockIdx.x;
-    int start, end;
-    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(T), THREADS, seq_len,
-                                    seq_len_dev, splits, tile, split, start, end))
-        return;
-
-    const int g_kv = blockIdx.y;
-    const int group = n_heads / n_kv_heads;  // <= 8 on this path
-    const int h0 = g_kv * group;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, tig = lane & 3;
-
-    // this warp's ring of 16-token steps, the first S - 1 queued
-    const auto wr = fx_warp_ring<T, D, 16, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
-                                                      start, end, warp, lane);
+    FX_TC_START(T, 16, WARPS * S * 2 * STEP * sizeof(T));  // 16-token steps
 
     // Q as the A operand (rows = heads; rows 8..15 are zero)
     const FxQ<T, D> qf = fx_load_q<T, D, THREADS>(q, h0, group, g, tig);

@@ -26,21 +26,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(T);
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    fx_let_combine_start<2>();
-    const int split = blockIdx.x;
-    int start, end;
-    if (!fx_block_chunk<CLUSTER, D>(RING, THREADS, seq_len, seq_len_dev, splits, tile, split,
-                                    start, end))
-        return;
-
-    const int g_kv = blockIdx.y;
-    const int group = n_heads / n_kv_heads;  // <= 8 on this path
-    const int h0 = g_kv * group;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, tig = lane & 3;
-
-    const auto wr = fx_warp_ring<T, D, 16, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
-                                                      start, end, warp, lane);
+    FX_TC_START(T, 16, RING);  // 16-token steps
 
     // Q as the B operand (n = heads), read as gqa_split_mma reads it for its A operand
     const FxQ<T, D> qf = fx_load_q<T, D, THREADS>(q, h0, group, g, tig);

@@ -112,3 +112,28 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
     end = start;
     return true;
 }
+
+// The first lines of every tensor-core kernel body: let the combine kernel start early,
+// check the launch and find the block's tokens [start, end) of its chunk `split` (leaving
+// when it has none), name the block's KV head g_kv, its group and first query head h0, the
+// thread's lane and warp and its mma fragment coordinates (lane = 4g + tig), and queue the
+// first steps of this warp's ring `wr` of TOK-token steps of element type T (RING_BYTES:
+// the block's ring). The body must name CLUSTER, D, S, WARPS, THREADS, k, v, n_heads,
+// n_kv_heads, seq_len, seq_len_dev, splits, tile and fx_dyn_smem as the kernels do.
+// A macro rather than a function: the same values from a helper function (fx_place, v18)
+// changed the register allocation of the head_dim 256 kernels on sm_100, which spilled;
+// the macro's expansion is the code the three bodies had written out.
+#define FX_TC_START(T, TOK, RING_BYTES)                                                     \
+    fx_let_combine_start<2>();                                                              \
+    const int split = blockIdx.x;                                                           \
+    int start, end;                                                                         \
+    if (!fx_block_chunk<CLUSTER, D>(RING_BYTES, THREADS, seq_len, seq_len_dev, splits, tile, \
+                                    split, start, end))                                     \
+        return;                                                                             \
+    const int g_kv = blockIdx.y;                                                            \
+    const int group = n_heads / n_kv_heads; /* <= 8 on the tensor-core paths */             \
+    const int h0 = g_kv * group;                                                            \
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;                             \
+    const int g = lane >> 2, tig = lane & 3;                                                \
+    const auto wr = fx_warp_ring<T, D, TOK, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,  \
+                                                      start, end, warp, lane)

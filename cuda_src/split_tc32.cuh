@@ -113,21 +113,7 @@ __device__ __forceinline__ void gqa_split_tc32(
     constexpr int STEP = TOK * D;  // floats of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    fx_let_combine_start<2>();
-    const int split = blockIdx.x;
-    int start, end;
-    if (!fx_block_chunk<CLUSTER, D>(WARPS * S * 2 * STEP * sizeof(float), THREADS, seq_len,
-                                    seq_len_dev, splits, tile, split, start, end))
-        return;
-
-    const int g_kv = blockIdx.y;
-    const int group = n_heads / n_kv_heads;  // <= 8 on this path
-    const int h0 = g_kv * group;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, tig = lane & 3;
-
-    const auto wr = fx_warp_ring<float, D, TOK, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,
-                                                          start, end, warp, lane);
+    FX_TC_START(float, TOK, WARPS * S * 2 * STEP * sizeof(float));
 
     // Q, pre-scaled into the base-2 domain and split into TF32 pairs, in shared memory
     // (in registers it would take 2 * D / 4 of them): rows = heads, padded by 16 bytes.
