@@ -165,21 +165,23 @@ TC32_TOKENS = {d: kernel_define(f"FX_TC32_TOKENS_D{d}") for d in TC32_HEAD_DIMS}
 TC32_RESERVE_STAGES = {d: kernel_define(f"FX_TC32_RESERVE_STAGES_D{d}") for d in TC32_HEAD_DIMS}
 # The "wide" plans (fp16/bf16, head_dim 128): WIDE_CHUNKS chunks per KV head in clusters of
 # as many blocks of WIDE_WARPS warps (gqa_split_mma_*_d128_wide_cluster), merged on chip,
-# instead of 16 chunks and the combine kernel. Measured on the H200 with 8 KV heads, 64
-# blocks (docs/perf-history/half-cluster-compare-8warps-*-v19.log): groups of 4 1.4-3.9%
-# faster from 1024 to 65536 tokens and 0.8% at 131072; groups of 8 2.1-2.2% faster at
-# 16384-32768 and 0.7-0.9% at 65536-131072, but 0-2.2% slower at 1024-8192. With fewer
-# blocks (28/4/128 in clusters of 16: 64 blocks of a 16-block cluster each) or more, smaller
-# clusters (MHA, 2 per KV head) they were slower, so the plan needs WIDE_MIN_BLOCKS.
+# instead of 16 chunks and the combine kernel. Measured on the H200
+# (docs/perf-history/half-cluster-compare-8warps-*-v19.log, wide-compare*-v19.log): with
+# 8 KV heads (64 blocks, a cluster per GPC) groups of 2-5 are 1.3-4.4% faster from 1024
+# tokens (groups of 5 measured from 2048) and groups of 8 2.1-2.6% faster at 16384-32768
+# and 0.8-1.4% beyond, but 0.4-2.2% slower at 1024-4096. With 12 KV heads (96 blocks: two
+# clusters share some GPCs) they were 8.8-11.5% slower from 32768; with 4 (clusters of 16)
+# or 32 (MHA, clusters of 2), slower too. So the plan is for WIDE_KV_HEADS only.
 WIDE_WARPS = kernel_define("FX_WIDE_WARPS")
 WIDE_CHUNKS = 8
-WIDE_MIN_BLOCKS = 64
+WIDE_KV_HEADS = 8
 WIDE_HEAD_DIM = 128
 
 
 def wide_from(group: int) -> int:
-    """The shortest sequence a wide plan takes for groups of ``group`` (see WIDE_WARPS)."""
-    return 1024 if group <= 4 else 16384
+    """The shortest sequence a wide plan takes for groups of ``group`` (see WIDE_WARPS;
+    groups of 6 and 7 were not measured and take 8's length)."""
+    return 1024 if group <= 4 else 2048 if group == 5 else 16384
 
 
 _resident_blocks: dict[tuple[int, str], int] = {}
@@ -215,9 +217,9 @@ def plan_split(
     shorter, as in a captured graph sized for the cache's capacity). CUDA-core tiles are the
     tokens a block takes per iteration (8-64). Tensor-core tiles are 64 tokens (32 for the
     fp32 head_dim 256 kernel), and a KV head's chunks merge on chip where they fit resident
-    clusters (clusters_fit); fp16/bf16 head_dim 128 plans of at least WIDE_MIN_BLOCKS
-    blocks take WIDE_CHUNKS chunks per KV head of 8-warp blocks in clusters from
-    ``wide_from(group)`` tokens (wide_plan).
+    clusters (clusters_fit); fp16/bf16 head_dim 128 plans for WIDE_KV_HEADS KV heads take
+    WIDE_CHUNKS chunks per KV head of 8-warp blocks in clusters from ``wide_from(group)``
+    tokens (wide_plan).
     """
     env = os.environ
     key = (
@@ -323,12 +325,12 @@ def wide_plan(
     seq: int,
 ) -> SplitPlan | None:
     """The wide plan replacing the fp16/bf16 tensor-core ``plan`` (see WIDE_WARPS), or None
-    where it does not apply: another head_dim, fewer than WIDE_MIN_BLOCKS blocks, a sequence
+    where it does not apply: another head_dim, other than WIDE_KV_HEADS KV heads, a sequence
     shorter than ``wide_from(group)``, clusters that would not all be resident, or
     ``FERROX_WIDE=0`` (a comparison knob; FERROX_CLUSTER=0 turns it off too)."""
     if os.environ.get("FERROX_WIDE", "1") == "0" or name == "f32" or head_dim != WIDE_HEAD_DIM:
         return None
-    if n_kv_heads * WIDE_CHUNKS < WIDE_MIN_BLOCKS or seq < wide_from(group):
+    if n_kv_heads != WIDE_KV_HEADS or seq < wide_from(group):
         return None
     wide = dataclasses.replace(
         plan,

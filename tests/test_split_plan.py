@@ -198,8 +198,13 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     # groups of 8 from 16384 tokens; before, 16 chunks and the combine kernel
     assert plan(bf16, (64, 8, 128), 8192) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
     assert plan(bf16, (64, 8, 128), 16384) == (wide, 64, 8, 8)
-    # too few blocks (4 KV heads: 32), or clusters that would not all be resident (MHA: 32)
+    # groups of 5 from 2048 tokens
+    assert plan(bf16, (40, 8, 128), 1024) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
+    assert plan(bf16, (40, 8, 128), 2048) == (wide, 64, 8, 8)
+    # 8 KV heads only: not 4 (32 blocks), 12 (measured slower: two clusters share GPCs) or
+    # 32 (MHA; 32 clusters of 8 would not all be resident anyway)
     assert plan(bf16, (16, 4, 128), 32768) == ("gqa_split_mma_bf16_d128", 64, 33, 0)
+    assert plan(bf16, (48, 12, 128), 32768) == ("gqa_split_mma_bf16_d128", 64, 11, 0)
     assert plan(bf16, (32, 32, 128), 32768) == ("gqa_split_mma_bf16_d128", 64, 4, 0)
     p = attention.plan_split(dev, np.dtype(bf16), 32, 8, 128, 4096)
     assert (p.threads, p.stages) == (32 * attention.WIDE_WARPS, attention.MMA_STAGES[128])
