@@ -7,6 +7,7 @@ driver API (cuda.bindings), with kernels compiled at run time by NVRTC.
 
 from __future__ import annotations
 
+from ._version import __version__ as __version__
 from .attention import gqa_decode
 from .compiler import KernelResources, Program, compile_source
 from .decode_graph import DecodeGraph, gqa_decode_async, kv_append_async
@@ -20,8 +21,6 @@ from .module_cache import ensure_module_loaded
 from .reference import reference_gqa_decode
 from .resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
 from .stream import Event, Stream
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CompileError",

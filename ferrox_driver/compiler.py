@@ -16,6 +16,8 @@ __all__ = [
     "Program",
     "compile_source",
     "kernel_source",
+    "nvrtc_options",
+    "prelude_source",
     "source_dir",
     "PRELUDE_NAME",
 ]
@@ -154,6 +156,22 @@ def normalize_arch(arch: str) -> str:
     return arch
 
 
+def nvrtc_options(arch: str, options: Sequence[str] = ()) -> tuple[str, ...]:
+    """Every option NVRTC is given for ``arch``: the fixed ones, then ``options``."""
+    return (
+        f"--gpu-architecture={arch}",
+        "--std=c++17",
+        "--ptxas-options=-v",
+        f"--pre-include={PRELUDE_NAME}",
+        *options,
+    )
+
+
+def prelude_source() -> str:
+    """The text pre-included into every compile (``ferrox_prelude.cuh``)."""
+    return kernel_source(PRELUDE_NAME)
+
+
 def compile_source(
     source: str,
     *,
@@ -190,14 +208,8 @@ def compile_source(
 
         arch = default_device().arch
     arch = normalize_arch(arch)
-    opts = (
-        f"--gpu-architecture={arch}",
-        "--std=c++17",
-        "--ptxas-options=-v",
-        f"--pre-include={PRELUDE_NAME}",
-        *options,
-    )
-    prelude = kernel_source(PRELUDE_NAME).encode()
+    opts = nvrtc_options(arch, options)
+    prelude = prelude_source().encode()
     prog = rtc(
         "nvrtcCreateProgram", source.encode(), name.encode(), 1, [prelude], [PRELUDE_NAME.encode()]
     )

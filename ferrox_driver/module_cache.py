@@ -2,7 +2,8 @@
 
 Mirrors the seed's ``ensure_module_loaded``. The in-process cache is thread-safe: many
 threads asking for one module at once compile it once. The disk cache stores cubins under
-a SHA-256 key over labelled fields (format version, source, options, NVRTC version, arch);
+a SHA-256 key over labelled fields (format and package version, source, prelude, every
+NVRTC option, NVRTC version, arch: cache_key);
 files are written to a temporary name and renamed, and carry a checksum, so a torn or
 corrupt file is a miss that recompiles and rewrites, never an error.
 """
@@ -21,7 +22,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compiler import KernelResources, Program, compile_source, kernel_source, normalize_arch
+from ._version import __version__
+from .compiler import (
+    KernelResources,
+    Program,
+    compile_source,
+    kernel_source,
+    normalize_arch,
+    nvrtc_options,
+    prelude_source,
+)
 from .compiler import nvrtc_version_string as _nvrtc_version
 from .device import Device, resolve
 from .launch import Kernel, Module
@@ -75,12 +85,17 @@ def cache_dir() -> Path | None:
 
 
 def cache_key(source: str, options: Sequence[str], arch: str, nvrtc: str) -> str:
-    """SHA-256 over labelled, length-prefixed fields: equal keys mean identical cubins."""
+    """SHA-256 over labelled, length-prefixed fields holding everything that can change the
+    cubin: the source (its parts already in place), the prelude NVRTC pre-includes, every
+    option NVRTC is given (the fixed ones too), NVRTC's version, the arch and this
+    package's version. Equal keys mean identical cubins."""
     h = hashlib.sha256()
     fields = [
         ("format", str(CACHE_FORMAT)),
+        ("package", __version__),
         ("source", source),
-        ("options", "\0".join(options)),
+        ("prelude", prelude_source()),
+        ("options", "\0".join(nvrtc_options(arch, options))),
         ("nvrtc", nvrtc),
         ("arch", arch),
     ]

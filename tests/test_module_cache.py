@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ferrox_driver import module_cache
+from ferrox_driver import compiler, module_cache
 from ferrox_driver.compiler import nvrtc_version_string
 
 ARCH = "sm_90"
@@ -130,6 +130,45 @@ def test_key_changes_with_every_labelled_field() -> None:
     ]
     assert len({base, *variants}) == len(variants) + 1
     assert base == module_cache.cache_key("src", ("-DA",), "sm_90", "13.0")
+
+
+def _miss_after(cache: Path, tag: str, change) -> None:
+    """Compile once, change one input of the compile as an upgrade would, then ask again
+    as a new process would: the cubin on disk must not be served."""
+    module_cache.get_program(_source(tag), arch=ARCH)
+    module_cache.clear_memory_cache()
+    change()
+    module_cache.get_program(_source(tag), arch=ARCH)
+    assert module_cache.stats.disk_hits == 0
+    assert module_cache.stats.compiles == 2
+    assert len(_cached_files(cache)) == 2
+
+
+def test_a_changed_prelude_alone_is_a_disk_miss(cache: Path, monkeypatch) -> None:
+    changed = compiler.prelude_source() + "\n// the prelude of a later release\n"
+
+    def change() -> None:
+        monkeypatch.setattr(compiler, "prelude_source", lambda: changed)
+        monkeypatch.setattr(module_cache, "prelude_source", lambda: changed)
+
+    _miss_after(cache, "prelude", change)
+
+
+def test_a_changed_fixed_flag_alone_is_a_disk_miss(cache: Path, monkeypatch) -> None:
+    real = compiler.nvrtc_options
+
+    def with_fast_math(arch: str, options=()) -> tuple[str, ...]:
+        return (*real(arch, ()), "--use_fast_math", *options)
+
+    def change() -> None:
+        monkeypatch.setattr(compiler, "nvrtc_options", with_fast_math)
+        monkeypatch.setattr(module_cache, "nvrtc_options", with_fast_math)
+
+    _miss_after(cache, "flag", change)
+
+
+def test_a_new_package_version_alone_is_a_disk_miss(cache: Path, monkeypatch) -> None:
+    _miss_after(cache, "version", lambda: monkeypatch.setattr(module_cache, "__version__", "9.9"))
 
 
 def test_key_depends_on_the_nvrtc_version_in_use(cache: Path) -> None:
