@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
+
+from ferrox_driver import __version__ as fd_version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,6 +32,17 @@ def test_installed_wheel_compiles_the_kernels_outside_the_checkout(tmp_path: Pat
         check=True,
     )
     (wheel,) = wheels.glob("ferrox_driver-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        metadata = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
+    # the product only: the package and its kernels, the licence; no benchmarks or tests
+    assert {n.split("/")[0] for n in names} == {
+        "ferrox_driver",
+        f"ferrox_driver-{fd_version}.dist-info",
+    }, names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    assert "License-Expression: Apache-2.0" in metadata
+    assert f"\nVersion: {fd_version}\n" in metadata  # read from the one place it is written
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
