@@ -27,7 +27,15 @@ from .module_cache import get_kernel
 from .stream import Stream, stream_handle
 from .validation import array_info, check_decode_args, dtype_name
 
-__all__ = ["ALGORITHMS", "SplitPlan", "gqa_decode", "launch_decode", "plan_split"]
+__all__ = [
+    "ALGORITHMS",
+    "Launch",
+    "SplitPlan",
+    "gqa_decode",
+    "launch_decode",
+    "plan_split",
+    "split_launches",
+]
 
 ALGORITHMS = ("auto", "split", "parity")
 SPLIT_FILE = "gqa_decode_split.cu"
@@ -57,7 +65,7 @@ MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
 # The most floats a KV head's chunks exchange through distributed shared memory (chunks x
 # group x head_dim) for them to merge on chip; larger exchanges go through the combine
 # kernel, launched early. Measured at 512 and 1024 tokens, one stream, one process
-# (docs/perf-history/tile-variants-v14.log), the combine kernel against the cluster:
+# , the combine kernel against the cluster:
 # 8/1/256 bf16 -0.3 us at 512 (16384 floats), -0.7 at 1024; 16/4/256 -0.5 at 1024 (16384);
 # 28/4/128 -0.2 at 1024 (14336), fp32 28/4/128 -0.1; level at 8192 (64/8/128 and 16/4/256
 # at 512); the cluster ahead below it (16/2/64 at 1024, 8192: +0.2; 32/8/128 at 512, 4096:
@@ -166,7 +174,7 @@ TC32_RESERVE_STAGES = {d: kernel_define(f"FX_TC32_RESERVE_STAGES_D{d}") for d in
 # The "wide" plans (fp16/bf16, head_dim 128): WIDE_CHUNKS chunks per KV head in clusters of
 # as many blocks of WIDE_WARPS warps (gqa_split_mma_*_d128_wide_cluster), merged on chip,
 # instead of 16 chunks and the combine kernel. Measured on the H200
-# (docs/perf-history/half-cluster-compare-8warps-*-v19.log, wide-compare*-v19.log): with
+#: with
 # 8 KV heads (64 blocks, a cluster per GPC) groups of 2-5 are 1.3-4.4% faster from 1024
 # tokens (groups of 5 measured from 2048) and groups of 8 2.1-2.6% faster at 16384-32768
 # and 0.8-1.4% beyond, but 0.4-2.2% slower at 1024-4096. With 12 KV heads (96 blocks: two
@@ -292,14 +300,14 @@ def _plan_split(
     if name == "f32" and head_dim == 256:
         # 32-token tiles, no clusters: this kernel's steps (8 tokens of split-TF32 products
         # over 256 columns) are long dependent chains, so short sequences want more blocks
-        # with fewer steps each. Measured with the three-mma products (tile-variants-v8.log):
+        # with fewer steps each. Measured with the three-mma products:
         # 8/1/256 10.9 -> 8.8 us at 512 tokens, 13.1 -> 11.8 at 4096; 16-token tiles 9.2 /
         # 11.8; in clusters 0.5-0.8 us slower.
         tile = 32
         return dataclasses.replace(plan, splits=min(most, -(-seq // tile)), tile=tile)
     # 64-token tiles, merged on chip where the chunks fit resident clusters and exchange at
     # most CLUSTER_MAX_EXCHANGE floats: smaller tiles (more chunks, in clusters or not)
-    # measured level or slower for these kernels (docs/perf-history/tile-variants-v8.log).
+    # measured level or slower for these kernels.
     wide = wide_plan(device, plan, name, n_kv_heads, group, head_dim, seq)
     if wide is not None:
         return wide
@@ -377,11 +385,10 @@ def clusters_fit(
 def tc32_for(group: int) -> bool:
     """Whether an fp32 decode takes the split-TF32 tensor-core kernel (whose time does not
     depend on the group: it always computes 8 rows) rather than a CUDA-core one (whose
-    time grows with the group). Measured on the H200 with the two-mma products
-    (docs/perf-history/tc32-rule-v17.log, tc32-rule-g3-v17.log): groups of 4 are 4.5-7.6%
-    faster on tensor cores at 32768-131072 tokens, groups of 3 3.9-22.9% at 4096-131072,
-    groups of 2 2.7-4.1% at 4096-32768 and level at 131072; groups of 5-8 were faster at
-    every length already with three mmas (NOTES.md, v7). Groups of 1 (MHA) stay on CUDA
+    time grows with the group). Measured on the H200 with the two-mma products: groups of 4
+    are 4.5-7.6% faster on tensor cores at 32768-131072 tokens, groups of 3 3.9-22.9% at
+    4096-131072, groups of 2 2.7-4.1% at 4096-32768 and level at 131072; groups of 5-8
+    were faster at every length already with three mmas. Groups of 1 (MHA) stay on CUDA
     cores, which stream at the ceiling. ``FERROX_TC32=0`` keeps every group on CUDA cores
     (a comparison knob)."""
     if os.environ.get("FERROX_TC32", "1") == "0":
@@ -463,6 +470,110 @@ def stream_scratch_released(key: tuple[int, int], handle: Any) -> None:
     _outgrown.pop(key, None)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a decode: the kernel (by name, in ``SPLIT_FILE``), its grid,
+    block, arguments, dynamic shared memory, cluster size and whether it starts early
+    (programmatic dependent launch)."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: int
+    args: tuple[Any, ...]
+    shared_mem: int = 0
+    cluster: int = 0
+    early: bool = False
+
+    def run(self, stream: Any, device: Device, kernel: Kernel | None = None) -> None:
+        """Queue this launch on ``stream`` (``kernel``: a variant with the same parameters
+        in place of the named one, for experiments)."""
+        (kernel or get_kernel(SPLIT_FILE, self.kernel, device)).launch(
+            self.grid,
+            self.block,
+            self.args,
+            shared_mem=self.shared_mem,
+            stream=stream,
+            cluster=self.cluster,
+            early=self.early,
+        )
+
+
+def split_launches(
+    plan: SplitPlan,
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    workspace: DeviceArray | None,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    seq_len_dev: DeviceArray | None,
+) -> list[Launch]:
+    """The launches of a split decode in order: the split kernel of ``plan``, then (unless
+    it is a cluster plan, whose split kernel writes ``out``) the kernel combining its
+    chunks, launched early.
+
+    Raises:
+        ValueError: a combine plan without ``workspace``.
+    """
+    heads = (np.int32(n_heads), np.int32(n_kv_heads))
+    splits, tile = np.int32(plan.splits), np.int32(plan.tile)
+    args: tuple[Any, ...]
+    shared = plan.shared_bytes(head_dim, q.dtype.itemsize)
+    if plan.cluster:
+        args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
+        grid = (plan.splits, n_kv_heads, 1)
+        return [Launch(plan.kernel, grid, plan.threads, args, shared, cluster=plan.cluster)]
+    if workspace is None:
+        raise ValueError("workspace: the combine kernel's plans need one (workspace_floats)")
+    n_partial = n_heads * plan.splits
+    ws_o = workspace
+    ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
+    if plan.tensor_cores:
+        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
+        grid = (plan.splits, n_kv_heads, 1)
+    else:  # head tiles of one chunk adjacent in launch order (see the kernel)
+        lanes = np.int32(plan.lanes_per_token)
+        args = (
+            q,
+            k,
+            v,
+            ws_o,
+            ws_ml,
+            *heads,
+            np.int32(head_dim),
+            np.int32(seq_len),
+            seq_len_dev,
+            splits,
+            lanes,
+            tile,
+        )
+        grid = (plan.head_tiles, plan.splits, n_kv_heads)
+    combine_args = (
+        out,
+        ws_o,
+        ws_ml,
+        np.int32(head_dim),
+        np.int32(seq_len),
+        seq_len_dev,
+        splits,
+        tile,
+    )
+    return [
+        Launch(plan.kernel, grid, plan.threads, args, shared),
+        Launch(
+            combine_kernel_name(q.dtype),
+            (n_heads, -(-head_dim // 32), 1),
+            COMBINE_THREADS,
+            combine_args,
+            early=EARLY_COMBINE,  # it waits for the split kernel itself
+        ),
+    ]
+
+
 def launch_split(
     plan: SplitPlan,
     q: DeviceArray,
@@ -477,75 +588,22 @@ def launch_split(
     seq_len: int,
     seq_len_dev: DeviceArray | None,
     stream: Any,
-    parts: str = "both",
-    kernel: Kernel | None = None,
-    combine: Kernel | None = None,
 ) -> None:
-    """Queue the split kernel of ``plan`` and the kernel combining its chunks
-    (``parts="main"`` or ``"combine"`` queues one of them: the benchmark's cost split; a
-    cluster plan has no combine kernel, its split kernel writes ``out``).
-    ``kernel`` and ``combine`` replace the split and the combine kernel by variants with
-    the same parameters, the first shaped as ``plan`` says (docs/perf-history
-    experiments)."""
-    dev = q.device
-    heads = (np.int32(n_heads), np.int32(n_kv_heads))
-    splits, tile = np.int32(plan.splits), np.int32(plan.tile)
-    if plan.cluster:
-        if parts != "combine":
-            (kernel or get_kernel(SPLIT_FILE, plan.kernel, dev)).launch(
-                (plan.splits, n_kv_heads, 1),
-                plan.threads,
-                (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile),
-                shared_mem=plan.shared_bytes(head_dim, q.dtype.itemsize),
-                stream=stream,
-                cluster=plan.cluster,
-            )
-        return
-    if workspace is None:
-        raise ValueError("workspace: the combine kernel's plans need one (workspace_floats)")
-    n_partial = n_heads * plan.splits
-    ws_o = workspace
-    ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
-    args: tuple[Any, ...]
-    if plan.tensor_cores:
-        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
-    else:
-        args = (
-            q,
-            k,
-            v,
-            ws_o,
-            ws_ml,
-            *heads,
-            np.int32(head_dim),
-            np.int32(seq_len),
-            seq_len_dev,
-            splits,
-            np.int32(plan.lanes_per_token),
-            tile,
-        )
-    if plan.tensor_cores:
-        grid = (plan.splits, n_kv_heads, 1)
-    else:  # head tiles of one chunk adjacent in launch order (see the kernel)
-        grid = (plan.head_tiles, plan.splits, n_kv_heads)
-    if parts != "combine":
-        (kernel or get_kernel(SPLIT_FILE, plan.kernel, dev)).launch(
-            grid,
-            plan.threads,
-            args,
-            shared_mem=plan.shared_bytes(head_dim, q.dtype.itemsize),
-            stream=stream,
-        )
-    if parts == "main":
-        return
-    combine = combine or get_kernel(SPLIT_FILE, combine_kernel_name(q.dtype), dev)
-    combine.launch(
-        (n_heads, -(-head_dim // 32)),
-        COMBINE_THREADS,
-        (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits, tile),
-        stream=stream,
-        early=EARLY_COMBINE and parts == "both",  # it waits for the split kernel itself
-    )
+    """Queue the launches of ``split_launches`` on ``stream``."""
+    for launch in split_launches(
+        plan,
+        q,
+        k,
+        v,
+        out,
+        workspace,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        seq_len=seq_len,
+        seq_len_dev=seq_len_dev,
+    ):
+        launch.run(stream, q.device)
 
 
 def is_aligned(*arrays: DeviceArray) -> bool:

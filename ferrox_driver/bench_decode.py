@@ -102,8 +102,7 @@ def rotated_kv_sets(
     be and as PyTorch's sets are: one allocation and free per point instead of up to 1024,
     laid out alike for both libraries. (The two speeds short decodes showed within a
     process are not layout: every kernel in a graph costs ~0.18 us more once a process has
-    run work on about eight streams; docs/perf-history/NOTES.md, v13-v14, and
-    bench_stream.)"""
+    run work on about eight streams; docs/design.md and bench_stream.)"""
     dt = np.dtype(dtype)
     shape = (seq, n_kv_heads, head_dim)
     one = seq * n_kv_heads * head_dim * dt.itemsize  # bytes of one K or V
@@ -117,60 +116,6 @@ def rotated_kv_sets(
         fill_uniform(v, 101 + 2 * i, stream)
         sets.append((k, v))
     return RotatedKV(sets, chain, pool)
-
-
-def time_split_plan(
-    plan: Any,
-    q: DeviceArray,
-    out: DeviceArray,
-    sets: KVSets,
-    chain: int,
-    stream: Stream,
-    kernel: Any = None,
-    iters: int = 30,
-    parts: str = "both",
-    combine: Any = None,
-) -> float:
-    """Microseconds per decode of the split plan ``plan`` (attention.SplitPlan; ``kernel``
-    and ``combine`` replace its kernels and ``parts`` picks the kernels to queue, as
-    launch_split allows), back to back: one captured graph of ``chain`` decodes over
-    ``sets`` in turn (docs/perf-history experiments)."""
-    from .attention import launch_split, stream_workspace
-
-    n_heads, head_dim = q.shape
-    seq, n_kv_heads, _ = sets[0][0].shape
-    floats = plan.workspace_floats(n_heads, head_dim)
-    ws = stream_workspace(q.device, stream, floats) if floats else None
-    turn = [0]
-
-    def decode() -> None:
-        k, v = sets[turn[0] % len(sets)]
-        turn[0] += 1
-        launch_split(
-            plan,
-            q,
-            k,
-            v,
-            out,
-            ws,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            head_dim=head_dim,
-            seq_len=seq,
-            seq_len_dev=None,
-            stream=stream,
-            kernel=kernel,
-            parts=parts,
-            combine=combine,
-        )
-
-    decode()
-    stream.synchronize()
-    turn[0] = 0
-    exe = captured(stream, decode, chain)
-    us = time_events(lambda i: exe.launch(stream), stream, iters, 3, chain)
-    exe.close()
-    return us
 
 
 def time_events(
@@ -250,7 +195,7 @@ _streams: dict[int, Stream] = {}
 def bench_stream(device: Device) -> Stream:
     """The one stream every measurement of this process runs on, per device, as a decode
     loop would use. Every stream that has run work counts: after about eight, each kernel
-    in a graph costs ~0.18 us more for the rest of the process (flip-count-v14.log), so a
+    in a graph costs ~0.18 us more for the rest of the process, so a
     stream per point would time most points in that state."""
     stream = _streams.get(device.context_handle)
     if stream is None:
@@ -402,7 +347,7 @@ def run_decode_bench(
 
     Ours are measured first, every point and the growing graph, then PyTorch's: PyTorch's
     first SDPA turns on, for the whole process, a mode in which every kernel in a graph
-    costs ~0.18 us more (ours and PyTorch's alike; flip-count-point-v14.log), which our
+    costs ~0.18 us more (ours and PyTorch's alike), which our
     own work on one stream never does. So each library is timed in the state its own use
     leaves a process in; PyTorch has always been timed after its own first SDPA."""
     device = default_device()
@@ -617,7 +562,7 @@ def measure_fixed_costs(
     Returns:
         Per item, microseconds: back to back (20 in one graph, per item) and one replay
         timed alone."""
-    from .attention import is_aligned, launch_split, plan_split
+    from .attention import Launch, is_aligned, plan_split, split_launches
 
     n_heads, n_kv, hd = shape
     dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
@@ -645,24 +590,27 @@ def measure_fixed_costs(
             fill_uniform(a, 50 + i, stream)
         plan = plan_split(device, dt, n_heads, n_kv, hd, seq, is_aligned(q, k, v))
         ws = empty((plan.workspace_floats(n_heads, hd),), np.float32, device=device)
-        for parts in ("main", "combine", "both"):
-            body = functools.partial(
-                launch_split,
-                plan,
-                q,
-                k,
-                v,
-                out,
-                ws,
-                n_heads=n_heads,
-                n_kv_heads=n_kv,
-                head_dim=hd,
-                seq_len=seq,
-                seq_len_dev=None,
-                stream=stream,
-                parts=parts,
-            )
-            results[f"seq {seq}: {parts} ({plan.splits} chunks)"] = timed_graph(body)
+        launches = split_launches(
+            plan,
+            q,
+            k,
+            v,
+            out,
+            ws,
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=hd,
+            seq_len=seq,
+            seq_len_dev=None,
+        )
+        parts = {"main": launches[:1], "combine": launches[1:], "both": launches}
+        for part, chosen in parts.items():
+
+            def body(chosen: list[Launch] = chosen) -> None:
+                for launch in chosen:
+                    launch.run(stream, device)
+
+            results[f"seq {seq}: {part} ({plan.splits} chunks)"] = timed_graph(body)
         for a in (q, out, k, v, ws):
             a.close()
     return results
