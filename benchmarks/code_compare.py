@@ -5,10 +5,10 @@ apart. (Not .nv.info: it names symbols by their index, which moves when a kernel
 A change that leaves the kernels of both alike needs no timing run for them; one that does
 not says where to look. Exit status 1 when any kernel of both differs.
 
-    PYTHONPATH=. python3 docs/perf-history/code_compare.py REV [arch ...]
+    python3 benchmarks/code_compare.py REV [arch ...]
 
 (A tidy-up once compiled to the same code on sm_90 and sm_80 but spilled on sm_100, which
-the CPU compile test caught: NOTES.md v18. So all three by default.)
+the CPU compile test caught: docs/design.md. So all three by default.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import hashlib
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from points import cubin_sections, source_at
+from _common import cubin_sections, source_at
 
 from ferrox_driver.compiler import compile_source, kernel_source
 

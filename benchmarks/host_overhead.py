@@ -2,7 +2,7 @@
 of Python and driver calls per decode, measured with the GPU queue never empty-waiting
 (no synchronisation inside the timed loop), then where that time goes (cProfile).
 
-    PYTHONPATH=. python3 docs/perf-history/host_overhead.py
+    python3 benchmarks/host_overhead.py
 """
 
 from __future__ import annotations

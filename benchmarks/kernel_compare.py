@@ -3,7 +3,7 @@ the time per decode of each (its split and combine kernels both from the file co
 for the plans plan_split makes (cluster and combine plans), in the benchmark's
 back-to-back harness over rotated KV sets.
 
-    PYTHONPATH=. python3 docs/perf-history/kernel_compare.py OLD [shape ...]
+    python3 benchmarks/kernel_compare.py OLD [shape ...]
 
 OLD: the kernel file before the change, as a git revision (e.g. HEAD~1; its parts in place) or
 a file holding the whole source.
@@ -16,12 +16,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from points import load_variant, points, source_at
+from _common import points, source_at
 
 import ferrox_driver as fd
 from ferrox_driver import attention
-from ferrox_driver.attention import stream_workspace
-from ferrox_driver.compiler import kernel_source
+from ferrox_driver.compiler import compile_source, kernel_source
 
 CASES = [
     ((32, 8, 128), "bf16", [512, 4096, 32768]),
@@ -47,28 +46,25 @@ def main() -> None:
         "old": old.read_text() if old.is_file() else source_at(sys.argv[1]),
         "new": kernel_source("gqa_decode_split.cu"),
     }
-    modules = {k: load_variant(src, f"{k}.cu") for k, src in sources.items()}
+    modules = {k: fd.Module(compile_source(src, name=f"{k}.cu")) for k, src in sources.items()}
     # a combine kernel launched early must wait for the split kernel (fx_wait_for_split)
     attention.EARLY_COMBINE = all("fx_wait_for_split" in src for src in sources.values())
     for p in points(CASES, stream, sys.argv[2:]):
         plan = p.plan()
         combine = f"gqa_split_combine_{p.dtype_name}"
-        kernels = {
-            k: (m.get_function(plan.kernel), m.get_function(combine)) for k, m in modules.items()
-        }
-        floats = plan.workspace_floats(p.n_heads, p.head_dim)
-        ws = stream_workspace(stream.device, stream, floats) if floats else None
+        names = [plan.kernel] if plan.cluster else [plan.kernel, combine]
+        kernels = {k: {n: m.get_function(n) for n in names} for k, m in modules.items()}
         bits = []
         for kern in kernels.values():
             p.out.fill_bytes(0xFF, stream)  # NaN: an unwritten output shows
-            p.decode(plan, ws, kern[0], combine=kern[1])
+            p.decode(plan, kern)
             stream.synchronize()
             bits.append(p.out.to_host().view(np.uint8).copy())
         same = np.array_equal(bits[0], bits[1])
         times: dict[str, float] = {}
         for _ in range(2):
             for k, kern in kernels.items():
-                us = p.time(plan, kern[0], combine=kern[1])
+                us = p.time(plan, kern)
                 times[k] = min(times.get(k, us), us)
         print(
             f"{p.label} {plan.kernel} ({plan.splits} chunks): "

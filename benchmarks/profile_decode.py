@@ -1,7 +1,7 @@
 """Run a few decodes of ferrox and of PyTorch SDPA, for a profiler to time each kernel.
 
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-        python3 docs/perf-history/profile_decode.py > kernels.csv
+        python3 benchmarks/profile_decode.py > kernels.csv
 
 Each point runs each library twice (the second run is the one to read); the KV data is
 fresh random values. Arguments "H/KV/D:dtype:seq" replace the points below.

@@ -69,7 +69,7 @@ __device__ __forceinline__ void fx_check_cluster(int splits) {
 // slot u / blocks; a thread takes one of this block's units and reads only local shared
 // memory. The pushes (remote stores, no round trip) and one barrier replace reads of the
 // other blocks' shared memory, a round trip, and the second barrier those needed to keep
-// every block alive while read (NOTES.md, v9).
+// every block alive while read (docs/design.md).
 template <class T, int D, int THREADS>
 __device__ __forceinline__ void fx_cluster_merge(const float* recv, T* __restrict__ out, int h0,
                                                  int group, int seq) {

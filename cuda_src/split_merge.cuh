@@ -64,7 +64,7 @@ __device__ __forceinline__ void fx_warp_weights(const float (*m_s)[8], float (*w
 // index arithmetic is done once, and it issues every read before its first store: a store
 // is a compiler barrier for the reads after it (the cluster's pushes are asm volatile),
 // and one column at a time, each waiting for its reads and a chain of integer divisions,
-// cost ~140 cycles per column (1.3 us for the 2048 columns of 8/1/256: NOTES.md v10-v11).
+// cost ~140 cycles per column (1.3 us for the 2048 columns of 8/1/256: docs/design.md).
 template <int WARPS, int D, int SLOTS, class Where, class PutO, class PutMl>
 __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (*m_s)[8],
                                                  const float (*l_s)[8], const float (*w_s)[8],
@@ -171,7 +171,7 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
 // (park_o(o_f)): [warp][slot][lane] with rows of FX_OPAD floats, SLOTS accumulators per
 // lane. The writes are whole rows, and fx_write_partial's column-ordered reads hit 32
 // different banks. (Serial warp-by-warp rounds over a row-major o_s cost 4 us, with 16-way
-// bank conflicts: NOTES.md v6.) `where` maps an output column to its fragment slot and lane.
+// bank conflicts: docs/design.md.) `where` maps an output column to its fragment slot and lane.
 template <bool CLUSTER, int WARPS, int D, int SLOTS, int RING, class T, class ParkStats,
           class ParkO, class Where>
 __device__ __forceinline__ void fx_merge_parked(unsigned char* smem, ParkStats park_stats,

@@ -39,13 +39,13 @@ __device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
 // Per head_dim: warps per block and steps in each warp's ring (one fewer in flight). The
 // host reads these defines (attention.py): a block has FX_WARPS_D<D> * 32 threads and
 // FX_WARPS_D<D> * stages * 16 tokens * 2 (K, V) * head_dim * 2 bytes of ring in dynamic
-// shared memory. (Overridable with -D for experiments: docs/perf-history/variants.py.)
+// shared memory. (Overridable with -D for experiments: benchmarks/kernel_compare.py compares a file.)
 // Chosen by measurement: head_dim 64 issues twice the instructions per byte of 128, and
 // eight warps hide their latency better than a deeper ring. Head_dim 128 keeps one step
 // in flight per warp while it computes another: 2-4% faster at 4096 tokens than 3 in
-// flight, 0.1-0.5% at 32768-131072, 2% on MHA (ring-smem-variants-v16.log). Head_dim 64
+// flight, 0.1-0.5% at 32768-131072, 2% on MHA. Head_dim 64
 // keeps two in flight: 4.8% faster at 32768 tokens on 16/2/64 than three, 0.2-0.3% slower
-// at 131072 (ring-smem-variants-d64-d256-v16.log).
+// at 131072.
 // FX_RESERVE_STAGES_D<D>: the launch reserves shared memory for this many steps where the
 // ring has fewer, so that one block still fills a multiprocessor (the plans' one wave of
 // one block per multiprocessor, and the clusters that fit, assume it).

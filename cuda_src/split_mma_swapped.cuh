@@ -3,7 +3,7 @@
 // fp16/bf16 entry points.
 
 // The same decode with the mma's operands swapped (head_dim 128; FX_MMA_SWAPPED_D<D>,
-// docs/perf-history/mma_swapped_compare.py). gqa_split_mma gives the heads the mma's 16
+// measured in docs/design.md). gqa_split_mma gives the heads the mma's 16
 // rows, of which a group fills at most 8; here the rows are 16 tokens (S^T = K Q^T) and 16
 // columns of d (O^T += V^T P^T), the heads are the 8 columns, and every row is used: half
 // the mmas. The scores come out as (token, head) and P^T is needed as (head, tokens): each
@@ -162,7 +162,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 }
 
 // Which head_dims take the swapped operands: measured against gqa_split_mma on the same
-// plans (mma-swapped-compare-v17.log), head_dim 128 was 0.1-2.3% faster (2% at 512 tokens,
+// plans, head_dim 128 was 0.1-2.3% faster (2% at 512 tokens,
 // 0.3-0.5% at 32768-131072) and 64 and 256 0.2-2.1% slower at 512-32768: halving the
 // mmas did not speed up the small shapes, so they were not bound by the tensor cores.
 #ifndef FX_MMA_SWAPPED_D64
@@ -218,9 +218,9 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 // The "wide" cluster kernels (head_dim 128, attention.py's wide plans): FX_WIDE_WARPS warps
 // per block, twice the others', for grids of 8 chunks per KV head, merged on chip in
 // clusters of 8, where the other plans take 16 chunks and the combine kernel. Half the
-// multiprocessors stream the cache as fast (NOTES.md v18), no combine kernel runs, and
+// multiprocessors stream the cache as fast (docs/design.md), no combine kernel runs, and
 // twice the warps share each block's doubled products (with 4 warps the same plans were
-// 3-32% slower: half-cluster-compare-v18.log, -8warps-*-v19.log).
+// 3-32% slower: docs/design.md).
 #define FX_WIDE_WARPS 8
 #define FX_MMA_WIDE_ENTRY(NAME, T)                                                          \
     extern "C" __global__ void __launch_bounds__(FX_WIDE_WARPS * 32, 1) NAME(               \

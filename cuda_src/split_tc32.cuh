@@ -18,11 +18,10 @@
 // Shared-memory rows are swizzled in 16-byte units as in gqa_split_mma.
 // Per head_dim: warps per block, steps in each warp's ring and tokens per step (8 or 16:
 // 8-token steps fit more warps or a wider head_dim into shared memory). The host reads
-// these defines (attention.py); overridable with -D for experiments
-// (docs/perf-history/tc32_variants.py). Head_dim 64 and 128 keep one step in flight per warp
+// these defines (attention.py); overridable with -D for experiments. Head_dim 64 and 128 keep one step in flight per warp
 // while they compute another: 8-12% faster at 4096 tokens than two in flight, 1-7% at
 // 32768 but for 64/8/128 (0.5% slower there, 1.2% at 131072); head_dim 256 keeps two, as
-// one was 1.1% slower at 512-4096 (tc32-ring-variants-v17.log). FX_TC32_RESERVE_STAGES_D<D>:
+// one was 1.1% slower at 512-4096. FX_TC32_RESERVE_STAGES_D<D>:
 // the launch's shared memory in steps, as measured (as FX_RESERVE_STAGES_D<D>).
 template <int D> struct FxTc32Shape;
 #define FX_TC32_RESERVE_STAGES_D64 3

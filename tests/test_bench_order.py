@@ -10,7 +10,7 @@ from ferrox_driver.bench_decode import DecodePoint
 
 def test_ours_are_all_measured_before_pytorch_runs_anything(monkeypatch, capsys):
     # PyTorch's first SDPA turns on a slower mode for every kernel of the process
-    # (docs/perf-history/flip-count-point-v14.log): every measurement of ours, the growing
+    #: every measurement of ours, the growing
     # graph included, comes first, then PyTorch's on the same points in the same order.
     calls = []
 

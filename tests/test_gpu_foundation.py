@@ -237,7 +237,7 @@ def test_rotated_kv_sets_are_disjoint_filled_views_freed_by_close(device):
 
 def test_benchmark_measurements_share_one_stream(monkeypatch, device):
     # Every stream that has run work counts against the process: after about eight, each
-    # kernel in a graph costs ~0.18 us more (docs/perf-history/flip-count-v14.log), so the
+    # kernel in a graph costs ~0.18 us more, so the
     # benchmark must not make a stream per point (it did, and timed most points so).
     from ferrox_driver import bench_decode
 

@@ -225,7 +225,7 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     assert plan(np.float32, (8, 1, 256), 4096) == ("gqa_split_tc32_f32_d256", 32, 128, 0)
     assert plan(np.float32, (8, 1, 256), 131072) == ("gqa_split_tc32_f32_d256", 32, 132, 0)
     # fp32 head_dim 64 and 128: a 2-step ring, launched with 3 steps' shared memory (as
-    # measured: tc32-ring-variants-v17.log); one block per multiprocessor either way
+    # measured); one block per multiprocessor either way
     assert plan(np.float32, (32, 8, 128), 4096) == ("gqa_split_tc32_f32_d128", 64, 16, 0)
     assert plan(np.float32, (16, 2, 64), 32768) == ("gqa_split_tc32_f32_d64", 64, 66, 0)
     for heads in ((32, 8, 128), (16, 2, 64)):
@@ -246,8 +246,8 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
 
 
 def test_the_head_dim_128_launch_reserves_more_shared_memory_than_its_ring():
-    """Its ring has 2 steps (one in flight while one is computed: measured fastest,
-    ring-smem-variants-v16.log) but the launch reserves the shared memory of 4, so one block
+    """Its ring has 2 steps (one in flight while one is computed: measured fastest)
+    but the launch reserves the shared memory of 4, so one block
     still fills a multiprocessor of 228 KiB, as the plans' one wave assumes."""
     a = attention
     assert a.MMA_STAGES[128] < a.MMA_RESERVE_STAGES[128]
