@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver.attention import plan_split
 from ferrox_driver.compiler import kernel_source
+from ferrox_driver.experimental import plan_split, split_launches
 
 from .gpu_helpers import (
     DTYPES,
@@ -276,12 +276,10 @@ def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
     dt = DTYPES[dtype]
     plan = plan_split(device, dt, n_heads, n_kv_heads, head_dim, seq_len)
     assert plan.cluster == 0, plan  # a plan with a combine kernel
-    kernels = {}
+    variants = {}
     if trigger == "at-entry":
-        kernels = {
-            "kernel": combine_started_at_entry.get_function(plan.kernel),
-            "combine": combine_started_at_entry.get_function(plan.combine_kernel(dt)),
-        }
+        names = (plan.kernel, plan.combine_kernel(dt))
+        variants = {n: combine_started_at_entry.get_function(n) for n in names}
     q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
     qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
     kw = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
@@ -291,10 +289,12 @@ def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
         monkeypatch.setattr(attention, "EARLY_COMBINE", early)
         ws.fill_bytes(0xFF)
         out = poisoned(q.shape, q.dtype)
-        attention.launch_split(
-            plan, qd, kd, vd, out, ws, seq_len=seq_len, seq_len_dev=None, stream=None,
-            **kernels, **kw,
-        )  # fmt: skip
+        launches = split_launches(
+            plan, qd, kd, vd, out, ws, seq_len=seq_len, seq_len_dev=None, **kw
+        )
+        assert [launch.early for launch in launches] == [False, early]
+        for launch in launches:
+            launch.run(None, device, variants.get(launch.kernel))
         got[early] = out.to_host()
     assert np.array_equal(got[True].view(np.uint8), got[False].view(np.uint8))
     ref = fd.reference_gqa_decode(q, k, v, **kw)
