@@ -48,7 +48,8 @@ def main() -> None:
     }
     modules = {k: fd.Module(compile_source(src, name=f"{k}.cu")) for k, src in sources.items()}
     # a combine kernel launched early must wait for the split kernel (fx_wait_for_split)
-    attention.EARLY_COMBINE = all("fx_wait_for_split" in src for src in sources.values())
+    early = all("fx_wait_for_split" in src for src in sources.values())
+    attention.OVERRIDES = attention.Overrides(early_combine=early)
     for p in points(CASES, stream, sys.argv[2:]):
         plan = p.plan()
         combine = f"gqa_split_combine_{p.dtype_name}"

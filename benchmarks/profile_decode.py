@@ -14,7 +14,7 @@ import sys
 import torch  # first: importing it after ferrox's GPU work failed on the H200 image
 
 import ferrox_driver as fd
-from ferrox_driver.attention import launch_decode
+from ferrox_driver.decode import launch_decode
 from ferrox_driver.validation import SUPPORTED_DTYPES
 
 POINTS = [

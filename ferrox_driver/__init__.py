@@ -8,15 +8,15 @@ driver API (cuda.bindings), with kernels compiled at run time by NVRTC.
 from __future__ import annotations
 
 from ._version import __version__ as __version__
-from .attention import gqa_decode
 from .compiler import KernelResources, Program, compile_source
+from .decode import gqa_decode
 from .decode_graph import DecodeGraph, gqa_decode_async, kv_append_async
 from .device import Device, cuda_available, device_count
 from .errors import CompileError, CudaError, FerroxError, KVCapacityError, NoDeviceError
 from .graph import Graph, GraphExec
 from .kv_cache import KVCache, LayerKVCache
 from .launch import Kernel, Module
-from .memory import DeviceArray, empty, pinned_empty, to_device, zeros
+from .memory import DeviceArray, empty, from_dlpack, pinned_empty, to_device, zeros
 from .module_cache import ensure_module_loaded
 from .reference import reference_gqa_decode
 from .resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
@@ -48,6 +48,7 @@ __all__ = [
     "empty",
     "ensure_layer_kv",
     "ensure_module_loaded",
+    "from_dlpack",
     "gqa_decode",
     "gqa_decode_async",
     "gqa_decode_resident",

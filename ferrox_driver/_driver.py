@@ -23,7 +23,16 @@ try:  # cuda-bindings >= 12.9 finds libraries through cuda.pathfinder
 except ImportError:  # pragma: no cover - older bindings raise a plain RuntimeError
     _LibNotFound = RuntimeError
 
-__all__ = ["check", "cu", "drv", "init", "rtc", "nvrtc_version", "driver_version"]
+__all__ = [
+    "capture_keep",
+    "check",
+    "cu",
+    "driver_version",
+    "drv",
+    "init",
+    "nvrtc_version",
+    "rtc",
+]
 
 NO_DRIVER_MESSAGE = (
     "no NVIDIA driver found (libcuda could not be loaded): install the NVIDIA driver to use "
@@ -114,21 +123,34 @@ def release(call: str | Callable[..., Any], *args: Any) -> None:
 
 
 @contextlib.contextmanager
-def capturing() -> Iterator[None]:
+def capturing() -> Iterator[list[Any]]:
     """Mark the current thread as capturing a stream for the duration of the block; the
-    releases held back meanwhile run when the outermost such block ends."""
+    releases held back meanwhile run when the outermost such block ends. Yields the list of
+    objects that work queued in the block asked to keep alive (``capture_keep``): the
+    graph holds them."""
     depth = getattr(_capture, "depth", 0)
     if depth == 0:
         _capture.held = []
+        _capture.keep = []
     _capture.depth = depth + 1
     try:
-        yield
+        yield _capture.keep
     finally:
         _capture.depth = depth
         if depth == 0:
             held, _capture.held = _capture.held, []
+            _capture.keep = []
             for call, args in held:
                 release(call, *args)
+
+
+def capture_keep(*objects: Any) -> bool:
+    """Inside a capture on this thread (``capturing``), keep ``objects`` alive as long as
+    the graph it makes, and return True; outside one, return False."""
+    if getattr(_capture, "depth", 0):
+        _capture.keep.extend(objects)
+        return True
+    return False
 
 
 def finalizer(owner: object, call: str | Callable[..., Any] | None, *args: Any) -> Any:

@@ -1,15 +1,16 @@
-"""GQA decode: one query token attending over a KV cache, on the GPU.
+"""The decode's kernels, planned: which split-KV kernel, how many chunks, how they merge,
+and the launches that make a decode.
 
 Two kernel families: the split-KV kernels (default; tensor cores for fp16/bf16 and, with
 split TF32 products, for fp32 with groups of 2-8; CUDA cores otherwise) and the parity
-kernel (the seed's algorithm, corrected), kept as the reference path.
+kernel (ferrox-cuda's algorithm, corrected), kept as the reference path. ``decode`` runs
+them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -17,22 +18,21 @@ from typing import Any
 
 import numpy as np
 
-from ._driver import cu
 from .compiler import kernel_source
-from .device import Device, resolve
+from .device import Device
 from .errors import CudaError, FerroxError
-from .launch import Kernel
-from .memory import DeviceArray, as_device_array, empty, to_device
+from .launch import Kernel, PackedLaunch
+from .memory import DeviceArray, empty
 from .module_cache import get_kernel
-from .stream import Stream, stream_handle
-from .validation import array_info, check_decode_args, dtype_name
+from .validation import dtype_name
 
 __all__ = [
     "ALGORITHMS",
+    "OVERRIDES",
     "Launch",
+    "Overrides",
     "SplitPlan",
-    "gqa_decode",
-    "launch_decode",
+    "parity_launches",
     "plan_split",
     "split_launches",
 ]
@@ -73,36 +73,55 @@ MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
 CLUSTER_MAX_EXCHANGE = 8192
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
 TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (split TF32) kernels
-# The combine kernel is launched early (programmatic dependent launch, compute capability
-# 9.0 and up): it starts while the split kernel ends and waits for it on the GPU, so its
-# launch overlaps the split kernel's last blocks. FERROX_EARLY_COMBINE=0 turns it off.
-EARLY_COMBINE = os.environ.get("FERROX_EARLY_COMBINE", "1") != "0"
+
+
+@dataclass(frozen=True, eq=False)
+class Overrides:
+    """Choices of the planner that experiments turn off, one field each (all on by
+    default). Read once from the environment at import (``from_env``); tests and
+    benchmarks replace ``attention.OVERRIDES`` instead.
+
+    Attributes:
+        heads_per_block: query heads per block of the CUDA-core kernels (1, 2, 4 or 8;
+            ``FERROX_SPLIT_HEADS_PER_BLOCK``).
+        tc32: fp32 decodes of groups 2-8 on tensor cores (``FERROX_TC32=0``: CUDA cores).
+        cluster: chunks merged on chip where they fit (``FERROX_CLUSTER=0``: the combine
+            kernel always; the wide plans too).
+        wide: the wide plans (``FERROX_WIDE=0``).
+        early_combine: the combine kernel launched early, programmatic dependent launch
+            (``FERROX_EARLY_COMBINE=0``).
+    """
+
+    heads_per_block: int = 4
+    tc32: bool = True
+    cluster: bool = True
+    wide: bool = True
+    early_combine: bool = True
+
+    @classmethod
+    def from_env(cls, env: Any = None) -> Overrides:
+        """The overrides the ``FERROX_*`` variables of ``env`` (default: os.environ) ask for."""
+        env = os.environ if env is None else env
+
+        def on(name: str) -> bool:
+            return env.get(name, "1") != "0"
+
+        return cls(
+            heads_per_block=int(env.get("FERROX_SPLIT_HEADS_PER_BLOCK", "4")),
+            tc32=on("FERROX_TC32"),
+            cluster=on("FERROX_CLUSTER"),
+            wide=on("FERROX_WIDE"),
+            early_combine=on("FERROX_EARLY_COMBINE"),
+        )
+
+
+OVERRIDES = Overrides.from_env()
 
 
 def check_algorithm(algorithm: Any) -> str:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
     return str(algorithm)
-
-
-def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype, on_device: bool) -> DeviceArray:
-    """Validate a caller-supplied output array."""
-    if not on_device:
-        raise TypeError("out: only accepted with device inputs; numpy inputs return a new array")
-    info = array_info(out, "out")
-    if not info.on_device:
-        raise TypeError(f"out: expected a device array, got {type(out).__name__}")
-    if info.dtype != dtype or math.prod(info.shape) != math.prod(shape):
-        raise ValueError(
-            f"out: expected {math.prod(shape)} elements of {dtype}, got shape "
-            f"{info.shape} of {info.dtype}"
-        )
-    return as_device_array(out, "out")
-
-
-def parity_kernel(dtype: np.dtype, device: Device | None = None) -> Kernel:
-    """The seed-equivalent kernel (one warp per query head) for ``dtype``."""
-    return get_kernel("gqa_decode.cu", f"gqa_decode_{dtype_name(dtype)}", device)
 
 
 @dataclass(frozen=True)
@@ -217,8 +236,7 @@ def plan_split(
     aligned: bool = True,
 ) -> SplitPlan:
     """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens
-    (memoised: every decode asks, once; the knobs FERROX_SPLIT_HEADS_PER_BLOCK,
-    FERROX_TC32, FERROX_CLUSTER and FERROX_WIDE are part of the key).
+    (memoised: every decode asks, once; ``OVERRIDES`` is part of the key).
 
     The grid is at most one full wave of resident blocks; each block's chunk is a multiple
     of the plan's tile, computed on the device from the actual length (which may be
@@ -229,20 +247,8 @@ def plan_split(
     WIDE_CHUNKS chunks per KV head of 8-warp blocks in clusters from ``wide_from(group)``
     tokens (wide_plan).
     """
-    env = os.environ
-    key = (
-        device.context_handle,
-        np.dtype(dtype),
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        plan_seq,
-        aligned,
-        env.get("FERROX_SPLIT_HEADS_PER_BLOCK"),
-        env.get("FERROX_TC32"),
-        env.get("FERROX_CLUSTER"),
-        env.get("FERROX_WIDE"),
-    )
+    key = (device.context_handle, np.dtype(dtype), n_heads, n_kv_heads, head_dim, plan_seq,
+           aligned, OVERRIDES)  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= _MAX_PLANS:
@@ -277,7 +283,7 @@ def _plan_split(
         step_tokens = TC32_TOKENS[head_dim]
         reserve = TC32_RESERVE_STAGES[head_dim]
     else:
-        cap = int(os.environ.get("FERROX_SPLIT_HEADS_PER_BLOCK", "4"))  # tuning knob
+        cap = OVERRIDES.heads_per_block
         gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))
         tiles = -(-group // gt)
         lpt = 1
@@ -335,8 +341,8 @@ def wide_plan(
     """The wide plan replacing the fp16/bf16 tensor-core ``plan`` (see WIDE_WARPS), or None
     where it does not apply: another head_dim, other than WIDE_KV_HEADS KV heads, a sequence
     shorter than ``wide_from(group)``, clusters that would not all be resident, or
-    ``FERROX_WIDE=0`` (a comparison knob; FERROX_CLUSTER=0 turns it off too)."""
-    if os.environ.get("FERROX_WIDE", "1") == "0" or name == "f32" or head_dim != WIDE_HEAD_DIM:
+    ``OVERRIDES.wide`` off (a comparison knob; ``cluster`` off turns it off too)."""
+    if not OVERRIDES.wide or name == "f32" or head_dim != WIDE_HEAD_DIM:
         return None
     if n_kv_heads != WIDE_KV_HEADS or seq < wide_from(group):
         return None
@@ -365,8 +371,8 @@ def clusters_fit(
     ``kernel_name`` run at once (one wave: a cluster waiting for another to finish would
     double the time), so each KV head's chunks can merge on chip instead of in a combine
     kernel. Needs compute capability 9.0 (clusters of at most ``MAX_CLUSTER`` blocks);
-    ``FERROX_CLUSTER=0`` turns it off (a comparison knob)."""
-    if os.environ.get("FERROX_CLUSTER", "1") == "0":
+    ``OVERRIDES.cluster`` off turns it off (a comparison knob)."""
+    if not OVERRIDES.cluster:
         return False
     if device.compute_capability < (9, 0) or cluster > MAX_CLUSTER:
         return False
@@ -389,9 +395,9 @@ def tc32_for(group: int) -> bool:
     are 4.5-7.6% faster on tensor cores at 32768-131072 tokens, groups of 3 3.9-22.9% at
     4096-131072, groups of 2 2.7-4.1% at 4096-32768 and level at 131072; groups of 5-8
     were faster at every length already with three mmas. Groups of 1 (MHA) stay on CUDA
-    cores, which stream at the ceiling. ``FERROX_TC32=0`` keeps every group on CUDA cores
-    (a comparison knob)."""
-    if os.environ.get("FERROX_TC32", "1") == "0":
+    cores, which stream at the ceiling. ``OVERRIDES.tc32`` off keeps every group on CUDA
+    cores (a comparison knob)."""
+    if not OVERRIDES.tc32:
         return False
     return 2 <= group <= 8
 
@@ -401,42 +407,6 @@ def cuda_core_tile(lanes_per_token: int) -> int:
     (two per lane group), 8 to TILE. Each iteration is a trip to memory the next waits
     for, so a short sequence gets many short chunks rather than a few long ones."""
     return max(8, min(TILE, 2 * (THREADS // 32) * (32 // lanes_per_token)))
-
-
-# Per-stream scratch by (context, stream handle): the current buffer, and the outgrown
-# ones a graph captured on that stream may still write (freed memory could by then hold
-# someone's data; growth doubles, so they hold less than the current one). A ferrox Stream
-# of its own releases both when it is closed or collected (stream_scratch_released); the
-# graphs its captures made keep what they use (graph.capture). Other streams (the legacy
-# default stream, borrowed and foreign handles) give no such signal: theirs stay.
-_workspaces: dict[tuple[int, int], DeviceArray] = {}
-_outgrown: dict[tuple[int, int], list[DeviceArray]] = {}
-
-
-def stream_workspace(device: Device, stream: Any, floats: int) -> DeviceArray:
-    """Scratch for split partials, one buffer per stream (work on one stream is ordered, so
-    its calls can share it; graphs bake its address in), grown, to at least double, when
-    too small; released with the stream (see above).
-
-    Raises:
-        FerroxError: it must grow inside a stream capture (allocation is not capturable).
-    """
-    key = (device.context_handle, int(stream_handle(stream)))
-    ws = _workspaces.get(key)
-    if ws is None or ws.size < floats:
-        grown = allocate_scratch(
-            floats if ws is None else max(floats, 2 * ws.size),
-            device,
-            "stream: a decode this large needs more scratch on this stream, which cannot be "
-            "allocated inside a capture: run one such decode before capturing, or pass "
-            "workspace= (launch_decode) or use a KVCache",
-        )
-        if ws is not None:
-            _outgrown.setdefault(key, []).append(ws)
-        elif isinstance(stream, Stream):
-            stream.before_destroy(functools.partial(stream_scratch_released, key))
-        ws = _workspaces[key] = grown
-    return ws
 
 
 def allocate_scratch(floats: int, device: Device, in_capture: str) -> DeviceArray:
@@ -454,27 +424,15 @@ def allocate_scratch(floats: int, device: Device, in_capture: str) -> DeviceArra
         raise
 
 
-def stream_scratch(device: Device, stream: Any) -> list[DeviceArray]:
-    """Every scratch buffer of ``stream`` a graph captured on it may write (graph.capture
-    keeps them alive with the graph)."""
-    key = (device.context_handle, int(stream_handle(stream)))
-    current = _workspaces.get(key)
-    return [*_outgrown.get(key, []), *([current] if current is not None else [])]
-
-
-def stream_scratch_released(key: tuple[int, int], handle: Any) -> None:
-    """The stream ``handle`` is being destroyed: wait for its work, then drop its scratch
-    (freed unless a graph still holds it)."""
-    cu.cuStreamSynchronize(handle)
-    _workspaces.pop(key, None)
-    _outgrown.pop(key, None)
+Roles = tuple[tuple[int, str], ...]  # (argument index, role) pairs
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch of a decode: the kernel (by name, in ``SPLIT_FILE``), its grid,
-    block, arguments, dynamic shared memory, cluster size and whether it starts early
-    (programmatic dependent launch)."""
+    """One kernel launch of a decode: the kernel (by name, in ``file``), its grid, block,
+    arguments, dynamic shared memory, cluster size, whether it starts early (programmatic
+    dependent launch), and which arguments are the call's q, k, v, out and seq_len
+    (``roles``: a launch record rewrites those per call)."""
 
     kernel: str
     grid: tuple[int, int, int]
@@ -483,11 +441,13 @@ class Launch:
     shared_mem: int = 0
     cluster: int = 0
     early: bool = False
+    roles: Roles = ()
+    file: str = SPLIT_FILE
 
     def run(self, stream: Any, device: Device, kernel: Kernel | None = None) -> None:
         """Queue this launch on ``stream`` (``kernel``: a variant with the same parameters
         in place of the named one, for experiments)."""
-        (kernel or get_kernel(SPLIT_FILE, self.kernel, device)).launch(
+        (kernel or get_kernel(self.file, self.kernel, device)).launch(
             self.grid,
             self.block,
             self.args,
@@ -496,6 +456,22 @@ class Launch:
             cluster=self.cluster,
             early=self.early,
         )
+
+    def packed(self, stream: Any, device: Device) -> PackedLaunch:
+        """This launch packed once for ``stream`` (see ``PackedLaunch``)."""
+        return PackedLaunch(
+            get_kernel(self.file, self.kernel, device),
+            self.grid,
+            self.block,
+            self.args,
+            shared_mem=self.shared_mem,
+            stream=stream,
+            cluster=self.cluster,
+            early=self.early,
+        )
+
+
+_QKV = ((0, "q"), (1, "k"), (2, "v"))
 
 
 def split_launches(
@@ -523,10 +499,14 @@ def split_launches(
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
     args: tuple[Any, ...]
     shared = plan.shared_bytes(head_dim, q.dtype.itemsize)
+    # seq_len (the launch's bound when the kernels read the length on the device) is a
+    # role only when it is the length itself
+    seq_role: Roles = ()
     if plan.cluster:
         args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
         grid = (plan.splits, n_kv_heads, 1)
-        return [Launch(plan.kernel, grid, plan.threads, args, shared, cluster=plan.cluster)]
+        roles = (*_QKV, (3, "out"), *(((6, "seq"),) if seq_len_dev is None else seq_role))
+        return [Launch(plan.kernel, grid, plan.threads, args, shared, plan.cluster, roles=roles)]
     if workspace is None:
         raise ValueError("workspace: the combine kernel's plans need one (workspace_floats)")
     n_partial = n_heads * plan.splits
@@ -535,43 +515,50 @@ def split_launches(
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
         grid = (plan.splits, n_kv_heads, 1)
+        at = 7
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         lanes = np.int32(plan.lanes_per_token)
-        args = (
-            q,
-            k,
-            v,
-            ws_o,
-            ws_ml,
-            *heads,
-            np.int32(head_dim),
-            np.int32(seq_len),
-            seq_len_dev,
-            splits,
-            lanes,
-            tile,
-        )
+        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(head_dim), np.int32(seq_len),
+                seq_len_dev, splits, lanes, tile)  # fmt: skip
         grid = (plan.head_tiles, plan.splits, n_kv_heads)
-    combine_args = (
-        out,
-        ws_o,
-        ws_ml,
-        np.int32(head_dim),
-        np.int32(seq_len),
-        seq_len_dev,
-        splits,
-        tile,
-    )
+        at = 8
+    combine_args = (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev,
+                    splits, tile)  # fmt: skip
+    on_host = seq_len_dev is None
     return [
-        Launch(plan.kernel, grid, plan.threads, args, shared),
+        Launch(
+            plan.kernel, grid, plan.threads, args, shared,
+            roles=(*_QKV, *(((at, "seq"),) if on_host else ())),
+        ),
         Launch(
             combine_kernel_name(q.dtype),
             (n_heads, -(-head_dim // 32), 1),
             COMBINE_THREADS,
             combine_args,
-            early=EARLY_COMBINE,  # it waits for the split kernel itself
+            early=OVERRIDES.early_combine,  # it waits for the split kernel itself
+            roles=((0, "out"), *(((4, "seq"),) if on_host else ())),
         ),
-    ]
+    ]  # fmt: skip
+
+
+def parity_launches(
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    seq_len_dev: DeviceArray | None,
+) -> list[Launch]:
+    """The one launch of the parity kernel (ferrox-cuda's algorithm, corrected)."""
+    args = (q, k, v, out, np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim),
+            np.int32(seq_len), seq_len_dev)  # fmt: skip
+    roles = (*_QKV, (3, "out"), *(((7, "seq"),) if seq_len_dev is None else ()))
+    name = f"gqa_decode_{dtype_name(q.dtype)}"
+    return [Launch(name, (n_heads, 1, 1), 32, args, roles=roles, file="gqa_decode.cu")]
 
 
 def launch_split(
@@ -591,162 +578,12 @@ def launch_split(
 ) -> None:
     """Queue the launches of ``split_launches`` on ``stream``."""
     for launch in split_launches(
-        plan,
-        q,
-        k,
-        v,
-        out,
-        workspace,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        seq_len=seq_len,
-        seq_len_dev=seq_len_dev,
-    ):
+        plan, q, k, v, out, workspace, n_heads=n_heads, n_kv_heads=n_kv_heads,
+        head_dim=head_dim, seq_len=seq_len, seq_len_dev=seq_len_dev,
+    ):  # fmt: skip
         launch.run(stream, q.device)
 
 
 def is_aligned(*arrays: DeviceArray) -> bool:
     """True when every array starts on a 16-byte boundary (needed for vector loads)."""
     return all(a.ptr % 16 == 0 for a in arrays)
-
-
-def launch_decode(
-    q: DeviceArray,
-    k: DeviceArray,
-    v: DeviceArray,
-    out: DeviceArray,
-    *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    seq_len: int,
-    seq_len_dev: DeviceArray | None = None,
-    stream: Any = None,
-    algorithm: str = "auto",
-    workspace: DeviceArray | None = None,
-    plan_seq: int | None = None,
-    plan: SplitPlan | None = None,
-) -> None:
-    """Queue a decode on device arrays already validated (no checks, no host work).
-
-    ``seq_len_dev``, when given, is an int32 device scalar the kernels read instead of
-    ``seq_len``, which then only sizes the launch (the most tokens it may see).
-    ``workspace`` (float32) holds the split partials; default: a buffer kept per stream.
-    ``plan_seq`` sizes the split grid (default ``seq_len``); decodes planned for the same
-    length chunk the sequence identically, so their results agree bit for bit. ``plan``:
-    that plan, when the caller has already made it (``plan_split`` of these arrays).
-    """
-    if algorithm == "parity":
-        parity_kernel(q.dtype, q.device).launch(
-            n_heads,
-            32,
-            (
-                q,
-                k,
-                v,
-                out,
-                np.int32(n_heads),
-                np.int32(n_kv_heads),
-                np.int32(head_dim),
-                np.int32(seq_len),
-                seq_len_dev,
-            ),
-            stream=stream,
-        )
-        return
-    if plan is None:
-        plan_for = seq_len if plan_seq is None else plan_seq
-        plan = plan_split(
-            q.device, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, is_aligned(q, k, v)
-        )
-    if workspace is None and not plan.cluster:
-        workspace = stream_workspace(q.device, stream, plan.workspace_floats(n_heads, head_dim))
-    launch_split(
-        plan,
-        q,
-        k,
-        v,
-        out,
-        workspace,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        seq_len=seq_len,
-        seq_len_dev=seq_len_dev,
-        stream=stream,
-    )
-
-
-def gqa_decode(
-    q: Any,
-    k_cache: Any,
-    v_cache: Any,
-    *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    stream: Any = None,
-    algorithm: str = "auto",
-    device: Device | None = None,
-    out: Any = None,
-) -> Any:
-    """Attention of one query token over a KV cache, on the GPU (mirror of the seed's
-    ``launch_gqa_decode``).
-
-    Args:
-        q: ``(n_heads*head_dim,)`` or ``(n_heads, head_dim)``.
-        k_cache: ``(seq_len*n_kv_heads*head_dim,)`` or ``(seq_len, n_kv_heads, head_dim)``,
-            layout ``[token][kv_head][head_dim]``.
-        v_cache: like ``k_cache``.
-        n_heads: query heads, a multiple of ``n_kv_heads``.
-        n_kv_heads: KV heads.
-        head_dim: elements per head, 1 to 256.
-        stream: stream for the work (default: the legacy default stream).
-        algorithm: ``"auto"``/``"split"`` (split-KV kernels; tensor cores where they pay)
-            or ``"parity"`` (the seed's algorithm, corrected; slow, the reference path).
-        device: the device for numpy inputs (default: device 0).
-        out: with device inputs, a device array of q's shape and dtype to write into
-            (default: a new one).
-
-    Returns:
-        numpy inputs: a numpy array (copied back, complete). Device inputs (DeviceArray or
-        any ``__cuda_array_interface__`` object, all three): a DeviceArray queued on
-        ``stream`` with no host round trip. Shape and dtype are q's. seq_len 0 gives zeros.
-
-    Raises:
-        ValueError, TypeError: bad shapes, dtypes, layouts; raised before any device work.
-    """
-    spec = check_decode_args(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
-    algorithm = check_algorithm(algorithm)
-    if not spec.on_device and spec.seq_len == 0:
-        return np.zeros(spec.q_shape, spec.dtype)
-    if spec.on_device:
-        q_d = as_device_array(q, "q")
-        k_d = as_device_array(k_cache, "k_cache")
-        v_d = as_device_array(v_cache, "v_cache")
-        dev = q_d.device
-    else:
-        dev = resolve(device)
-        q_d = to_device(q, stream, device=dev)
-        k_d = to_device(k_cache, stream, device=dev)
-        v_d = to_device(v_cache, stream, device=dev)
-    if out is None:
-        out = empty(spec.q_shape, spec.dtype, device=dev)
-    else:
-        out = check_out(out, spec.q_shape, spec.dtype, spec.on_device)
-    launch_decode(
-        q_d,
-        k_d,
-        v_d,
-        out,
-        n_heads=spec.n_heads,
-        n_kv_heads=spec.n_kv_heads,
-        head_dim=spec.head_dim,
-        seq_len=spec.seq_len,
-        stream=stream,
-        algorithm=algorithm,
-    )
-    if spec.on_device:
-        return out
-    return out.to_host(stream)

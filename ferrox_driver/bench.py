@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from .attention import launch_decode
 from .bench_decode import bench_stream, time_events
+from .decode import launch_decode
 from .device import default_device
 from .memory import DeviceArray, empty
 from .stream import Stream

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .attention import launch_decode
 from .bench_report import print_table, write_results
+from .decode import launch_decode
 from .device import Device, default_device
 from .graph import GraphExec
 from .memory import DeviceArray, empty, zeros

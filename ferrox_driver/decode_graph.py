@@ -8,39 +8,67 @@ it for every token, with no re-capture and no node update.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from ._driver import drv
 from .attention import check_algorithm
+from .decode import keep_for_capture
 from .errors import KVCapacityError
 from .graph import GraphExec
+from .interop import array_ref
 from .kv_cache import KVCache, append_kernel
-from .memory import DeviceArray, as_device_array, empty, pinned_empty
-from .stream import Stream, stream_handle
-from .validation import array_info, check_dims
+from .launch import LaunchSequence, PackedLaunch
+from .memory import DeviceArray, empty, pinned_empty
+from .stream import Stream, stream_handle, stream_key
+from .validation import check_dims
 
 __all__ = ["DecodeGraph", "gqa_decode_async", "kv_append_async"]
 
 APPEND_THREADS = 256
 
 
-def _check_device_operand(obj: Any, name: str, size: int, dtype: np.dtype) -> DeviceArray:
-    info = array_info(obj, name)
-    if not info.on_device:
-        raise TypeError(f"{name}: expected a device array, got {type(obj).__name__}")
-    if info.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype} (the cache's), got {info.dtype}")
-    if int(np.prod(info.shape)) != size:
-        raise ValueError(f"{name}: expected {size} elements, got shape {info.shape}")
-    return as_device_array(obj, name)
+def _operand(obj: Any, name: str, size: int, kv: KVCache) -> int:
+    """The device pointer of ``obj``, checked to hold ``size`` elements of the cache's dtype
+    on the cache's device, C-contiguous.
+
+    Raises:
+        TypeError, ValueError: it does not.
+    """
+    ref = array_ref(obj, name)
+    if ref is None:
+        raise TypeError(f"{name}: expected a device array, got a numpy array")
+    ptr, shape, dtype, ordinal, contiguous, _ = ref
+    if dtype != kv.dtype:
+        raise TypeError(f"{name}: expected dtype {kv.dtype} (the cache's), got {dtype}")
+    if math.prod(shape) != size:
+        raise ValueError(f"{name}: expected {size} elements, got shape {shape}")
+    if ordinal != kv.device.ordinal:
+        raise ValueError(
+            f"{name}: on device {ordinal}, but the cache is on device {kv.device.ordinal}"
+        )
+    if not contiguous:
+        raise ValueError(f"{name}: must be C-contiguous, got a strided view of shape {shape}")
+    return ptr
 
 
 def _check_cache(kv: Any) -> KVCache:
     if not isinstance(kv, KVCache):
         raise TypeError(f"kv: expected a ferrox_driver.KVCache, got {type(kv).__name__}")
     return kv
+
+
+class _Appender:
+    """The append kernel packed once for one cache and stream: a call writes the two row
+    pointers and launches."""
+
+    def __init__(self, kv: KVCache, stream: Any) -> None:
+        args = (None, None, kv.k_buffer, kv.v_buffer, kv.state, np.int64(kv.row_bytes),
+                np.int32(kv.capacity))  # fmt: skip
+        launch = PackedLaunch(append_kernel(kv.device), 1, APPEND_THREADS, args, stream=stream)
+        self.sequence = LaunchSequence([launch], ("k", "v"), [((0, "k"), (1, "v"))], kv.device)
 
 
 def kv_append_async(kv: KVCache, k_dev: Any, v_dev: Any, *, stream: Any) -> None:
@@ -54,18 +82,24 @@ def kv_append_async(kv: KVCache, k_dev: Any, v_dev: Any, *, stream: Any) -> None
         kv: the cache.
         k_dev: device array of ``n_kv_heads*head_dim`` elements, cache dtype.
         v_dev: like ``k_dev``.
-        stream: the stream (or a PyTorch/CuPy stream, or an int handle) to queue on.
+        stream: the stream (a ferrox Stream, any ``__cuda_stream__`` object, an int
+            handle) to queue on.
     """
     kv = _check_cache(kv)
-    k = _check_device_operand(k_dev, "k_dev", kv.row_elems, kv.dtype)
-    v = _check_device_operand(v_dev, "v_dev", kv.row_elems, kv.dtype)
-    append_kernel(kv.device).launch(
-        1,
-        APPEND_THREADS,
-        (k, v, kv.k_buffer, kv.v_buffer, kv.state, np.int64(kv.row_bytes), np.int32(kv.capacity)),
-        stream=stream,
-    )
+    k = _operand(k_dev, "k_dev", kv.row_elems, kv)
+    v = _operand(v_dev, "v_dev", kv.row_elems, kv)
+    sid = stream_key(stream)
+    appender = kv._appenders.get(sid)
+    if appender is None:
+        appender = kv._appenders[sid] = _Appender(kv, stream_handle(sid))
+    kv.note_capture(keep_for_capture(sid, _foreign(sid, stream), kv))
+    kv.device_length()
+    appender.sequence.run((k, v))
     kv.mark_device_appends()
+
+
+def _foreign(sid: int, stream: Any) -> bool:
+    return sid != 0 and not isinstance(stream, Stream)
 
 
 def gqa_decode_async(
@@ -87,11 +121,21 @@ def gqa_decode_async(
     kv = _check_cache(kv)
     n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
     algorithm = check_algorithm(algorithm)
-    q = _check_device_operand(q_dev, "q_dev", n_heads * kv.head_dim, kv.dtype)
-    out = _check_device_operand(out_dev, "out_dev", n_heads * kv.head_dim, kv.dtype)
-    kv.launch_decode(
-        q, out, n_heads=n_heads, stream=stream, algorithm=algorithm, length_on_device=True
-    )
+    size = n_heads * kv.head_dim
+    q = _operand(q_dev, "q_dev", size, kv)
+    out = _operand(out_dev, "out_dev", size, kv)
+    sid = stream_key(stream)
+    key = (n_heads, algorithm, ((q | out) & 15) == 0, sid)
+    record = kv._async_records.get(key)
+    if record is None:
+        q_view = DeviceArray._wrap(q, (size,), kv.dtype, kv.device, None)
+        out_view = DeviceArray._wrap(out, (size,), kv.dtype, kv.device, None)
+        record = kv._async_records[key] = kv.decode_record(
+            q_view, out_view, n_heads, algorithm, stream, length_on_device=True
+        )
+    kv.note_capture(keep_for_capture(sid, _foreign(sid, stream), kv))
+    kv.device_length()
+    record.run((q, kv._k_ptr, kv._v_ptr, out, 0))
 
 
 class DecodeGraph:
@@ -119,53 +163,60 @@ class DecodeGraph:
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream: expected a ferrox_driver.Stream, got {type(stream)}")
         self.stream = kv.stream if stream is None else stream
-        dt, q_elems = kv.dtype, self.n_heads * kv.head_dim
-        self.q = pinned_empty((self.n_heads, kv.head_dim), dt)
-        self.k = pinned_empty((kv.n_kv_heads, kv.head_dim), dt)
-        self.v = pinned_empty((kv.n_kv_heads, kv.head_dim), dt)
-        self.out = pinned_empty((self.n_heads, kv.head_dim), dt)
+        self._h = stream_handle(self.stream)
+        dt, hd = kv.dtype, kv.head_dim
+        # q, k and v share one page-locked buffer and one device buffer (each part 256-byte
+        # aligned), so a replay copies them in with one copy.
+        sizes = (self.n_heads * hd, kv.row_elems, kv.row_elems)
+        step = 256 // dt.itemsize
+        starts = [0]
+        for n in sizes[:-1]:
+            starts.append(starts[-1] + -(-n // step) * step)
+        total = starts[-1] + sizes[-1]
+        self._stage = pinned_empty((total,), dt)
+        self._in_d = empty((total,), dt, device=kv.device)
+        parts = [self._stage[a : a + n] for a, n in zip(starts, sizes, strict=True)]
+        self.q = parts[0].reshape(self.n_heads, hd)
+        self.k = parts[1].reshape(kv.n_kv_heads, hd)
+        self.v = parts[2].reshape(kv.n_kv_heads, hd)
+        self._flat = parts
+        self.out = pinned_empty((self.n_heads, hd), dt)
         self._state = pinned_empty((2,), np.int32)
-        self._q_d = empty((q_elems,), dt, device=kv.device)
-        self._k_d = empty((kv.row_elems,), dt, device=kv.device)
-        self._v_d = empty((kv.row_elems,), dt, device=kv.device)
-        self._out_d = empty((q_elems,), dt, device=kv.device)
+        self._q_d, self._k_d, self._v_d = (
+            self._in_d.view((n,), offset=a * dt.itemsize)
+            for a, n in zip(starts, sizes, strict=True)
+        )
+        self._out_d = empty((sizes[0],), dt, device=kv.device)
         kv.synchronize()  # earlier eager work is done; the host seq_len is exact
         self._exec = self._capture(algorithm)
+        self._exec_handle = self._exec.handle
 
     def _capture(self, algorithm: str) -> GraphExec:
-        kv, s = self.kv, self.stream
-        h = stream_handle(s)
+        kv, s, h = self.kv, self.stream, self._h
         # Load kernels and allocate scratch first: neither is capturable.
         kv.prepare(self.n_heads, algorithm)
+        eager_seq = kv._eager_seq  # this graph's launches bring the length up to date
         with s.capture() as graph:
-            for dev, host in ((self._q_d, self.q), (self._k_d, self.k), (self._v_d, self.v)):
-                drv("cuMemcpyHtoDAsync", dev.ptr, host.ctypes.data, dev.nbytes, h)
+            drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data, self._in_d.nbytes, h)
             kv_append_async(kv, self._k_d, self._v_d, stream=s)
             gqa_decode_async(
                 self._q_d, kv, self._out_d, n_heads=self.n_heads, stream=s, algorithm=algorithm
             )
             drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr, self._out_d.nbytes, h)
             drv("cuMemcpyDtoHAsync", self._state.ctypes.data, kv.state.ptr, 8, h)
-        graph.keep_alive(
-            self.q,
-            self.k,
-            self.v,
-            self.out,
-            self._state,
-            self._q_d,
-            self._k_d,
-            self._v_d,
-            self._out_d,
-            kv,
-        )
+        kv._eager_seq = eager_seq
+        graph.keep_alive(self._stage, self.out, self._state, self._in_d, self._out_d, kv)
         exec_ = graph.instantiate()
         graph.close()
         return exec_
 
     def launch(self) -> None:
         """Queue one replay with whatever the staging arrays hold (no waiting)."""
-        self.kv.mark_device_appends()
-        self._exec.launch(self.stream)
+        kv = self.kv
+        kv.device_length()
+        kv.mark_device_appends()
+        kv.device.activate()
+        drv("cuGraphLaunch", self._exec_handle, self._h)
 
     def synchronize(self) -> None:
         """Wait for the last replay; then ``out`` holds its result.
@@ -174,7 +225,7 @@ class DecodeGraph:
             KVCapacityError: the replay found the cache full (nothing was appended, and
                 ``out`` holds the decode over the unchanged cache).
         """
-        self.stream.synchronize()
+        drv("cuStreamSynchronize", self._h)
         seq, overflow = int(self._state[0]), int(self._state[1])
         if overflow:
             self.kv.synchronize()  # resets the flag and raises KVCapacityError
@@ -191,23 +242,29 @@ class DecodeGraph:
             TypeError, ValueError: wrong shapes or dtypes.
         """
         kv = self.kv
-        for arr, stage, name in (
-            (q, self.q, "q"),
-            (k_tok, self.k, "k_tok"),
-            (v_tok, self.v, "v_tok"),
-        ):
-            if not isinstance(arr, np.ndarray) or arr.dtype != kv.dtype or arr.size != stage.size:
-                got = (
-                    f"{arr.dtype} of size {arr.size}" if isinstance(arr, np.ndarray) else type(arr)
-                )
-                raise TypeError(
-                    f"{name}: expected a numpy array of {stage.size} {kv.dtype} elements, got {got}"
-                )
-        if kv.seq_len >= kv.capacity:
-            raise KVCapacityError(kv.seq_len, kv.capacity)
-        self.q.reshape(-1)[:] = q.reshape(-1)
-        self.k.reshape(-1)[:] = k_tok.reshape(-1)
-        self.v.reshape(-1)[:] = v_tok.reshape(-1)
+        dt = kv.dtype
+        fq, fk, fv = self._flat
+        if not (
+            type(q) is np.ndarray and type(k_tok) is np.ndarray and type(v_tok) is np.ndarray
+            and q.dtype == dt and k_tok.dtype == dt and v_tok.dtype == dt
+            and q.size == fq.size and k_tok.size == fk.size and v_tok.size == fv.size
+        ):  # fmt: skip
+            for arr, stage, name in ((q, fq, "q"), (k_tok, fk, "k_tok"), (v_tok, fv, "v_tok")):
+                if not isinstance(arr, np.ndarray) or arr.dtype != dt or arr.size != stage.size:
+                    got = (
+                        f"{arr.dtype} of size {arr.size}"
+                        if isinstance(arr, np.ndarray)
+                        else type(arr)
+                    )
+                    raise TypeError(
+                        f"{name}: expected a numpy array of {stage.size} {dt} elements, got {got}"
+                    )
+        seq = kv._seq_len if kv._host_seq_valid else kv.seq_len
+        if seq >= kv.capacity:
+            raise KVCapacityError(seq, kv.capacity)
+        np.copyto(fq, q.reshape(-1))
+        np.copyto(fk, k_tok.reshape(-1))
+        np.copyto(fv, v_tok.reshape(-1))
         self.launch()
         self.synchronize()
         return self.out.copy()
@@ -217,7 +274,7 @@ class DecodeGraph:
     def close(self) -> None:
         """Free the executable graph and the staging buffers."""
         self._exec.close()
-        for arr in (self._q_d, self._k_d, self._v_d, self._out_d):
+        for arr in (self._in_d, self._out_d):
             arr.close()
 
     def __enter__(self) -> DecodeGraph:

@@ -8,7 +8,7 @@ from typing import Any
 from ._driver import cu, drv, finalizer, init
 from .errors import CudaError, NoDeviceError
 
-__all__ = ["Device", "cuda_available", "device_count", "default_device"]
+__all__ = ["Device", "cuda_available", "default_device", "device_count", "device_for"]
 
 _A = cu.CUdevice_attribute
 _tls = threading.local()
@@ -119,21 +119,30 @@ class Device:
         return f"Device({self.ordinal}: {self.name}, {self.arch})"
 
 
-_default_lock = threading.Lock()
-_default: Device | None = None
+_devices_lock = threading.Lock()
+_devices: dict[int, Device] = {}
+
+
+def device_for(ordinal: int) -> Device:
+    """The process-wide Device of ``ordinal`` (made once; ``default_device`` is ordinal 0's),
+    made current here.
+
+    Raises:
+        NoDeviceError: no driver or no such device.
+    """
+    dev = _devices.get(ordinal)
+    if dev is None:
+        with _devices_lock:
+            dev = _devices.get(ordinal)
+            if dev is None:
+                dev = _devices[ordinal] = Device(ordinal)
+    dev.activate()
+    return dev
 
 
 def default_device() -> Device:
     """The process-wide Device(0) that calls without ``device=`` use, made current here."""
-    global _default
-    dev = _default
-    if dev is None:
-        with _default_lock:
-            if _default is None:
-                _default = Device(0)
-            dev = _default
-    dev.activate()
-    return dev
+    return device_for(0)
 
 
 def resolve(device: Device | None) -> Device:

@@ -156,7 +156,7 @@ def capture(stream: Stream) -> Iterator[Graph]:
     stream.device.activate()
     graph = Graph(stream.device)
     mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-    with capturing():  # frees and unloads by finalizers wait for the capture's end
+    with capturing() as kept:  # frees and unloads by finalizers wait for the capture's end
         drv("cuStreamBeginCapture", stream.handle, mode)
         try:
             yield graph
@@ -166,9 +166,7 @@ def capture(stream: Stream) -> Iterator[Graph]:
                 release("cuGraphDestroy", result[1])
             raise
         graph._adopt(drv("cuStreamEndCapture", stream.handle))
-    # The stream's decode scratch, which captured decodes write, lives as long as the graph
-    # (the stream's own reference goes when the stream is closed).
-    from .attention import stream_scratch
-
-    graph.keep_alive(*stream_scratch(stream.device, stream))
+        # What the captured work writes or reads (decode scratch, pooled outputs, launch
+        # records) lives as long as the graph.
+        graph.keep_alive(*kept)
     graph_stats.captures += 1

@@ -12,21 +12,22 @@ from typing import Any
 
 import numpy as np
 
+from . import attention
 from ._driver import drv
 from .attention import (
-    SplitPlan,
     allocate_scratch,
     check_algorithm,
-    is_aligned,
-    launch_decode,
+    parity_launches,
     plan_split,
+    split_launches,
 )
+from .decode import DecodeRecord
 from .device import Device, resolve
 from .errors import KVCapacityError
 from .launch import Kernel
 from .memory import DeviceArray, empty, pinned_empty
 from .module_cache import get_kernel
-from .stream import Event, Stream, stream_handle
+from .stream import Event, Stream, stream_handle, stream_key
 from .validation import (
     MAX_HEAD_DIM,
     ArrayInfo,
@@ -40,6 +41,7 @@ from .validation import (
 __all__ = ["KVCache", "LayerKVCache"]
 
 STAGING_SLOTS = 64
+SLOT_GROUP = 8  # staging slots per event
 
 
 def check_kv_shape(n_kv_heads: Any, head_dim: Any) -> tuple[int, int]:
@@ -52,6 +54,30 @@ def append_kernel(device: Device) -> Kernel:
     return get_kernel("kv_cache.cu", "kv_append_row", device)
 
 
+class _HostDecoder:
+    """What ``KVCache.decode`` needs for one (n_heads, algorithm), made once: page-locked
+    staging for q and the result, their device copies, and the launch record."""
+
+    def __init__(self, kv: KVCache, n_heads: int, algorithm: str) -> None:
+        shape = (n_heads * kv.head_dim,)
+        self.shapes = {shape, (n_heads, kv.head_dim)}
+        self.nbytes = shape[0] * kv.dtype.itemsize
+        self.q_stage = pinned_empty(shape, kv.dtype)
+        self.out_stage = pinned_empty(shape, kv.dtype)
+        self.q_stage_addr = self.q_stage.ctypes.data
+        self.out_stage_addr = self.out_stage.ctypes.data
+        self.q_dev = empty(shape, kv.dtype, device=kv.device)
+        self.out_dev = empty(shape, kv.dtype, device=kv.device)
+        self.q_ptr, self.out_ptr = self.q_dev.ptr, self.out_dev.ptr
+        self.record = kv.decode_record(
+            self.q_dev, self.out_dev, n_heads, algorithm, kv.stream, length_on_device=False
+        )
+
+    def close(self) -> None:
+        self.q_dev.close()
+        self.out_dev.close()
+
+
 class KVCache:
     """K and V of one attention layer, resident on the GPU, grown a token at a time.
 
@@ -59,12 +85,15 @@ class KVCache:
         n_kv_heads: KV heads per token.
         head_dim: elements per head, 1 to 256.
         capacity: the most tokens it will hold (memory is allocated once, up front).
-        dtype: float32 (as the seed), float16 or ``ml_dtypes.bfloat16``.
+        dtype: float32 (as ferrox-cuda), float16 or ``ml_dtypes.bfloat16``.
         device: the device (default: device 0).
         stream: the stream appends and decodes run on (default: a stream of its own).
 
-    Appends stage each row in page-locked memory and queue ``cuMemcpyHtoDAsync`` of that
-    row: the host never waits, except when all staging slots are still in flight.
+    Appends stage each row in page-locked memory and queue one ``cuMemcpyHtoDAsync`` per
+    row (K and V): the host never waits, except when all staging slots are still in flight.
+    The length is kept on the host and, for the kernels that read it there (graphs,
+    ``kv_append_async``, ``gqa_decode_async``), on the device: host appends bring the
+    device copy up to date when device work next needs it, so an append is two copies.
     """
 
     def __init__(
@@ -87,11 +116,14 @@ class KVCache:
         self.device = resolve(device)
         self._owns_stream = stream is None
         self.stream = Stream(self.device) if stream is None else stream
+        self._h = stream_handle(self.stream)
         self.row_elems = self.n_kv_heads * self.head_dim
         self.row_bytes = self.row_elems * self.dtype.itemsize
+        self._row_shapes = ((self.row_elems,), (self.n_kv_heads, self.head_dim))
         shape = (self.capacity, self.n_kv_heads, self.head_dim)
         self._k = empty(shape, self.dtype, device=self.device)
         self._v = empty(shape, self.dtype, device=self.device)
+        self._k_ptr, self._v_ptr = self._k.ptr, self._v.ptr
         # state[0] = seq_len, state[1] = overflow flag (set by kernels, read by the host).
         self.state = empty((2,), np.int32, device=self.device)
         self.state.fill_bytes(0, self.stream)
@@ -102,14 +134,24 @@ class KVCache:
         self._stage_k_addr = self._stage_k.ctypes.data
         self._stage_v_addr = self._stage_v.ctypes.data
         self._stage_seq_addr = self._stage_seq.ctypes.data
-        self._slot_events = [Event(timing=False, device=self.device) for _ in range(slots)]
-        self._slot_busy = [False] * slots
+        # One event per group of slots, recorded after the group's last slot: a slot is
+        # reused only after every other slot was, so its group's event covers it.
+        self._group = min(SLOT_GROUP, slots)
+        n_groups = -(-slots // self._group)
+        self._group_events = [Event(timing=False, device=self.device) for _ in range(n_groups)]
+        self._group_busy = [False] * n_groups
+        self._slots = slots
         self._next_slot = 0
         self._seq_len = 0
         self._host_seq_valid = True
-        self._scratch: dict[int, tuple[DeviceArray, DeviceArray]] = {}
+        self._device_seq_current = True  # state[0] == seq_len once queued work has run
+        self._eager_seq = False  # a graph captured elsewhere reads state[0]: keep it current
         self._workspaces: dict[int, DeviceArray] = {}
         self._outgrown: list[DeviceArray] = []  # graphs captured earlier may still write them
+        self._records: dict[tuple[Any, ...], DecodeRecord] = {}
+        self._decoders: dict[tuple[int, str], _HostDecoder] = {}
+        self._appenders: dict[int, Any] = {}  # kv_append_async's packed launch by stream
+        self._async_records: dict[tuple[Any, ...], DecodeRecord] = {}  # gqa_decode_async's
         self.stream.synchronize()
 
     # -- state ---------------------------------------------------------------------
@@ -128,6 +170,7 @@ class KVCache:
             KVCapacityError: a device-side append found the cache full (nothing was
                 written); the flag is cleared once reported.
         """
+        self.device_length()
         self.stream.synchronize()
         state = self.state.to_host(self.stream)
         self._seq_len = int(state[0])
@@ -137,11 +180,25 @@ class KVCache:
             raise KVCapacityError(self._seq_len, self.capacity)
 
     def _reset_overflow(self) -> None:
-        drv("cuMemsetD32Async", self.state.ptr + 4, 0, 1, stream_handle(self.stream))
+        drv("cuMemsetD32Async", self.state.ptr + 4, 0, 1, self._h)
 
     def mark_device_appends(self) -> None:
         """Note that device-side work may have changed the sequence length."""
         self._host_seq_valid = False
+
+    def device_length(self) -> DeviceArray:
+        """The device copy of the length (``state``: [seq_len, overflow flag]), brought up
+        to date on the cache's stream first; device work that reads it calls this."""
+        if not self._device_seq_current:
+            self._queue_seq(self._take_slot(), self._seq_len)
+        return self.state
+
+    def note_capture(self, captured: bool) -> None:
+        """A graph captured outside this cache's own graphs reads ``state`` when it runs,
+        whenever that is: from now on every host append updates it at once."""
+        if captured and not self._eager_seq:
+            self._eager_seq = True
+            self.device_length()
 
     @property
     def k(self) -> DeviceArray:
@@ -190,21 +247,28 @@ class KVCache:
         return rows
 
     def _take_slot(self) -> int:
+        """The next staging slot, waited for when the ring has come round to it while its
+        copies may still be in flight; the group's event is recorded after its last slot
+        (by ``_done_slot``)."""
         slot = self._next_slot
-        self._next_slot = (slot + 1) % len(self._slot_events)
-        if self._slot_busy[slot]:
-            self._slot_events[slot].synchronize()  # only when every slot is in flight
+        self._next_slot = (slot + 1) % self._slots
+        group = slot // self._group
+        if slot % self._group == 0 and self._group_busy[group]:
+            self._group_events[group].synchronize()  # only when every slot is in flight
+            self._group_busy[group] = False
         return slot
+
+    def _done_slot(self, slot: int) -> None:
+        if slot % self._group == self._group - 1 or slot == self._slots - 1:
+            group = slot // self._group
+            drv("cuEventRecord", self._group_events[group].handle, self._h)
+            self._group_busy[group] = True
 
     def _queue_seq(self, slot: int, seq_len: int) -> None:
         self._stage_seq[slot] = seq_len
-        drv(
-            "cuMemcpyHtoDAsync",
-            self.state.ptr,
-            self._stage_seq_addr + 4 * slot,
-            4,
-            stream_handle(self.stream),
-        )
+        drv("cuMemcpyHtoDAsync", self.state.ptr, self._stage_seq_addr + 4 * slot, 4, self._h)
+        self._done_slot(slot)
+        self._device_seq_current = True
 
     def append(self, k_tok: np.ndarray, v_tok: np.ndarray) -> None:
         """Append one token's K and V rows (``n_kv_heads*head_dim`` each, cache dtype).
@@ -215,25 +279,32 @@ class KVCache:
             TypeError, ValueError: a row of the wrong type, dtype or size.
             KVCapacityError: the cache is full. Nothing was written in either case.
         """
-        self._check_rows(k_tok, "k_tok", one=True)
-        self._check_rows(v_tok, "v_tok", one=True)
-        seq = self.seq_len
+        shapes = self._row_shapes
+        if not (
+            type(k_tok) is np.ndarray and type(v_tok) is np.ndarray
+            and k_tok.dtype == self.dtype and v_tok.dtype == self.dtype
+            and k_tok.shape in shapes and v_tok.shape in shapes
+        ):  # fmt: skip
+            self._check_rows(k_tok, "k_tok", one=True)
+            self._check_rows(v_tok, "v_tok", one=True)
+        seq = self._seq_len if self._host_seq_valid else self.seq_len
         if seq >= self.capacity:
             raise KVCapacityError(seq, self.capacity)
         self.device.activate()
         slot = self._take_slot()
         self._stage_k[slot] = k_tok.reshape(-1)
         self._stage_v[slot] = v_tok.reshape(-1)
-        h = stream_handle(self.stream)
-        offset = seq * self.row_bytes
-        k_src = self._stage_k_addr + slot * self.row_bytes
-        v_src = self._stage_v_addr + slot * self.row_bytes
-        drv("cuMemcpyHtoDAsync", self._k.ptr + offset, k_src, self.row_bytes, h)
-        drv("cuMemcpyHtoDAsync", self._v.ptr + offset, v_src, self.row_bytes, h)
-        self._queue_seq(slot, seq + 1)
-        self._slot_events[slot].record(self.stream)
-        self._slot_busy[slot] = True
+        offset, n = seq * self.row_bytes, self.row_bytes
+        h = self._h
+        drv("cuMemcpyHtoDAsync", self._k_ptr + offset, self._stage_k_addr + slot * n, n, h)
+        drv("cuMemcpyHtoDAsync", self._v_ptr + offset, self._stage_v_addr + slot * n, n, h)
         self._seq_len = seq + 1
+        if self._eager_seq:
+            self._stage_seq[slot] = seq + 1
+            drv("cuMemcpyHtoDAsync", self.state.ptr, self._stage_seq_addr + 4 * slot, 4, h)
+        else:
+            self._device_seq_current = False
+        self._done_slot(slot)
 
     def extend(self, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
         """Append many tokens (a prefill): one copy for K, one for V.
@@ -257,28 +328,23 @@ class KVCache:
         self.device.activate()
         k_src = np.ascontiguousarray(k_rows)
         v_src = np.ascontiguousarray(v_rows)
-        h = stream_handle(self.stream)
         offset, nbytes = seq * self.row_bytes, n * self.row_bytes
         # From pageable memory the driver stages the bytes before returning, so the
         # caller may reuse its arrays at once.
-        drv("cuMemcpyHtoDAsync", self._k.ptr + offset, k_src.ctypes.data, nbytes, h)
-        drv("cuMemcpyHtoDAsync", self._v.ptr + offset, v_src.ctypes.data, nbytes, h)
-        slot = self._take_slot()
-        self._queue_seq(slot, seq + n)
-        self._slot_events[slot].record(self.stream)
-        self._slot_busy[slot] = True
+        drv("cuMemcpyHtoDAsync", self._k_ptr + offset, k_src.ctypes.data, nbytes, self._h)
+        drv("cuMemcpyHtoDAsync", self._v_ptr + offset, v_src.ctypes.data, nbytes, self._h)
         self._seq_len = seq + n
+        self._device_seq_current = False
+        self.device_length()  # a prefill is rare: keep the device's copy current
 
     def clear(self) -> None:
         """Forget every token (a new sequence); the memory stays allocated."""
         self.device.activate()
-        slot = self._take_slot()
-        self._queue_seq(slot, 0)
-        self._slot_events[slot].record(self.stream)
-        self._slot_busy[slot] = True
-        self._reset_overflow()
         self._seq_len = 0
         self._host_seq_valid = True
+        self._device_seq_current = False
+        self.device_length()
+        self._reset_overflow()
 
     # -- reading -------------------------------------------------------------------
     def to_host(self) -> tuple[np.ndarray, np.ndarray]:
@@ -302,20 +368,72 @@ class KVCache:
         Returns:
             A numpy array of q's shape and dtype.
         """
-        n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
-        algorithm = check_algorithm(algorithm)
-        if not isinstance(q, np.ndarray):
-            raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
-        if q.dtype != self.dtype:
-            raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {q.dtype}")
-        check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
-        seq = self.seq_len
+        dec = self._decoders.get((n_heads, algorithm))
+        if dec is None:
+            n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
+            algorithm = check_algorithm(algorithm)
+            dec = self._decoders[n_heads, algorithm] = _HostDecoder(self, n_heads, algorithm)
+        if not (type(q) is np.ndarray and q.dtype == self.dtype and q.shape in dec.shapes):
+            if not isinstance(q, np.ndarray):
+                raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
+            if q.dtype != self.dtype:
+                raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {q.dtype}")
+            check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
+        seq = self._seq_len if self._host_seq_valid else self.seq_len
         if seq == 0:
             return np.zeros(q.shape, q.dtype)
-        q_d, out = self._decode_scratch(n_heads)
-        q_d.copy_from_host(np.ascontiguousarray(q).reshape(-1), self.stream)
-        self.launch_decode(q_d, out, n_heads=n_heads, stream=self.stream, algorithm=algorithm)
-        return out.to_host(self.stream).reshape(q.shape)
+        self.device.activate()
+        np.copyto(dec.q_stage, q.reshape(-1))
+        h = self._h
+        drv("cuMemcpyHtoDAsync", dec.q_ptr, dec.q_stage_addr, dec.nbytes, h)
+        dec.record.run((dec.q_ptr, self._k_ptr, self._v_ptr, dec.out_ptr, seq))
+        drv("cuMemcpyDtoHAsync", dec.out_stage_addr, dec.out_ptr, dec.nbytes, h)
+        drv("cuStreamSynchronize", h)
+        return dec.out_stage.reshape(q.shape).copy()
+
+    def decode_record(
+        self,
+        q_dev: DeviceArray,
+        out_dev: DeviceArray,
+        n_heads: int,
+        algorithm: str,
+        stream: Any,
+        *,
+        length_on_device: bool,
+    ) -> DecodeRecord:
+        """The launch record of decodes of ``n_heads`` query heads against this cache on
+        ``stream`` (made once per signature): the length read on the device
+        (``length_on_device``, for graphs and ``gqa_decode_async``) or written per call.
+
+        Every decode of a cache is planned for its capacity, so the eager path and graphs
+        captured once chunk the sequence identically and agree bit for bit."""
+        aligned = ((q_dev.ptr | out_dev.ptr) & 15) == 0
+        sid = stream_key(stream)
+        key = (n_heads, algorithm, aligned, sid, length_on_device, attention.OVERRIDES)
+        record = self._records.get(key)
+        if record is None:
+            seq_dev = self.state if length_on_device else None
+            seq_len = self.capacity if length_on_device else 0
+            n_kv, hd = self.n_kv_heads, self.head_dim
+            if algorithm == "parity":
+                launches = parity_launches(
+                    q_dev, self._k, self._v, out_dev, n_heads=n_heads, n_kv_heads=n_kv,
+                    head_dim=hd, seq_len=seq_len, seq_len_dev=seq_dev,
+                )  # fmt: skip
+            else:
+                plan = plan_split(
+                    self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim,
+                    self.capacity, aligned,
+                )  # fmt: skip
+                ws = self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
+                launches = split_launches(
+                    plan, q_dev, self._k, self._v, out_dev, ws, n_heads=n_heads,
+                    n_kv_heads=n_kv, head_dim=hd, seq_len=seq_len, seq_len_dev=seq_dev,
+                )  # fmt: skip
+            record = self._records[key] = DecodeRecord(
+                launches, self.device, stream_handle(sid), None
+            )
+        return record
 
     def launch_decode(
         self,
@@ -327,50 +445,31 @@ class KVCache:
         algorithm: str = "auto",
         length_on_device: bool = False,
     ) -> None:
-        """Queue a decode of validated device arrays against this cache (no checks).
-
-        Every decode of a cache is planned for its capacity, so the eager path and graphs
-        captured once (``length_on_device=True``: the kernels read seq_len on the device)
-        chunk the sequence identically and agree bit for bit.
-        """
-        plan, workspace = self._split_plan(n_heads, algorithm, is_aligned(q_dev, self._k, self._v))
-        launch_decode(
-            q_dev,
-            self._k,
-            self._v,
-            out_dev,
-            n_heads=n_heads,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
-            seq_len=self.capacity if length_on_device else self._seq_len,
-            seq_len_dev=self.state if length_on_device else None,
-            stream=stream,
-            algorithm=algorithm,
-            workspace=workspace,
-            plan_seq=self.capacity,
-            plan=plan,
+        """Queue a decode of validated device arrays against this cache (no checks)."""
+        record = self.decode_record(
+            q_dev, out_dev, n_heads, algorithm, stream, length_on_device=length_on_device
         )
-
-    def _split_plan(
-        self, n_heads: int, algorithm: str, aligned: bool
-    ) -> tuple[SplitPlan | None, DeviceArray | None]:
-        """The split plan for the capacity and its scratch (None, None: the parity kernel)."""
-        if algorithm == "parity":
-            return None, None
-        plan = plan_split(
-            self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim, self.capacity, aligned
-        )
-        return plan, self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
+        if length_on_device:
+            self.device_length()
+        record.run((q_dev.ptr, self._k_ptr, self._v_ptr, out_dev.ptr, self._seq_len))
 
     def prepare(self, n_heads: int, algorithm: str = "auto") -> None:
         """Load the kernels and allocate the scratch that decodes of ``n_heads`` query heads
         need, so that they can then be captured into a graph (allocation and module loading
         are not capturable). DecodeGraph does this itself."""
         n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
+        algorithm = check_algorithm(algorithm)
         append_kernel(self.device)
-        if check_algorithm(algorithm) != "parity":
-            plan, _ = self._split_plan(n_heads, algorithm, is_aligned(self._k, self._v))
-            combine = plan.combine_kernel(self.dtype) if plan is not None else None
+        with empty((n_heads * self.head_dim,), self.dtype, device=self.device) as probe:
+            self.decode_record(probe, probe, n_heads, algorithm, self.stream,
+                               length_on_device=True)  # fmt: skip
+        if algorithm != "parity":
+            aligned = ((self._k_ptr | self._v_ptr) & 15) == 0
+            plan = plan_split(
+                self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim,
+                self.capacity, aligned,
+            )  # fmt: skip
+            combine = plan.combine_kernel(self.dtype)
             if combine is not None:  # a cluster plan has none
                 get_kernel("gqa_decode_split.cu", combine, self.device)
 
@@ -399,31 +498,23 @@ class KVCache:
             ws = self._workspaces[n_heads] = grown
         return ws
 
-    def _decode_scratch(self, n_heads: int) -> tuple[DeviceArray, DeviceArray]:
-        """Device q and out buffers for ``n_heads``, allocated once and reused."""
-        pair = self._scratch.get(n_heads)
-        if pair is None:
-            shape = (n_heads * self.head_dim,)
-            pair = (
-                empty(shape, self.dtype, device=self.device),
-                empty(shape, self.dtype, device=self.device),
-            )
-            self._scratch[n_heads] = pair
-        return pair
-
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
         """Free the device buffers, the staging memory and (if its own) the stream."""
         with contextlib.suppress(Exception):  # closing must not fail on a broken context
             self.stream.synchronize()
-        scratch = [a for pair in self._scratch.values() for a in pair]
         workspaces = [*self._workspaces.values(), *self._outgrown]
-        for arr in (self._k, self._v, self.state, *scratch, *workspaces):
+        for arr in (self._k, self._v, self.state, *workspaces):
             arr.close()
-        self._scratch.clear()
+        for dec in self._decoders.values():
+            dec.close()
+        self._decoders.clear()
+        self._records.clear()
+        self._appenders.clear()
+        self._async_records.clear()
         self._workspaces.clear()
         self._outgrown.clear()
-        for ev in self._slot_events:
+        for ev in self._group_events:
             ev.close()
         self._stage_k = self._stage_v = self._stage_seq = np.empty(0)
         if self._owns_stream:

@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from ._driver import cu, driver_version, drv, finalizer
+from ._driver import check, cu, driver_version, drv, finalizer
 from .compiler import Program
 from .device import Device, resolve
 from .memory import DeviceArray
 from .stream import stream_handle
 
-__all__ = ["Kernel", "Module", "pack_args"]
+__all__ = ["Kernel", "LaunchSequence", "Module", "PackedLaunch", "pack_args"]
 
 Dim3 = int | Sequence[int]
 
@@ -376,3 +376,108 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"
+
+
+_OK = cu.CUresult.CUDA_SUCCESS
+_cuLaunchKernel = cu.cuLaunchKernel
+_cuLaunchKernelEx = cu.cuLaunchKernelEx
+
+
+class PackedLaunch:
+    """One launch of a kernel with everything but some argument values fixed: grid,
+    block, shared memory, stream, cluster and early-launch configuration, and an argument
+    block packed once. ``slots[i] = value`` changes argument ``i`` (a pointer or a scalar's
+    bits, see ``pack_args``); calling it launches.
+
+    Args:
+        kernel: the kernel.
+        grid, block, args, shared_mem, stream, cluster, early: as for ``Kernel.launch``.
+    """
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        grid: Dim3,
+        block: Dim3,
+        args: Sequence[Any],
+        *,
+        shared_mem: int = 0,
+        stream: Any = None,
+        cluster: int = 0,
+        early: bool = False,
+    ) -> None:
+        self.kernel = kernel
+        self.dims = (*_dim3(grid, "grid"), *_dim3(block, "block"))
+        bits = _arg_bits(args)
+        self.slots, self._ptrs = _slot_arrays(len(bits))
+        self.slots[: len(bits)] = bits
+        self._address = ctypes.addressof(self._ptrs)
+        kernel.module.device.activate()
+        kernel.allow_shared(shared_mem)
+        self.shared_mem = int(shared_mem)
+        self._stream = stream_handle(stream)
+        early = early and kernel.module.device.compute_capability >= (9, 0) and _pdl_driver()
+        self._config = None
+        if cluster or early:
+            kernel._allow_cluster(cluster)
+            self._config = kernel._ex_config(
+                self.dims[:3], self.dims[3:], shared_mem, self._stream, cluster, early
+            )
+
+    def __call__(self) -> None:
+        """Queue the launch with the slots as they are now.
+
+        Raises:
+            CudaError: the driver refused the launch.
+        """
+        if self._config is None:
+            gx, gy, gz, bx, by, bz = self.dims
+            result = _cuLaunchKernel(
+                self.kernel.handle, gx, gy, gz, bx, by, bz, self.shared_mem, self._stream,
+                self._address, 0,
+            )  # fmt: skip
+            if result[0] is not _OK:
+                check(result, "cuLaunchKernel")
+        else:
+            result = _cuLaunchKernelEx(self._config, self.kernel.handle, self._address, 0)
+            if result[0] is not _OK:
+                check(result, "cuLaunchKernelEx")
+
+
+class LaunchSequence:
+    """Packed launches queued in order, with named argument roles: ``run(values)`` writes
+    ``values[r]`` into every slot that role ``r`` names, then launches each in turn.
+
+    Args:
+        launches: the packed launches.
+        roles: role names, in the order ``run`` takes their values.
+        slots: for each launch, ``(slot index, role name)`` pairs.
+        device: the device whose context must be current.
+    """
+
+    def __init__(
+        self,
+        launches: Sequence[PackedLaunch],
+        roles: Sequence[str],
+        slots: Sequence[Sequence[tuple[int, str]]],
+        device: Device,
+    ) -> None:
+        position = {r: i for i, r in enumerate(roles)}
+        self.launches = tuple(launches)
+        self.device = device
+        self._writes = tuple(
+            (launch.slots, index, position[role])
+            for launch, pairs in zip(launches, slots, strict=True)
+            for index, role in pairs
+        )
+        self._last: tuple[Any, ...] | None = None
+
+    def run(self, values: tuple[int, ...]) -> None:
+        """Write ``values`` (pointers and integers, by role) and queue every launch."""
+        if values != self._last:
+            for slots, index, role in self._writes:
+                slots[index] = values[role]
+            self._last = values
+        self.device.activate()
+        for launch in self.launches:
+            launch()

@@ -9,14 +9,16 @@ from typing import Any
 
 import numpy as np
 
-from ._driver import drv, finalizer
-from .device import Device, resolve
+from . import dlpack, interop
+from ._driver import drv, finalizer, release
+from .device import Device, device_for, resolve
 from .stream import stream_handle
 
 __all__ = [
     "DeviceArray",
     "as_device_array",
     "empty",
+    "from_dlpack",
     "pinned_empty",
     "to_device",
     "zeros",
@@ -48,10 +50,13 @@ def _normalize_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
 class DeviceArray:
     """A C-contiguous array in device memory.
 
-    Made by :func:`empty`, :func:`zeros` and :func:`to_device`, or as a view of another
-    array. It exposes ``__cuda_array_interface__`` so CuPy, PyTorch and Numba can wrap it
-    without a copy.
+    Made by `empty`, `zeros`, `to_device` and `from_dlpack`, or as a view of another
+    array. Other libraries take it without a copy through DLPack
+    (`torch.from_dlpack(arr)`, bf16 included) or ``__cuda_array_interface__``.
     """
+
+    _finalizer: Any
+    _closed: bool
 
     def __init__(
         self,
@@ -67,20 +72,32 @@ class DeviceArray:
         self.device = resolve(device)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self._base = _base
+        self._closed = False
+        self._finalizer = None
         if _ptr is not None:  # a view: the memory belongs to _base
             self._ptr = int(_ptr)
-            self._finalizer = finalizer(self, None)
         elif self.nbytes == 0:
             self._ptr = 0
-            self._finalizer = finalizer(self, None)
         else:
             self._ptr = int(drv("cuMemAlloc", self.nbytes))
             self._finalizer = finalizer(self, "cuMemFree", self._ptr)
 
+    @classmethod
+    def _wrap(
+        cls, ptr: int, shape: tuple[int, ...], dtype: np.dtype, device: Device, base: Any
+    ) -> DeviceArray:
+        """A view of memory owned by ``base``, with no checks (for the hot paths: shape,
+        dtype and device already validated)."""
+        self = cls.__new__(cls)
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.nbytes = math.prod(shape) * dtype.itemsize
+        self._ptr, self._base, self._closed, self._finalizer = ptr, base, False, None
+        return self
+
     @property
     def ptr(self) -> int:
         """The device address as an int."""
-        if not self._finalizer.alive and self._base is None and self.nbytes:
+        if self._closed:
             raise ValueError("this DeviceArray was closed")
         return self._ptr
 
@@ -117,7 +134,7 @@ class DeviceArray:
         need = offset + math.prod(shp) * dt.itemsize
         if offset < 0 or need > self.nbytes:
             raise ValueError(f"shape: a view of {need} bytes does not fit in {self.nbytes} bytes")
-        return DeviceArray(shp, dt, device=self.device, _ptr=self.ptr + offset, _base=self)
+        return DeviceArray._wrap(self.ptr + offset, shp, dt, self.device, self)
 
     def reshape(self, *shape: Any) -> DeviceArray:
         """The same memory with another shape of the same size."""
@@ -167,8 +184,40 @@ class DeviceArray:
 
     def close(self) -> None:
         """Free the device memory now (views just drop their reference)."""
+        self._closed = True
         self._base = None
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule over this array (no copy): versioned DLPack 1.x when the
+        consumer's ``max_version`` allows, the legacy form otherwise. The capsule keeps the
+        array's memory alive. ``stream`` is not waited on: order the work that wrote the
+        array before the consumer's as for any device array.
+
+        Raises:
+            BufferError: a copy or another device was asked for.
+        """
+        if copy:
+            raise BufferError("copy: ferrox exports its arrays without a copy only")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"dl_device: this array is on {self.__dlpack_device__()}")
+        versioned = max_version is not None and max_version[0] >= 1
+        return dlpack.export(
+            self.ptr, self.shape, self.dtype, dlpack.CUDA, self.device.ordinal, self,
+            versioned=versioned,
+        )  # fmt: skip
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(kDLCUDA, device ordinal)."""
+        return dlpack.CUDA, self.device.ordinal
 
     def __enter__(self) -> DeviceArray:
         return self
@@ -239,8 +288,9 @@ def check_c_contiguous(
 
 
 def as_device_array(obj: Any, name: str = "array") -> DeviceArray:
-    """View ``obj`` (a DeviceArray or any ``__cuda_array_interface__`` object) as a
-    DeviceArray without a copy; the view keeps ``obj`` alive.
+    """View ``obj`` (a DeviceArray, a PyTorch tensor or CuPy array on the GPU, any
+    ``__dlpack__`` or ``__cuda_array_interface__`` object) as a DeviceArray without a copy;
+    the view keeps ``obj`` alive.
 
     Raises:
         TypeError: ``obj`` is not a device array.
@@ -248,14 +298,113 @@ def as_device_array(obj: Any, name: str = "array") -> DeviceArray:
     """
     if isinstance(obj, DeviceArray):
         return obj
-    try:
-        cai = obj.__cuda_array_interface__
-    except Exception as exc:
-        raise TypeError(
-            f"{name}: expected a numpy array or a device array, got {type(obj).__name__}"
-        ) from exc
-    shape = tuple(int(d) for d in cai["shape"])
-    dtype = np.dtype(cai["typestr"])
-    check_c_contiguous(shape, cai.get("strides"), dtype.itemsize, name)
-    ptr = int(cai["data"][0])
-    return DeviceArray(shape, dtype, _ptr=ptr, _base=obj)
+    ref = interop.array_ref(obj, name)
+    if ref is None:
+        raise TypeError(f"{name}: expected a device array, got a numpy array")
+    return view_of(ref, obj, name)
+
+
+def view_of(ref: interop.ArrayRef, obj: Any, name: str) -> DeviceArray:
+    """The DeviceArray over what ``ref`` (read from ``obj``) describes.
+
+    Raises:
+        ValueError: it is not C-contiguous.
+    """
+    ptr, shape, dtype, ordinal, contiguous, owner = ref
+    if not contiguous:
+        raise ValueError(f"{name}: must be C-contiguous (use .contiguous() or a copy)")
+    return DeviceArray._wrap(
+        ptr, shape, dtype, device_for(ordinal), obj if owner is None else owner
+    )
+
+
+def from_dlpack(obj: Any) -> DeviceArray:
+    """A zero-copy DeviceArray view of any object with ``__dlpack__`` (a PyTorch tensor,
+    a CuPy or JAX array...) on a CUDA device; it keeps the producer's memory alive.
+
+    Raises:
+        TypeError: ``obj`` has no ``__dlpack__``, or its memory is not on a CUDA device.
+        ValueError: it is not C-contiguous.
+    """
+    if isinstance(obj, DeviceArray):
+        return obj
+    if not hasattr(obj, "__dlpack__"):
+        raise TypeError(f"obj: expected an object with __dlpack__, got {type(obj).__name__}")
+    return view_of(interop.read_dlpack(obj, "obj"), obj, "obj")
+
+
+interop.register_reader(
+    DeviceArray, lambda a, name: (a.ptr, a.shape, a.dtype, a.device.ordinal, True, None)
+)
+
+
+POOL_KEEP = 8  # free blocks kept per (context, stream, size); more are freed
+
+
+class _PoolBlock:
+    """A block of a pool's memory, lent to the DeviceArrays that view it: when the last of
+    them goes, the block goes back to its free list (or is freed when the list is full).
+    ``free`` None: never returned (a graph captured elsewhere may still write it)."""
+
+    __slots__ = ("free", "ptr")
+
+    def __init__(self, ptr: int, free: list[int] | None) -> None:
+        self.ptr, self.free = ptr, free
+
+    def __del__(self) -> None:
+        try:
+            free = self.free
+            if free is None:
+                return
+            if len(free) < POOL_KEEP:
+                free.append(self.ptr)
+            else:
+                release("cuMemFree", self.ptr)
+        except Exception:  # at interpreter shutdown, say
+            pass
+
+
+class OutputPool:
+    """Device memory for results, reused in stream order: blocks of one size that come
+    back when their arrays are collected, handed out again for work on the same stream
+    (which runs after whatever used them before). An array handed to work on another
+    stream must stay referenced until that work is done, as with PyTorch's allocator.
+
+    Args:
+        device: where the memory lives.
+        nbytes: the size of every block.
+    """
+
+    def __init__(self, device: Device, nbytes: int) -> None:
+        self.device, self.nbytes = device, nbytes
+        self.free: list[int] = []
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype, *, keep: bool = True) -> DeviceArray:
+        """A DeviceArray over a block of the pool (a new one when none is free).
+        ``keep=False``: the block never comes back (a foreign capture may write it).
+
+        Raises:
+            CudaError: the allocation failed (e.g. inside a stream capture).
+        """
+        free = self.free
+        ptr = free.pop() if free else int(drv("cuMemAlloc", max(self.nbytes, 1)))
+        block = _PoolBlock(ptr, free if keep else None)
+        return DeviceArray._wrap(ptr, shape, dtype, self.device, block)
+
+    def close(self) -> None:
+        """Free the blocks not in use."""
+        free, self.free = self.free, []
+        for ptr in free:
+            release("cuMemFree", ptr)
+
+
+_pools: dict[tuple[int, int, int], OutputPool] = {}
+
+
+def output_pool(device: Device, stream: int, nbytes: int) -> OutputPool:
+    """The pool of ``nbytes`` blocks for work on ``stream`` (an int handle) on ``device``."""
+    key = (device.context_handle, stream, nbytes)
+    pool = _pools.get(key)
+    if pool is None:
+        pool = _pools[key] = OutputPool(device, nbytes)
+    return pool

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .attention import gqa_decode
+from .decode import gqa_decode
 from .errors import KVCapacityError
 from .kv_cache import LayerKVCache
 from .validation import check_dims, check_dtype, check_int

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._driver import cu, drv, finalizer
@@ -14,7 +12,7 @@ if TYPE_CHECKING:
 
     from .graph import Graph
 
-__all__ = ["Event", "Stream", "stream_handle"]
+__all__ = ["Event", "Stream", "stream_handle", "stream_key"]
 
 
 class Stream:
@@ -30,8 +28,8 @@ class Stream:
         self.device = resolve(device)
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING if non_blocking else 0
         self._handle = drv("cuStreamCreate", flags)
-        self._before_destroy: list[Callable[[Any], None]] = []
-        self._finalizer = finalizer(self, _destroy_stream, self._handle, self._before_destroy)
+        self._handle_int = int(self._handle)
+        self._finalizer = finalizer(self, "cuStreamDestroy", self._handle)
 
     @classmethod
     def from_handle(cls, handle: int, device: Device | None = None) -> Stream:
@@ -42,17 +40,13 @@ class Stream:
         self = cls.__new__(cls)
         self.device = resolve(device)
         self._handle = cu.CUstream(int(handle))
-        self._before_destroy = []  # never run: a borrowed stream is not destroyed here
+        self._handle_int = int(handle)
         self._finalizer = finalizer(self, None)
         return self
 
-    def before_destroy(self, hook: Callable[[Any], None]) -> None:
-        """Run ``hook(handle)`` when this stream is destroyed, by ``close()`` or when the
-        object is collected, just before the destroy (held back, like frees, until a
-        capture on this thread ends); never for a borrowed stream (``from_handle``). It
-        must not refer to this Stream object. Scratch kept per stream is released this way."""
-        if self._finalizer.alive:
-            self._before_destroy.append(hook)
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol (cuda.core, PyTorch, CuPy): (version 0, handle)."""
+        return 0, self._handle_int
 
     @property
     def handle(self) -> Any:
@@ -93,31 +87,52 @@ class Stream:
         return f"Stream(handle=0x{int(self._handle):x})"
 
 
-def _destroy_stream(handle: Any, hooks: list[Callable[[Any], None]]) -> None:
-    for hook in hooks:
-        with contextlib.suppress(Exception):
-            hook(handle)
-    cu.cuStreamDestroy(handle)
-
-
 def stream_handle(stream: Any) -> Any:
     """The CUstream for ``stream``: a Stream, None (the legacy default stream), an int
-    handle, or an object exposing ``cuda_stream`` (PyTorch) or ``ptr`` (CuPy)."""
+    handle, or any object with ``__cuda_stream__`` (cuda.core, PyTorch, CuPy) or a
+    ``cuda_stream`` (PyTorch) or ``ptr`` (CuPy) attribute."""
     if stream is None:
         return cu.CUstream(0)
     if isinstance(stream, Stream):
         return stream.handle
     if isinstance(stream, cu.CUstream):
         return stream
+    return cu.CUstream(stream_key(stream))
+
+
+def stream_key(stream: Any) -> int:
+    """The integer handle of ``stream`` (any form ``stream_handle`` takes); 0 for the legacy
+    default stream.
+
+    Raises:
+        TypeError: ``stream`` is none of those forms.
+    """
+    if stream is None:
+        return 0
+    if type(stream) is Stream:
+        return stream._handle_int
     if isinstance(stream, int) and not isinstance(stream, bool):
-        return cu.CUstream(stream)
-    for attr in ("cuda_stream", "ptr"):
-        value = getattr(stream, attr, None)
-        if isinstance(value, int):
-            return cu.CUstream(value)
+        if stream < 0:
+            raise ValueError(f"stream: a handle is >= 0, got {stream}")
+        return stream
+    value = getattr(stream, "cuda_stream", None)  # PyTorch (cheaper than its protocol)
+    if isinstance(value, int):
+        return value
+    if isinstance(stream, Stream):
+        return stream._handle_int
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is not None:
+        pair = protocol()
+        if isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], int):
+            return pair[1]
+    if isinstance(stream, cu.CUstream):
+        return int(stream)
+    value = getattr(stream, "ptr", None)  # CuPy
+    if isinstance(value, int):
+        return value
     raise TypeError(
-        f"stream: expected a ferrox_driver.Stream, None, an int handle or a PyTorch/CuPy "
-        f"stream, got {type(stream).__name__}"
+        f"stream: expected a ferrox_driver.Stream, None, an int handle or an object with "
+        f"__cuda_stream__ (PyTorch, CuPy, cuda.core), got {type(stream).__name__}"
     )
 
 

@@ -8,7 +8,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["DecodeSpec", "SUPPORTED_DTYPES", "check_decode_args", "check_dims", "dtype_name"]
+__all__ = [
+    "DecodeSpec",
+    "SUPPORTED_DTYPES",
+    "check_decode_args",
+    "check_decode_infos",
+    "check_dims",
+    "dtype_name",
+]
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = {
@@ -62,25 +69,22 @@ class ArrayInfo:
 
 def array_info(obj: Any, name: str, *, allow_device: bool = True) -> ArrayInfo:
     """Shape, dtype and placement of a numpy or device array, checking contiguity."""
-    from .memory import DeviceArray, check_c_contiguous
+    from .interop import array_ref
 
-    if isinstance(obj, DeviceArray):
-        return ArrayInfo(obj.shape, obj.dtype, True)
-    cai = getattr(obj, "__cuda_array_interface__", None) if allow_device else None
-    if cai is not None:
-        shape = tuple(int(d) for d in cai["shape"])
-        dtype = np.dtype(cai["typestr"])
-        check_c_contiguous(shape, cai.get("strides"), dtype.itemsize, name)
-        return ArrayInfo(shape, dtype, True)
-    if not isinstance(obj, np.ndarray):
-        kind = "a numpy array or a device array" if allow_device else "a numpy array"
-        raise TypeError(f"{name}: expected {kind}, got {type(obj).__name__}")
-    if not obj.flags.c_contiguous:
-        raise ValueError(
-            f"{name}: must be C-contiguous, got strides {obj.strides} for shape {obj.shape} "
-            f"(use numpy.ascontiguousarray)"
-        )
-    return ArrayInfo(obj.shape, obj.dtype, False)
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError(
+                f"{name}: must be C-contiguous, got strides {obj.strides} for shape "
+                f"{obj.shape} (use numpy.ascontiguousarray)"
+            )
+        return ArrayInfo(obj.shape, obj.dtype, False)
+    if not allow_device:
+        raise TypeError(f"{name}: expected a numpy array, got {type(obj).__name__}")
+    ref = array_ref(obj, name)
+    assert ref is not None  # numpy arrays are handled above
+    if not ref[4]:
+        raise ValueError(f"{name}: must be C-contiguous, got a strided view of shape {ref[1]}")
+    return ArrayInfo(ref[1], ref[2], True)
 
 
 @dataclass(frozen=True)
@@ -138,26 +142,44 @@ def check_decode_args(
     qi = array_info(q, "q", allow_device=allow_device)
     ki = array_info(k, "k_cache", allow_device=allow_device)
     vi = array_info(v, "v_cache", allow_device=allow_device)
-    if allow_device:
-        dtype = check_dtype(
-            qi.dtype, "q"
-        )  # the reference takes any float input; kernels need one dtype
-        for info, name in ((ki, "k_cache"), (vi, "v_cache")):
-            check_dtype(info.dtype, name)
-            if info.dtype != dtype:
-                raise TypeError(f"{name}: expected q's dtype {dtype}, got {info.dtype}")
-        if not qi.on_device == ki.on_device == vi.on_device:
-            raise TypeError(
-                "q, k_cache, v_cache: pass all three as numpy arrays or all three as device "
-                f"arrays (got q on {'device' if qi.on_device else 'host'}, k_cache on "
-                f"{'device' if ki.on_device else 'host'}, v_cache on "
-                f"{'device' if vi.on_device else 'host'})"
-            )
-    else:
-        dtype = qi.dtype
+    if not allow_device:
         for info, name in ((qi, "q"), (ki, "k_cache"), (vi, "v_cache")):
             if info.dtype.kind != "f" and info.dtype != np.dtype(ml_dtypes.bfloat16):
                 raise TypeError(f"{name}: expected a floating-point array, got {info.dtype}")
+        return _check_shapes(qi, ki, vi, n_heads, n_kv_heads, head_dim, qi.dtype)
+    if not qi.on_device == ki.on_device == vi.on_device:
+        raise TypeError(
+            "q, k_cache, v_cache: pass all three as numpy arrays or all three as device "
+            f"arrays (got q on {'device' if qi.on_device else 'host'}, k_cache on "
+            f"{'device' if ki.on_device else 'host'}, v_cache on "
+            f"{'device' if vi.on_device else 'host'})"
+        )
+    return check_decode_infos(qi, ki, vi, n_heads, n_kv_heads, head_dim)
+
+
+def check_decode_infos(
+    qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, n_heads: Any, n_kv_heads: Any, head_dim: Any
+) -> DecodeSpec:
+    """Validate what a decode's kernels need of q, K and V (dtypes, shapes); raise naming
+    the first bad one."""
+    n_heads, n_kv_heads, head_dim = check_dims(n_heads, n_kv_heads, head_dim)
+    dtype = check_dtype(qi.dtype, "q")
+    for info, name in ((ki, "k_cache"), (vi, "v_cache")):
+        check_dtype(info.dtype, name)
+        if info.dtype != dtype:
+            raise TypeError(f"{name}: expected q's dtype {dtype}, got {info.dtype}")
+    return _check_shapes(qi, ki, vi, n_heads, n_kv_heads, head_dim, dtype)
+
+
+def _check_shapes(
+    qi: ArrayInfo,
+    ki: ArrayInfo,
+    vi: ArrayInfo,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype: np.dtype,
+) -> DecodeSpec:
     check_q(qi, n_heads, head_dim)
     seq_k = kv_rows(ki, n_kv_heads, head_dim, "k_cache")
     seq_v = kv_rows(vi, n_kv_heads, head_dim, "v_cache")

@@ -37,7 +37,7 @@ def test_missing_driver_is_no_device_error_and_cuda_unavailable(
     monkeypatch.setattr(_driver.cu, "cuInit", no_libcuda)
     monkeypatch.setattr(_driver, "_initialised", False)
     monkeypatch.setattr(_driver, "_init_error", None)
-    monkeypatch.setattr(device, "_default", None)
+    monkeypatch.setattr(device, "_devices", {})
     assert fd.cuda_available() is False
     with pytest.raises(fd.NoDeviceError, match="no NVIDIA driver found"):
         fd.Device(0)
@@ -145,30 +145,16 @@ def test_releases_inside_a_capture_wait_for_its_end(monkeypatch: pytest.MonkeyPa
     assert calls[-1] == ("cuStreamDestroy", 4)  # a failed capture releases too
 
 
-def test_a_stream_destroy_runs_its_hooks_first_and_waits_for_a_capture(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from ferrox_driver import stream as stream_mod
-
-    calls: list[tuple[str, int]] = []
-
-    class FakeCu:
-        def __getattr__(self, name: str) -> object:
-            return lambda *args: calls.append((name, *args))
-
-    def failing_hook(handle: int) -> None:
-        raise RuntimeError("a hook's failure must not stop the destroy")
-
-    monkeypatch.setattr(stream_mod, "cu", FakeCu())
-    hooks = [
-        lambda h: calls.append(("hook", h)),
-        failing_hook,
-        lambda h: calls.append(("hook2", h)),
-    ]
-    with _driver.capturing():
-        _driver.release(stream_mod._destroy_stream, 7, hooks)
-        assert calls == []  # held back: a capture is open on this thread
-    assert calls == [("hook", 7), ("hook2", 7), ("cuStreamDestroy", 7)]
+def test_objects_kept_during_a_capture_go_to_its_graph_and_only_then() -> None:
+    first, second = object(), object()
+    assert _driver.capture_keep(first) is False  # no capture on this thread
+    with _driver.capturing() as kept:
+        assert _driver.capture_keep(second) is True
+        with _driver.capturing() as inner:  # nested: the outermost graph holds them all
+            assert _driver.capture_keep(first) is True
+        assert inner is kept
+        assert kept == [second, first]
+    assert _driver.capture_keep(first) is False
 
 
 def test_releases_held_by_one_thread_capture_do_not_hold_another_threads() -> None:

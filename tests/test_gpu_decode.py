@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
+from ferrox_driver import attention
 from ferrox_driver.compiler import kernel_source
 from ferrox_driver.experimental import plan_split, split_launches
 
@@ -181,7 +182,7 @@ def test_split_handles_lengths_that_are_not_multiples_of_the_chunk(rng, seq_len)
 def test_fp32_tensor_core_and_cuda_core_kernels_match_reference(
     rng, monkeypatch, tc32, n_heads, n_kv_heads, head_dim, seq_len, q_scale
 ):
-    monkeypatch.setenv("FERROX_TC32", tc32)
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(tc32=tc32 != "0"))
     q, k, v = random_decode_inputs(
         rng, n_heads, n_kv_heads, head_dim, seq_len, np.float32, q_scale=q_scale
     )
@@ -200,7 +201,7 @@ def test_fp32_tensor_core_and_cuda_core_kernels_match_reference(
 def test_extreme_scores_on_the_fp32_tensor_core_path(
     rng, monkeypatch, tc32, head_dim, seq_len, q_scale
 ):
-    monkeypatch.setenv("FERROX_TC32", tc32)
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(tc32=tc32 != "0"))
     n_heads, n_kv = 64 * 128 // head_dim, 8 * 128 // head_dim
     q, k, v = random_decode_inputs(rng, n_heads, n_kv, head_dim, seq_len, np.float32, q_scale)
     got = decode_on_device(q, k, v, n_heads, n_kv, head_dim, "split")
@@ -236,7 +237,9 @@ def test_split_decode_is_bitwise_reproducible(
     # (on compute capability 9.0, fp16/bf16: 500 tokens, 8 chunks per KV head merged on
     # chip; 3001 tokens of groups of 4, the same in 8-warp blocks; of groups of 8, 16 chunks
     # and the combine kernel).
-    monkeypatch.setenv("FERROX_SPLIT_HEADS_PER_BLOCK", heads_per_block)
+    monkeypatch.setattr(
+        attention, "OVERRIDES", attention.Overrides(heads_per_block=int(heads_per_block))
+    )
     q, k, v = random_decode_inputs(rng, n_heads, 8, 128, seq_len, DTYPES[dtype])
     qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
     first = None
@@ -286,7 +289,7 @@ def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
     ws = fd.empty(plan.workspace_floats(n_heads, head_dim), np.float32)
     got = {}
     for early in (False, True):
-        monkeypatch.setattr(attention, "EARLY_COMBINE", early)
+        monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(early_combine=early))
         ws.fill_bytes(0xFF)
         out = poisoned(q.shape, q.dtype)
         launches = split_launches(
@@ -384,7 +387,7 @@ def test_cluster_merge_and_combine_kernel_match_reference(
     blocks,
     seq_len,
 ):
-    monkeypatch.setenv("FERROX_CLUSTER", cluster)
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(cluster=cluster != "0"))
     dt = DTYPES[dtype]
     seq_len = capacity if seq_len == "full" else seq_len
     plan = plan_split(device, dt, n_heads, n_kv_heads, head_dim, capacity)
@@ -413,7 +416,7 @@ def test_wide_cluster_plans_match_reference(
 ):
     from ferrox_driver import attention
 
-    monkeypatch.setenv("FERROX_WIDE", wide)
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(wide=wide != "0"))
     dt = DTYPES[dtype]
     seq_len = {"full": capacity, "full-1": capacity - 1}.get(seq_len, seq_len)
     plan = plan_split(device, dt, n_heads, 8, 128, capacity)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
+from ferrox_driver import attention
 from ferrox_driver.compiler import kernel_source
 from ferrox_driver.graph import graph_stats
 
@@ -238,15 +239,21 @@ def test_decode_captured_at_seq_len_one_stays_correct_as_the_cache_grows(rng, dt
         exe.close()
 
 
-def _fresh_stream_scratch(stream):
-    """Forget this stream handle's decode scratch (a handle can be reused after a stream is
-    destroyed), so the test sees it allocated and grown."""
-    from ferrox_driver import attention
+def _forget_records():
+    """Drop every launch record and validated call, as an LRU full of other shapes would."""
+    from ferrox_driver import decode
 
-    key = (fd.Device(0).context_handle, int(stream.handle))
-    attention._workspaces.pop(key, None)
-    attention._outgrown.pop(key, None)
-    return lambda: attention._workspaces.get(key)
+    decode._records.clear()
+    decode._calls.clear()
+
+
+def _record_of(qd, kd, vd, out, stream):
+    from ferrox_driver import decode
+
+    return decode.decode_record(
+        qd, kd, vd, out, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HD,
+        seq_len=kd.shape[0], stream=stream,
+    )  # fmt: skip
 
 
 def assert_replay_writes_only_its_own_memory(exe, stream, out, q, k, v, scratch_size):
@@ -263,84 +270,30 @@ def assert_replay_writes_only_its_own_memory(exe, stream, out, q, k, v, scratch_
         assert (arr.to_host() == 7.0).all()
 
 
-def test_a_graph_captured_on_a_stream_survives_that_streams_scratch_growing(rng, monkeypatch):
-    """gqa_decode on device arrays uses its stream's scratch; a larger decode later grows it.
-    The captured graph still writes the old scratch, so that must not be freed: here it
-    would be reused by the arrays allocated next, and the replay would overwrite them."""
-    monkeypatch.setenv("FERROX_CLUSTER", "0")  # every plan writes partials to scratch
-    dt = DTYPES["bf16"]
-    q = rng.standard_normal((N_HEADS, HD)).astype(dt)
-    k, v = (rng.standard_normal((64, N_KV, HD)).astype(dt) for _ in range(2))
-    k_big, v_big = (rng.standard_normal((4096, N_KV, HD)).astype(dt) for _ in range(2))
-    kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
-    with fd.Stream() as stream:
-        scratch = _fresh_stream_scratch(stream)
-        qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
-        kd_big, vd_big = fd.to_device(k_big), fd.to_device(v_big)
-        out = fd.empty((N_HEADS, HD), dt)
-        fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)  # scratch made outside
-        stream.synchronize()
-        first = scratch()
-        with stream.capture() as graph:
-            fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)
-        exe = graph.instantiate()
-        graph.close()
-        fd.gqa_decode(qd, kd_big, vd_big, stream=stream, **kw)
-        stream.synchronize()
-        assert scratch() is not first and scratch().size > first.size  # it grew
-        assert_replay_writes_only_its_own_memory(exe, stream, out, q, k, v, first.size)
-        exe.close()
-
-
-def test_closing_a_stream_frees_its_decode_scratch_grown_or_not(rng, monkeypatch):
-    monkeypatch.setenv("FERROX_CLUSTER", "0")  # every plan writes partials to scratch
-    from ferrox_driver import attention
-
-    dt = DTYPES["bf16"]
-    kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
-    q = fd.to_device(rng.standard_normal((N_HEADS, HD)).astype(dt))
-    small = [fd.to_device(rng.standard_normal((64, N_KV, HD)).astype(dt)) for _ in range(2)]
-    big = [fd.to_device(rng.standard_normal((4096, N_KV, HD)).astype(dt)) for _ in range(2)]
-    stream = fd.Stream()
-    scratch = _fresh_stream_scratch(stream)
-    fd.gqa_decode(q, *small, stream=stream, **kw)
-    fd.gqa_decode(q, *big, stream=stream, **kw)  # grows it: the first is kept as outgrown
-    buffers = attention.stream_scratch(fd.Device(0), stream)
-    assert len(buffers) == 2 and buffers[-1] is scratch()
-    refs = [weakref.ref(b) for b in buffers]
-    del buffers
-    stream.close()  # pending work finishes first; then nothing holds the scratch
-    gc.collect()
-    assert scratch() is None
-    assert [r() for r in refs] == [None, None]
-
-
-def test_a_graph_keeps_its_streams_decode_scratch_after_the_stream_is_closed(rng, monkeypatch):
-    """The graph's combine kernel reads the partials its split kernel wrote to the stream's
-    scratch: with the stream closed, that scratch must live on with the graph (were it
-    freed, the arrays allocated next could take its memory and the replay would write
-    into them)."""
-    monkeypatch.setenv("FERROX_WIDE", "0")  # 16 chunks per KV head and the combine kernel
+def test_a_graph_keeps_its_decode_scratch_after_the_record_and_stream_are_gone(rng, monkeypatch):
+    """The graph's combine kernel reads the partials its split kernel wrote to the launch
+    record's scratch: with the record dropped from the LRU and the stream closed, that
+    scratch must live on with the graph (were it freed, the arrays allocated next could
+    take its memory and the replay would write into them), and go with it."""
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(wide=False))
     dt = DTYPES["bf16"]
     kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
     q = rng.standard_normal((N_HEADS, HD)).astype(dt)
     k, v = (rng.standard_normal((4096, N_KV, HD)).astype(dt) for _ in range(2))
-    from ferrox_driver.attention import plan_split
-
-    plan = plan_split(fd.Device(0), dt, N_HEADS, N_KV, HD, 4096)
-    assert plan.cluster == 0  # the combine kernel runs: partials go through the scratch
     qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
     out = fd.empty((N_HEADS, HD), dt)
     stream = fd.Stream()
-    scratch = _fresh_stream_scratch(stream)
-    fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)  # scratch made outside
+    fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)  # the record made outside
     stream.synchronize()
+    record = _record_of(qd, kd, vd, out, stream)
+    assert record.workspace is not None  # the combine kernel runs: partials in scratch
     with stream.capture() as graph:
         fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)
     exe = graph.instantiate()
     graph.close()
-    ws = weakref.ref(scratch())
-    size = scratch().size
+    ws, size = weakref.ref(record.workspace), record.workspace.size
+    del record
+    _forget_records()
     stream.close()
     gc.collect()
     assert ws() is not None  # the executable graph holds it
@@ -351,7 +304,22 @@ def test_a_graph_keeps_its_streams_decode_scratch_after_the_stream_is_closed(rng
     assert ws() is None  # and only it: gone with the graph
 
 
-def test_a_decode_merged_on_chip_makes_no_stream_scratch(rng):
+def test_a_dropped_record_frees_its_scratch(rng, monkeypatch):
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(cluster=False))
+    dt = DTYPES["bf16"]
+    kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
+    q = fd.to_device(rng.standard_normal((N_HEADS, HD)).astype(dt))
+    k, v = (fd.to_device(rng.standard_normal((64, N_KV, HD)).astype(dt)) for _ in range(2))
+    with fd.Stream() as stream:
+        out = fd.gqa_decode(q, k, v, stream=stream, **kw)
+        ws = weakref.ref(_record_of(q, k, v, out, stream).workspace)
+        stream.synchronize()
+        _forget_records()
+        gc.collect()
+        assert ws() is None
+
+
+def test_a_decode_merged_on_chip_needs_no_scratch(rng):
     from ferrox_driver.attention import plan_split
 
     dt = DTYPES["bf16"]
@@ -360,18 +328,16 @@ def test_a_decode_merged_on_chip_makes_no_stream_scratch(rng):
     q = rng.standard_normal((N_HEADS, HD)).astype(dt)
     k, v = (rng.standard_normal((64, N_KV, HD)).astype(dt) for _ in range(2))
     with fd.Stream() as stream:
-        scratch = _fresh_stream_scratch(stream)
+        qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
         out = fd.empty((N_HEADS, HD), dt)
         out.fill_bytes(0xFF, stream)
-        fd.gqa_decode(
-            fd.to_device(q), fd.to_device(k), fd.to_device(v), out=out, stream=stream, **kw
-        )
+        fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)
         assert rel_err(out.to_host(stream), fd.reference_gqa_decode(q, k, v, **kw)) < TOL["bf16"]
-        assert scratch() is None
+        assert _record_of(qd, kd, vd, out, stream).workspace is None
 
 
-def test_scratch_growing_inside_a_capture_gives_a_working_graph_or_a_clear_error(rng, monkeypatch):
-    monkeypatch.setenv("FERROX_CLUSTER", "0")  # every plan writes partials to scratch
+def test_a_first_decode_inside_a_capture_gives_a_working_graph_or_a_clear_error(rng, monkeypatch):
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(cluster=False))
     dt = DTYPES["bf16"]
     q = rng.standard_normal((N_HEADS, HD)).astype(dt)
     k, v = (rng.standard_normal((64, N_KV, HD)).astype(dt) for _ in range(2))
@@ -379,17 +345,16 @@ def test_scratch_growing_inside_a_capture_gives_a_working_graph_or_a_clear_error
     kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
     ref = fd.reference_gqa_decode(q, k_big, v_big, **kw)
     with fd.Stream() as stream:
-        _fresh_stream_scratch(stream)
         qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
         kd_big, vd_big = fd.to_device(k_big), fd.to_device(v_big)
         out = fd.empty((N_HEADS, HD), dt)
-        fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)
+        fd.gqa_decode(qd, kd, vd, out=out, stream=stream, **kw)  # kernels loaded
         stream.synchronize()
         try:
             with stream.capture() as graph:
                 fd.gqa_decode(qd, kd_big, vd_big, out=out, stream=stream, **kw)
         except fd.FerroxError as exc:
-            assert "cannot be allocated inside a capture" in str(exc)
+            assert "inside a capture" in str(exc)
         else:  # the driver allowed the allocation: then the graph must work
             exe = graph.instantiate()
             graph.close()

@@ -114,7 +114,7 @@ def test_the_hosts_receive_area_is_the_kernels():
 
 def test_fp32_takes_tensor_cores_for_groups_of_two_to_eight(monkeypatch):
     assert [g for g in range(1, 17) if attention.tc32_for(g)] == [2, 3, 4, 5, 6, 7, 8]
-    monkeypatch.setenv("FERROX_TC32", "0")
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(tc32=False))
     assert not any(attention.tc32_for(g) for g in range(1, 17))
 
 
@@ -152,7 +152,7 @@ def test_clusters_need_compute_capability_9_at_most_16_blocks_all_resident(monke
     assert not fits("k_refused", 16, 1)
     assert not fits("k4", 4, 1, cc=(8, 0))
     assert not fits("k4", attention.MAX_CLUSTER + 1, 1)
-    monkeypatch.setenv("FERROX_CLUSTER", "0")
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(cluster=False))
     assert not fits("k4", 4, 1)
 
 
@@ -234,9 +234,9 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
         assert (p.stages, p.reserve_stages) == (2, 3)
         assert p.shared_bytes(hd, 4) == p.threads // 32 * 3 * p.step_tokens * 2 * hd * 4
     # FERROX_WIDE=0: the combine kernel's plans again (a comparison knob)
-    monkeypatch.setenv("FERROX_WIDE", "0")
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(wide=False))
     assert plan(bf16, (32, 8, 128), 4096) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
-    monkeypatch.delenv("FERROX_WIDE")
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides())
     # no clusters before compute capability 9.0
     monkeypatch.setattr(attention, "_resident_clusters", {})
     monkeypatch.setattr(attention, "_plans", {})

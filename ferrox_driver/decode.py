@@ -1,0 +1,413 @@
+"""The decode call path: ``gqa_decode`` and ``launch_decode``, with launch records.
+
+A launch record (``DecodeRecord``) is made once per signature (device, dtype, shape, length,
+alignment, stream, overrides): the plan, the kernels, their grids and launch
+configurations, one packed argument block per kernel and the scratch the plan needs. A
+call then writes the pointers that changed and launches. ``gqa_decode`` on device arrays
+keeps, per call signature (the arrays' shapes, dtypes and devices, the stream, ``out``),
+the validated call itself, so a repeated call does no checking, planning, allocation or
+parsing: it reads the arrays' pointers, takes an output block from a per-stream pool and
+launches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from . import attention
+from ._driver import capture_keep, cu
+from .attention import (
+    Launch,
+    allocate_scratch,
+    check_algorithm,
+    parity_launches,
+    plan_split,
+    split_launches,
+)
+from .device import Device, device_for, resolve
+from .interop import ArrayRef, array_ref
+from .launch import LaunchSequence
+from .memory import DeviceArray, OutputPool, empty, output_pool, to_device
+from .stream import Stream, stream_handle, stream_key
+from .validation import ArrayInfo, DecodeSpec, check_decode_args, check_decode_infos
+
+__all__ = ["DecodeRecord", "decode_record", "gqa_decode", "launch_decode"]
+
+ROLES = ("q", "k", "v", "out", "seq")
+MAX_RECORDS = 256  # launch records kept (LRU); a record in use lives on while referenced
+MAX_CALLS = 256  # validated gqa_decode call signatures kept (LRU)
+_CAPTURING = cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
+class DecodeRecord:
+    """The launches of one decode signature, packed once; ``run(values)`` writes the
+    call's (q, k, v, out, seq_len) and launches (see ``LaunchSequence``).
+
+    Args:
+        launches: the decode's launches (``split_launches`` or ``parity_launches``).
+        device: the device.
+        stream: the stream they are packed for.
+        workspace: the scratch they write (kept alive with the record).
+    """
+
+    def __init__(
+        self,
+        launches: list[Launch],
+        device: Device,
+        stream: Any,
+        workspace: DeviceArray | None,
+    ) -> None:
+        self.sequence = LaunchSequence(
+            [launch.packed(stream, device) for launch in launches],
+            ROLES,
+            [launch.roles for launch in launches],
+            device,
+        )
+        self.run = self.sequence.run
+        self.workspace = workspace
+        self.kernels = tuple(launch.kernel for launch in launches)
+        self.captured = False  # a graph made elsewhere may use it: never dropped
+
+
+_records: OrderedDict[tuple[Any, ...], DecodeRecord] = OrderedDict()
+_captured: list[Any] = []  # what graphs captured outside ferrox use, kept for the process
+
+
+def stream_capturing(handle: int) -> bool:
+    """Whether the stream with int handle ``handle`` is being captured into a graph."""
+    result = cu.cuStreamIsCapturing(cu.CUstream(handle))
+    return len(result) > 1 and result[1] == _CAPTURING
+
+
+def keep_for_capture(stream_id: int, foreign: bool, *objects: Any) -> bool:
+    """When the stream is being captured, keep ``objects`` alive as long as the graph can
+    run: with the graph for ferrox's own captures, for the process for any other (a
+    PyTorch or CuPy graph, whose life ferrox cannot see). Returns whether it is captured.
+    Only ``foreign`` streams (not ferrox's, not the legacy default) are asked of the
+    driver: the legacy default stream cannot be captured, and ferrox's captures mark the
+    thread."""
+    if capture_keep(*objects):
+        return True
+    if foreign and stream_capturing(stream_id):
+        _captured.extend(objects)
+        return True
+    return False
+
+
+def decode_record(
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    stream: Any,
+    algorithm: str = "auto",
+    plan_seq: int | None = None,
+) -> DecodeRecord:
+    """The launch record for decodes of this signature on ``stream`` (made on first use,
+    kept in an LRU of MAX_RECORDS). The arrays only give the signature (device, dtype,
+    alignment): their pointers are the call's to write."""
+    aligned = ((q.ptr | k.ptr | v.ptr) & 15) == 0
+    sid = stream_key(stream)
+    plan_for = seq_len if plan_seq is None else plan_seq
+    dev = q.device
+    key = (dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, seq_len, plan_for,
+           aligned, algorithm, sid, attention.OVERRIDES)  # fmt: skip
+    record = _records.get(key)
+    if record is not None:
+        _records.move_to_end(key)
+        return record
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    workspace = None
+    if algorithm == "parity":
+        launches = parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=None)
+    else:
+        plan = plan_split(dev, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned)
+        floats = plan.workspace_floats(n_heads, head_dim)
+        if floats:
+            workspace = allocate_scratch(
+                floats,
+                dev,
+                "stream: the first decode of this shape on this stream cannot allocate its "
+                "scratch inside a capture: run it once before capturing (or use a KVCache "
+                "with gqa_decode_async)",
+            )
+        launches = split_launches(
+            plan, q, k, v, out, workspace, **dims, seq_len=seq_len, seq_len_dev=None
+        )
+    record = _records[key] = DecodeRecord(launches, dev, stream_handle(sid), workspace)
+    while len(_records) > MAX_RECORDS:
+        _records.popitem(last=False)  # freed once nothing (a call, a graph) holds it
+    return record
+
+
+def launch_decode(
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    seq_len_dev: DeviceArray | None = None,
+    stream: Any = None,
+    algorithm: str = "auto",
+    workspace: DeviceArray | None = None,
+    plan_seq: int | None = None,
+) -> None:
+    """Queue a decode on device arrays already validated (no checks, no host work).
+
+    ``seq_len_dev``, when given, is an int32 device scalar the kernels read instead of
+    ``seq_len``, which then only sizes the launch (the most tokens it may see); that form
+    needs ``workspace`` for plans with a combine kernel. ``plan_seq`` sizes the split grid
+    (default ``seq_len``); decodes planned for the same length chunk the sequence
+    identically, so their results agree bit for bit.
+    """
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    if seq_len_dev is None and workspace is None:
+        record = decode_record(
+            q, k, v, out, **dims, seq_len=seq_len, stream=stream, algorithm=algorithm,
+            plan_seq=plan_seq,
+        )  # fmt: skip
+        sid = stream_key(stream)
+        keep_for_capture(sid, sid != 0 and not isinstance(stream, Stream), record)
+        record.run((q.ptr, k.ptr, v.ptr, out.ptr, seq_len))
+        return
+    if algorithm == "parity":
+        launches = parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev)
+    else:
+        plan_for = seq_len if plan_seq is None else plan_seq
+        aligned = ((q.ptr | k.ptr | v.ptr) & 15) == 0
+        plan = plan_split(q.device, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned)
+        launches = split_launches(
+            plan, q, k, v, out, workspace, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev
+        )
+    for launch in launches:
+        launch.run(stream, q.device)
+
+
+class _Call:
+    """A validated gqa_decode signature on device arrays: its record, its output's shape,
+    dtype and pool, and whether its stream must be asked about captures."""
+
+    __slots__ = ("device", "dtype", "foreign", "pool", "record", "seq_len", "shape", "sid")
+
+    def __init__(
+        self,
+        record: DecodeRecord,
+        spec: DecodeSpec,
+        device: Device,
+        sid: int,
+        foreign: bool,
+        pool: OutputPool,
+    ) -> None:
+        self.record, self.device, self.sid, self.foreign, self.pool = (
+            record, device, sid, foreign, pool,
+        )  # fmt: skip
+        self.shape, self.dtype, self.seq_len = spec.q_shape, spec.dtype, spec.seq_len
+
+    def __call__(
+        self, q: ArrayRef, k: ArrayRef, v: ArrayRef, out: ArrayRef | None, obj: Any
+    ) -> DeviceArray:
+        record = self.record
+        if out is None:
+            arr = self.pool.take(self.shape, self.dtype)
+        else:
+            owner = obj if out[5] is None else out[5]
+            arr = DeviceArray._wrap(out[0], out[1], out[2], self.device, owner)
+        if keep_for_capture(self.sid, self.foreign, record, arr):
+            record.captured = True
+        record.run((q[0], k[0], v[0], arr._ptr, self.seq_len))
+        return arr
+
+
+_calls: OrderedDict[tuple[Any, ...], _Call] = OrderedDict()
+
+
+def _info(ref: ArrayRef, name: str) -> ArrayInfo:
+    if not ref[4]:
+        raise ValueError(f"{name}: must be C-contiguous, got a strided view of shape {ref[1]}")
+    return ArrayInfo(ref[1], ref[2], True)
+
+
+def _prepare_call(
+    key: tuple[Any, ...],
+    refs: tuple[ArrayRef, ArrayRef, ArrayRef],
+    out: ArrayRef | None,
+    n_heads: Any,
+    n_kv_heads: Any,
+    head_dim: Any,
+    stream: Any,
+    sid: int,
+    algorithm: Any,
+    device: Any,
+) -> _Call:
+    """Validate a device-array call (raising before any device work) and make its _Call."""
+    names = ("q", "k_cache", "v_cache")
+    qi, ki, vi = (_info(ref, name) for ref, name in zip(refs, names, strict=True))
+    spec = check_decode_infos(qi, ki, vi, n_heads, n_kv_heads, head_dim)
+    algorithm = check_algorithm(algorithm)
+    ordinal = refs[0][3]
+    for ref, name in zip(refs[1:], names[1:], strict=True):
+        if ref[3] != ordinal:
+            raise ValueError(
+                f"{name}: on device {ref[3]}, but q is on device {ordinal}: pass q, k_cache, "
+                f"v_cache and out on one device"
+            )
+    if device is not None:
+        if not isinstance(device, Device):
+            raise TypeError(
+                f"device: expected a ferrox_driver.Device or None, got {type(device).__name__}"
+            )
+        if device.ordinal != ordinal:
+            raise ValueError(
+                f"device: Device({device.ordinal}) given, but q is on device {ordinal}"
+            )
+    if out is not None:
+        _info(out, "out")
+        if out[3] != ordinal:
+            raise ValueError(f"out: on device {out[3]}, but q is on device {ordinal}")
+        if out[2] != spec.dtype or math.prod(out[1]) != math.prod(spec.q_shape):
+            raise ValueError(
+                f"out: expected {math.prod(spec.q_shape)} elements of {spec.dtype}, got shape "
+                f"{out[1]} of {out[2]}"
+            )
+    dev = device_for(ordinal)
+    qv, kv, vv = (DeviceArray._wrap(r[0], r[1], r[2], dev, None) for r in refs)
+    out_view = DeviceArray._wrap(out[0] if out else 0, spec.q_shape, spec.dtype, dev, None)
+    record = decode_record(
+        qv, kv, vv, out_view, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+        head_dim=spec.head_dim, seq_len=spec.seq_len, stream=stream, algorithm=algorithm,
+    )  # fmt: skip
+    nbytes = math.prod(spec.q_shape) * spec.dtype.itemsize
+    foreign = sid != 0 and not isinstance(stream, Stream)
+    call = _calls[key] = _Call(record, spec, dev, sid, foreign, output_pool(dev, sid, nbytes))
+    while len(_calls) > MAX_CALLS:
+        _calls.popitem(last=False)
+    return call
+
+
+def gqa_decode(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    stream: Any = None,
+    algorithm: str = "auto",
+    device: Device | None = None,
+    out: Any = None,
+) -> Any:
+    """Attention of one query token over a KV cache, on the GPU (ferrox-cuda's
+    ``launch_gqa_decode``).
+
+    Args:
+        q: ``(n_heads*head_dim,)`` or ``(n_heads, head_dim)``.
+        k_cache: ``(seq_len*n_kv_heads*head_dim,)`` or ``(seq_len, n_kv_heads, head_dim)``,
+            layout ``[token][kv_head][head_dim]``.
+        v_cache: like ``k_cache``.
+        n_heads: query heads, a multiple of ``n_kv_heads``.
+        n_kv_heads: KV heads.
+        head_dim: elements per head, 1 to 256.
+        stream: where the work runs: a ferrox Stream, a PyTorch/CuPy/cuda.core stream (any
+            ``__cuda_stream__`` object), an int handle, or None (the legacy default stream).
+        algorithm: ``"auto"``/``"split"`` (split-KV kernels; tensor cores where they pay)
+            or ``"parity"`` (ferrox-cuda's algorithm, corrected; slow, the reference path).
+        device: the device for numpy inputs (default: device 0); with device arrays, it
+            must be theirs.
+        out: with device inputs, a device array of q's size and dtype to write into
+            (default: a block of a per-stream pool).
+
+    Returns:
+        With numpy inputs, a numpy array (copied back, complete). With device inputs
+        (DeviceArray, PyTorch tensors, CuPy arrays, any ``__dlpack__`` or
+        ``__cuda_array_interface__`` object, all three on one device), a DeviceArray
+        queued on ``stream`` with no host round trip; ``torch.from_dlpack`` takes it
+        without a copy. Shape and dtype are q's. seq_len 0 gives zeros.
+
+    Raises:
+        ValueError: bad shapes, layouts, or arrays on different devices.
+        TypeError: bad types or dtypes. Both raised before any device work.
+    """
+    qr = array_ref(q, "q")
+    if qr is not None:
+        kr = array_ref(k_cache, "k_cache")
+        vr = array_ref(v_cache, "v_cache")
+        orf = None if out is None else array_ref(out, "out")
+        if kr is not None and vr is not None and (out is None or orf is not None):
+            sid = stream_key(stream)
+            key = (
+                qr[1], qr[2], qr[3], qr[4], kr[1], kr[2], kr[3], kr[4], vr[1], vr[2], vr[3],
+                vr[4], None if orf is None else (orf[1], orf[2], orf[3], orf[4]),
+                n_heads, n_kv_heads, head_dim, sid, algorithm, device,
+                ((qr[0] | kr[0] | vr[0]) & 15) == 0, attention.OVERRIDES,
+            )  # fmt: skip
+            call = _calls.get(key)
+            if call is None:
+                call = _prepare_call(
+                    key, (qr, kr, vr), orf, n_heads, n_kv_heads, head_dim, stream, sid,
+                    algorithm, device,
+                )  # fmt: skip
+            else:
+                _calls.move_to_end(key)
+            return call(qr, kr, vr, orf, out)
+    return _host_decode(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm,
+                        device, out)  # fmt: skip
+
+
+def _host_decode(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    n_heads: Any,
+    n_kv_heads: Any,
+    head_dim: Any,
+    stream: Any,
+    algorithm: Any,
+    device: Any,
+    out: Any,
+) -> np.ndarray:
+    """gqa_decode of numpy arrays (or a mix, which check_decode_args refuses): every
+    argument checked first, then copied in, decoded, copied back."""
+    spec = check_decode_args(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
+    algorithm = check_algorithm(algorithm)
+    if out is not None:
+        raise TypeError("out: only accepted with device inputs; numpy inputs return a new array")
+    if device is not None and not isinstance(device, Device):
+        raise TypeError(
+            f"device: expected a ferrox_driver.Device or None, got {type(device).__name__}"
+        )
+    stream_key(stream)  # a bad stream is refused before any copy
+    if spec.seq_len == 0:
+        return np.zeros(spec.q_shape, spec.dtype)
+    dev = resolve(device)
+    q_d = to_device(q, stream, device=dev)
+    k_d = to_device(k_cache, stream, device=dev)
+    v_d = to_device(v_cache, stream, device=dev)
+    out_d = empty(spec.q_shape, spec.dtype, device=dev)
+    try:
+        launch_decode(
+            q_d, k_d, v_d, out_d, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+            head_dim=spec.head_dim, seq_len=spec.seq_len, stream=stream, algorithm=algorithm,
+        )  # fmt: skip
+        return out_d.to_host(stream)  # waits for the work
+    except BaseException:
+        with contextlib.suppress(Exception):  # what was queued must end before the frees
+            cu.cuStreamSynchronize(stream_handle(stream))
+        raise
+    finally:
+        for a in (q_d, k_d, v_d, out_d):
+            a.close()
