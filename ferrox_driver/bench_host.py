@@ -72,8 +72,12 @@ def run_host_bench(
     Returns:
         One row per path: ``{"path", "dtype", "ferrox_us", "torch_us"}`` (a string where
         a path could not run)."""
-    import torch
-    import torch.nn.functional as F
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        print("bench --only host compares with PyTorch, which is not installed")
+        return []
 
     n_heads, n_kv, hd = shape
     rows: list[dict[str, Any]] = []

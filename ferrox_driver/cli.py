@@ -113,8 +113,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_decode_bench,
     )
 
-    if args.only in ("decode", "step", "all"):
+    if args.only in ("decode", "step", "host", "all"):
         import_torch()
+    if args.only in ("host", "all"):
+        from .bench_host import run_host_bench
+
+        run_host_bench(out=Path(args.out) if args.out else None)
     if args.only == "overhead":
         _print(f"  {'us per item':<40} {'back to back':>12} {'single':>8}")
         for name, (chained_us, single_us) in measure_fixed_costs().items():
@@ -173,9 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--arch", default=DEFAULT_ARCH, help="arch to compile for without a GPU")
     bench = sub.add_parser("bench", help="decode and append benchmarks")
     bench.add_argument(
-        "--only", choices=("all", "append", "parity", "step", "decode", "overhead"), default="all"
+        "--only",
+        choices=("all", "append", "parity", "step", "decode", "overhead", "host"),
+        default="all",
     )
-    bench.add_argument("--out", help="directory for bench_decode.json and bench_decode.png")
+    bench.add_argument(
+        "--out", help="directory for bench_decode.json, bench_decode.png and host_bench.json"
+    )
     bench.add_argument("--quick", action="store_true", help="one shape, two lengths")
     bench.add_argument("--shapes", nargs="*", help="q/kv/head_dim shapes, e.g. 32/8/128")
     bench.add_argument("--seqs", nargs="*", type=int, help="sequence lengths")

@@ -92,8 +92,7 @@ def kv_append_async(kv: KVCache, k_dev: Any, v_dev: Any, *, stream: Any) -> None
     appender = kv._appenders.get(sid)
     if appender is None:
         appender = kv._appenders[sid] = _Appender(kv, stream_handle(sid))
-    kv.note_capture(keep_for_capture(sid, _foreign(sid, stream), kv))
-    kv.device_length()
+    kv.device_length_for(keep_for_capture(sid, _foreign(sid, stream), kv))
     appender.sequence.run((k, v))
     kv.mark_device_appends()
 
@@ -133,8 +132,7 @@ def gqa_decode_async(
         record = kv._async_records[key] = kv.decode_record(
             q_view, out_view, n_heads, algorithm, stream, length_on_device=True
         )
-    kv.note_capture(keep_for_capture(sid, _foreign(sid, stream), kv))
-    kv.device_length()
+    kv.device_length_for(keep_for_capture(sid, _foreign(sid, stream), kv))
     record.run((q, kv._k_ptr, kv._v_ptr, out, 0))
 
 
@@ -193,9 +191,9 @@ class DecodeGraph:
 
     def _capture(self, algorithm: str) -> GraphExec:
         kv, s, h = self.kv, self.stream, self._h
+        eager_seq = kv._eager_seq  # this graph's launches bring the length up to date
         # Load kernels and allocate scratch first: neither is capturable.
         kv.prepare(self.n_heads, algorithm)
-        eager_seq = kv._eager_seq  # this graph's launches bring the length up to date
         with s.capture() as graph:
             drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data, self._in_d.nbytes, h)
             kv_append_async(kv, self._k_d, self._v_d, stream=s)

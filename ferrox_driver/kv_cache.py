@@ -23,7 +23,7 @@ from .attention import (
 )
 from .decode import DecodeRecord
 from .device import Device, resolve
-from .errors import KVCapacityError
+from .errors import FerroxError, KVCapacityError
 from .launch import Kernel
 from .memory import DeviceArray, empty, pinned_empty
 from .module_cache import get_kernel
@@ -193,12 +193,25 @@ class KVCache:
             self._queue_seq(self._take_slot(), self._seq_len)
         return self.state
 
-    def note_capture(self, captured: bool) -> None:
-        """A graph captured outside this cache's own graphs reads ``state`` when it runs,
-        whenever that is: from now on every host append updates it at once."""
-        if captured and not self._eager_seq:
-            self._eager_seq = True
-            self.device_length()
+    def device_length_for(self, captured: bool) -> DeviceArray:
+        """``device_length`` for device work about to be queued, ``captured`` into a graph
+        or not. A graph reads ``state`` whenever it runs, so from a capture on every host
+        append updates it at once; and an update queued now would be captured too.
+
+        Raises:
+            FerroxError: ``captured``, and host appends since the device's copy was last
+                brought up to date (call ``prepare`` or ``synchronize`` before capturing).
+        """
+        if not captured:
+            return self.device_length()
+        if not self._device_seq_current:
+            raise FerroxError(
+                f"kv: {self._seq_len} tokens were appended on the host since the device's "
+                f"copy of the length was last updated, and that update cannot be captured: "
+                f"call kv.prepare(n_heads) (or kv.synchronize()) before capturing"
+            )
+        self._eager_seq = True
+        return self.state
 
     @property
     def k(self) -> DeviceArray:
@@ -456,10 +469,13 @@ class KVCache:
     def prepare(self, n_heads: int, algorithm: str = "auto") -> None:
         """Load the kernels and allocate the scratch that decodes of ``n_heads`` query heads
         need, so that they can then be captured into a graph (allocation and module loading
-        are not capturable). DecodeGraph does this itself."""
+        are not capturable), and bring the device's copy of the length up to date, keeping
+        it so after every host append. DecodeGraph does this itself."""
         n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
         algorithm = check_algorithm(algorithm)
         append_kernel(self.device)
+        self.device_length()
+        self._eager_seq = True  # a graph will read the length: host appends keep it current
         with empty((n_heads * self.head_dim,), self.dtype, device=self.device) as probe:
             self.decode_record(probe, probe, n_heads, algorithm, self.stream,
                                length_on_device=True)  # fmt: skip
