@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import attention
+from ._driver import _capture as _capture_state
 from ._driver import capture_keep, cu
 from .attention import (
     Launch,
@@ -221,12 +222,15 @@ class _Call:
         self, q: ArrayRef, k: ArrayRef, v: ArrayRef, out: ArrayRef | None, obj: Any
     ) -> DeviceArray:
         record = self.record
-        if out is None:
-            arr = self.pool.take(self.shape, self.dtype)
+        ours = getattr(_capture_state, "depth", 0)  # a ferrox capture on this thread
+        theirs = not ours and self.foreign and stream_capturing(self.sid)
+        if out is None:  # a block a foreign graph writes must never be handed out again
+            arr = self.pool.take(self.shape, self.dtype, keep=not theirs)
         else:
             owner = obj if out[5] is None else out[5]
             arr = DeviceArray._wrap(out[0], out[1], out[2], self.device, owner)
-        if keep_for_capture(self.sid, self.foreign, record, arr):
+        if ours or theirs:
+            keep_for_capture(self.sid, self.foreign, record, arr)
             record.captured = True
         record.run((q[0], k[0], v[0], arr._ptr, self.seq_len))
         return arr

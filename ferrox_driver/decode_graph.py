@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from ._driver import _capture as _capture_state
 from ._driver import drv
 from .attention import check_algorithm
-from .decode import keep_for_capture
+from .decode import keep_for_capture, stream_capturing
 from .errors import KVCapacityError
 from .graph import GraphExec
-from .interop import array_ref
+from .interop import ArrayRef, array_ref
 from .kv_cache import KVCache, append_kernel
 from .launch import LaunchSequence, PackedLaunch
 from .memory import DeviceArray, empty, pinned_empty
@@ -61,14 +62,30 @@ def _check_cache(kv: Any) -> KVCache:
 
 
 class _Appender:
-    """The append kernel packed once for one cache and stream: a call writes the two row
-    pointers and launches."""
+    """The append kernel packed once for one cache, stream and operand signature: a call
+    writes the two row pointers and launches."""
 
-    def __init__(self, kv: KVCache, stream: Any) -> None:
+    def __init__(self, kv: KVCache, stream: Any, foreign: bool) -> None:
         args = (None, None, kv.k_buffer, kv.v_buffer, kv.state, np.int64(kv.row_bytes),
                 np.int32(kv.capacity))  # fmt: skip
         launch = PackedLaunch(append_kernel(kv.device), 1, APPEND_THREADS, args, stream=stream)
         self.sequence = LaunchSequence([launch], ("k", "v"), [((0, "k"), (1, "v"))], kv.device)
+        self.foreign = foreign
+
+
+def _signature(ref: ArrayRef | None) -> tuple[Any, ...] | None:
+    return None if ref is None else (ref[1], ref[2], ref[3], ref[4])
+
+
+def _length_for_device_work(kv: KVCache, sid: int, foreign: bool) -> None:
+    """Bring the device's length up to date for work queued now on stream ``sid``; inside a
+    capture, keep the cache with the graph (see KVCache.device_length_for)."""
+    ours = getattr(_capture_state, "depth", 0)
+    if ours or (foreign and stream_capturing(sid)):
+        keep_for_capture(sid, foreign, kv)
+        kv.device_length_for(True)
+    elif not kv._device_seq_current:
+        kv.device_length()
 
 
 def kv_append_async(kv: KVCache, k_dev: Any, v_dev: Any, *, stream: Any) -> None:
@@ -86,19 +103,19 @@ def kv_append_async(kv: KVCache, k_dev: Any, v_dev: Any, *, stream: Any) -> None
             handle) to queue on.
     """
     kv = _check_cache(kv)
-    k = _operand(k_dev, "k_dev", kv.row_elems, kv)
-    v = _operand(v_dev, "v_dev", kv.row_elems, kv)
+    kr, vr = array_ref(k_dev, "k_dev"), array_ref(v_dev, "v_dev")
     sid = stream_key(stream)
-    appender = kv._appenders.get(sid)
-    if appender is None:
-        appender = kv._appenders[sid] = _Appender(kv, stream_handle(sid))
-    kv.device_length_for(keep_for_capture(sid, _foreign(sid, stream), kv))
-    appender.sequence.run((k, v))
-    kv.mark_device_appends()
-
-
-def _foreign(sid: int, stream: Any) -> bool:
-    return sid != 0 and not isinstance(stream, Stream)
+    key = (sid, _signature(kr), _signature(vr))
+    appender = kv._appenders.get(key)
+    if appender is None:  # checked once per signature
+        _operand(k_dev, "k_dev", kv.row_elems, kv)
+        _operand(v_dev, "v_dev", kv.row_elems, kv)
+        foreign = sid != 0 and not isinstance(stream, Stream)
+        appender = kv._appenders[key] = _Appender(kv, stream_handle(sid), foreign)
+    assert kr is not None and vr is not None  # _operand refused host arrays
+    _length_for_device_work(kv, sid, appender.foreign)
+    appender.sequence.run((kr[0], vr[0]))
+    kv._host_seq_valid = False
 
 
 def gqa_decode_async(
@@ -118,22 +135,27 @@ def gqa_decode_async(
         algorithm: ``"auto"``/``"split"`` or ``"parity"``.
     """
     kv = _check_cache(kv)
-    n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
-    algorithm = check_algorithm(algorithm)
-    size = n_heads * kv.head_dim
-    q = _operand(q_dev, "q_dev", size, kv)
-    out = _operand(out_dev, "out_dev", size, kv)
+    qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
     sid = stream_key(stream)
-    key = (n_heads, algorithm, ((q | out) & 15) == 0, sid)
-    record = kv._async_records.get(key)
-    if record is None:
+    aligned = qr is not None and outr is not None and ((qr[0] | outr[0]) & 15) == 0
+    key = (n_heads, algorithm, sid, _signature(qr), _signature(outr), aligned)
+    entry = kv._async_records.get(key)
+    if entry is None:  # checked once per signature
+        n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
+        algorithm = check_algorithm(algorithm)
+        size = n_heads * kv.head_dim
+        q = _operand(q_dev, "q_dev", size, kv)
+        out = _operand(out_dev, "out_dev", size, kv)
         q_view = DeviceArray._wrap(q, (size,), kv.dtype, kv.device, None)
         out_view = DeviceArray._wrap(out, (size,), kv.dtype, kv.device, None)
-        record = kv._async_records[key] = kv.decode_record(
+        record = kv.decode_record(
             q_view, out_view, n_heads, algorithm, stream, length_on_device=True
         )
-    kv.device_length_for(keep_for_capture(sid, _foreign(sid, stream), kv))
-    record.run((q, kv._k_ptr, kv._v_ptr, out, 0))
+        entry = kv._async_records[key] = (record, sid != 0 and not isinstance(stream, Stream))
+    assert qr is not None and outr is not None  # _operand refused host arrays
+    record, foreign = entry
+    _length_for_device_work(kv, sid, foreign)
+    record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
 
 
 class DecodeGraph:
@@ -179,7 +201,6 @@ class DecodeGraph:
         self.v = parts[2].reshape(kv.n_kv_heads, hd)
         self._flat = parts
         self.out = pinned_empty((self.n_heads, hd), dt)
-        self._state = pinned_empty((2,), np.int32)
         self._q_d, self._k_d, self._v_d = (
             self._in_d.view((n,), offset=a * dt.itemsize)
             for a, n in zip(starts, sizes, strict=True)
@@ -201,9 +222,8 @@ class DecodeGraph:
                 self._q_d, kv, self._out_d, n_heads=self.n_heads, stream=s, algorithm=algorithm
             )
             drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr, self._out_d.nbytes, h)
-            drv("cuMemcpyDtoHAsync", self._state.ctypes.data, kv.state.ptr, 8, h)
         kv._eager_seq = eager_seq
-        graph.keep_alive(self._stage, self.out, self._state, self._in_d, self._out_d, kv)
+        graph.keep_alive(self._stage, self.out, self._in_d, self._out_d, kv)
         exec_ = graph.instantiate()
         graph.close()
         return exec_
@@ -223,11 +243,13 @@ class DecodeGraph:
             KVCapacityError: the replay found the cache full (nothing was appended, and
                 ``out`` holds the decode over the unchanged cache).
         """
+        self.kv.synchronize()  # reads the device's length (and its overflow flag)
+
+    def _step_done(self, seq_len: int) -> None:
+        """After a replay ``__call__`` started at ``seq_len`` tokens, below the capacity: its
+        append cannot have overflowed, so the length is known without reading it."""
         drv("cuStreamSynchronize", self._h)
-        seq, overflow = int(self._state[0]), int(self._state[1])
-        if overflow:
-            self.kv.synchronize()  # resets the flag and raises KVCapacityError
-        self.kv._seq_len, self.kv._host_seq_valid = seq, True
+        self.kv._seq_len, self.kv._host_seq_valid = seq_len + 1, True
 
     def __call__(self, q: np.ndarray, k_tok: np.ndarray, v_tok: np.ndarray) -> np.ndarray:
         """Append ``k_tok``/``v_tok`` and decode ``q``: one graph launch, one sync.
@@ -264,7 +286,7 @@ class DecodeGraph:
         np.copyto(fk, k_tok.reshape(-1))
         np.copyto(fv, v_tok.reshape(-1))
         self.launch()
-        self.synchronize()
+        self._step_done(seq)
         return self.out.copy()
 
     step = __call__

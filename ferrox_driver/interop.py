@@ -62,16 +62,11 @@ def _torch_dtype(obj: Any, name: str) -> np.dtype:
 
 def _read_torch(obj: Any, name: str) -> ArrayRef:
     ordinal = obj.get_device()  # -1 on the CPU
-    if ordinal < 0 or not obj.is_cuda:
+    if ordinal < 0:
         raise _not_on_device(obj, name, str(obj.device))
-    return (
-        obj.data_ptr(),
-        tuple(obj.shape),
-        _torch_dtype(obj, name),
-        ordinal,
-        obj.is_contiguous(),
-        obj,
-    )
+    dtype = _torch_dtypes.get(obj.dtype) or _torch_dtype(obj, name)
+    # obj.shape is a torch.Size: a tuple, kept as it is (hashes and compares as one)
+    return obj.data_ptr(), obj.shape, dtype, ordinal, obj.is_contiguous(), obj
 
 
 def _read_cupy(obj: Any, name: str) -> ArrayRef:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import attention
-from ._driver import drv
+from ._driver import check, cu, drv
 from .attention import (
     allocate_scratch,
     check_algorithm,
@@ -56,26 +56,41 @@ def append_kernel(device: Device) -> Kernel:
 
 class _HostDecoder:
     """What ``KVCache.decode`` needs for one (n_heads, algorithm), made once: page-locked
-    staging for q and the result, their device copies, and the launch record."""
+    staging for q and the result, their device copies, and the step (copy q in, decode
+    reading the length on the device, copy the result out) captured as one graph, so a
+    decode is one launch and one wait."""
 
     def __init__(self, kv: KVCache, n_heads: int, algorithm: str) -> None:
         shape = (n_heads * kv.head_dim,)
         self.shapes = {shape, (n_heads, kv.head_dim)}
-        self.nbytes = shape[0] * kv.dtype.itemsize
+        nbytes = shape[0] * kv.dtype.itemsize
         self.q_stage = pinned_empty(shape, kv.dtype)
         self.out_stage = pinned_empty(shape, kv.dtype)
-        self.q_stage_addr = self.q_stage.ctypes.data
-        self.out_stage_addr = self.out_stage.ctypes.data
         self.q_dev = empty(shape, kv.dtype, device=kv.device)
         self.out_dev = empty(shape, kv.dtype, device=kv.device)
-        self.q_ptr, self.out_ptr = self.q_dev.ptr, self.out_dev.ptr
-        self.record = kv.decode_record(
-            self.q_dev, self.out_dev, n_heads, algorithm, kv.stream, length_on_device=False
+        record = kv.decode_record(
+            self.q_dev, self.out_dev, n_heads, algorithm, kv.stream, length_on_device=True
         )
+        h = kv._h
+        with kv.stream.capture() as graph:
+            drv("cuMemcpyHtoDAsync", self.q_dev.ptr, self.q_stage.ctypes.data, nbytes, h)
+            record.run((self.q_dev.ptr, kv._k_ptr, kv._v_ptr, self.out_dev.ptr, 0))
+            drv("cuMemcpyDtoHAsync", self.out_stage.ctypes.data, self.out_dev.ptr, nbytes, h)
+        graph.keep_alive(self.q_stage, self.out_stage, self.q_dev, self.out_dev, record)
+        self.exec = graph.instantiate()
+        graph.close()
+        self.launch_args = (self.exec.handle, h)
 
     def close(self) -> None:
+        self.exec.close()
         self.q_dev.close()
         self.out_dev.close()
+
+
+_OK = cu.CUresult.CUDA_SUCCESS
+_memcpy_htod = cu.cuMemcpyHtoDAsync
+_graph_launch = cu.cuGraphLaunch
+_stream_sync = cu.cuStreamSynchronize
 
 
 class KVCache:
@@ -150,8 +165,8 @@ class KVCache:
         self._outgrown: list[DeviceArray] = []  # graphs captured earlier may still write them
         self._records: dict[tuple[Any, ...], DecodeRecord] = {}
         self._decoders: dict[tuple[int, str], _HostDecoder] = {}
-        self._appenders: dict[int, Any] = {}  # kv_append_async's packed launch by stream
-        self._async_records: dict[tuple[Any, ...], DecodeRecord] = {}  # gqa_decode_async's
+        self._appenders: dict[tuple[Any, ...], Any] = {}  # kv_append_async's packed launches
+        self._async_records: dict[tuple[Any, ...], tuple[DecodeRecord, bool]] = {}
         self.stream.synchronize()
 
     # -- state ---------------------------------------------------------------------
@@ -309,8 +324,10 @@ class KVCache:
         self._stage_v[slot] = v_tok.reshape(-1)
         offset, n = seq * self.row_bytes, self.row_bytes
         h = self._h
-        drv("cuMemcpyHtoDAsync", self._k_ptr + offset, self._stage_k_addr + slot * n, n, h)
-        drv("cuMemcpyHtoDAsync", self._v_ptr + offset, self._stage_v_addr + slot * n, n, h)
+        r1 = _memcpy_htod(self._k_ptr + offset, self._stage_k_addr + slot * n, n, h)
+        r2 = _memcpy_htod(self._v_ptr + offset, self._stage_v_addr + slot * n, n, h)
+        if r1[0] is not _OK or r2[0] is not _OK:  # nothing counted: the copies failed
+            check(r1 if r1[0] is not _OK else r2, "cuMemcpyHtoDAsync")
         self._seq_len = seq + 1
         if self._eager_seq:
             self._stage_seq[slot] = seq + 1
@@ -397,11 +414,14 @@ class KVCache:
             return np.zeros(q.shape, q.dtype)
         self.device.activate()
         np.copyto(dec.q_stage, q.reshape(-1))
-        h = self._h
-        drv("cuMemcpyHtoDAsync", dec.q_ptr, dec.q_stage_addr, dec.nbytes, h)
-        dec.record.run((dec.q_ptr, self._k_ptr, self._v_ptr, dec.out_ptr, seq))
-        drv("cuMemcpyDtoHAsync", dec.out_stage_addr, dec.out_ptr, dec.nbytes, h)
-        drv("cuStreamSynchronize", h)
+        if not self._device_seq_current:
+            self.device_length()
+        result = _graph_launch(*dec.launch_args)
+        if result[0] is not _OK:
+            check(result, "cuGraphLaunch")
+        result = _stream_sync(self._h)
+        if result[0] is not _OK:
+            check(result, "cuStreamSynchronize")
         return dec.out_stage.reshape(q.shape).copy()
 
     def decode_record(

@@ -418,11 +418,17 @@ class PackedLaunch:
         self._stream = stream_handle(stream)
         early = early and kernel.module.device.compute_capability >= (9, 0) and _pdl_driver()
         self._config = None
+        handle = kernel.handle
         if cluster or early:
             kernel._allow_cluster(cluster)
             self._config = kernel._ex_config(
                 self.dims[:3], self.dims[3:], shared_mem, self._stream, cluster, early
             )
+            self._call, self._name = _cuLaunchKernelEx, "cuLaunchKernelEx"
+            self._args: tuple[Any, ...] = (self._config, handle, self._address, 0)
+        else:
+            self._call, self._name = _cuLaunchKernel, "cuLaunchKernel"
+            self._args = (handle, *self.dims, self.shared_mem, self._stream, self._address, 0)
 
     def __call__(self) -> None:
         """Queue the launch with the slots as they are now.
@@ -430,18 +436,9 @@ class PackedLaunch:
         Raises:
             CudaError: the driver refused the launch.
         """
-        if self._config is None:
-            gx, gy, gz, bx, by, bz = self.dims
-            result = _cuLaunchKernel(
-                self.kernel.handle, gx, gy, gz, bx, by, bz, self.shared_mem, self._stream,
-                self._address, 0,
-            )  # fmt: skip
-            if result[0] is not _OK:
-                check(result, "cuLaunchKernel")
-        else:
-            result = _cuLaunchKernelEx(self._config, self.kernel.handle, self._address, 0)
-            if result[0] is not _OK:
-                check(result, "cuLaunchKernelEx")
+        result = self._call(*self._args)
+        if result[0] is not _OK:
+            check(result, self._name)
 
 
 class LaunchSequence:
@@ -480,4 +477,6 @@ class LaunchSequence:
             self._last = values
         self.device.activate()
         for launch in self.launches:
-            launch()
+            result = launch._call(*launch._args)
+            if result[0] is not _OK:
+                check(result, launch._name)

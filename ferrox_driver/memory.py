@@ -388,8 +388,12 @@ class OutputPool:
         """
         free = self.free
         ptr = free.pop() if free else int(drv("cuMemAlloc", max(self.nbytes, 1)))
-        block = _PoolBlock(ptr, free if keep else None)
-        return DeviceArray._wrap(ptr, shape, dtype, self.device, block)
+        arr = DeviceArray.__new__(DeviceArray)  # _wrap's work, with the size known
+        arr.shape, arr.dtype, arr.device, arr.nbytes = shape, dtype, self.device, self.nbytes
+        arr._ptr, arr._base, arr._closed, arr._finalizer = (
+            ptr, _PoolBlock(ptr, free if keep else None), False, None,
+        )  # fmt: skip
+        return arr
 
     def close(self) -> None:
         """Free the blocks not in use."""
