@@ -94,9 +94,10 @@ def main() -> None:
         dec = kv._decoders[32, "auto"]
         s = fd.Stream()
         with s.capture() as g:
-            cu.cuMemcpyHtoDAsync(dec.q_ptr, dec.q_stage_addr, dec.nbytes, s.handle)
+            nbytes = dec.q_dev.nbytes
+            cu.cuMemcpyHtoDAsync(dec.q_dev.ptr, dec.q_stage.ctypes.data, nbytes, s.handle)
             fd.gqa_decode_async(dec.q_dev, kv, dec.out_dev, n_heads=32, stream=s)
-            cu.cuMemcpyDtoHAsync(dec.out_stage_addr, dec.out_ptr, dec.nbytes, s.handle)
+            cu.cuMemcpyDtoHAsync(dec.out_stage.ctypes.data, dec.out_dev.ptr, nbytes, s.handle)
         exe = g.instantiate()
         rows["  floor: that work as one graph, launch+sync"] = burst_us(
             lambda: (exe.launch(s), s.synchronize()), sync, 5
