@@ -22,6 +22,7 @@ GPU_EXAMPLES = [
     "resident_cache_decode.py",
     "decode_graph_loop.py",
     "torch_graph_async.py",
+    "torch_dlpack.py",
 ]
 
 
