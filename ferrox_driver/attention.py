@@ -447,20 +447,12 @@ class Launch:
     def run(self, stream: Any, device: Device, kernel: Kernel | None = None) -> None:
         """Queue this launch on ``stream`` (``kernel``: a variant with the same parameters
         in place of the named one, for experiments)."""
-        (kernel or get_kernel(self.file, self.kernel, device)).launch(
-            self.grid,
-            self.block,
-            self.args,
-            shared_mem=self.shared_mem,
-            stream=stream,
-            cluster=self.cluster,
-            early=self.early,
-        )
+        self.packed(stream, device, kernel)()
 
-    def packed(self, stream: Any, device: Device) -> PackedLaunch:
+    def packed(self, stream: Any, device: Device, kernel: Kernel | None = None) -> PackedLaunch:
         """This launch packed once for ``stream`` (see ``PackedLaunch``)."""
         return PackedLaunch(
-            get_kernel(self.file, self.kernel, device),
+            kernel or get_kernel(self.file, self.kernel, device),
             self.grid,
             self.block,
             self.args,

@@ -6,7 +6,8 @@ are timed in bursts (10 bursts of 200 back-to-back calls, a synchronize between 
 counted), so the time is the host's even where the GPU is slower; calls that wait for their
 result (``KVCache.decode``, a ``DecodeGraph`` step) are timed whole, host to host.
 
-Only the public API is used, so the same file times an older release too:
+Only the public API (and ``bench_decode``'s PyTorch token step, which older releases have
+too) is used, so the same file times an older release:
 ``python bench_host.py`` with this file copied out and that release installed.
 """
 
@@ -22,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
+from ferrox_driver.bench_decode import _torch_step_us
 
 __all__ = ["run_host_bench"]
 
@@ -244,75 +246,12 @@ def _cache_rows(
                 return step(q_np, row_np, row_np)
 
             ours = _attempt(lambda: whole_us(graph_step, 4 * BURST))
+        steps = 4 * BURST  # PyTorch's token step as a graph, as bench --only step times it
+        qs, rows = (np.repeat(a[None], steps, 0) for a in (q_np, row_np))
         theirs = _attempt(
-            lambda: _torch_graph_step(torch, F, shape, cap, seq_len, tdt, q_np, row_np)
+            lambda: _torch_step_us(torch, shape, cap, seq_len, np.dtype(npdt), qs, rows, rows)
         )
         row("DecodeGraph step, host to host", name, ours, theirs)
-
-
-def _torch_graph_step(
-    torch: Any,
-    F: Any,
-    shape: tuple[int, int, int],
-    cap: int,
-    seq_len: int,
-    tdt: Any,
-    q_np: np.ndarray,
-    row_np: np.ndarray,
-) -> float:
-    """PyTorch's token step as one captured graph: host copies in, index_copy_ into the
-    cache, SDPA with a length mask, copy out; replayed and synchronized per token."""
-    n_heads, n_kv, hd = shape
-    dev = torch.device("cuda")
-    k_cache = torch.zeros(1, n_kv, cap, hd, device=dev, dtype=tdt)
-    v_cache = torch.zeros(1, n_kv, cap, hd, device=dev, dtype=tdt)
-    pos = torch.tensor([seq_len], device=dev)
-    ar = torch.arange(cap, device=dev)
-    host = {
-        n: torch.empty(s, dtype=tdt).pin_memory()
-        for n, s in (
-            ("q", (n_heads, hd)),
-            ("k", (n_kv, hd)),
-            ("v", (n_kv, hd)),
-            ("o", (n_heads, hd)),
-        )
-    }
-    q_d = torch.empty(1, n_heads, 1, hd, device=dev, dtype=tdt)
-    k_d = torch.empty(1, n_kv, 1, hd, device=dev, dtype=tdt)
-    v_d = torch.empty(1, n_kv, 1, hd, device=dev, dtype=tdt)
-
-    def body() -> None:
-        q_d.copy_(host["q"].view(1, n_heads, 1, hd), non_blocking=True)
-        k_d.copy_(host["k"].view(1, n_kv, 1, hd), non_blocking=True)
-        v_d.copy_(host["v"].view(1, n_kv, 1, hd), non_blocking=True)
-        k_cache.index_copy_(2, pos, k_d)
-        v_cache.index_copy_(2, pos, v_d)
-        mask = (ar <= pos).view(1, 1, 1, cap)
-        o = F.scaled_dot_product_attention(q_d, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
-        host["o"].copy_(o.view(n_heads, hd), non_blocking=True)
-        pos.add_(1)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    torch.cuda.synchronize()
-    q_t = torch.from_numpy(q_np.astype(np.float32)).to(tdt)
-    r_t = torch.from_numpy(row_np.astype(np.float32)).to(tdt)
-
-    def step() -> Any:
-        host["q"].copy_(q_t)
-        host["k"].copy_(r_t)
-        host["v"].copy_(r_t)
-        graph.replay()
-        torch.cuda.synchronize()
-        return host["o"].numpy().copy()
-
-    return whole_us(step, 4 * BURST)
 
 
 def _fmt(value: float | str | None) -> str:
