@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 __all__ = ["main"]
 
@@ -99,8 +100,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import ferrox_driver as fd
 
     if not fd.cuda_available():
-        _print("no CUDA driver/device found: the benchmark needs a GPU")
-        return 0
+        print(f"{args.prog} bench: no CUDA driver/device found; the benchmarks need a GPU",
+              file=sys.stderr)  # fmt: skip
+        return 1
     from pathlib import Path
 
     from .bench import time_appends, time_decode
@@ -143,7 +145,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             t = time_decode(32, 8, 128, seq, algorithm="parity", iters=10)
             _print(f"parity   32/8/128  f32   {seq:>7} {t.median_us:9.1f} {t.tbs:7.4f}")
     if args.only in ("decode", "all"):
-        shapes = [_shape(s) for s in args.shapes] if args.shapes else SHAPES
+        shapes = args.shapes or SHAPES
         seqs = args.seqs or SEQ_LENS
         if args.quick:
             shapes, seqs = shapes[:1], seqs[:2]
@@ -159,36 +161,109 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _shape(text: str) -> tuple[int, int, int]:
-    heads, kv_heads, head_dim = (int(x) for x in text.split("/"))
+    """A ``q_heads/kv_heads/head_dim`` shape such as ``32/8/128``."""
+    try:
+        heads, kv_heads, head_dim = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected q_heads/kv_heads/head_dim such as 32/8/128, got {text!r}"
+        ) from None
+    if min(heads, kv_heads, head_dim) < 1 or heads % kv_heads or head_dim > 256:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: heads and kv_heads >= 1 with heads a multiple of kv_heads, head_dim 1..256"
+        )
     return heads, kv_heads, head_dim
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ferrox_driver", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, devices and the kernel cache")
-    demo = sub.add_parser("demo", help="multi-layer decode loop: eager vs CUDA graph")
-    demo.add_argument("--layers", type=int, default=32)
-    demo.add_argument("--tokens", type=int, default=256)
-    demo.add_argument("--heads", type=int, default=32)
-    demo.add_argument("--kv-heads", type=int, default=8)
-    demo.add_argument("--head-dim", type=int, default=128)
-    demo.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="bf16")
-    demo.add_argument("--arch", default=DEFAULT_ARCH, help="arch to compile for without a GPU")
-    bench = sub.add_parser("bench", help="decode and append benchmarks")
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _head_dim(text: str) -> int:
+    value = _positive(text)
+    if value > 256:
+        raise argparse.ArgumentTypeError(f"expected 1..256, got {value}")
+    return value
+
+
+def _arch(text: str) -> str:
+    from .compiler import normalize_arch
+
+    try:
+        return normalize_arch(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("arch: ")) from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``prog: error: ...``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+DESCRIPTION = (
+    "Single-sequence GQA attention decode on NVIDIA GPUs, over the CUDA driver API. "
+    "info: versions, devices and the kernel cache; demo: a multi-layer decode loop, eager "
+    "and as CUDA graphs (without a GPU: the compiled kernels); bench: decode and host-time "
+    "benchmarks against PyTorch (needs a GPU)."
+)
+
+
+def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
+    """The command line's parser (``prog``: how the program is invoked)."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = _Parser(prog=prog, description=DESCRIPTION, formatter_class=fmt)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench}")
+    sub.add_parser("info", help="versions, devices and the kernel cache", formatter_class=fmt)
+    demo = sub.add_parser(
+        "demo", help="multi-layer decode loop: eager vs CUDA graph", formatter_class=fmt
+    )
+    demo.add_argument("--layers", type=_positive, default=32, help="attention layers")
+    demo.add_argument("--tokens", type=_positive, default=256, help="tokens decoded per layer")
+    demo.add_argument("--heads", type=_positive, default=32, help="query heads")
+    demo.add_argument("--kv-heads", type=_positive, default=8, help="KV heads (divides --heads)")
+    demo.add_argument("--head-dim", type=_head_dim, default=128, help="elements per head, 1..256")
+    demo.add_argument(
+        "--dtype", choices=("f32", "f16", "bf16"), default="bf16", help="cache and query dtype"
+    )
+    demo.add_argument(
+        "--arch", type=_arch, default=DEFAULT_ARCH, help="architecture to compile for without a GPU"
+    )
+    bench = sub.add_parser("bench", help="decode and host-time benchmarks", formatter_class=fmt)
     bench.add_argument(
         "--only",
         choices=("all", "append", "parity", "step", "decode", "overhead", "host"),
         default="all",
+        help="which benchmark to run",
     )
     bench.add_argument(
         "--out", help="directory for bench_decode.json, bench_decode.png and host_bench.json"
     )
     bench.add_argument("--quick", action="store_true", help="one shape, two lengths")
-    bench.add_argument("--shapes", nargs="*", help="q/kv/head_dim shapes, e.g. 32/8/128")
-    bench.add_argument("--seqs", nargs="*", type=int, help="sequence lengths")
-    bench.add_argument("--dtypes", nargs="*", choices=("f32", "f16", "bf16"))
+    bench.add_argument(
+        "--shapes", nargs="+", type=_shape, help="q_heads/kv_heads/head_dim shapes, e.g. 32/8/128"
+    )
+    bench.add_argument("--seqs", nargs="+", type=_positive, help="sequence lengths")
+    bench.add_argument("--dtypes", nargs="+", choices=("f32", "f16", "bf16"), help="dtypes")
+    parser.set_defaults(prog=prog, demo_parser=demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ferrox-driver") -> int:
+    """Run the command line; returns the exit status (2 for a bad argument)."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.command == "demo" and args.heads % args.kv_heads:
+        args.demo_parser.error(
+            f"argument --heads: {args.heads} is not a multiple of --kv-heads {args.kv_heads}"
+        )
     commands = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench}
     return commands[args.command](args)
 
