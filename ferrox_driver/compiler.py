@@ -92,7 +92,7 @@ class KernelResources:
     shared_bytes: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Program:
     """A compiled kernel source.
 
@@ -112,6 +112,13 @@ class Program:
     options: tuple[str, ...]
     name: str = "kernel.cu"
     resources: dict[str, KernelResources] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        kernels = ", ".join(sorted(self.resources)) or "?"
+        return (
+            f"Program(name={self.name!r}, arch={self.arch!r}, cubin={len(self.cubin)} bytes, "
+            f"kernels=[{kernels}])"
+        )
 
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")

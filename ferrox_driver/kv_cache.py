@@ -596,7 +596,7 @@ class LayerKVCache:
         n_layers = check_int(n_layers, "n_layers", 1)
         check_kv_shape(n_kv_heads, head_dim)
         check_int(capacity, "capacity", 1, 2**31 - 1)
-        check_dtype(dtype, "dtype")
+        dtype = check_dtype(dtype, "dtype")
         self.device = resolve(device)
         self._owns_stream = stream is None
         self.stream = Stream(self.device) if stream is None else stream
@@ -617,7 +617,7 @@ class LayerKVCache:
             self.close()
             raise
         self.n_kv_heads, self.head_dim, self.capacity = n_kv_heads, head_dim, capacity
-        self.dtype = np.dtype(dtype)
+        self.dtype = dtype
 
     def __getitem__(self, layer: int) -> KVCache:
         return self.layers[layer]

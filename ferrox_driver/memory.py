@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from . import dlpack, interop
@@ -17,6 +18,7 @@ from .stream import stream_handle
 __all__ = [
     "DeviceArray",
     "as_device_array",
+    "as_dtype",
     "empty",
     "from_dlpack",
     "pinned_empty",
@@ -37,11 +39,36 @@ def _normalize_shape(shape: Shape, name: str = "shape") -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
-def _normalize_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
+_DTYPE_NAMES = {
+    "f32": np.float32, "float32": np.float32, "fp32": np.float32,
+    "f16": np.float16, "float16": np.float16, "fp16": np.float16, "half": np.float16,
+    "bf16": ml_dtypes.bfloat16, "bfloat16": ml_dtypes.bfloat16,
+}  # fmt: skip
+
+
+def as_dtype(dtype: Any, name: str) -> np.dtype:
+    """``dtype`` as a numpy dtype: a numpy dtype or type, ``ml_dtypes.bfloat16``, a name
+    (``"bf16"``, ``"bfloat16"``, ``"f16"``, ``"float32"``...) or a torch dtype.
+
+    Raises:
+        TypeError: naming ``name``, for anything else (None included).
+    """
+    if dtype is None:
+        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got None")
+    key = str(dtype).removeprefix("torch.") if type(dtype).__module__ == "torch" else dtype
+    if isinstance(key, str) and key.lower() in _DTYPE_NAMES:
+        return np.dtype(_DTYPE_NAMES[key.lower()])
     try:
-        dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"{name}: not a numpy dtype: {dtype!r}") from exc
+        return np.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"{name}: expected float32, float16 or bfloat16 (or 'f32', 'f16', 'bf16'), "
+            f"got {dtype!r}"
+        ) from None
+
+
+def _normalize_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
+    dt = as_dtype(dtype, name)
     if dt.hasobject or dt.itemsize == 0:
         raise TypeError(f"{name}: {dt} cannot live in device memory")
     return dt

@@ -35,6 +35,7 @@ from .compiler import (
 from .compiler import nvrtc_version_string as _nvrtc_version
 from .device import Device, resolve
 from .launch import Kernel, Module
+from .progress import announce
 
 __all__ = [
     "cache_dir",
@@ -205,7 +206,9 @@ def get_program(
             else:
                 _count("disk_misses")
         if program is None:
-            program = compile_source(source, arch=arch, options=opts, name=name)
+            note = f"ferrox_driver: compiling {name} for {arch} (first use; cached afterwards)"
+            with announce(note):
+                program = compile_source(source, arch=arch, options=opts, name=name)
             _count("compiles")
             if directory is not None:
                 _write_disk(directory, key, program)

@@ -8,6 +8,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .memory import as_dtype
+
 __all__ = [
     "DecodeSpec",
     "SUPPORTED_DTYPES",
@@ -54,7 +56,8 @@ def check_dims(n_heads: Any, n_kv_heads: Any, head_dim: Any) -> tuple[int, int, 
 
 
 def check_dtype(dtype: Any, name: str) -> np.dtype:
-    dt = np.dtype(dtype)
+    """``dtype`` (any form ``memory.as_dtype`` takes) if ferrox's kernels support it."""
+    dt = as_dtype(dtype, name)
     if dt not in SUPPORTED_DTYPES:
         raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {dt}")
     return dt

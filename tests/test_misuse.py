@@ -1,0 +1,74 @@
+"""Misuse gets the argument's error, before any device work (no GPU needed to see it)."""
+
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ferrox_driver as fd
+from ferrox_driver import compiler, module_cache
+from ferrox_driver.validation import check_dtype
+
+
+@pytest.mark.parametrize("name", ["bf16", "bfloat16", "BF16"])
+def test_dtype_names_are_understood(name):
+    assert check_dtype(name, "dtype") == np.dtype(ml_dtypes.bfloat16)
+    assert check_dtype("f16", "dtype") == np.dtype(np.float16)
+    assert check_dtype("float32", "dtype") == np.dtype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "dtype,message",
+    [
+        (None, "dtype: expected float32, float16 or bfloat16, got None"),
+        ("bf17", "dtype: expected float32, float16 or bfloat16 .* got 'bf17'"),
+        (np.float64, "dtype: expected float32, float16 or bfloat16, got float64"),
+        (np.int8, "dtype: expected float32, float16 or bfloat16, got int8"),
+    ],
+)
+def test_a_bad_cache_dtype_is_a_type_error_naming_it(dtype, message):
+    for make in (
+        lambda: fd.KVCache(8, 128, 16, dtype=dtype),
+        lambda: fd.LayerKVCache(2, 8, 128, 16, dtype=dtype),
+    ):
+        with pytest.raises(TypeError, match=message):
+            make()
+
+
+def test_a_bad_array_dtype_names_the_argument():
+    with pytest.raises(TypeError, match="dtype: expected float32, float16 or bfloat16"):
+        fd.empty((4,), "no-such-type")
+
+
+def test_a_program_prints_in_one_short_line():
+    program = fd.compile_source('extern "C" __global__ void tiny(float* x) {}', arch="sm_90")
+    text = repr(program)
+    assert len(text) < 200 and "tiny" in text and "sm_90" in text and "bytes" in text
+
+
+def test_a_slow_first_compile_says_what_it_is_doing(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("FERROX_CACHE_DIR", str(tmp_path))
+    module_cache.clear_memory_cache()
+    real = compiler.compile_source
+
+    def slow(*args, **kwargs):
+        time.sleep(1.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module_cache, "compile_source", slow)
+    module_cache.get_program('extern "C" __global__ void slow_one() {}', arch="sm_90")
+    err = capsys.readouterr().err
+    assert "compiling kernel.cu for sm_90 (first use; cached afterwards)" in err
+    assert "done in" in err
+    module_cache.clear_memory_cache()
+    module_cache.get_program('extern "C" __global__ void slow_one() {}', arch="sm_90")
+    assert capsys.readouterr().err == ""  # a disk hit says nothing
+
+
+def test_a_quick_compile_says_nothing(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("FERROX_CACHE_DIR", str(tmp_path))
+    module_cache.get_program('extern "C" __global__ void quick_one() {}', arch="sm_90")
+    assert capsys.readouterr().err == ""
