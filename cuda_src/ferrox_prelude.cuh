@@ -1,6 +1,6 @@
 // Pre-included into every ferrox kernel (NVRTC --pre-include). NVRTC ships no libc or
 // CUDA runtime headers, so what kernels need beyond the built-ins lives here:
-// INFINITY/NAN (undefined under NVRTC: the seed kernel does not compile without them) and
+// INFINITY/NAN (undefined under NVRTC: ferrox-cuda's kernel does not compile without them) and
 // fp16/bf16 storage types with their conversions, written without cuda_fp16.h/cuda_bf16.h.
 #pragma once
 

@@ -1,8 +1,8 @@
-// GQA decode, parity path: the seed kernel (ferrox-cuda 0.15.2 attn::gqa_decode) with its
+// GQA decode, parity path: ferrox-cuda 0.15.2's kernel (attn::gqa_decode) with its
 // defects fixed. One warp per query head, online softmax over the tokens in order.
 //   - compiles under NVRTC (INFINITY comes from the prelude);
 //   - the per-lane accumulator is indexed only by unrolled constants, so it stays in
-//     registers (the seed's run-time index put it on the stack);
+//     registers (ferrox-cuda's run-time index put it on the stack);
 //   - head_dim up to 256 (8 values per lane); the host validates the range;
 //   - seq_len 0 writes zeros; seq_len may come from device memory (seq_len_dev != nullptr),
 //     so a captured graph stays valid as the cache grows.

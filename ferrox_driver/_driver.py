@@ -1,6 +1,6 @@
 """The one module that talks to cuda.bindings: calls, result checking, library discovery.
 
-Everything else in ferrox_driver calls :func:`drv` / :func:`rtc` (or uses the re-exported
+Everything else in ferrox_driver calls `drv` / `rtc` (or uses the re-exported
 ``cu`` enums) so that a missing driver, a failing call and a version difference between
 cuda-bindings 12.x and 13.x are handled in one place.
 """
@@ -112,7 +112,7 @@ def release(call: str | Callable[..., Any], *args: Any) -> None:
     """Call a driver destroy/free function (by name) or a release function from a
     finalizer: never raises, also at shutdown.
 
-    While this thread is capturing a stream (see :func:`capturing`) the call is held back
+    While this thread is capturing a stream (see `capturing`) the call is held back
     until the capture ends: a free or unload inside a capture (a finalizer run by the
     garbage collector, say) would invalidate it."""
     if getattr(_capture, "depth", 0):

@@ -118,7 +118,7 @@ def time_appends(
     tokens: int = 1000,
     seed_tokens: int = 20,
 ) -> list[AppendTiming]:
-    """Host time per token: our one-row async append vs the seed's full re-upload."""
+    """Host time per token: our one-row async append vs ferrox-cuda's full re-upload."""
     import time
 
     from .kv_cache import KVCache
@@ -150,7 +150,7 @@ def time_appends(
         decode_us = both_us - append_us
     results.append(AppendTiming("ours: one row, pinned async", capacity, append_us, both_us))
 
-    # The seed's CudaKvBuffers::append: extend a host mirror, clone it, pad to capacity and
+    # ferrox-cuda's CudaKvBuffers::append: extend a host mirror, clone it, pad to capacity and
     # upload both buffers whole (freshly allocated), on every token.
     k_host = [fill.reshape(-1)]
     v_host = [fill.reshape(-1)]

@@ -45,7 +45,7 @@ _INCLUDE_RE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.M)
 @cache
 def kernel_source(filename: str) -> str:
     """The text of one kernel file from the source directory, its parts in place
-    (:func:`expand_includes`): the one string is all that NVRTC compiles and all that the
+    (`expand_includes`): the one string is all that NVRTC compiles and all that the
     module cache keys on."""
     return expand_includes(filename, source_dir())
 

@@ -35,6 +35,7 @@ from .interop import ArrayRef, array_ref
 from .launch import LaunchSequence
 from .memory import DeviceArray, OutputPool, empty, output_pool, to_device
 from .stream import Stream, stream_handle, stream_key
+from .types import ArrayLike, DeviceArrayLike, StreamLike
 from .validation import ArrayInfo, DecodeSpec, check_decode_args, check_decode_infos
 
 __all__ = ["DecodeRecord", "decode_record", "gqa_decode", "launch_decode"]
@@ -303,18 +304,18 @@ def _prepare_call(
 
 
 def gqa_decode(
-    q: Any,
-    k_cache: Any,
-    v_cache: Any,
+    q: ArrayLike,
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
     *,
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
-    stream: Any = None,
+    stream: StreamLike = None,
     algorithm: str = "auto",
     device: Device | None = None,
-    out: Any = None,
-) -> Any:
+    out: DeviceArrayLike = None,
+) -> np.ndarray | DeviceArray:
     """Attention of one query token over a KV cache, on the GPU (ferrox-cuda's
     ``launch_gqa_decode``).
 

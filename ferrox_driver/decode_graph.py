@@ -24,6 +24,7 @@ from .kv_cache import KVCache, append_kernel
 from .launch import LaunchSequence, PackedLaunch
 from .memory import DeviceArray, empty, pinned_empty
 from .stream import Stream, stream_handle, stream_key
+from .types import DeviceArrayLike, StreamLike
 from .validation import check_dims
 
 __all__ = ["DecodeGraph", "gqa_decode_async", "kv_append_async"]
@@ -88,7 +89,9 @@ def _length_for_device_work(kv: KVCache, sid: int, foreign: bool) -> None:
         kv.device_length()
 
 
-def kv_append_async(kv: KVCache, k_dev: Any, v_dev: Any, *, stream: Any) -> None:
+def kv_append_async(
+    kv: KVCache, k_dev: DeviceArrayLike, v_dev: DeviceArrayLike, *, stream: StreamLike
+) -> None:
     """Queue a device-side append of one token: rows ``k_dev``/``v_dev`` go to position
     ``seq_len`` (read on the device), which is then bumped. Capturable in a graph.
 
@@ -119,7 +122,13 @@ def kv_append_async(kv: KVCache, k_dev: Any, v_dev: Any, *, stream: Any) -> None
 
 
 def gqa_decode_async(
-    q_dev: Any, kv: KVCache, out_dev: Any, *, n_heads: int, stream: Any, algorithm: str = "auto"
+    q_dev: DeviceArrayLike,
+    kv: KVCache,
+    out_dev: DeviceArrayLike,
+    *,
+    n_heads: int,
+    stream: StreamLike,
+    algorithm: str = "auto",
 ) -> None:
     """Queue a decode of ``q_dev`` against the cache, reading seq_len on the device.
     No host work: capturable in a graph, valid for every sequence length. Before the
@@ -171,7 +180,7 @@ class DecodeGraph:
 
     Attributes:
         q, k, v, out: page-locked staging arrays; fill ``q``/``k``/``v`` in place and call
-            :meth:`launch` + :meth:`synchronize` to avoid even the staging copy.
+            `launch` + `synchronize` to avoid even the staging copy.
     """
 
     def __init__(

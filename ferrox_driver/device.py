@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from ._driver import cu, drv, finalizer, init
 from .errors import CudaError, NoDeviceError
@@ -80,7 +79,7 @@ class Device:
         """The primary context as an integer handle."""
         return self._ctx_int
 
-    def attribute(self, attr: Any) -> int:
+    def attribute(self, attr: int) -> int:
         """Read one ``CU_DEVICE_ATTRIBUTE_*`` value."""
         return int(drv("cuDeviceGetAttribute", attr, self._dev))
 

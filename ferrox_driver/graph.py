@@ -11,6 +11,7 @@ from ._driver import capturing, cu, drv, finalizer, release
 from .device import Device
 from .errors import CudaError
 from .stream import Stream, stream_handle
+from .types import StreamLike
 
 __all__ = ["Graph", "GraphExec", "capture", "graph_stats"]
 
@@ -31,7 +32,7 @@ class Graph:
     """A captured CUDA graph. Made by ``Stream.capture()``.
 
     Objects the graph's nodes refer to (host staging, device buffers) can be attached with
-    :meth:`keep_alive`; they live as long as the graph and every GraphExec made from it.
+    `keep_alive`; they live as long as the graph and every GraphExec made from it.
     """
 
     def __init__(self, device: Device) -> None:
@@ -51,7 +52,7 @@ class Graph:
             raise ValueError("graph: the capture has not ended yet, or the graph was closed")
         return self._handle
 
-    def keep_alive(self, *objects: Any) -> None:
+    def keep_alive(self, *objects: object) -> None:
         """Keep ``objects`` alive as long as this graph and its executables."""
         self._keep.extend(objects)
 
@@ -89,7 +90,7 @@ class GraphExec:
         """The ``CUgraphExec`` handle."""
         return self._handle
 
-    def launch(self, stream: Any = None) -> None:
+    def launch(self, stream: StreamLike = None) -> None:
         """Queue one replay of the graph on ``stream``."""
         self.device.activate()
         drv("cuGraphLaunch", self._handle, stream_handle(stream))

@@ -1,6 +1,6 @@
 """Device-resident KV caches: one-row asynchronous appends, multi-layer caches.
 
-Layout is the seed's, [token][kv_head][head_dim], so one token is one contiguous row and
+Layout is ferrox-cuda's, [token][kv_head][head_dim], so one token is one contiguous row and
 one copy. The sequence length lives on the device as well as on the host: kernels and
 captured graphs read it there, so one captured graph serves every token.
 """
@@ -28,6 +28,7 @@ from .launch import Kernel
 from .memory import DeviceArray, empty, pinned_empty
 from .module_cache import get_kernel
 from .stream import Event, Stream, stream_handle, stream_key
+from .types import DTypeLike, StreamLike
 from .validation import (
     MAX_HEAD_DIM,
     ArrayInfo,
@@ -117,7 +118,7 @@ class KVCache:
         head_dim: int,
         capacity: int,
         *,
-        dtype: Any = np.float32,
+        dtype: DTypeLike = np.float32,
         device: Device | None = None,
         stream: Stream | None = None,
         staging_slots: int = STAGING_SLOTS,
@@ -385,7 +386,7 @@ class KVCache:
         ).to_host(self.stream)
 
     def decode(
-        self, q: np.ndarray, *, n_heads: int, stream: Any = None, algorithm: str = "auto"
+        self, q: np.ndarray, *, n_heads: int, stream: StreamLike = None, algorithm: str = "auto"
     ) -> np.ndarray:
         """Decode one query against the resident cache.
 
@@ -570,15 +571,15 @@ class KVCache:
 
 
 class LayerKVCache:
-    """One :class:`KVCache` per layer, sharing one stream; memory allocated once.
+    """One `KVCache` per layer, sharing one stream; memory allocated once.
 
     Args:
         n_layers: number of layers.
-        n_kv_heads: as :class:`KVCache`.
-        head_dim: as :class:`KVCache`.
-        capacity: as :class:`KVCache`, per layer.
-        dtype: as :class:`KVCache`.
-        device: as :class:`KVCache`.
+        n_kv_heads: as `KVCache`.
+        head_dim: as `KVCache`.
+        capacity: as `KVCache`, per layer.
+        dtype: as `KVCache`.
+        device: as `KVCache`.
         stream: the stream every layer uses (default: a stream of its own).
     """
 
@@ -589,7 +590,7 @@ class LayerKVCache:
         head_dim: int,
         capacity: int,
         *,
-        dtype: Any = np.float32,
+        dtype: DTypeLike = np.float32,
         device: Device | None = None,
         stream: Stream | None = None,
     ) -> None:

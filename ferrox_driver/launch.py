@@ -16,6 +16,7 @@ from .compiler import Program
 from .device import Device, resolve
 from .memory import DeviceArray
 from .stream import stream_handle
+from .types import KernelArg, StreamLike
 
 __all__ = ["Kernel", "LaunchSequence", "Module", "PackedLaunch", "pack_args"]
 
@@ -25,7 +26,7 @@ Dim3 = int | Sequence[int]
 class Module:
     """A cubin loaded into one device's context.
 
-    Made by :func:`ferrox_driver.ensure_module_loaded` (cached).
+    Made by `ferrox_driver.ensure_module_loaded` (cached).
     """
 
     def __init__(self, program: Program, device: Device | None = None) -> None:
@@ -308,10 +309,10 @@ class Kernel:
         self,
         grid: Dim3,
         block: Dim3,
-        args: Sequence[Any],
+        args: Sequence[KernelArg],
         *,
         shared_mem: int = 0,
-        stream: Any = None,
+        stream: StreamLike = None,
         cluster: int = 0,
         early: bool = False,
     ) -> None:

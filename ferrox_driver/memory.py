@@ -14,6 +14,7 @@ from . import dlpack, interop
 from ._driver import drv, finalizer, release
 from .device import Device, device_for, resolve
 from .stream import stream_handle
+from .types import DeviceArrayLike, DTypeLike, HostArrayLike, StreamLike
 
 __all__ = [
     "DeviceArray",
@@ -88,11 +89,11 @@ class DeviceArray:
     def __init__(
         self,
         shape: Shape,
-        dtype: Any,
+        dtype: DTypeLike,
         *,
         device: Device | None = None,
         _ptr: int | None = None,
-        _base: Any = None,
+        _base: object = None,
     ) -> None:
         self.shape = _normalize_shape(shape)
         self.dtype = _normalize_dtype(dtype)
@@ -148,7 +149,7 @@ class DeviceArray:
             "stream": None,
         }
 
-    def view(self, shape: Shape, dtype: Any = None, *, offset: int = 0) -> DeviceArray:
+    def view(self, shape: Shape, dtype: DTypeLike = None, *, offset: int = 0) -> DeviceArray:
         """A view over part of this array's memory (no copy).
 
         Args:
@@ -163,14 +164,14 @@ class DeviceArray:
             raise ValueError(f"shape: a view of {need} bytes does not fit in {self.nbytes} bytes")
         return DeviceArray._wrap(self.ptr + offset, shp, dt, self.device, self)
 
-    def reshape(self, *shape: Any) -> DeviceArray:
+    def reshape(self, *shape: int | Sequence[int]) -> DeviceArray:
         """The same memory with another shape of the same size."""
-        shp = _normalize_shape(shape[0] if len(shape) == 1 else shape)
+        shp = _normalize_shape(shape[0] if len(shape) == 1 else shape)  # type: ignore[arg-type]
         if math.prod(shp) != self.size:
             raise ValueError(f"shape: cannot reshape {self.shape} into {shp}")
         return self.view(shp)
 
-    def to_host(self, stream: Any = None, *, out: np.ndarray | None = None) -> np.ndarray:
+    def to_host(self, stream: StreamLike = None, *, out: np.ndarray | None = None) -> np.ndarray:
         """Copy to a new numpy array (or into ``out``), waiting for the copy to finish."""
         if out is None:
             out = np.empty(self.shape, self.dtype)
@@ -183,11 +184,11 @@ class DeviceArray:
             drv("cuStreamSynchronize", h)
         return out
 
-    def copy_from_host(self, array: Any, stream: Any = None) -> None:
+    def copy_from_host(self, array: HostArrayLike, stream: StreamLike = None) -> None:
         """Copy a host array of the same size and dtype into this array.
 
         With ``stream`` given the copy is queued on it; pass page-locked memory
-        (:func:`pinned_empty`) for a truly asynchronous copy. Without, it completes on return.
+        (`pinned_empty`) for a truly asynchronous copy. Without, it completes on return.
         """
         src = np.asarray(array)
         if src.dtype != self.dtype:
@@ -203,7 +204,7 @@ class DeviceArray:
         else:
             drv("cuMemcpyHtoDAsync", self.ptr, src.ctypes.data, self.nbytes, stream_handle(stream))
 
-    def fill_bytes(self, value: int, stream: Any = None) -> None:
+    def fill_bytes(self, value: int, stream: StreamLike = None) -> None:
         """Set every byte to ``value`` (e.g. 0xFF poisons float arrays with NaN)."""
         if self.nbytes:
             self.device.activate()
@@ -261,13 +262,19 @@ class DeviceArray:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, ptr=0x{self._ptr:x})"
 
 
-def empty(shape: Shape, dtype: Any = np.float32, *, device: Device | None = None) -> DeviceArray:
+def empty(
+    shape: Shape, dtype: DTypeLike = np.float32, *, device: Device | None = None
+) -> DeviceArray:
     """Allocate an uninitialised device array."""
     return DeviceArray(shape, dtype, device=device)
 
 
 def zeros(
-    shape: Shape, dtype: Any = np.float32, *, device: Device | None = None, stream: Any = None
+    shape: Shape,
+    dtype: DTypeLike = np.float32,
+    *,
+    device: Device | None = None,
+    stream: StreamLike = None,
 ) -> DeviceArray:
     """Allocate a device array of zero bytes (complete on return when ``stream`` is None)."""
     arr = DeviceArray(shape, dtype, device=device)
@@ -277,7 +284,9 @@ def zeros(
     return arr
 
 
-def to_device(array: Any, stream: Any = None, *, device: Device | None = None) -> DeviceArray:
+def to_device(
+    array: HostArrayLike, stream: StreamLike = None, *, device: Device | None = None
+) -> DeviceArray:
     """Copy a host array to a new device array of the same shape and dtype."""
     src = np.ascontiguousarray(array)
     out = DeviceArray(src.shape, src.dtype, device=device)
@@ -285,7 +294,7 @@ def to_device(array: Any, stream: Any = None, *, device: Device | None = None) -
     return out
 
 
-def pinned_empty(shape: Shape, dtype: Any = np.float32) -> np.ndarray:
+def pinned_empty(shape: Shape, dtype: DTypeLike = np.float32) -> np.ndarray:
     """A numpy array over page-locked host memory (fast, truly asynchronous copies).
 
     The memory is freed when the array and every view of it are gone.
@@ -345,7 +354,7 @@ def view_of(ref: interop.ArrayRef, obj: Any, name: str) -> DeviceArray:
     )
 
 
-def from_dlpack(obj: Any) -> DeviceArray:
+def from_dlpack(obj: DeviceArrayLike) -> DeviceArray:
     """A zero-copy DeviceArray view of any object with ``__dlpack__`` (a PyTorch tensor,
     a CuPy or JAX array...) on a CUDA device; it keeps the producer's memory alive.
 

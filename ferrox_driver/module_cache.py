@@ -1,6 +1,6 @@
 """ensure_module_loaded(): compile once per key, load once per context, cache cubins on disk.
 
-Mirrors the seed's ``ensure_module_loaded``. The in-process cache is thread-safe: many
+Mirrors ferrox-cuda's ``ensure_module_loaded``. The in-process cache is thread-safe: many
 threads asking for one module at once compile it once. The disk cache stores cubins under
 a SHA-256 key over labelled fields (format and package version, source, prelude, every
 NVRTC option, NVRTC version, arch: cache_key);

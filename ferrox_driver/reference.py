@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
+from .types import HostArrayLike
 from .validation import check_decode_args
 
 __all__ = ["reference_gqa_decode"]
 
 
 def reference_gqa_decode(
-    q: Any, k: Any, v: Any, *, n_heads: int, n_kv_heads: int, head_dim: int
+    q: HostArrayLike,
+    k: HostArrayLike,
+    v: HostArrayLike,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
 ) -> np.ndarray:
     """Attention of one query token over a KV cache, in float64 on the CPU.
 
@@ -31,7 +36,7 @@ def reference_gqa_decode(
         float64 array of q's shape; zeros when seq_len is 0.
 
     Raises:
-        ValueError, TypeError: as :func:`ferrox_driver.gqa_decode`.
+        ValueError, TypeError: as `ferrox_driver.gqa_decode`.
     """
     spec = check_decode_args(q, k, v, n_heads, n_kv_heads, head_dim, allow_device=False)
     qh = np.asarray(q, dtype=np.float64).reshape(n_heads, head_dim)

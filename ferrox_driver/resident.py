@@ -1,20 +1,20 @@
-"""Seed-compatible, process-wide resident KV caches (``ensure_layer_kv`` and friends).
+"""ferrox-cuda-compatible, process-wide resident KV caches (``ensure_layer_kv`` and friends).
 
-The seed keeps one set of per-layer buffers per process behind a mutex; so do we. Unlike
-the seed, an append copies one row (not the whole capacity, twice), and a drifted cache is
+ferrox-cuda keeps one set of per-layer buffers per process behind a mutex; so do we. Unlike
+ferrox-cuda, an append copies one row (not the whole capacity, twice), and a drifted cache is
 resynchronised in one bulk copy (not token by token).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import numpy as np
 
 from .decode import gqa_decode
 from .errors import KVCapacityError
 from .kv_cache import LayerKVCache
+from .types import DTypeLike
 from .validation import check_dims, check_dtype, check_int
 
 __all__ = ["clear_layer_kv", "ensure_layer_kv", "gqa_decode_resident", "resident_layers"]
@@ -24,11 +24,11 @@ _layers: LayerKVCache | None = None
 
 
 def ensure_layer_kv(
-    n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *, dtype: Any = np.float32
+    n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *, dtype: DTypeLike = np.float32
 ) -> None:
     """Make sure the process-wide per-layer caches exist with this shape.
 
-    As the seed: nothing happens when they already do; on any shape change they are
+    As in ferrox-cuda: nothing happens when they already do; on any shape change they are
     rebuilt empty (the old memory is freed).
     """
     global _layers
@@ -66,7 +66,7 @@ def clear_layer_kv() -> None:
 
 
 def resident_layers() -> LayerKVCache | None:
-    """The process-wide caches, or None before :func:`ensure_layer_kv`."""
+    """The process-wide caches, or None before `ensure_layer_kv`."""
     return _layers
 
 
@@ -94,7 +94,7 @@ def gqa_decode_resident(
     ``k_cache``/``v_cache`` are the host's caches holding at least ``host_seq`` tokens.
     When the resident cache is exactly one token behind, that token's rows are appended;
     on any other drift the resident cache is rebuilt from the host cache in one bulk copy.
-    Without :func:`ensure_layer_kv`, it decodes from the host cache directly (as the seed).
+    Without `ensure_layer_kv`, it decodes from the host cache directly (as ferrox-cuda does).
 
     Returns:
         A numpy array of q's shape and dtype; zeros when ``host_seq`` is 0.
@@ -126,9 +126,11 @@ def gqa_decode_resident(
     with _lock:
         layers = _layers
         if layers is None:
-            return gqa_decode(
+            out = gqa_decode(
                 q, k_rows, v_rows, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
             )
+            assert isinstance(out, np.ndarray)  # numpy in, numpy out
+            return out
         check_int(layer, "layer", 0, len(layers) - 1)
         if (layers.n_kv_heads, layers.head_dim) != (n_kv_heads, head_dim):
             raise ValueError(

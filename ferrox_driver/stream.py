@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._driver import cu, drv, finalizer
 from .device import Device, resolve
+from .types import StreamLike
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -140,7 +141,7 @@ class Event:
     """A CUDA event: a marker in a stream, for ordering and timing.
 
     Args:
-        timing: record timestamps (needed for :meth:`elapsed_ms`).
+        timing: record timestamps (needed for `elapsed_ms`).
         device: the device (default: device 0).
     """
 
@@ -158,7 +159,7 @@ class Event:
         """The ``CUevent`` handle."""
         return self._handle
 
-    def record(self, stream: Any = None) -> Event:
+    def record(self, stream: StreamLike = None) -> Event:
         """Record this event on ``stream`` (default: the legacy default stream)."""
         self.device.activate()
         drv("cuEventRecord", self._handle, stream_handle(stream))

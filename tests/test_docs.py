@@ -56,6 +56,13 @@ def test_gpu_example_runs(name):
     assert done.stdout.strip()
 
 
+def test_the_readme_example_is_the_quickstart_the_tests_run():
+    readme = (ROOT / "README.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", readme, re.S)
+    quickstart = (EXAMPLES / "quickstart.py").read_text().split('"""', 2)[2].strip()
+    assert block.strip() == quickstart
+
+
 def test_python_blocks_in_pages_are_included_examples():
     # Code in the pages is never a copy that can rot: it is an example the tests run.
     for page in DOCS.rglob("*.md"):
