@@ -338,10 +338,10 @@ def gqa_decode(
 
     Returns:
         With numpy inputs, a numpy array (copied back, complete). With device inputs
-        (DeviceArray, PyTorch tensors, CuPy arrays, any ``__dlpack__`` or
-        ``__cuda_array_interface__`` object, all three on one device), a DeviceArray
-        queued on ``stream`` with no host round trip; ``torch.from_dlpack`` takes it
-        without a copy. Shape and dtype are q's. seq_len 0 gives zeros.
+            (DeviceArray, PyTorch tensors, CuPy arrays, any ``__dlpack__`` or
+            ``__cuda_array_interface__`` object, all three on one device), a DeviceArray
+            queued on ``stream`` with no host round trip; ``torch.from_dlpack`` takes it
+            without a copy. Shape and dtype are q's. seq_len 0 gives zeros.
 
     Raises:
         ValueError: bad shapes, layouts, or arrays on different devices.

@@ -179,8 +179,11 @@ class DecodeGraph:
         algorithm: ``"auto"`` or ``"parity"``.
 
     Attributes:
-        q, k, v, out: page-locked staging arrays; fill ``q``/``k``/``v`` in place and call
-            `launch` + `synchronize` to avoid even the staging copy.
+        q: page-locked staging for the query, (n_heads, head_dim); fill it in place and
+            call ``launch`` then ``synchronize`` to skip even the staging copy.
+        k: page-locked staging for the new token's K row, (n_kv_heads, head_dim).
+        v: like ``k``, for V.
+        out: page-locked array the result lands in, (n_heads, head_dim).
     """
 
     def __init__(

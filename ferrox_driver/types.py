@@ -1,6 +1,6 @@
 """Names for the kinds of argument ferrox takes. Each is checked at run time, with an error
-naming the argument; for a type checker they are ``Any``, since the libraries they cover
-(PyTorch, CuPy, JAX...) are optional."""
+naming the argument; a type checker lets anything through them, since the libraries they
+cover (PyTorch, CuPy, JAX...) are optional."""
 
 from __future__ import annotations
 
