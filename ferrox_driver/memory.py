@@ -265,7 +265,16 @@ class DeviceArray:
 def empty(
     shape: Shape, dtype: DTypeLike = np.float32, *, device: Device | None = None
 ) -> DeviceArray:
-    """Allocate an uninitialised device array."""
+    """Allocate an uninitialised device array.
+
+    Args:
+        shape: the array's shape (an int or a sequence of ints).
+        dtype: its element type (any form `DTypeLike` takes).
+        device: the device (default: device 0).
+
+    Returns:
+        A DeviceArray; its memory is freed by `close()` or when it is collected.
+    """
     return DeviceArray(shape, dtype, device=device)
 
 
@@ -276,7 +285,14 @@ def zeros(
     device: Device | None = None,
     stream: StreamLike = None,
 ) -> DeviceArray:
-    """Allocate a device array of zero bytes (complete on return when ``stream`` is None)."""
+    """Allocate a device array of zero bytes.
+
+    Args:
+        shape: the array's shape.
+        dtype: its element type.
+        device: the device (default: device 0).
+        stream: where the zeroing is queued; None: complete on return.
+    """
     arr = DeviceArray(shape, dtype, device=device)
     arr.fill_bytes(0, stream)
     if stream is None and arr.nbytes:
@@ -287,7 +303,14 @@ def zeros(
 def to_device(
     array: HostArrayLike, stream: StreamLike = None, *, device: Device | None = None
 ) -> DeviceArray:
-    """Copy a host array to a new device array of the same shape and dtype."""
+    """Copy a host array to a new device array of the same shape and dtype.
+
+    Args:
+        array: the host data (made C-contiguous first if it is not).
+        stream: where the copy is queued (from pageable memory the driver stages it before
+            returning); None: the legacy default stream.
+        device: the device (default: device 0).
+    """
     src = np.ascontiguousarray(array)
     out = DeviceArray(src.shape, src.dtype, device=device)
     out.copy_from_host(src, stream)
@@ -297,7 +320,12 @@ def to_device(
 def pinned_empty(shape: Shape, dtype: DTypeLike = np.float32) -> np.ndarray:
     """A numpy array over page-locked host memory (fast, truly asynchronous copies).
 
-    The memory is freed when the array and every view of it are gone.
+    Args:
+        shape: the array's shape.
+        dtype: its element type.
+
+    Returns:
+        The array; the memory is freed when it and every view of it are gone.
     """
     shp = _normalize_shape(shape)
     dt = _normalize_dtype(dtype)
