@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -77,6 +78,7 @@ class DecodeRecord:
 
 
 _records: OrderedDict[tuple[Any, ...], DecodeRecord] = OrderedDict()
+_lock = threading.RLock()  # making records and calls (the hot path only reads them)
 _captured: list[Any] = []  # what graphs captured outside ferrox use, kept for the process
 
 
@@ -126,8 +128,33 @@ def decode_record(
            aligned, algorithm, sid, attention.OVERRIDES)  # fmt: skip
     record = _records.get(key)
     if record is not None:
-        _records.move_to_end(key)
+        with contextlib.suppress(KeyError):  # another thread may have dropped it
+            _records.move_to_end(key)
         return record
+    with _lock:
+        record = _records.get(key)
+        if record is None:
+            record = _make_record(key, q, k, v, out, n_heads, n_kv_heads, head_dim, seq_len,
+                                  plan_for, aligned, algorithm, sid)  # fmt: skip
+    return record
+
+
+def _make_record(
+    key: tuple[Any, ...],
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    plan_for: int,
+    aligned: bool,
+    algorithm: str,
+    sid: int,
+) -> DecodeRecord:
+    dev = q.device
     dims = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
     workspace = None
     if algorithm == "parity":
@@ -362,12 +389,14 @@ def gqa_decode(
             )  # fmt: skip
             call = _calls.get(key)
             if call is None:
-                call = _prepare_call(
-                    key, (qr, kr, vr), orf, n_heads, n_kv_heads, head_dim, stream, sid,
-                    algorithm, device,
-                )  # fmt: skip
+                with _lock:
+                    call = _prepare_call(
+                        key, (qr, kr, vr), orf, n_heads, n_kv_heads, head_dim, stream, sid,
+                        algorithm, device,
+                    )  # fmt: skip
             else:
-                _calls.move_to_end(key)
+                with contextlib.suppress(KeyError):  # another thread may have dropped it
+                    _calls.move_to_end(key)
             return call(qr, kr, vr, orf, out)
     return _host_decode(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm,
                         device, out)  # fmt: skip

@@ -469,15 +469,18 @@ class LaunchSequence:
             for index, role in pairs
         )
         self._last: tuple[Any, ...] | None = None
+        # the slots are shared: a thread's values stay in them until its launches are queued
+        self._lock = threading.Lock()
 
     def run(self, values: tuple[int, ...]) -> None:
         """Write ``values`` (pointers and integers, by role) and queue every launch."""
-        if values != self._last:
-            for slots, index, role in self._writes:
-                slots[index] = values[role]
-            self._last = values
-        self.device.activate()
-        for launch in self.launches:
-            result = launch._call(*launch._args)
-            if result[0] is not _OK:
-                check(result, launch._name)
+        with self._lock:
+            if values != self._last:
+                for slots, index, role in self._writes:
+                    slots[index] = values[role]
+                self._last = values
+            self.device.activate()
+            for launch in self.launches:
+                result = launch._call(*launch._args)
+                if result[0] is not _OK:
+                    check(result, launch._name)

@@ -196,3 +196,28 @@ def test_overrides_change_the_plan_of_a_repeated_call(rng, monkeypatch):
         kernels |= {r.kernels for r in decode._records.values()}
     assert any("wide" in name for names in kernels for name in names)
     assert any(all("wide" not in name for name in names) for names in kernels)
+
+
+def test_threads_sharing_one_record_each_get_their_own_result(rng):
+    # one signature, so one record and one packed argument block for every thread
+    import threading
+
+    dt = DTYPES["bf16"]
+    inputs = [random_decode_inputs(rng, 32, 8, 128, 512, dt) for _ in range(8)]
+    refs = [fd.reference_gqa_decode(*x, **KW) for x in inputs]
+    devs = [[fd.to_device(a) for a in x] for x in inputs]
+    errors: list[str] = []
+
+    def worker(i: int) -> None:
+        with fd.Stream() as s:
+            for _ in range(50):
+                got = fd.gqa_decode(*devs[i], **KW, stream=s).to_host(s)
+                if not rel_err(got, refs[i]) < TOL["bf16"]:
+                    errors.append(f"thread {i}: {rel_err(got, refs[i])}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
