@@ -207,17 +207,18 @@ def test_threads_sharing_one_record_each_get_their_own_result(rng):
     refs = [fd.reference_gqa_decode(*x, **KW) for x in inputs]
     devs = [[fd.to_device(a) for a in x] for x in inputs]
     errors: list[str] = []
+    shared = fd.Stream()  # one stream: one record for every thread
 
     def worker(i: int) -> None:
-        with fd.Stream() as s:
-            for _ in range(50):
-                got = fd.gqa_decode(*devs[i], **KW, stream=s).to_host(s)
-                if not rel_err(got, refs[i]) < TOL["bf16"]:
-                    errors.append(f"thread {i}: {rel_err(got, refs[i])}")
+        for _ in range(50):
+            got = fd.gqa_decode(*devs[i], **KW, stream=shared).to_host(shared)
+            if not rel_err(got, refs[i]) < TOL["bf16"]:
+                errors.append(f"thread {i}: {rel_err(got, refs[i])}")
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    shared.close()
     assert errors == []
