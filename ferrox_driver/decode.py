@@ -250,6 +250,7 @@ class _Call:
         self, q: ArrayRef, k: ArrayRef, v: ArrayRef, out: ArrayRef | None, obj: Any
     ) -> DeviceArray:
         record = self.record
+        self.device.activate()  # this thread's context current before any driver call
         ours = getattr(_capture_state, "depth", 0)  # a ferrox capture on this thread
         theirs = not ours and self.foreign and stream_capturing(self.sid)
         if out is None:  # a block a foreign graph writes must never be handed out again

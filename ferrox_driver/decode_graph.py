@@ -81,6 +81,7 @@ def _signature(ref: ArrayRef | None) -> tuple[Any, ...] | None:
 def _length_for_device_work(kv: KVCache, sid: int, foreign: bool) -> None:
     """Bring the device's length up to date for work queued now on stream ``sid``; inside a
     capture, keep the cache with the graph (see KVCache.device_length_for)."""
+    kv.device.activate()  # this thread's context current before any driver call
     ours = getattr(_capture_state, "depth", 0)
     if ours or (foreign and stream_capturing(sid)):
         keep_for_capture(sid, foreign, kv)

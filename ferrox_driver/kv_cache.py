@@ -206,6 +206,7 @@ class KVCache:
         """The device copy of the length (``state``: [seq_len, overflow flag]), brought up
         to date on the cache's stream first; device work that reads it calls this."""
         if not self._device_seq_current:
+            self.device.activate()
             self._queue_seq(self._take_slot(), self._seq_len)
         return self.state
 

@@ -451,6 +451,8 @@ class OutputPool:
             CudaError: the allocation failed (e.g. inside a stream capture).
         """
         free = self.free
+        if not free:
+            self.device.activate()
         ptr = free.pop() if free else int(drv("cuMemAlloc", max(self.nbytes, 1)))
         arr = DeviceArray.__new__(DeviceArray)  # _wrap's work, with the size known
         arr.shape, arr.dtype, arr.device, arr.nbytes = shape, dtype, self.device, self.nbytes

@@ -210,10 +210,13 @@ def test_threads_sharing_one_record_each_get_their_own_result(rng):
     shared = fd.Stream()  # one stream: one record for every thread
 
     def worker(i: int) -> None:
-        for _ in range(50):
-            got = fd.gqa_decode(*devs[i], **KW, stream=shared).to_host(shared)
-            if not rel_err(got, refs[i]) < TOL["bf16"]:
-                errors.append(f"thread {i}: {rel_err(got, refs[i])}")
+        try:  # a thread's exception must fail the test, not just end the thread
+            for _ in range(50):
+                got = fd.gqa_decode(*devs[i], **KW, stream=shared).to_host(shared)
+                if not rel_err(got, refs[i]) < TOL["bf16"]:
+                    errors.append(f"thread {i}: {rel_err(got, refs[i])}")
+        except Exception as exc:
+            errors.append(f"thread {i}: {exc!r}")
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
     for t in threads:
