@@ -553,29 +553,6 @@ def parity_launches(
     return [Launch(name, (n_heads, 1, 1), 32, args, roles=roles, file="gqa_decode.cu")]
 
 
-def launch_split(
-    plan: SplitPlan,
-    q: DeviceArray,
-    k: DeviceArray,
-    v: DeviceArray,
-    out: DeviceArray,
-    workspace: DeviceArray | None,
-    *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    seq_len: int,
-    seq_len_dev: DeviceArray | None,
-    stream: Any,
-) -> None:
-    """Queue the launches of ``split_launches`` on ``stream``."""
-    for launch in split_launches(
-        plan, q, k, v, out, workspace, n_heads=n_heads, n_kv_heads=n_kv_heads,
-        head_dim=head_dim, seq_len=seq_len, seq_len_dev=seq_len_dev,
-    ):  # fmt: skip
-        launch.run(stream, q.device)
-
-
 def is_aligned(*arrays: DeviceArray) -> bool:
     """True when every array starts on a 16-byte boundary (needed for vector loads)."""
     return all(a.ptr % 16 == 0 for a in arrays)
