@@ -12,7 +12,14 @@ from .compiler import KernelResources, Program, compile_source
 from .decode import gqa_decode
 from .decode_graph import DecodeGraph, gqa_decode_async, kv_append_async
 from .device import Device, cuda_available, device_count
-from .errors import CompileError, CudaError, FerroxError, KVCapacityError, NoDeviceError
+from .errors import (
+    ClosedError,
+    CompileError,
+    CudaError,
+    FerroxError,
+    KVCapacityError,
+    NoDeviceError,
+)
 from .graph import Graph, GraphExec
 from .kv_cache import KVCache, LayerKVCache
 from .launch import Kernel, Module
@@ -23,6 +30,7 @@ from .resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
 from .stream import Event, Stream
 
 __all__ = [
+    "ClosedError",
     "CompileError",
     "CudaError",
     "DecodeGraph",

@@ -247,7 +247,13 @@ class _Call:
         self.shape, self.dtype, self.seq_len = spec.q_shape, spec.dtype, spec.seq_len
 
     def __call__(
-        self, q: ArrayRef, k: ArrayRef, v: ArrayRef, out: ArrayRef | None, obj: Any
+        self,
+        q: ArrayRef,
+        k: ArrayRef,
+        v: ArrayRef,
+        out: ArrayRef | None,
+        obj: Any,
+        inputs: tuple[Any, Any, Any],
     ) -> DeviceArray:
         record = self.record
         self.device.activate()  # this thread's context current before any driver call
@@ -256,10 +262,15 @@ class _Call:
         if out is None:  # a block a foreign graph writes must never be handed out again
             arr = self.pool.take(self.shape, self.dtype, keep=not theirs)
         else:
-            owner = obj if out[5] is None else out[5]
-            arr = DeviceArray._wrap(out[0], out[1], out[2], self.device, owner)
-        if ours or theirs:
-            keep_for_capture(self.sid, self.foreign, record, arr)
+            if type(obj) is DeviceArray:  # a view of it: closing it closes the result
+                arr = DeviceArray._wrap(out[0], out[1], out[2], self.device, None)
+                arr._parent = obj if obj._parent is None else obj._parent
+            else:
+                owner = obj if out[5] is None else out[5]
+                arr = DeviceArray._wrap(out[0], out[1], out[2], self.device, owner)
+        if ours or theirs:  # the graph holds what it reads and writes
+            owners = [i if r[5] is None else r[5] for r, i in zip((q, k, v), inputs, strict=True)]
+            keep_for_capture(self.sid, self.foreign, record, arr, *owners)
             record.captured = True
         record.run((q[0], k[0], v[0], arr._ptr, self.seq_len))
         return arr
@@ -398,7 +409,7 @@ def gqa_decode(
             else:
                 with contextlib.suppress(KeyError):  # another thread may have dropped it
                     _calls.move_to_end(key)
-            return call(qr, kr, vr, orf, out)
+            return call(qr, kr, vr, orf, out, (q, k_cache, v_cache))
     return _host_decode(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm,
                         device, out)  # fmt: skip
 

@@ -17,7 +17,7 @@ from ._driver import _capture as _capture_state
 from ._driver import drv
 from .attention import check_algorithm
 from .decode import keep_for_capture, stream_capturing
-from .errors import KVCapacityError
+from .errors import ClosedError, KVCapacityError
 from .graph import GraphExec
 from .interop import ArrayRef, array_ref
 from .kv_cache import KVCache, append_kernel
@@ -59,6 +59,8 @@ def _operand(obj: Any, name: str, size: int, kv: KVCache) -> int:
 def _check_cache(kv: Any) -> KVCache:
     if not isinstance(kv, KVCache):
         raise TypeError(f"kv: expected a ferrox_driver.KVCache, got {type(kv).__name__}")
+    if kv._closed or kv.stream._closed:
+        kv._check_open()
     return kv
 
 
@@ -78,13 +80,17 @@ def _signature(ref: ArrayRef | None) -> tuple[Any, ...] | None:
     return None if ref is None else (ref[1], ref[2], ref[3], ref[4])
 
 
-def _length_for_device_work(kv: KVCache, sid: int, foreign: bool) -> None:
+def _length_for_device_work(
+    kv: KVCache, sid: int, foreign: bool, a: ArrayRef, b: ArrayRef, objs: tuple[Any, Any]
+) -> None:
     """Bring the device's length up to date for work queued now on stream ``sid``; inside a
-    capture, keep the cache with the graph (see KVCache.device_length_for)."""
+    capture, keep the cache and the operands ``a``, ``b`` (read from ``objs``) with the
+    graph (see KVCache.device_length_for)."""
     kv.device.activate()  # this thread's context current before any driver call
     ours = getattr(_capture_state, "depth", 0)
     if ours or (foreign and stream_capturing(sid)):
-        keep_for_capture(sid, foreign, kv)
+        owners = (objs[0] if a[5] is None else a[5], objs[1] if b[5] is None else b[5])
+        keep_for_capture(sid, foreign, kv, *owners)
         kv.device_length_for(True)
     elif not kv._device_seq_current:
         kv.device_length()
@@ -110,16 +116,17 @@ def kv_append_async(
     kr, vr = array_ref(k_dev, "k_dev"), array_ref(v_dev, "v_dev")
     sid = stream_key(stream)
     key = (sid, _signature(kr), _signature(vr))
-    appender = kv._appenders.get(key)
-    if appender is None:  # checked once per signature
-        _operand(k_dev, "k_dev", kv.row_elems, kv)
-        _operand(v_dev, "v_dev", kv.row_elems, kv)
-        foreign = sid != 0 and not isinstance(stream, Stream)
-        appender = kv._appenders[key] = _Appender(kv, stream_handle(sid), foreign)
-    assert kr is not None and vr is not None  # _operand refused host arrays
-    _length_for_device_work(kv, sid, appender.foreign)
-    appender.sequence.run((kr[0], vr[0]))
-    kv._host_seq_valid = False
+    with kv._lock:
+        appender = kv._appenders.get(key)
+        if appender is None:  # checked once per signature
+            _operand(k_dev, "k_dev", kv.row_elems, kv)
+            _operand(v_dev, "v_dev", kv.row_elems, kv)
+            foreign = sid != 0 and not isinstance(stream, Stream)
+            appender = kv._appenders[key] = _Appender(kv, stream_handle(sid), foreign)
+        assert kr is not None and vr is not None  # _operand refused host arrays
+        _length_for_device_work(kv, sid, appender.foreign, kr, vr, (k_dev, v_dev))
+        appender.sequence.run((kr[0], vr[0]))
+        kv._host_seq_valid = False
 
 
 def gqa_decode_async(
@@ -149,23 +156,25 @@ def gqa_decode_async(
     sid = stream_key(stream)
     aligned = qr is not None and outr is not None and ((qr[0] | outr[0]) & 15) == 0
     key = (n_heads, algorithm, sid, _signature(qr), _signature(outr), aligned)
-    entry = kv._async_records.get(key)
-    if entry is None:  # checked once per signature
-        n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
-        algorithm = check_algorithm(algorithm)
-        size = n_heads * kv.head_dim
-        q = _operand(q_dev, "q_dev", size, kv)
-        out = _operand(out_dev, "out_dev", size, kv)
-        q_view = DeviceArray._wrap(q, (size,), kv.dtype, kv.device, None)
-        out_view = DeviceArray._wrap(out, (size,), kv.dtype, kv.device, None)
-        record = kv.decode_record(
-            q_view, out_view, n_heads, algorithm, stream, length_on_device=True
-        )
-        entry = kv._async_records[key] = (record, sid != 0 and not isinstance(stream, Stream))
-    assert qr is not None and outr is not None  # _operand refused host arrays
-    record, foreign = entry
-    _length_for_device_work(kv, sid, foreign)
-    record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
+    with kv._lock:
+        entry = kv._async_records.get(key)
+        if entry is None:  # checked once per signature
+            n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
+            algorithm = check_algorithm(algorithm)
+            size = n_heads * kv.head_dim
+            q = _operand(q_dev, "q_dev", size, kv)
+            out = _operand(out_dev, "out_dev", size, kv)
+            q_view = DeviceArray._wrap(q, (size,), kv.dtype, kv.device, None)
+            out_view = DeviceArray._wrap(out, (size,), kv.dtype, kv.device, None)
+            record = kv.decode_record(
+                q_view, out_view, n_heads, algorithm, stream, length_on_device=True
+            )
+            foreign = sid != 0 and not isinstance(stream, Stream)
+            entry = kv._async_records[key] = (record, foreign)
+        assert qr is not None and outr is not None  # _operand refused host arrays
+        record, foreign = entry
+        _length_for_device_work(kv, sid, foreign, qr, outr, (q_dev, out_dev))
+        record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
 
 
 class DecodeGraph:
@@ -179,6 +188,10 @@ class DecodeGraph:
             with the cache's own appends).
         algorithm: ``"auto"`` or ``"parity"``.
 
+    Calling it is thread-safe (it takes the cache's lock); ``launch`` + ``synchronize``
+    as a pair are the caller's to order. Closing the cache or the stream makes it raise
+    `ClosedError`, as does its own ``close()``.
+
     Attributes:
         q: page-locked staging for the query, (n_heads, head_dim); fill it in place and
             call ``launch`` then ``synchronize`` to skip even the staging copy.
@@ -190,11 +203,14 @@ class DecodeGraph:
     def __init__(
         self, kv: KVCache, *, n_heads: int, stream: Stream | None = None, algorithm: str = "auto"
     ) -> None:
+        self._closed = True  # until built
         self.kv = _check_cache(kv)
         self.n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
         algorithm = check_algorithm(algorithm)
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream: expected a ferrox_driver.Stream, got {type(stream)}")
+        if stream is not None:
+            stream._check_open()
         self.stream = kv.stream if stream is None else stream
         self._h = stream_handle(self.stream)
         dt, hd = kv.dtype, kv.head_dim
@@ -219,9 +235,26 @@ class DecodeGraph:
             for a, n in zip(starts, sizes, strict=True)
         )
         self._out_d = empty((sizes[0],), dt, device=kv.device)
-        kv.synchronize()  # earlier eager work is done; the host seq_len is exact
-        self._exec = self._capture(algorithm)
+        with kv._lock:
+            kv.synchronize()  # earlier eager work is done; the host seq_len is exact
+            self._exec = self._capture(algorithm)
         self._exec_handle = self._exec.handle
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        """Raise ClosedError when this graph, its cache or its stream was closed."""
+        if self._closed:
+            raise ClosedError("DecodeGraph")
+        kv = self.kv
+        if kv._closed:
+            raise ClosedError("DecodeGraph", "uses a KVCache that was closed")
+        if kv.stream._closed or self.stream._closed:
+            raise ClosedError("DecodeGraph", "runs on a Stream that was closed")
 
     def _capture(self, algorithm: str) -> GraphExec:
         kv, s, h = self.kv, self.stream, self._h
@@ -242,12 +275,18 @@ class DecodeGraph:
         return exec_
 
     def launch(self) -> None:
-        """Queue one replay with whatever the staging arrays hold (no waiting)."""
+        """Queue one replay with whatever the staging arrays hold (no waiting).
+
+        Raises:
+            ClosedError: this graph, its cache or its stream was closed.
+        """
         kv = self.kv
-        kv.device_length()
-        kv.mark_device_appends()
-        kv.device.activate()
-        drv("cuGraphLaunch", self._exec_handle, self._h)
+        with kv._lock:
+            self._check_open()
+            kv.device_length()
+            kv.mark_device_appends()
+            kv.device.activate()
+            drv("cuGraphLaunch", self._exec_handle, self._h)
 
     def synchronize(self) -> None:
         """Wait for the last replay; then ``out`` holds its result.
@@ -255,7 +294,11 @@ class DecodeGraph:
         Raises:
             KVCapacityError: the replay found the cache full (nothing was appended, and
                 ``out`` holds the decode over the unchanged cache).
+            ClosedError: this graph, its cache or its stream was closed.
         """
+        self._check_open()
+        if self.stream is not self.kv.stream:
+            drv("cuStreamSynchronize", self._h)
         self.kv.synchronize()  # reads the device's length (and its overflow flag)
 
     def _step_done(self, seq_len: int) -> None:
@@ -273,6 +316,7 @@ class DecodeGraph:
         Raises:
             KVCapacityError: the cache is full (checked on the host first: nothing runs).
             TypeError, ValueError: wrong shapes or dtypes.
+            ClosedError: this graph, its cache or its stream was closed.
         """
         kv = self.kv
         dt = kv.dtype
@@ -292,23 +336,30 @@ class DecodeGraph:
                     raise TypeError(
                         f"{name}: expected a numpy array of {stage.size} {dt} elements, got {got}"
                     )
-        seq = kv._seq_len if kv._host_seq_valid else kv.seq_len
-        if seq >= kv.capacity:
-            raise KVCapacityError(seq, kv.capacity)
-        np.copyto(fq, q.reshape(-1))
-        np.copyto(fk, k_tok.reshape(-1))
-        np.copyto(fv, v_tok.reshape(-1))
-        self.launch()
-        self._step_done(seq)
-        return self.out.copy()
+        with kv._lock:  # the staging and the result are this graph's: one step at a time
+            if self._closed or kv._closed or kv.stream._closed or self.stream._closed:
+                self._check_open()
+            seq = kv._seq_len if kv._host_seq_valid else kv.seq_len
+            if seq >= kv.capacity:
+                raise KVCapacityError(seq, kv.capacity)
+            np.copyto(fq, q.reshape(-1))
+            np.copyto(fk, k_tok.reshape(-1))
+            np.copyto(fv, v_tok.reshape(-1))
+            self.launch()
+            self._step_done(seq)
+            return self.out.copy()
 
     step = __call__
 
     def close(self) -> None:
-        """Free the executable graph and the staging buffers."""
-        self._exec.close()
-        for arr in (self._in_d, self._out_d):
-            arr.close()
+        """Free the executable graph and the staging buffers; closing again does nothing."""
+        if self._closed:
+            return
+        with self.kv._lock:  # not while another thread runs a step
+            self._closed = True
+            self._exec.close()
+            for arr in (self._in_d, self._out_d):
+                arr.close()
 
     def __enter__(self) -> DecodeGraph:
         return self

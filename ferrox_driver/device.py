@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from ._driver import cu, drv, finalizer, init
-from .errors import CudaError, NoDeviceError
+from .errors import ClosedError, NoDeviceError
 
 __all__ = ["Device", "cuda_available", "default_device", "device_count", "device_for"]
 
@@ -42,9 +42,18 @@ class Device:
 
     Raises:
         NoDeviceError: no driver or no such device.
+
+    ``close()`` releases this object's reference only: the process keeps one of its own on
+    each device it used, so memory and kernels made through a closed Device stay valid;
+    the closed Device itself (and what is made through it later) raises `ClosedError`.
     """
 
     def __init__(self, ordinal: int = 0) -> None:
+        self._open(ordinal)
+        device_for(ordinal)  # the process's own reference keeps the context alive
+
+    def _open(self, ordinal: int) -> None:
+        self._shared = False
         if not isinstance(ordinal, int) or isinstance(ordinal, bool):
             raise TypeError(f"ordinal: expected an int, got {type(ordinal).__name__}")
         count = device_count()
@@ -87,25 +96,38 @@ class Device:
         """Make this device's primary context current on the calling thread (cached)."""
         if getattr(_tls, "ctx", None) != self._ctx_int:
             if not self._finalizer.alive:
-                raise CudaError(0, "CLOSED", "Device.activate", f"device {self.ordinal} is closed")
+                raise ClosedError("Device")
             drv("cuCtxSetCurrent", self._ctx)
             _tls.ctx = self._ctx_int
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return not self._finalizer.alive
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise ClosedError("Device")
+
     def synchronize(self) -> None:
         """Wait for all work on this device to finish."""
+        self._check_open()
         self.activate()
         drv("cuCtxSynchronize")
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) device memory in bytes."""
+        self._check_open()
         self.activate()
         free, total = drv("cuMemGetInfo")
         return int(free), int(total)
 
     def close(self) -> None:
-        """Release this object's reference on the primary context."""
-        if getattr(_tls, "ctx", None) == self._ctx_int:
-            _tls.ctx = None
+        """Release this object's reference on the primary context (the process-wide
+        Device that calls without ``device=`` use is never closed). Closing again does
+        nothing."""
+        if self._shared:
+            return
         self._finalizer()
 
     def __enter__(self) -> Device:
@@ -115,7 +137,8 @@ class Device:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Device({self.ordinal}: {self.name}, {self.arch})"
+        closed = ", closed" if self.closed else ""
+        return f"Device({self.ordinal}: {self.name}, {self.arch}{closed})"
 
 
 _devices_lock = threading.Lock()
@@ -134,7 +157,10 @@ def device_for(ordinal: int) -> Device:
         with _devices_lock:
             dev = _devices.get(ordinal)
             if dev is None:
-                dev = _devices[ordinal] = Device(ordinal)
+                dev = Device.__new__(Device)
+                dev._open(ordinal)
+                dev._shared = True
+                _devices[ordinal] = dev
     dev.activate()
     return dev
 
@@ -145,8 +171,13 @@ def default_device() -> Device:
 
 
 def resolve(device: Device | None) -> Device:
-    """The given device made current, or the default one."""
+    """The given device made current, or the default one.
+
+    Raises:
+        ClosedError: ``device`` was closed.
+    """
     if device is None:
         return default_device()
+    device._check_open()
     device.activate()
     return device

@@ -66,3 +66,16 @@ class KVCapacityError(FerroxError):
             f"token(s); nothing was written. Create the cache with a larger capacity "
             f"or clear() it for a new sequence."
         )
+
+
+class ClosedError(FerroxError, ValueError):
+    """An object was used after ``close()``: a DeviceArray (or a view of one), Stream,
+    Event, Graph, GraphExec, Module, Kernel, Device, KVCache, LayerKVCache or DecodeGraph,
+    or an object that depends on one that was closed (a cache whose stream was closed, a
+    graph whose cache was). Raised before any driver call: a closed object's handle is
+    never used. A subclass of ValueError, as for a closed file."""
+
+    def __init__(self, what: str, because: str = "") -> None:
+        self.what = what
+        text = f"this {what} was closed" if not because else f"this {what} {because}"
+        super().__init__(text)

@@ -8,6 +8,7 @@ captured graphs read it there, so one captured graph serves every token.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from .attention import (
 )
 from .decode import DecodeRecord
 from .device import Device, resolve
-from .errors import FerroxError, KVCapacityError
+from .errors import ClosedError, FerroxError, KVCapacityError
 from .launch import Kernel
 from .memory import DeviceArray, empty, pinned_empty
 from .module_cache import get_kernel
@@ -110,6 +111,12 @@ class KVCache:
     The length is kept on the host and, for the kernels that read it there (graphs,
     ``kv_append_async``, ``gqa_decode_async``), on the device: host appends bring the
     device copy up to date when device work next needs it, so an append is two copies.
+
+    Thread-safe: appends, decodes, ``clear`` and ``close`` from several threads are
+    serialized by a lock per cache, so each decode sees the tokens appended before it and
+    each caller gets its own result. ``close()`` frees the buffers unless a captured graph
+    still uses them (then they go with the last such graph); every later use of the cache,
+    or of a cache whose ``stream`` was closed, raises `ClosedError`.
     """
 
     def __init__(
@@ -168,13 +175,38 @@ class KVCache:
         self._decoders: dict[tuple[int, str], _HostDecoder] = {}
         self._appenders: dict[tuple[Any, ...], Any] = {}  # kv_append_async's packed launches
         self._async_records: dict[tuple[Any, ...], tuple[DecodeRecord, bool]] = {}
+        self._closed = False
+        # Appends, decodes and the state they share (length, staging ring, scratch) are
+        # ordered by one lock: re-entrant, as a decode may synchronize to read the length.
+        self._lock = threading.RLock()
         self.stream.synchronize()
+
+    # -- lifetime checks -------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (or the cache's stream was closed)."""
+        return self._closed or self.stream._closed
+
+    def _check_open(self) -> None:
+        """Raise ClosedError when the cache, or the stream it runs on, was closed."""
+        if self._closed:
+            raise ClosedError("KVCache")
+        if self.stream._closed:
+            raise ClosedError("KVCache", "runs on a Stream that was closed")
+
+    def _resources(self) -> tuple[Any, ...]:
+        """The device memory a graph that uses this cache must hold (see Graph)."""
+        self._check_open()
+        arrays = (self._k, self._v, self.state, *self._workspaces.values(), *self._outgrown)
+        return tuple(a._base for a in arrays if a._base is not None)
 
     # -- state ---------------------------------------------------------------------
     @property
     def seq_len(self) -> int:
         """Tokens in the cache. After device-side appends (graphs, ``kv_append_async``)
         this waits for the cache's stream and reads the device counter."""
+        if self._closed or self.stream._closed:
+            self._check_open()
         if not self._host_seq_valid:
             self.synchronize()
         return self._seq_len
@@ -185,15 +217,18 @@ class KVCache:
         Raises:
             KVCapacityError: a device-side append found the cache full (nothing was
                 written); the flag is cleared once reported.
+            ClosedError: the cache or its stream was closed.
         """
-        self.device_length()
-        self.stream.synchronize()
-        state = self.state.to_host(self.stream)
-        self._seq_len = int(state[0])
-        self._host_seq_valid = True
-        if state[1]:
-            self._reset_overflow()
-            raise KVCapacityError(self._seq_len, self.capacity)
+        with self._lock:
+            self._check_open()
+            self.device_length()
+            self.stream.synchronize()
+            state = self.state.to_host(self.stream)
+            self._seq_len = int(state[0])
+            self._host_seq_valid = True
+            if state[1]:
+                self._reset_overflow()
+                raise KVCapacityError(self._seq_len, self.capacity)
 
     def _reset_overflow(self) -> None:
         drv("cuMemsetD32Async", self.state.ptr + 4, 0, 1, self._h)
@@ -205,9 +240,12 @@ class KVCache:
     def device_length(self) -> DeviceArray:
         """The device copy of the length (``state``: [seq_len, overflow flag]), brought up
         to date on the cache's stream first; device work that reads it calls this."""
+        self._check_open()
         if not self._device_seq_current:
-            self.device.activate()
-            self._queue_seq(self._take_slot(), self._seq_len)
+            with self._lock:
+                if not self._device_seq_current:
+                    self.device.activate()
+                    self._queue_seq(self._take_slot(), self._seq_len)
         return self.state
 
     def device_length_for(self, captured: bool) -> DeviceArray:
@@ -221,6 +259,7 @@ class KVCache:
         """
         if not captured:
             return self.device_length()
+        self._check_open()
         if not self._device_seq_current:
             raise FerroxError(
                 f"kv: {self._seq_len} tokens were appended on the host since the device's "
@@ -243,11 +282,13 @@ class KVCache:
     @property
     def k_buffer(self) -> DeviceArray:
         """The whole K buffer, (capacity, n_kv_heads, head_dim)."""
+        self._check_open()
         return self._k
 
     @property
     def v_buffer(self) -> DeviceArray:
         """The whole V buffer, (capacity, n_kv_heads, head_dim)."""
+        self._check_open()
         return self._v
 
     # -- writing -------------------------------------------------------------------
@@ -308,6 +349,7 @@ class KVCache:
         Raises:
             TypeError, ValueError: a row of the wrong type, dtype or size.
             KVCapacityError: the cache is full. Nothing was written in either case.
+            ClosedError: the cache or its stream was closed.
         """
         shapes = self._row_shapes
         if not (
@@ -317,26 +359,29 @@ class KVCache:
         ):  # fmt: skip
             self._check_rows(k_tok, "k_tok", one=True)
             self._check_rows(v_tok, "v_tok", one=True)
-        seq = self._seq_len if self._host_seq_valid else self.seq_len
-        if seq >= self.capacity:
-            raise KVCapacityError(seq, self.capacity)
-        self.device.activate()
-        slot = self._take_slot()
-        self._stage_k[slot] = k_tok.reshape(-1)
-        self._stage_v[slot] = v_tok.reshape(-1)
-        offset, n = seq * self.row_bytes, self.row_bytes
-        h = self._h
-        r1 = _memcpy_htod(self._k_ptr + offset, self._stage_k_addr + slot * n, n, h)
-        r2 = _memcpy_htod(self._v_ptr + offset, self._stage_v_addr + slot * n, n, h)
-        if r1[0] is not _OK or r2[0] is not _OK:  # nothing counted: the copies failed
-            check(r1 if r1[0] is not _OK else r2, "cuMemcpyHtoDAsync")
-        self._seq_len = seq + 1
-        if self._eager_seq:
-            self._stage_seq[slot] = seq + 1
-            drv("cuMemcpyHtoDAsync", self.state.ptr, self._stage_seq_addr + 4 * slot, 4, h)
-        else:
-            self._device_seq_current = False
-        self._done_slot(slot)
+        with self._lock:
+            if self._closed or self.stream._closed:
+                self._check_open()
+            seq = self._seq_len if self._host_seq_valid else self.seq_len
+            if seq >= self.capacity:
+                raise KVCapacityError(seq, self.capacity)
+            self.device.activate()
+            slot = self._take_slot()
+            self._stage_k[slot] = k_tok.reshape(-1)
+            self._stage_v[slot] = v_tok.reshape(-1)
+            offset, n = seq * self.row_bytes, self.row_bytes
+            h = self._h
+            r1 = _memcpy_htod(self._k_ptr + offset, self._stage_k_addr + slot * n, n, h)
+            r2 = _memcpy_htod(self._v_ptr + offset, self._stage_v_addr + slot * n, n, h)
+            if r1[0] is not _OK or r2[0] is not _OK:  # nothing counted: the copies failed
+                check(r1 if r1[0] is not _OK else r2, "cuMemcpyHtoDAsync")
+            self._seq_len = seq + 1
+            if self._eager_seq:
+                self._stage_seq[slot] = seq + 1
+                drv("cuMemcpyHtoDAsync", self.state.ptr, self._stage_seq_addr + 4 * slot, 4, h)
+            else:
+                self._device_seq_current = False
+            self._done_slot(slot)
 
     def extend(self, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
         """Append many tokens (a prefill): one copy for K, one for V.
@@ -344,6 +389,7 @@ class KVCache:
         Raises:
             TypeError, ValueError: bad arrays, or K and V with different token counts.
             KVCapacityError: they would not fit. Nothing was written in either case.
+            ClosedError: the cache or its stream was closed.
         """
         self._check_rows(k_rows, "k_rows", one=False)
         self._check_rows(v_rows, "v_rows", one=False)
@@ -352,39 +398,48 @@ class KVCache:
             raise ValueError(
                 f"v_rows: expected {n} tokens like k_rows, got {v_rows.size // self.row_elems}"
             )
-        seq = self.seq_len
-        if seq + n > self.capacity:
-            raise KVCapacityError(seq, self.capacity, n)
-        if n == 0:
-            return
-        self.device.activate()
-        k_src = np.ascontiguousarray(k_rows)
-        v_src = np.ascontiguousarray(v_rows)
-        offset, nbytes = seq * self.row_bytes, n * self.row_bytes
-        # From pageable memory the driver stages the bytes before returning, so the
-        # caller may reuse its arrays at once.
-        drv("cuMemcpyHtoDAsync", self._k_ptr + offset, k_src.ctypes.data, nbytes, self._h)
-        drv("cuMemcpyHtoDAsync", self._v_ptr + offset, v_src.ctypes.data, nbytes, self._h)
-        self._seq_len = seq + n
-        self._device_seq_current = False
-        self.device_length()  # a prefill is rare: keep the device's copy current
+        with self._lock:
+            seq = self.seq_len
+            if seq + n > self.capacity:
+                raise KVCapacityError(seq, self.capacity, n)
+            if n == 0:
+                return
+            self.device.activate()
+            k_src = np.ascontiguousarray(k_rows)
+            v_src = np.ascontiguousarray(v_rows)
+            offset, nbytes = seq * self.row_bytes, n * self.row_bytes
+            # From pageable memory the driver stages the bytes before returning, so the
+            # caller may reuse its arrays at once.
+            drv("cuMemcpyHtoDAsync", self._k_ptr + offset, k_src.ctypes.data, nbytes, self._h)
+            drv("cuMemcpyHtoDAsync", self._v_ptr + offset, v_src.ctypes.data, nbytes, self._h)
+            self._seq_len = seq + n
+            self._device_seq_current = False
+            self.device_length()  # a prefill is rare: keep the device's copy current
 
     def clear(self) -> None:
-        """Forget every token (a new sequence); the memory stays allocated."""
-        self.device.activate()
-        self._seq_len = 0
-        self._host_seq_valid = True
-        self._device_seq_current = False
-        self.device_length()
-        self._reset_overflow()
+        """Forget every token (a new sequence); the memory stays allocated.
+
+        Raises:
+            ClosedError: the cache or its stream was closed.
+        """
+        with self._lock:
+            self._check_open()
+            self.device.activate()
+            self._seq_len = 0
+            self._host_seq_valid = True
+            self._device_seq_current = False
+            self.device_length()
+            self._reset_overflow()
 
     # -- reading -------------------------------------------------------------------
     def to_host(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the cached K and V, each (seq_len, n_kv_heads, head_dim)."""
-        seq = self.seq_len
-        return self.k.to_host(self.stream), self._v.view(
-            (seq, self.n_kv_heads, self.head_dim)
-        ).to_host(self.stream)
+        with self._lock:
+            seq = self.seq_len
+            shape = (seq, self.n_kv_heads, self.head_dim)
+            return self._k.view(shape).to_host(self.stream), self._v.view(shape).to_host(
+                self.stream
+            )
 
     def decode(
         self, q: np.ndarray, *, n_heads: int, stream: StreamLike = None, algorithm: str = "auto"
@@ -399,32 +454,38 @@ class KVCache:
 
         Returns:
             A numpy array of q's shape and dtype.
+
+        Raises:
+            ClosedError: the cache or its stream was closed.
         """
-        dec = self._decoders.get((n_heads, algorithm))
-        if dec is None:
-            n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
-            algorithm = check_algorithm(algorithm)
-            dec = self._decoders[n_heads, algorithm] = _HostDecoder(self, n_heads, algorithm)
-        if not (type(q) is np.ndarray and q.dtype == self.dtype and q.shape in dec.shapes):
-            if not isinstance(q, np.ndarray):
-                raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
-            if q.dtype != self.dtype:
-                raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {q.dtype}")
-            check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
-        seq = self._seq_len if self._host_seq_valid else self.seq_len
-        if seq == 0:
-            return np.zeros(q.shape, q.dtype)
-        self.device.activate()
-        np.copyto(dec.q_stage, q.reshape(-1))
-        if not self._device_seq_current:
-            self.device_length()
-        result = _graph_launch(*dec.launch_args)
-        if result[0] is not _OK:
-            check(result, "cuGraphLaunch")
-        result = _stream_sync(self._h)
-        if result[0] is not _OK:
-            check(result, "cuStreamSynchronize")
-        return dec.out_stage.reshape(q.shape).copy()
+        with self._lock:  # the staging and the result are the cache's: one decode at a time
+            if self._closed or self.stream._closed:
+                self._check_open()
+            dec = self._decoders.get((n_heads, algorithm))
+            if dec is None:
+                n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
+                algorithm = check_algorithm(algorithm)
+                dec = self._decoders[n_heads, algorithm] = _HostDecoder(self, n_heads, algorithm)
+            if not (type(q) is np.ndarray and q.dtype == self.dtype and q.shape in dec.shapes):
+                if not isinstance(q, np.ndarray):
+                    raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
+                if q.dtype != self.dtype:
+                    raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {q.dtype}")
+                check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
+            seq = self._seq_len if self._host_seq_valid else self.seq_len
+            if seq == 0:
+                return np.zeros(q.shape, q.dtype)
+            self.device.activate()
+            np.copyto(dec.q_stage, q.reshape(-1))
+            if not self._device_seq_current:
+                self.device_length()
+            result = _graph_launch(*dec.launch_args)
+            if result[0] is not _OK:
+                check(result, "cuGraphLaunch")
+            result = _stream_sync(self._h)
+            if result[0] is not _OK:
+                check(result, "cuStreamSynchronize")
+            return dec.out_stage.reshape(q.shape).copy()
 
     def decode_record(
         self,
@@ -442,6 +503,7 @@ class KVCache:
 
         Every decode of a cache is planned for its capacity, so the eager path and graphs
         captured once chunk the sequence identically and agree bit for bit."""
+        self._check_open()
         aligned = ((q_dev.ptr | out_dev.ptr) & 15) == 0
         sid = stream_key(stream)
         key = (n_heads, algorithm, aligned, sid, length_on_device, attention.OVERRIDES)
@@ -481,20 +543,30 @@ class KVCache:
         length_on_device: bool = False,
     ) -> None:
         """Queue a decode of validated device arrays against this cache (no checks)."""
-        record = self.decode_record(
-            q_dev, out_dev, n_heads, algorithm, stream, length_on_device=length_on_device
-        )
-        if length_on_device:
-            self.device_length()
-        record.run((q_dev.ptr, self._k_ptr, self._v_ptr, out_dev.ptr, self._seq_len))
+        with self._lock:
+            record = self.decode_record(
+                q_dev, out_dev, n_heads, algorithm, stream, length_on_device=length_on_device
+            )
+            if length_on_device:
+                self.device_length()
+            record.run((q_dev.ptr, self._k_ptr, self._v_ptr, out_dev.ptr, self._seq_len))
 
     def prepare(self, n_heads: int, algorithm: str = "auto") -> None:
         """Load the kernels and allocate the scratch that decodes of ``n_heads`` query heads
         need, so that they can then be captured into a graph (allocation and module loading
         are not capturable), and bring the device's copy of the length up to date, keeping
-        it so after every host append. DecodeGraph does this itself."""
+        it so after every host append. DecodeGraph does this itself.
+
+        Raises:
+            ClosedError: the cache or its stream was closed.
+        """
         n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
         algorithm = check_algorithm(algorithm)
+        with self._lock:
+            self._prepare(n_heads, algorithm)
+
+    def _prepare(self, n_heads: int, algorithm: str) -> None:
+        self._check_open()
         append_kernel(self.device)
         self.device_length()
         self._eager_seq = True  # a graph will read the length: host appends keep it current
@@ -538,9 +610,21 @@ class KVCache:
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
-        """Free the device buffers, the staging memory and (if its own) the stream."""
+        """Free the device buffers, the staging memory and (if its own) the stream, once
+        queued work is done. Buffers a captured graph still uses are freed with the last
+        such graph. Every later use raises `ClosedError`; closing again does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
         with contextlib.suppress(Exception):  # closing must not fail on a broken context
-            self.stream.synchronize()
+            if self.stream._closed:  # its work is still ordered on the device
+                self.device.synchronize()
+            else:
+                self.stream.synchronize()
         workspaces = [*self._workspaces.values(), *self._outgrown]
         for arr in (self._k, self._v, self.state, *workspaces):
             arr.close()
@@ -565,9 +649,10 @@ class KVCache:
         self.close()
 
     def __repr__(self) -> str:
+        state = "closed" if self._closed else f"seq_len={self._seq_len}"
         return (
             f"KVCache(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
-            f"capacity={self.capacity}, dtype={self.dtype.name}, seq_len={self._seq_len})"
+            f"capacity={self.capacity}, dtype={self.dtype.name}, {state})"
         )
 
 
@@ -621,22 +706,38 @@ class LayerKVCache:
         self.n_kv_heads, self.head_dim, self.capacity = n_kv_heads, head_dim, capacity
         self.dtype = dtype
 
+    _closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("LayerKVCache")
+
     def __getitem__(self, layer: int) -> KVCache:
+        self._check_open()
         return self.layers[layer]
 
     def __len__(self) -> int:
+        self._check_open()
         return len(self.layers)
 
     def __iter__(self) -> Any:
+        self._check_open()
         return iter(self.layers)
 
     def clear(self) -> None:
         """Clear every layer (a new sequence)."""
+        self._check_open()
         for layer in self.layers:
             layer.clear()
 
     def close(self) -> None:
-        """Free every layer's memory."""
+        """Free every layer's memory (see `KVCache.close`); closing again does nothing."""
+        self._closed = True
         for layer in self.layers:
             layer.close()
         self.layers = []

@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from ._driver import check, cu, driver_version, drv, finalizer
+from ._driver import _capture, capture_keep, check, cu, driver_version, drv, finalizer
 from .compiler import Program
 from .device import Device, resolve
+from .errors import ClosedError
 from .memory import DeviceArray
 from .stream import stream_handle
 from .types import KernelArg, StreamLike
@@ -23,18 +24,41 @@ __all__ = ["Kernel", "LaunchSequence", "Module", "PackedLaunch", "pack_args"]
 Dim3 = int | Sequence[int]
 
 
+class _Loaded:
+    """A loaded module's handle, unloaded when the last holder lets go: the Module and
+    every Kernel of it (which launch records and graphs hold)."""
+
+    __slots__ = ("__weakref__", "handle")
+
+    def __init__(self, cubin: bytes) -> None:
+        self.handle = drv("cuModuleLoadData", cubin)
+        finalizer(self, "cuModuleUnload", self.handle)
+
+
 class Module:
     """A cubin loaded into one device's context.
 
-    Made by `ferrox_driver.ensure_module_loaded` (cached).
+    Made by `ferrox_driver.ensure_module_loaded` (cached). ``close()`` unloads it once no
+    kernel of it is still in use (a launch record, a graph); meanwhile its kernels raise
+    `ClosedError`, and ``ensure_module_loaded`` loads it afresh.
     """
 
     def __init__(self, program: Program, device: Device | None = None) -> None:
         self.device = resolve(device)
         self.program = program
-        self._handle = drv("cuModuleLoadData", program.cubin)
-        self._finalizer = finalizer(self, "cuModuleUnload", self._handle)
+        self._loaded: _Loaded | None = _Loaded(program.cubin)
+        self._handle = self._loaded.handle
+        self._closed = False
         self._kernels: dict[str, Kernel] = {}
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("Module")
 
     def get_function(self, name: str) -> Kernel:
         """The kernel ``name`` (an ``extern "C"`` entry point) of this module.
@@ -42,6 +66,7 @@ class Module:
         Raises:
             ValueError: the module has no such kernel (the message lists those it has).
         """
+        self._check_open()
         kernel = self._kernels.get(name)
         if kernel is None:
             known = sorted(self.program.resources)
@@ -56,9 +81,11 @@ class Module:
         return kernel
 
     def close(self) -> None:
-        """Unload the module (its kernels become unusable)."""
+        """Unload the module once nothing uses its kernels; they raise `ClosedError` from
+        now on. Closing again does nothing."""
+        self._closed = True
         self._kernels.clear()
-        self._finalizer()
+        self._loaded = None
 
 
 if sys.byteorder != "little":  # pragma: no cover - CUDA hosts are little-endian
@@ -200,6 +227,7 @@ class Kernel:
         self._handle = handle
         self.name = name
         self.module = module
+        self._loaded = module._loaded  # the module stays loaded while this kernel lives
         self._max_dynamic_shared: int | None = None  # asked of the driver when first needed
         self._non_portable_clusters = False  # clusters of more than 8 blocks allowed
         # cuLaunchKernelEx configurations (clusters, early launches) by (grid, block,
@@ -207,9 +235,18 @@ class Kernel:
         # the driver reads them at each call.
         self._ex_configs: dict[tuple[Any, ...], Any] = {}
 
+    def _check_open(self) -> None:
+        if self.module._closed:
+            raise ClosedError("Kernel", f"({self.name}) belongs to a Module that was closed")
+
     @property
     def handle(self) -> Any:
-        """The ``CUfunction`` handle."""
+        """The ``CUfunction`` handle.
+
+        Raises:
+            ClosedError: its module was closed.
+        """
+        self._check_open()
         return self._handle
 
     def allow_shared(self, shared_mem: int) -> None:
@@ -337,11 +374,15 @@ class Kernel:
         Raises:
             TypeError: an argument without a C type.
             ValueError: bad grid/block.
+            ClosedError: the module, an array argument or the stream was closed.
             CudaError: the driver refused the launch.
         """
+        self._check_open()
         gx, gy, gz = _dim3(grid, "grid")
         bx, by, bz = _dim3(block, "block")
         address = _pack_for_launch(args)
+        if getattr(_capture, "depth", 0):  # a ferrox capture: the graph keeps the arrays
+            capture_keep(self, *(a for a in args if isinstance(a, DeviceArray)))
         self.module.device.activate()
         if shared_mem:
             self.allow_shared(shared_mem)

@@ -11,8 +11,9 @@ import ml_dtypes
 import numpy as np
 
 from . import dlpack, interop
-from ._driver import drv, finalizer, release
+from ._driver import capture_keep, drv, finalizer, release
 from .device import Device, device_for, resolve
+from .errors import ClosedError
 from .stream import stream_handle
 from .types import DeviceArrayLike, DTypeLike, HostArrayLike, StreamLike
 
@@ -75,16 +76,34 @@ def _normalize_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
     return dt
 
 
+class Memory:
+    """A device allocation, freed (``cuMemFree``) when the last object holding it lets go:
+    the DeviceArray that made it, and any graph, DLPack capsule or cache that uses it.
+    So closing an array that a captured graph still uses frees nothing under the graph."""
+
+    __slots__ = ("__weakref__", "ptr")
+
+    def __init__(self, nbytes: int) -> None:
+        self.ptr = int(drv("cuMemAlloc", nbytes))
+        finalizer(self, "cuMemFree", self.ptr)
+
+
 class DeviceArray:
     """A C-contiguous array in device memory.
 
     Made by `empty`, `zeros`, `to_device` and `from_dlpack`, or as a view of another
     array. Other libraries take it without a copy through DLPack
     (`torch.from_dlpack(arr)`, bf16 included) or ``__cuda_array_interface__``.
+
+    ``close()`` gives the memory back at once unless something still uses it (a captured
+    graph, a DLPack consumer such as a torch tensor): then it goes when they let go. After
+    ``close()`` the array and every view of it raise `ClosedError`; its ``shape``,
+    ``dtype`` and ``nbytes`` stay readable.
     """
 
-    _finalizer: Any
     _closed: bool
+    _base: Any  # what keeps the memory: a Memory, a pool block, another library's array
+    _parent: DeviceArray | None  # for a view: the array whose memory it views
 
     def __init__(
         self,
@@ -100,15 +119,15 @@ class DeviceArray:
         self.device = resolve(device)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self._base = _base
+        self._parent = None
         self._closed = False
-        self._finalizer = None
-        if _ptr is not None:  # a view: the memory belongs to _base
+        if _ptr is not None:  # memory that belongs to _base
             self._ptr = int(_ptr)
         elif self.nbytes == 0:
             self._ptr = 0
         else:
-            self._ptr = int(drv("cuMemAlloc", self.nbytes))
-            self._finalizer = finalizer(self, "cuMemFree", self._ptr)
+            self._base = Memory(self.nbytes)
+            self._ptr = self._base.ptr
 
     @classmethod
     def _wrap(
@@ -119,14 +138,41 @@ class DeviceArray:
         self = cls.__new__(cls)
         self.shape, self.dtype, self.device = shape, dtype, device
         self.nbytes = math.prod(shape) * dtype.itemsize
-        self._ptr, self._base, self._closed, self._finalizer = ptr, base, False, None
+        self._ptr, self._base, self._parent, self._closed = ptr, base, None, False
         return self
+
+    def _check_open(self) -> None:
+        """Raise ClosedError when this array, or the array it views, was closed."""
+        if self._closed:
+            raise ClosedError("DeviceArray")
+        parent = self._parent
+        if parent is not None and parent._closed:
+            raise ClosedError("DeviceArray", "is a view of a DeviceArray that was closed")
+
+    def _owner(self) -> Any:
+        """What keeps this array's memory alive (hold it to use the memory later)."""
+        self._check_open()
+        return self._base if self._parent is None else self._parent._base
+
+    def _resources(self) -> tuple[Any, ...]:
+        """What a graph that uses this array must hold."""
+        return (self._owner(),)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (on this array or the one it views)."""
+        parent = self._parent
+        return self._closed or (parent is not None and parent._closed)
 
     @property
     def ptr(self) -> int:
-        """The device address as an int."""
-        if self._closed:
-            raise ValueError("this DeviceArray was closed")
+        """The device address as an int.
+
+        Raises:
+            ClosedError: the array (or the one it views) was closed.
+        """
+        if self._closed or self._parent is not None:
+            self._check_open()
         return self._ptr
 
     @property
@@ -162,7 +208,9 @@ class DeviceArray:
         need = offset + math.prod(shp) * dt.itemsize
         if offset < 0 or need > self.nbytes:
             raise ValueError(f"shape: a view of {need} bytes does not fit in {self.nbytes} bytes")
-        return DeviceArray._wrap(self.ptr + offset, shp, dt, self.device, self)
+        view = DeviceArray._wrap(self.ptr + offset, shp, dt, self.device, None)
+        view._parent = self if self._parent is None else self._parent
+        return view
 
     def reshape(self, *shape: int | Sequence[int]) -> DeviceArray:
         """The same memory with another shape of the same size."""
@@ -173,6 +221,7 @@ class DeviceArray:
 
     def to_host(self, stream: StreamLike = None, *, out: np.ndarray | None = None) -> np.ndarray:
         """Copy to a new numpy array (or into ``out``), waiting for the copy to finish."""
+        ptr = self.ptr
         if out is None:
             out = np.empty(self.shape, self.dtype)
         elif out.nbytes != self.nbytes or not out.flags.c_contiguous:
@@ -180,7 +229,7 @@ class DeviceArray:
         if self.nbytes:
             self.device.activate()
             h = stream_handle(stream)
-            drv("cuMemcpyDtoHAsync", out.ctypes.data, self.ptr, self.nbytes, h)
+            drv("cuMemcpyDtoHAsync", out.ctypes.data, ptr, self.nbytes, h)
             drv("cuStreamSynchronize", h)
         return out
 
@@ -190,6 +239,7 @@ class DeviceArray:
         With ``stream`` given the copy is queued on it; pass page-locked memory
         (`pinned_empty`) for a truly asynchronous copy. Without, it completes on return.
         """
+        ptr = self.ptr
         src = np.asarray(array)
         if src.dtype != self.dtype:
             raise TypeError(f"array: expected dtype {self.dtype}, got {src.dtype}")
@@ -200,22 +250,28 @@ class DeviceArray:
             return
         self.device.activate()
         if stream is None:
-            drv("cuMemcpyHtoD", self.ptr, src.ctypes.data, self.nbytes)
+            drv("cuMemcpyHtoD", ptr, src.ctypes.data, self.nbytes)
         else:
-            drv("cuMemcpyHtoDAsync", self.ptr, src.ctypes.data, self.nbytes, stream_handle(stream))
+            handle = stream_handle(stream)
+            capture_keep(self._owner(), src)  # a captured copy reads src whenever it runs
+            drv("cuMemcpyHtoDAsync", ptr, src.ctypes.data, self.nbytes, handle)
 
     def fill_bytes(self, value: int, stream: StreamLike = None) -> None:
         """Set every byte to ``value`` (e.g. 0xFF poisons float arrays with NaN)."""
+        ptr = self.ptr
         if self.nbytes:
             self.device.activate()
-            drv("cuMemsetD8Async", self.ptr, int(value) & 0xFF, self.nbytes, stream_handle(stream))
+            handle = stream_handle(stream)
+            capture_keep(self._owner())
+            drv("cuMemsetD8Async", ptr, int(value) & 0xFF, self.nbytes, handle)
 
     def close(self) -> None:
-        """Free the device memory now (views just drop their reference)."""
+        """Let go of the memory: it is freed now unless a graph or a DLPack consumer still
+        uses it, then when the last of them goes. Views of a closed array are closed too;
+        closing a view closes only the view. Closing again does nothing."""
         self._closed = True
         self._base = None
-        if self._finalizer is not None:
-            self._finalizer()
+        self._parent = None
 
     def __dlpack__(
         self,
@@ -238,9 +294,12 @@ class DeviceArray:
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
             raise BufferError(f"dl_device: this array is on {self.__dlpack_device__()}")
         versioned = max_version is not None and max_version[0] >= 1
+        # The capsule holds the memory, not this array: closing the array later leaves the
+        # consumer's tensor valid.
+        owner = self._owner()
         return dlpack.export(
-            self.ptr, self.shape, self.dtype, dlpack.CUDA, self.device.ordinal, self,
-            versioned=versioned,
+            self.ptr, self.shape, self.dtype, dlpack.CUDA, self.device.ordinal,
+            self if owner is None else owner, versioned=versioned,
         )  # fmt: skip
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -259,7 +318,8 @@ class DeviceArray:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, ptr=0x{self._ptr:x})"
+        where = "closed" if self.closed else f"ptr=0x{self._ptr:x}"
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, {where})"
 
 
 def empty(
@@ -410,7 +470,7 @@ class _PoolBlock:
     them goes, the block goes back to its free list (or is freed when the list is full).
     ``free`` None: never returned (a graph captured elsewhere may still write it)."""
 
-    __slots__ = ("free", "ptr")
+    __slots__ = ("__weakref__", "free", "ptr")
 
     def __init__(self, ptr: int, free: list[int] | None) -> None:
         self.ptr, self.free = ptr, free
@@ -456,8 +516,8 @@ class OutputPool:
         ptr = free.pop() if free else int(drv("cuMemAlloc", max(self.nbytes, 1)))
         arr = DeviceArray.__new__(DeviceArray)  # _wrap's work, with the size known
         arr.shape, arr.dtype, arr.device, arr.nbytes = shape, dtype, self.device, self.nbytes
-        arr._ptr, arr._base, arr._closed, arr._finalizer = (
-            ptr, _PoolBlock(ptr, free if keep else None), False, None,
+        arr._ptr, arr._base, arr._parent, arr._closed = (
+            ptr, _PoolBlock(ptr, free if keep else None), None, False,
         )  # fmt: skip
         return arr
 

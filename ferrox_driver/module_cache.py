@@ -245,10 +245,10 @@ def ensure_module_loaded(
     key = cache_key(source, opts, dev.arch, _nvrtc_version())
     mod_key = (dev.context_handle, key)
     module = _modules.get(mod_key)
-    if module is None:
+    if module is None or module._closed:  # a closed module is loaded afresh
         with _key_lock("load:" + key):
             module = _modules.get(mod_key)
-            if module is None:
+            if module is None or module._closed:
                 program = get_program(source, arch=dev.arch, options=opts, name=module_name)
                 dev.activate()
                 module = Module(program, dev)
@@ -287,7 +287,7 @@ def get_kernel(filename: str, function_name: str, device: Device | None = None) 
     dev = resolve(device)
     key = (dev.context_handle, filename, function_name)
     kernel = _kernels.get(key)
-    if kernel is None:
+    if kernel is None or kernel.module._closed:
         module = ensure_module_loaded(kernel_source(filename), filename, function_name, device=dev)
-        kernel = _kernels.setdefault(key, module.get_function(function_name))
+        kernel = _kernels[key] = module.get_function(function_name)
     return kernel

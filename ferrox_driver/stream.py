@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._driver import cu, drv, finalizer
 from .device import Device, resolve
+from .errors import ClosedError
 from .types import StreamLike
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class Stream:
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING if non_blocking else 0
         self._handle = drv("cuStreamCreate", flags)
         self._handle_int = int(self._handle)
+        self._closed = False
         self._finalizer = finalizer(self, "cuStreamDestroy", self._handle)
 
     @classmethod
@@ -42,27 +44,46 @@ class Stream:
         self.device = resolve(device)
         self._handle = cu.CUstream(int(handle))
         self._handle_int = int(handle)
+        self._closed = False
         self._finalizer = finalizer(self, None)
         return self
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("Stream")
+
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol (cuda.core, PyTorch, CuPy): (version 0, handle)."""
+        self._check_open()
         return 0, self._handle_int
 
     @property
     def handle(self) -> Any:
-        """The ``CUstream`` handle."""
+        """The ``CUstream`` handle.
+
+        Raises:
+            ClosedError: the stream was closed (as every method then does).
+        """
+        if self._closed:
+            raise ClosedError("Stream")
         return self._handle
 
     def synchronize(self) -> None:
         """Block the host until all work queued on this stream has finished."""
+        handle = self.handle
         self.device.activate()
-        drv("cuStreamSynchronize", self._handle)
+        drv("cuStreamSynchronize", handle)
 
     def wait(self, event: Event) -> None:
         """Make later work on this stream wait for ``event`` (no host blocking)."""
+        handle = self.handle
         self.device.activate()
-        drv("cuStreamWaitEvent", self._handle, event.handle, 0)
+        drv("cuStreamWaitEvent", handle, event.handle, 0)
 
     def capture(self) -> AbstractContextManager[Graph]:
         """Capture the work queued on this stream inside a ``with`` block into a Graph.
@@ -72,10 +93,13 @@ class Stream:
         """
         from .graph import capture
 
+        self._check_open()
         return capture(self)
 
     def close(self) -> None:
-        """Destroy the stream (pending work still completes)."""
+        """Destroy the stream (pending work still completes). Every later use of it raises
+        `ClosedError`, as does a cache made on it; closing again does nothing."""
+        self._closed = True
         self._finalizer()
 
     def __enter__(self) -> Stream:
@@ -85,7 +109,7 @@ class Stream:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Stream(handle=0x{int(self._handle):x})"
+        return "Stream(closed)" if self._closed else f"Stream(handle=0x{self._handle_int:x})"
 
 
 def stream_handle(stream: Any) -> Any:
@@ -95,7 +119,7 @@ def stream_handle(stream: Any) -> Any:
     if stream is None:
         return cu.CUstream(0)
     if isinstance(stream, Stream):
-        return stream.handle
+        return stream.handle  # raises ClosedError for a closed one
     if isinstance(stream, cu.CUstream):
         return stream
     return cu.CUstream(stream_key(stream))
@@ -111,6 +135,8 @@ def stream_key(stream: Any) -> int:
     if stream is None:
         return 0
     if type(stream) is Stream:
+        if stream._closed:
+            raise ClosedError("Stream")
         return stream._handle_int
     if isinstance(stream, int) and not isinstance(stream, bool):
         if stream < 0:
@@ -120,6 +146,7 @@ def stream_key(stream: Any) -> int:
     if isinstance(value, int):
         return value
     if isinstance(stream, Stream):
+        stream._check_open()
         return stream._handle_int
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
@@ -152,42 +179,69 @@ class Event:
             flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.timing = timing
         self._handle = drv("cuEventCreate", flags)
+        self._closed = False
         self._finalizer = finalizer(self, "cuEventDestroy", self._handle)
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("Event")
+
+    @property
     def handle(self) -> Any:
-        """The ``CUevent`` handle."""
+        """The ``CUevent`` handle.
+
+        Raises:
+            ClosedError: the event was closed (as every method then does).
+        """
+        if self._closed:
+            raise ClosedError("Event")
         return self._handle
 
     def record(self, stream: StreamLike = None) -> Event:
         """Record this event on ``stream`` (default: the legacy default stream)."""
+        handle, s = self.handle, stream_handle(stream)
         self.device.activate()
-        drv("cuEventRecord", self._handle, stream_handle(stream))
+        drv("cuEventRecord", handle, s)
         return self
 
     def synchronize(self) -> None:
         """Block the host until the work before the recorded point has finished."""
+        handle = self.handle
         self.device.activate()
-        drv("cuEventSynchronize", self._handle)
+        drv("cuEventSynchronize", handle)
 
     def query(self) -> bool:
         """True when the recorded work has finished; never blocks."""
+        handle = self.handle
         self.device.activate()
-        status = cu.cuEventQuery(self._handle)[0]
+        status = cu.cuEventQuery(handle)[0]
         if status == cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
-        drv("cuEventQuery", self._handle)  # raises for any real error
+        drv("cuEventQuery", handle)  # raises for any real error
         return True
 
     def elapsed_ms(self, end: Event) -> float:
-        """Milliseconds between this event and ``end`` (both recorded and finished)."""
+        """Milliseconds between this event and ``end`` (both recorded and finished).
+
+        Raises:
+            ClosedError: either event was closed.
+        """
+        if not isinstance(end, Event):
+            raise TypeError(f"end: expected a ferrox_driver.Event, got {type(end).__name__}")
+        start, stop = self.handle, end.handle
         if not (self.timing and end.timing):
             raise ValueError("end: both events need timing=True to measure elapsed time")
         self.device.activate()
-        return float(drv("cuEventElapsedTime", self._handle, end.handle))
+        return float(drv("cuEventElapsedTime", start, stop))
 
     def close(self) -> None:
-        """Destroy the event."""
+        """Destroy the event; closing again does nothing."""
+        self._closed = True
         self._finalizer()
 
     def __enter__(self) -> Event:
