@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._driver import _capture as _capture_state
-from ._driver import drv
+from ._driver import capture_keep, drv
 from .attention import check_algorithm
 from .decode import keep_for_capture, stream_capturing
 from .errors import ClosedError, KVCapacityError
@@ -82,18 +82,31 @@ def _signature(ref: ArrayRef | None) -> tuple[Any, ...] | None:
 
 def _length_for_device_work(
     kv: KVCache, sid: int, foreign: bool, a: ArrayRef, b: ArrayRef, objs: tuple[Any, Any]
-) -> None:
+) -> bool:
     """Bring the device's length up to date for work queued now on stream ``sid``; inside a
     capture, keep the cache and the operands ``a``, ``b`` (read from ``objs``) with the
-    graph (see KVCache.device_length_for)."""
+    graph (see KVCache.device_length_for). Returns whether the work is captured."""
     kv.device.activate()  # this thread's context current before any driver call
     ours = getattr(_capture_state, "depth", 0)
     if ours or (foreign and stream_capturing(sid)):
         owners = (objs[0] if a[5] is None else a[5], objs[1] if b[5] is None else b[5])
         keep_for_capture(sid, foreign, kv, *owners)
         kv.device_length_for(True)
-    elif not kv._device_seq_current:
+        return True
+    if not kv._device_seq_current:
         kv.device_length()
+    return False
+
+
+class _AppendsTo:
+    """Kept by a ferrox graph that appends to ``kv``: each launch of it tells the cache
+    that its length changed on the device (see GraphExec.launch)."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+
+    def _on_graph_launch(self) -> None:
+        self.kv.mark_device_appends()
 
 
 def kv_append_async(
@@ -124,7 +137,9 @@ def kv_append_async(
             foreign = sid != 0 and not isinstance(stream, Stream)
             appender = kv._appenders[key] = _Appender(kv, stream_handle(sid), foreign)
         assert kr is not None and vr is not None  # _operand refused host arrays
-        _length_for_device_work(kv, sid, appender.foreign, kr, vr, (k_dev, v_dev))
+        captured = _length_for_device_work(kv, sid, appender.foreign, kr, vr, (k_dev, v_dev))
+        if captured and not capture_keep(_AppendsTo(kv)):  # a graph ferrox cannot see run
+            kv._graph_appends = True
         appender.sequence.run((kr[0], vr[0]))
         kv._host_seq_valid = False
 
@@ -305,7 +320,7 @@ class DecodeGraph:
         """After a replay ``__call__`` started at ``seq_len`` tokens, below the capacity: its
         append cannot have overflowed, so the length is known without reading it."""
         drv("cuStreamSynchronize", self._h)
-        self.kv._seq_len, self.kv._host_seq_valid = seq_len + 1, True
+        self.kv._seq_len, self.kv._host_seq_valid = seq_len + 1, not self.kv._graph_appends
 
     def __call__(self, q: np.ndarray, k_tok: np.ndarray, v_tok: np.ndarray) -> np.ndarray:
         """Append ``k_tok``/``v_tok`` and decode ``q``: one graph launch, one sync.

@@ -90,13 +90,14 @@ class Device:
 
     def attribute(self, attr: int) -> int:
         """Read one ``CU_DEVICE_ATTRIBUTE_*`` value."""
+        self._check_open()
         return int(drv("cuDeviceGetAttribute", attr, self._dev))
 
     def activate(self) -> None:
         """Make this device's primary context current on the calling thread (cached)."""
         if getattr(_tls, "ctx", None) != self._ctx_int:
-            if not self._finalizer.alive:
-                raise ClosedError("Device")
+            # (a closed Device's context lives on: the process holds it, so what was made
+            # through this Device keeps working)
             drv("cuCtxSetCurrent", self._ctx)
             _tls.ctx = self._ctx_int
 

@@ -59,6 +59,11 @@ def _guards(kept: list[Any]) -> tuple[Any, ...]:
     return tuple(seen.values())
 
 
+def _hooks(kept: list[Any]) -> tuple[Any, ...]:
+    """What each launch must call first (``_on_graph_launch`` of kept objects)."""
+    return tuple(obj._on_graph_launch for obj in kept if hasattr(obj, "_on_graph_launch"))
+
+
 class Graph:
     """A captured CUDA graph. Made by ``Stream.capture()``.
 
@@ -144,6 +149,7 @@ class GraphExec:
         self._finalizer = finalizer(self, "cuGraphExecDestroy", self._handle)
         self._keep = list(graph._keep)  # what the nodes point at outlives the graph
         self._guards = _guards(self._keep)
+        self._hooks = _hooks(self._keep)
         self.node_count = graph.node_count()
         graph_stats.instantiations += 1
 
@@ -177,6 +183,8 @@ class GraphExec:
                 raise ClosedError(
                     "GraphExec", f"uses a {exc.what} that was closed: {exc}"
                 ) from None
+        for hook in self._hooks:  # e.g. a cache appended to learns its length changed
+            hook()
         self.device.activate()
         drv("cuGraphLaunch", handle, s)
 
@@ -202,6 +210,7 @@ class GraphExec:
             )
         self._keep = list(graph._keep)
         self._guards = _guards(self._keep)
+        self._hooks = _hooks(self._keep)
         graph_stats.updates += 1
 
     def _update_result(self, info: Any, graph: Graph) -> str:
@@ -225,6 +234,7 @@ class GraphExec:
         self._finalizer()
         self._keep = []
         self._guards = ()
+        self._hooks = ()
 
     def __enter__(self) -> GraphExec:
         return self

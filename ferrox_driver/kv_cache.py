@@ -169,6 +169,9 @@ class KVCache:
         self._host_seq_valid = True
         self._device_seq_current = True  # state[0] == seq_len once queued work has run
         self._eager_seq = False  # a graph captured elsewhere reads state[0]: keep it current
+        # A graph captured elsewhere (PyTorch, CuPy) appends: ferrox cannot see its replays,
+        # so the host length is never trusted again (each host use reads the device's).
+        self._graph_appends = False
         self._workspaces: dict[int, DeviceArray] = {}
         self._outgrown: list[DeviceArray] = []  # graphs captured earlier may still write them
         self._records: dict[tuple[Any, ...], DecodeRecord] = {}
@@ -225,7 +228,7 @@ class KVCache:
             self.stream.synchronize()
             state = self.state.to_host(self.stream)
             self._seq_len = int(state[0])
-            self._host_seq_valid = True
+            self._host_seq_valid = not self._graph_appends
             if state[1]:
                 self._reset_overflow()
                 raise KVCapacityError(self._seq_len, self.capacity)
@@ -426,7 +429,7 @@ class KVCache:
             self._check_open()
             self.device.activate()
             self._seq_len = 0
-            self._host_seq_valid = True
+            self._host_seq_valid = not self._graph_appends
             self._device_seq_current = False
             self.device_length()
             self._reset_overflow()

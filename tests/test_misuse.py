@@ -72,3 +72,11 @@ def test_a_quick_compile_says_nothing(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("FERROX_CACHE_DIR", str(tmp_path))
     module_cache.get_program('extern "C" __global__ void quick_one() {}', arch="sm_90")
     assert capsys.readouterr().err == ""
+
+
+def test_closed_error_is_a_value_error_and_a_ferrox_error_naming_the_object():
+    assert issubclass(fd.ClosedError, ValueError) and issubclass(fd.ClosedError, fd.FerroxError)
+    assert str(fd.ClosedError("KVCache")) == "this KVCache was closed"
+    err = fd.ClosedError("DecodeGraph", "uses a KVCache that was closed")
+    assert str(err) == "this DecodeGraph uses a KVCache that was closed"
+    assert err.what == "DecodeGraph"
