@@ -118,6 +118,11 @@ def kv_append_async(
     A full cache is not written: the device sets an overflow flag and the host raises
     KVCapacityError at ``kv.synchronize()``.
 
+    Captured into a ferrox graph, each ``GraphExec.launch`` tells the cache its length
+    changed; captured into a graph of PyTorch or CuPy, whose replays ferrox cannot see,
+    the cache reads its length from the device before every later host append or decode,
+    so no token a replay appended is ever overwritten.
+
     Args:
         kv: the cache.
         k_dev: device array of ``n_kv_heads*head_dim`` elements, cache dtype.

@@ -22,7 +22,7 @@ from .gpu_helpers import DTYPES, TOL, rel_err
 
 pytestmark = pytest.mark.gpu
 
-EXAMPLES = int(os.environ.get("FERROX_MACHINE_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("FERROX_MACHINE_EXAMPLES", "1000"))
 SHAPES = [(1, 1, 64), (2, 4, 64), (2, 1, 128), (1, 8, 128)]  # (n_kv_heads, group, head_dim)
 runs = {"sequences": 0, "steps": 0, "checked": 0, "expected_errors": 0}
 
