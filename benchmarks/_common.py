@@ -9,7 +9,6 @@ captured graph; the kernel file at a git revision; the sections of a cubin.
 
 from __future__ import annotations
 
-import struct
 import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -131,20 +130,6 @@ def points(cases: Iterable[Case], stream: fd.Stream, only: Sequence[str] = ()) -
         finally:
             q.close()
             out.close()
-
-
-def cubin_sections(cubin: bytes) -> dict[str, bytes | int]:
-    """The sections of a cubin (ELF64) by name: their bytes, or the size of one that holds
-    none in the file (NOBITS, as .nv.shared.<kernel>)."""
-    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
-    entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
-    names = headers[names_at][4]
-    out: dict[str, bytes | int] = {}
-    for name_at, kind, _flags, _addr, offset, size in headers:
-        name = cubin[names + name_at : cubin.index(b"\0", names + name_at)].decode()
-        out[name] = size if kind == 8 else cubin[offset : offset + size]
-    return out
 
 
 def source_at(rev: str, filename: str = "gqa_decode_split.cu") -> str:

@@ -17,20 +17,20 @@ import hashlib
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from _common import cubin_sections, source_at
+from _common import source_at
 
-from ferrox_driver.compiler import compile_source, kernel_source
+from ferrox_driver.compiler import Program, compile_source, kernel_source
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
 KERNEL_SECTIONS = (".text.", ".nv.constant0.", ".nv.shared.")
 
 
-def sections(cubin: bytes) -> dict[str, str]:
-    """A digest of each kernel's sections of a cubin, by section name (.nv.shared.* holds
-    no bytes: its size)."""
+def sections(program: Program) -> dict[str, str]:
+    """A digest of each kernel's sections of a program's cubin, by section name
+    (.nv.shared.* holds no bytes: its size)."""
     return {
         name: f"{data} bytes" if isinstance(data, int) else hashlib.sha256(data).hexdigest()
-        for name, data in cubin_sections(cubin).items()
+        for name, data in program.sections().items()
         if name.startswith(KERNEL_SECTIONS)
     }
 
@@ -38,7 +38,7 @@ def sections(cubin: bytes) -> dict[str, str]:
 def report(job: tuple[str, str, str]) -> tuple[str, str, dict[str, str], dict[str, object]]:
     label, arch, src = job
     program = compile_source(src, arch=arch, name="gqa_decode_split.cu")
-    return label, arch, sections(program.cubin), dict(program.resources)
+    return label, arch, sections(program), dict(program.resources)
 
 
 def main() -> None:

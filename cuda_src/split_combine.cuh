@@ -112,6 +112,8 @@ __device__ __forceinline__ void gqa_split_combine(
         gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits, tile); \
     }
 
+#ifndef FX_SELECTED  // the host compiles one entry at a time (attention.split_entry)
 FX_COMBINE_ENTRY(gqa_split_combine_f32, float)
 FX_COMBINE_ENTRY(gqa_split_combine_f16, fx_half)
 FX_COMBINE_ENTRY(gqa_split_combine_bf16, fx_bf16)
+#endif

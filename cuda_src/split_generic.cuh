@@ -221,6 +221,8 @@ __device__ __forceinline__ void gqa_split_generic(
     FX_GENERIC_ENTRY(gqa_split_##SUFFIX##_g4_any, T, 4, false)        \
     FX_GENERIC_ENTRY(gqa_split_##SUFFIX##_g8_any, T, 8, false)
 
+#ifndef FX_SELECTED  // the host compiles one entry at a time (attention.split_entry)
 FX_GENERIC_FOR_TYPE(f32, float)
 FX_GENERIC_FOR_TYPE(f16, fx_half)
 FX_GENERIC_FOR_TYPE(bf16, fx_bf16)
+#endif

@@ -208,12 +208,14 @@ __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, 
                                 seq_len, seq_len_dev, splits, tile);                        \
     }
 
+#ifndef FX_SELECTED  // the host compiles one entry at a time (attention.split_entry)
 FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
 FX_MMA_ENTRY(gqa_split_mma_f16_d128, fx_half, 128)
 FX_MMA_ENTRY(gqa_split_mma_f16_d256, fx_half, 256)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d64, fx_bf16, 64)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d128, fx_bf16, 128)
 FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
+#endif
 
 // The "wide" cluster kernels (head_dim 128, attention.py's wide plans): FX_WIDE_WARPS warps
 // per block, twice the others', for grids of 8 chunks per KV head, merged on chip in
@@ -231,5 +233,7 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
                                                  tile);                                     \
     }
 
+#ifndef FX_SELECTED
 FX_MMA_WIDE_ENTRY(gqa_split_mma_f16_d128_wide_cluster, fx_half)
 FX_MMA_WIDE_ENTRY(gqa_split_mma_bf16_d128_wide_cluster, fx_bf16)
+#endif

@@ -267,6 +267,8 @@ __device__ __forceinline__ void gqa_split_tc32(
                                 seq_len, seq_len_dev, splits, tile);                        \
     }
 
+#ifndef FX_SELECTED  // the host compiles one entry at a time (attention.split_entry)
 FX_TC32_ENTRY(gqa_split_tc32_f32_d64, 64)
 FX_TC32_ENTRY(gqa_split_tc32_f32_d128, 128)
 FX_TC32_ENTRY(gqa_split_tc32_f32_d256, 256)
+#endif

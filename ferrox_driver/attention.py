@@ -57,6 +57,40 @@ def kernel_define(name: str, filename: str = SPLIT_FILE) -> int:
     return value
 
 
+_ENTRY_TYPES = {"f32": "float", "f16": "fx_half", "bf16": "fx_bf16"}
+
+
+def split_entry(name: str) -> str:
+    """The line of ``gqa_decode_split.cu``'s own macros that instantiates kernel ``name``
+    (with its ``_cluster`` twin, where it has one), for a module of that kernel alone.
+
+    Raises:
+        ValueError: no split kernel has that name.
+    """
+    base = name.removesuffix("_cluster")
+    parts = base.split("_")
+    try:
+        if base.startswith("gqa_split_combine_"):
+            return f"FX_COMBINE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
+        if base.endswith("_wide"):  # gqa_split_mma_<dt>_d128_wide_cluster
+            return f"FX_MMA_WIDE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
+        if base.startswith("gqa_split_mma_"):  # gqa_split_mma_<dt>_d<D>
+            return f"FX_MMA_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {int(parts[4][1:])})"
+        if base.startswith("gqa_split_tc32_f32_"):  # gqa_split_tc32_f32_d<D>
+            return f"FX_TC32_ENTRY({base}, {int(parts[4][1:])})"
+        if len(parts) == 5 and parts[3][0] == "g" and parts[4] in ("vec", "any"):
+            vec = "true" if parts[4] == "vec" else "false"  # gqa_split_<dt>_g<G>_<vec|any>
+            return f"FX_GENERIC_ENTRY({name}, {_ENTRY_TYPES[parts[2]]}, {int(parts[3][1:])}, {vec})"
+    except (KeyError, ValueError, IndexError):
+        pass
+    raise ValueError(f"kernel: {SPLIT_FILE} has no kernel {name!r}")
+
+
+def split_kernel(name: str, device: Device) -> Kernel:
+    """Split kernel ``name``, compiled (on first use) in a module of its own."""
+    return get_kernel(SPLIT_FILE, name, device, select=split_entry(name))
+
+
 TILE = kernel_define("FX_TILE")  # tokens; tensor-core chunk sizes are multiples of it
 MAX_SPLITS = kernel_define("FX_MAX_SPLITS")
 THREADS = kernel_define("FX_THREADS")
@@ -257,7 +291,7 @@ def plan_split(
             device, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned
         )
     else:  # its kernel loaded, as after a first plan (captures need it; a dict lookup)
-        get_kernel(SPLIT_FILE, plan.kernel, device)
+        split_kernel(plan.kernel, device)
     return plan
 
 
@@ -291,7 +325,7 @@ def _plan_split(
             lpt *= 2
         vec = "vec" if head_dim % 8 == 0 and aligned else "any"
         kname, tc, threads = f"gqa_split_{name}_g{gt}_{vec}", False, THREADS
-    kernel = get_kernel(SPLIT_FILE, kname, device)
+    kernel = split_kernel(kname, device)
     tile = TILE if tc else cuda_core_tile(lpt)
     plan = SplitPlan(
         kname, tc, tiles, lpt, 1, threads, tile, stages, step_tokens, reserve_stages=reserve
@@ -379,7 +413,7 @@ def clusters_fit(
     key = (device.context_handle, kernel_name, cluster)
     n = _resident_clusters.get(key)
     if n is None:
-        kernel = get_kernel(SPLIT_FILE, kernel_name, device)
+        kernel = split_kernel(kernel_name, device)
         try:
             n = kernel.max_active_clusters(cluster, threads, shared)
         except CudaError:  # e.g. a cluster larger than this device (or MIG slice) holds
@@ -444,6 +478,12 @@ class Launch:
     roles: Roles = ()
     file: str = SPLIT_FILE
 
+    def kernel_for(self, device: Device) -> Kernel:
+        """The kernel this launch names, loaded on ``device``."""
+        if self.file == SPLIT_FILE:
+            return split_kernel(self.kernel, device)
+        return get_kernel(self.file, self.kernel, device)
+
     def run(self, stream: Any, device: Device, kernel: Kernel | None = None) -> None:
         """Queue this launch on ``stream`` (``kernel``: a variant with the same parameters
         in place of the named one, for experiments)."""
@@ -452,7 +492,7 @@ class Launch:
     def packed(self, stream: Any, device: Device, kernel: Kernel | None = None) -> PackedLaunch:
         """This launch packed once for ``stream`` (see ``PackedLaunch``)."""
         return PackedLaunch(
-            kernel or get_kernel(self.file, self.kernel, device),
+            kernel or self.kernel_for(device),
             self.grid,
             self.block,
             self.args,

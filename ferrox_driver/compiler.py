@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -112,6 +113,21 @@ class Program:
     options: tuple[str, ...]
     name: str = "kernel.cu"
     resources: dict[str, KernelResources] = field(default_factory=dict)
+
+    def sections(self) -> dict[str, bytes | int]:
+        """The cubin's ELF sections by name: their bytes, or the size of one that holds none
+        in the file (NOBITS, as ``.nv.shared.<kernel>``). A kernel's machine code is
+        ``.text.<kernel>``: two builds of a kernel compare by these."""
+        cubin = self.cubin
+        (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+        entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
+        headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
+        names = headers[names_at][4]
+        out: dict[str, bytes | int] = {}
+        for name_at, kind, _flags, _addr, offset, size in headers:
+            name = cubin[names + name_at : cubin.index(b"\0", names + name_at)].decode()
+            out[name] = size if kind == 8 else cubin[offset : offset + size]
+        return out
 
     def __repr__(self) -> str:
         kernels = ", ".join(sorted(self.resources)) or "?"

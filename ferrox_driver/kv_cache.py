@@ -20,6 +20,7 @@ from .attention import (
     check_algorithm,
     parity_launches,
     plan_split,
+    split_kernel,
     split_launches,
 )
 from .decode import DecodeRecord
@@ -584,7 +585,7 @@ class KVCache:
             )  # fmt: skip
             combine = plan.combine_kernel(self.dtype)
             if combine is not None:  # a cluster plan has none
-                get_kernel("gqa_decode_split.cu", combine, self.device)
+                split_kernel(combine, self.device)
 
     @property
     def dtype_name(self) -> str:

@@ -281,13 +281,24 @@ def disk_usage() -> tuple[int, int]:
 _kernels: dict[tuple[int, str, str], Kernel] = {}
 
 
-def get_kernel(filename: str, function_name: str, device: Device | None = None) -> Kernel:
+def get_kernel(
+    filename: str, function_name: str, device: Device | None = None, *, select: str | None = None
+) -> Kernel:
     """A kernel from one of the package's ``cuda_src`` files, memoised per context so hot
-    paths skip hashing the source."""
+    paths skip hashing the source.
+
+    ``select``: compile only this instantiation (a line of the file's own macros, e.g.
+    ``FX_COMBINE_ENTRY(gqa_split_combine_f16, fx_half)``) in a module of its own, the
+    file's instantiations left out (``FX_SELECTED``): a first use compiles its kernels,
+    not the file's every kernel.
+    """
     dev = resolve(device)
     key = (dev.context_handle, filename, function_name)
     kernel = _kernels.get(key)
     if kernel is None or kernel.module._closed:
-        module = ensure_module_loaded(kernel_source(filename), filename, function_name, device=dev)
+        source = kernel_source(filename)
+        if select is not None:
+            source = f"#define FX_SELECTED 1\n{source}\n{select}\n"
+        module = ensure_module_loaded(source, filename, function_name, device=dev)
         kernel = _kernels[key] = module.get_function(function_name)
     return kernel

@@ -141,7 +141,7 @@ def test_clusters_need_compute_capability_9_at_most_16_blocks_all_resident(monke
                 )
             return resident[self.name]
 
-    monkeypatch.setattr(attention, "get_kernel", lambda file, name, device: FakeKernel(name))
+    monkeypatch.setattr(attention, "split_kernel", lambda name, device: FakeKernel(name))
     monkeypatch.setattr(attention, "_resident_clusters", {})
 
     def fits(name, cluster, n_clusters, cc=(9, 0)):
@@ -175,7 +175,7 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     class FakeH200(_FakeDevice):
         multiprocessor_count = 132
 
-    monkeypatch.setattr(attention, "get_kernel", lambda file, name, device: FakeKernel(name))
+    monkeypatch.setattr(attention, "split_kernel", lambda name, device: FakeKernel(name))
     monkeypatch.setattr(attention, "_resident_blocks", {})
     monkeypatch.setattr(attention, "_resident_clusters", {})
     monkeypatch.setattr(attention, "_plans", {})

@@ -1,0 +1,70 @@
+"""A first use compiles only its own kernels: each split kernel in a module of its own, with
+the same machine code as when every kernel is built at once (NVRTC, no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from ferrox_driver import attention
+from ferrox_driver.compiler import compile_source, kernel_source
+
+ARCH = "sm_90"
+
+
+def _selected(name: str):
+    source = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n"
+    source += attention.split_entry(name) + "\n"
+    started = time.perf_counter()
+    program = compile_source(source, arch=ARCH, name=attention.SPLIT_FILE)
+    return name, program, time.perf_counter() - started
+
+
+@pytest.fixture(scope="module")
+def whole():
+    return compile_source(kernel_source(attention.SPLIT_FILE), arch=ARCH)
+
+
+def test_every_kernel_compiled_alone_has_the_machine_code_it_has_among_all(whole):
+    names = sorted(whole.resources)
+    assert len(names) >= 40
+    entries = {}  # one compile per entry line (an mma entry makes a kernel and its _cluster)
+    for name in names:
+        entries.setdefault(attention.split_entry(name), name)
+    with ProcessPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+        done = list(pool.map(_selected, entries.values()))
+    alone: dict[str, object] = {}
+    every = whole.sections()
+    for name, program, _ in done:
+        entry = attention.split_entry(name)
+        assert set(program.resources) == {n for n in names if attention.split_entry(n) == entry}
+        sections = program.sections()
+        for kernel in program.resources:
+            for kind in (".text.", ".nv.constant0.", ".nv.shared."):
+                assert sections.get(kind + kernel) == every.get(kind + kernel), (kernel, kind)
+            assert program.resources[kernel] == whole.resources[kernel]
+            alone[kernel] = program
+    assert set(alone) == set(names)
+
+
+def test_a_plan_compiles_in_a_few_seconds_not_every_kernel(capsys):
+    # the kernels of a bf16 32/8/128 decode and of a head_dim-96 one (CUDA cores), with
+    # their combine: what a first decode of each compiles
+    for kernels in (
+        ("gqa_split_mma_bf16_d128", "gqa_split_combine_bf16"),
+        ("gqa_split_bf16_g4_vec", "gqa_split_combine_bf16"),
+        ("gqa_split_tc32_f32_d128", "gqa_split_combine_f32"),
+    ):
+        seconds = sum(_selected(name)[2] for name in kernels)
+        with capsys.disabled():
+            print(f"\n{' + '.join(kernels)} for {ARCH}: {seconds:.2f} s on {os.cpu_count()} CPUs")
+        assert seconds > 0
+
+
+@pytest.mark.parametrize("bad", ["gqa_split_mma_bf16", "gqa_split_fp8_g4_vec", "nope", ""])
+def test_a_name_no_kernel_has_is_refused(bad):
+    with pytest.raises(ValueError, match="has no kernel"):
+        attention.split_entry(bad)
