@@ -2,10 +2,10 @@
 a fresh cache directory, timed from before ``import ferrox_driver`` to the first result on
 the host (import, context, compile, load, decode), and then the same call again.
 
-    python3 benchmarks/first_use.py [PACKAGE_DIR]
+    python3 benchmarks/first_use.py [PACKAGE_DIR [CASES]]
 
 PACKAGE_DIR (default: this checkout) is put first on the path, so an older tree times its
-own first use in the same run.
+own first use in the same run; CASES: how many of the cases (default: all).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])
     print(f"first use from an empty kernel cache ({root}):")
     print(f"  {'case':<18} {'first result (s)':>17} {'second call (s)':>16}")
-    for dtype, h, kv, d in CASES:
+    cases = CASES[: int(sys.argv[2])] if len(sys.argv) > 2 else CASES
+    for dtype, h, kv, d in cases:
         with tempfile.TemporaryDirectory() as cache:
             code = CHILD.format(dtype=dtype, h=h, kv=kv, d=d)
             env = {"PYTHONPATH": str(root), "FERROX_CACHE_DIR": cache, "PATH": "/usr/bin:/bin"}

@@ -93,12 +93,13 @@ struct FxQ {
                        : *reinterpret_cast<const uint4*>(row + kb * 32 + tig * 8);
     }
 };
-template <class T, int D, int THREADS>
+template <class T, int D, int THREADS, int DR = D>
 __device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, int g, int tig) {
     __shared__ __align__(16) T q_s[8][D + 8];
     for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
-        const int j = i / (D / 8), c = (i % (D / 8)) * 8;
-        *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * D + c, j < group);
+        const int j = i / (D / 8), c = (i % (D / 8)) * 8;  // (columns past DR: zeros)
+        const bool ok = j < group && (DR == D || c < DR);
+        *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * DR + c, ok);
     }
     __syncthreads();  // q_s complete; the first steps' loads are already in flight
     FxQ<T, D> r;
@@ -111,7 +112,7 @@ __device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, in
     return r;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
@@ -124,9 +125,9 @@ __device__ __forceinline__ void gqa_split_mma(
     FX_TC_START(T, 16, WARPS * S * 2 * STEP * sizeof(T));  // 16-token steps
 
     // Q as the A operand (rows = heads; rows 8..15 are zero)
-    const FxQ<T, D> qf = fx_load_q<T, D, THREADS>(q, h0, group, g, tig);
+    const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR>(q, h0, group, g, tig);
 
-    const float sscale = rsqrtf((float)D) * FX_LOG2E;
+    const float sscale = rsqrtf((float)DR) * FX_LOG2E;
 
     // O accumulators: [64-d block][e]: c0 -> d = hb*64 + (2 tig)*8 + e, c1 -> +8. The
     // padding rows' outputs (c2, c3) only ever add zero rows: a scratch pair per chain of
@@ -222,7 +223,7 @@ __device__ __forceinline__ void gqa_split_mma(
         slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
         t = (d % 64) / 16;
     };
-    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T)>(
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T), DR>(
         fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
         seq_len_dev, where);
 }

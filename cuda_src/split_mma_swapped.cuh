@@ -15,7 +15,7 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
     return y;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D>
 __device__ __forceinline__ void gqa_split_mma_swapped(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
@@ -29,9 +29,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     FX_TC_START(T, 16, RING);  // 16-token steps
 
     // Q as the B operand (n = heads), read as gqa_split_mma reads it for its A operand
-    const FxQ<T, D> qf = fx_load_q<T, D, THREADS>(q, h0, group, g, tig);
+    const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR>(q, h0, group, g, tig);
 
-    const float sscale = rsqrtf((float)D) * FX_LOG2E;
+    const float sscale = rsqrtf((float)DR) * FX_LOG2E;
 
     // O^T accumulators [64-d block][i][c]: d = hb*64 + g*8 + 2i + (c >> 1), head
     // 2tig + (c & 1).
@@ -156,7 +156,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         slot = (d / 64) * 16 + (gg >> 2) * 8 + d % 8;
         t = gg & 3;
     };
-    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING>(fx_dyn_smem, park_stats, park_o, ws_o, ws_ml,
+    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR>(fx_dyn_smem, park_stats, park_o, ws_o, ws_ml,
                                                     out, h0, group, splits, split, seq_len,
                                                     seq_len_dev, where);
 }
@@ -174,7 +174,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #ifndef FX_MMA_SWAPPED_D256
 #define FX_MMA_SWAPPED_D256 0
 #endif
-template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value>
+template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value, int DR = D>
 __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,
                                             float* ws_ml, T* out, int n_heads, int n_kv_heads,
                                             int seq_len, const int* seq_len_dev, int splits,
@@ -183,12 +183,12 @@ __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, 
                              : D == 128 ? FX_MMA_SWAPPED_D128
                                         : FX_MMA_SWAPPED_D256;
     if (SWAPPED)
-        gqa_split_mma_swapped<T, D, CLUSTER, WARPS>(q, k, v, ws_o, ws_ml, out, n_heads,
-                                                    n_kv_heads, seq_len, seq_len_dev, splits,
-                                                    tile);
+        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR>(q, k, v, ws_o, ws_ml, out, n_heads,
+                                                        n_kv_heads, seq_len, seq_len_dev,
+                                                        splits, tile);
     else
-        gqa_split_mma<T, D, CLUSTER, WARPS>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads,
-                                            seq_len, seq_len_dev, splits, tile);
+        gqa_split_mma<T, D, CLUSTER, WARPS, DR>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads,
+                                                seq_len, seq_len_dev, splits, tile);
 }
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
@@ -231,6 +231,18 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
         fx_mma_body<T, 128, true, FX_WIDE_WARPS>(q, k, v, nullptr, nullptr, out, n_heads,   \
                                                  n_kv_heads, seq_len, seq_len_dev, splits,  \
                                                  tile);                                     \
+    }
+
+// Any other head_dim DR (a multiple of 8) on the kernel of the next head_dim D up, the
+// columns past DR zeros (never read from memory) and its partials merged by the combine
+// kernel: gqa_split_mma_<dt>_d<D>_r<DR>, instantiated by the host for the call that needs it.
+#define FX_MMA_PAD_ENTRY(NAME, T, D, DR)                                                    \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
+        fx_mma_body<T, D, false, FX_WARPS_D##D, DR>(q, k, v, ws_o, ws_ml, nullptr, n_heads, \
+                                                    n_kv_heads, seq_len, seq_len_dev,       \
+                                                    splits, tile);                          \
     }
 
 #ifndef FX_SELECTED

@@ -26,21 +26,26 @@ __device__ __forceinline__ void fx_cp_async_wait() {
 // Queue step j of a warp: K and V rows t0..t0+TOK into stage j % S of its ring, 16 bytes per
 // cp.async, rows XOR-swizzled in 16-byte units (K chunk c of row r at c ^ ((r & 1) << 2), V
 // at c ^ (r & 6)); rows past `end` are zeros. One commit group per step, even an empty one,
-// so the waits count steps.
-template <class T, int D, int TOK, int S>
+// so the waits count steps. The cache's rows have DR <= D elements (a multiple of EPC): the
+// ring's columns past DR are zeros, never read from memory (a head_dim padded to the
+// kernel's D).
+template <class T, int D, int TOK, int S, int DR = D>
 __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start, int end,
                                               int lane, const T* kg, const T* vg,
                                               long long row) {
     constexpr int EPC = 16 / (int)sizeof(T);  // elements per 16-byte chunk
     constexpr int NCH = D / EPC, STEP = TOK * D;
+    static_assert(DR <= D && DR % EPC == 0, "rows of whole 16-byte chunks, at most D");
     if (t0 < end) {
         T* ks = ring + (j % S) * 2 * STEP;
         T* vs = ks + STEP;
 #pragma unroll
         for (int i = 0; i < TOK * NCH / 32; ++i) {
             const int idx = i * 32 + lane, r = idx / NCH, c = idx % NCH;
-            const bool ok = t0 + r < end;
-            const long long off = (long long)(ok ? t0 + r : start) * row + c * EPC;
+            const bool col = DR == D || c < DR / EPC;  // a column the cache has
+            const bool ok = t0 + r < end && col;
+            const long long off = (long long)(t0 + r < end ? t0 + r : start) * row +
+                                  (col ? c : 0) * EPC;
             fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * EPC), kg + off, ok);
             fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * EPC), vg + off, ok);
         }
@@ -51,7 +56,7 @@ __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start,
 // One warp's K/V ring in the block's dynamic shared memory (fx_issue_step): S stages of
 // [K, V][TOK][D], the block's WARPS warps taking turns, so this warp's step j holds tokens
 // t0(j) .. t0(j) + TOK of the block's [start, end). fx_warp_ring queues the first S - 1.
-template <class T, int D, int TOK, int S, int WARPS>
+template <class T, int D, int TOK, int S, int WARPS, int DR = D>
 struct FxWarpRing {
     T* ring;
     const T* kg;  // the block's KV head at token 0
@@ -62,20 +67,20 @@ struct FxWarpRing {
         return start + warp * TOK + j * (WARPS * TOK);
     }
     __device__ __forceinline__ void issue(int j) const {
-        fx_issue_step<T, D, TOK, S>(ring, j, t0(j), start, end, lane, kg, vg, row);
+        fx_issue_step<T, D, TOK, S, DR>(ring, j, t0(j), start, end, lane, kg, vg, row);
     }
     // step j's K rows (its V rows follow, TOK * D elements on)
     __device__ __forceinline__ const T* k_stage(int j) const {
         return ring + (j % S) * 2 * (TOK * D);
     }
 };
-template <class T, int D, int TOK, int S, int WARPS>
-__device__ __forceinline__ FxWarpRing<T, D, TOK, S, WARPS> fx_warp_ring(
+template <class T, int D, int TOK, int S, int WARPS, int DR = D>
+__device__ __forceinline__ FxWarpRing<T, D, TOK, S, WARPS, DR> fx_warp_ring(
     unsigned char* smem, const T* k, const T* v, int g_kv, int n_kv_heads, int start, int end,
     int warp, int lane) {
-    const FxWarpRing<T, D, TOK, S, WARPS> r{
-        reinterpret_cast<T*>(smem) + warp * S * 2 * (TOK * D), k + (long long)g_kv * D,
-        v + (long long)g_kv * D, (long long)n_kv_heads * D, start, end, warp, lane};
+    const FxWarpRing<T, D, TOK, S, WARPS, DR> r{
+        reinterpret_cast<T*>(smem) + warp * S * 2 * (TOK * D), k + (long long)g_kv * DR,
+        v + (long long)g_kv * DR, (long long)n_kv_heads * DR, start, end, warp, lane};
 #pragma unroll
     for (int j = 0; j < S - 1; ++j) r.issue(j);
     return r;
@@ -118,7 +123,8 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
 // when it has none), name the block's KV head g_kv, its group and first query head h0, the
 // thread's lane and warp and its mma fragment coordinates (lane = 4g + tig), and queue the
 // first steps of this warp's ring `wr` of TOK-token steps of element type T (RING_BYTES:
-// the block's ring). The body must name CLUSTER, D, S, WARPS, THREADS, k, v, n_heads,
+// the block's ring). The body must name CLUSTER, D, DR (the cache's head_dim, <= D), S,
+// WARPS, THREADS, k, v, n_heads,
 // n_kv_heads, seq_len, seq_len_dev, splits, tile and fx_dyn_smem as the kernels do.
 // A macro rather than a function: the same values from a helper function (fx_place, v18)
 // changed the register allocation of the head_dim 256 kernels on sm_100, which spilled;
@@ -135,5 +141,5 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
     const int h0 = g_kv * group;                                                            \
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;                             \
     const int g = lane >> 2, tig = lane & 3;                                                \
-    const auto wr = fx_warp_ring<T, D, TOK, S, WARPS>(fx_dyn_smem, k, v, g_kv, n_kv_heads,  \
-                                                      start, end, warp, lane)
+    const auto wr = fx_warp_ring<T, D, TOK, S, WARPS, DR>(fx_dyn_smem, k, v, g_kv,          \
+                                                          n_kv_heads, start, end, warp, lane)

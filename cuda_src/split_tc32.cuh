@@ -110,6 +110,7 @@ __device__ __forceinline__ void gqa_split_tc32(
     static_assert(TOK == 8 || TOK == 16, "steps of 8 or 16 tokens");
     constexpr int NCH = D / 4;     // 16-byte chunks per row
     constexpr int STEP = TOK * D;  // floats of one step's K (or V)
+    constexpr int DR = D;          // the cache's head_dim: the kernel's own
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     FX_TC_START(float, TOK, WARPS * S * 2 * STEP * sizeof(float));
@@ -247,7 +248,7 @@ __device__ __forceinline__ void gqa_split_tc32(
         slot = (d / 32) * 8 + (d % 4) * 2 + (n & 1);
         t = n >> 1;
     };
-    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(float)>(
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(float), DR>(
         fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
         seq_len_dev, where);
 }

@@ -74,7 +74,14 @@ def split_entry(name: str) -> str:
             return f"FX_COMBINE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
         if base.endswith("_wide"):  # gqa_split_mma_<dt>_d128_wide_cluster
             return f"FX_MMA_WIDE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
-        if base.startswith("gqa_split_mma_"):  # gqa_split_mma_<dt>_d<D>
+        if base.startswith("gqa_split_mma_") and parts[3] == "f32":
+            pass  # the fp32 tensor-core kernels are gqa_split_tc32_*
+        elif base.startswith("gqa_split_mma_") and len(parts) == 6 and parts[5][0] == "r":
+            # gqa_split_mma_<dt>_d<D>_r<head_dim>: a head_dim padded to D
+            dt, d, dr = _ENTRY_TYPES[parts[3]], int(parts[4][1:]), int(parts[5][1:])
+            if parts[4][0] == "d" and d in MMA_HEAD_DIMS and 0 < dr < d and dr % 8 == 0:
+                return f"FX_MMA_PAD_ENTRY({name}, {dt}, {d}, {dr})"
+        elif base.startswith("gqa_split_mma_") and len(parts) == 5:  # gqa_split_mma_<dt>_d<D>
             return f"FX_MMA_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {int(parts[4][1:])})"
         if base.startswith("gqa_split_tc32_f32_"):  # gqa_split_tc32_f32_d<D>
             return f"FX_TC32_ENTRY({base}, {int(parts[4][1:])})"
@@ -105,7 +112,21 @@ MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
 # at 512); the cluster ahead below it (16/2/64 at 1024, 8192: +0.2; 32/8/128 at 512, 4096:
 # +0.5; 28/4/128 at 512, 7168: +0.1).
 CLUSTER_MAX_EXCHANGE = 8192
-MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels
+MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels ...
+
+
+def mma_head_dim(head_dim: int) -> int | None:
+    """The fp16/bf16 tensor-core kernel's head_dim for a cache of ``head_dim``: its own, or
+    for any other multiple of 8 the next of MMA_HEAD_DIMS up (the columns past it zeros,
+    never read from memory: gqa_split_mma_<dt>_d<D>_r<head_dim>); None for the rest, and
+    with ``OVERRIDES.padded_mma`` off for all but MMA_HEAD_DIMS."""
+    if head_dim in MMA_HEAD_DIMS:
+        return head_dim
+    if head_dim % 8 or head_dim > MMA_HEAD_DIMS[-1] or not OVERRIDES.padded_mma:
+        return None
+    return next(d for d in MMA_HEAD_DIMS if d >= head_dim)
+
+
 TC32_HEAD_DIMS = (64, 128, 256)  # fp32 tensor-core (split TF32) kernels
 
 
@@ -124,6 +145,8 @@ class Overrides:
         wide: the wide plans (``FERROX_WIDE=0``).
         early_combine: the combine kernel launched early, programmatic dependent launch
             (``FERROX_EARLY_COMBINE=0``).
+        padded_mma: fp16/bf16 head_dims other than 64/128/256 (multiples of 8) on the
+            tensor-core kernels, padded (``FERROX_PADDED_MMA=0``: CUDA cores).
     """
 
     heads_per_block: int = 4
@@ -131,6 +154,7 @@ class Overrides:
     cluster: bool = True
     wide: bool = True
     early_combine: bool = True
+    padded_mma: bool = True
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -146,6 +170,7 @@ class Overrides:
             cluster=on("FERROX_CLUSTER"),
             wide=on("FERROX_WIDE"),
             early_combine=on("FERROX_EARLY_COMBINE"),
+            padded_mma=on("FERROX_PADDED_MMA"),
         )
 
 
@@ -174,6 +199,7 @@ class SplitPlan:
     reserve_stages: int = 0  # the launch's shared memory holds this many (if more)
     cluster: int = 0  # blocks per thread block cluster (a KV head's chunks merge on chip,
     # no combine kernel); 0: the combine kernel merges them
+    kernel_head_dim: int = 0  # the head_dim the kernel is built for, when not the call's
 
     def combine_kernel(self, dtype: Any) -> str | None:
         """The name of the kernel merging this plan's chunks for a ``dtype`` output (None:
@@ -193,6 +219,7 @@ class SplitPlan:
         its ring)."""
         if not self.tensor_cores:
             return 0
+        head_dim = self.kernel_head_dim or head_dim
         steps = max(self.stages, self.reserve_stages)  # see MMA_RESERVE_STAGES
         ring = (self.threads // 32) * steps * self.step_tokens * 2 * head_dim * itemsize
         return ring + (cluster_recv_bytes(head_dim) if self.cluster else 0)
@@ -306,11 +333,14 @@ def _plan_split(
 ) -> SplitPlan:
     group = n_heads // n_kv_heads
     name = dtype_name(dtype)
-    stages, step_tokens, reserve = 0, 16, 0
-    if name != "f32" and head_dim in MMA_HEAD_DIMS and group <= 8 and aligned:
-        kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{head_dim}", True, 1, 32
-        threads, stages = 32 * MMA_WARPS[head_dim], MMA_STAGES[head_dim]
-        reserve = MMA_RESERVE_STAGES[head_dim]
+    stages, step_tokens, reserve, padded_to = 0, 16, 0, 0
+    mma_dim = mma_head_dim(head_dim) if name != "f32" else None
+    if mma_dim is not None and group <= 8 and aligned:
+        kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{mma_dim}", True, 1, 32
+        if mma_dim != head_dim:
+            kname, padded_to = f"{kname}_r{head_dim}", mma_dim
+        threads, stages = 32 * MMA_WARPS[mma_dim], MMA_STAGES[mma_dim]
+        reserve = MMA_RESERVE_STAGES[mma_dim]
     elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group):
         kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
         threads, stages = 32 * TC32_WARPS[head_dim], TC32_STAGES[head_dim]
@@ -328,8 +358,9 @@ def _plan_split(
     kernel = split_kernel(kname, device)
     tile = TILE if tc else cuda_core_tile(lpt)
     plan = SplitPlan(
-        kname, tc, tiles, lpt, 1, threads, tile, stages, step_tokens, reserve_stages=reserve
-    )
+        kname, tc, tiles, lpt, 1, threads, tile, stages, step_tokens, reserve_stages=reserve,
+        kernel_head_dim=padded_to,
+    )  # fmt: skip
     shared = plan.shared_bytes(head_dim, np.dtype(dtype).itemsize)
     wave = _blocks_per_sm(kernel, device, threads, shared) * device.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
@@ -352,6 +383,8 @@ def _plan_split(
     if wide is not None:
         return wide
     splits = min(most, -(-seq // tile))
+    if padded_to:  # no cluster twin: the combine kernel merges the chunks
+        return dataclasses.replace(plan, splits=splits, tile=tile)
     shared += cluster_recv_bytes(head_dim)
     cluster = splits * group * head_dim <= CLUSTER_MAX_EXCHANGE and clusters_fit(
         device, f"{kname}_cluster", splits, n_kv_heads, threads, shared

@@ -428,3 +428,45 @@ def test_wide_cluster_plans_match_reference(
         assert plan.threads == 32 * attention.WIDE_WARPS, plan
     q, k, v = random_decode_inputs(rng, n_heads, 8, 128, seq_len, dt)
     assert_cache_decode_matches_reference(q, k, v, n_heads, capacity, dtype)
+
+
+def _decode_and_check(rng, dtype, n_heads, n_kv_heads, head_dim, seq_len):
+    q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, DTYPES[dtype])
+    ref = fd.reference_gqa_decode(
+        q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
+    )
+    got = decode_on_device(q, k, v, n_heads, n_kv_heads, head_dim, "auto")
+    if seq_len == 0:
+        return 0.0 if not got.astype(np.float64).any() else float("inf")
+    return rel_err(got, ref)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_every_head_dim_from_1_to_256_matches_reference(rng, dtype):
+    # multiples of 8 run on the tensor-core kernels padded to 64/128/256 (fp16/bf16), the
+    # rest on CUDA cores; lengths cycle through one token, a chunk and one, and odd ones
+    lengths = [1, 65, 77, 1000, 4097]
+    worst = {}
+    for head_dim in range(1, 257):
+        seq = lengths[head_dim % len(lengths)]
+        worst[head_dim] = _decode_and_check(rng, dtype, 8, 2, head_dim, seq)
+    bad = {d: e for d, e in worst.items() if not e < TOL[dtype]}
+    assert bad == {}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [40, 80, 96, 160, 192])
+@pytest.mark.parametrize("seq_len", [0, 1, 33, 4097])
+def test_padded_head_dims_every_group_from_1_to_16(rng, dtype, head_dim, seq_len):
+    for group in range(1, 17):
+        err = _decode_and_check(rng, dtype, 2 * group, 2, head_dim, seq_len)
+        assert err < TOL[dtype], (group, err)
+
+
+@pytest.mark.parametrize("head_dim", [48, 96, 112])
+def test_padded_head_dims_take_the_tensor_cores_and_stay_finite_on_huge_scores(rng, head_dim):
+    plan = plan_split(fd.Device(0), np.dtype(DTYPES["bf16"]), 32, 8, head_dim, 4096, True)
+    assert plan.tensor_cores and plan.kernel.endswith(f"_r{head_dim}")
+    q, k, v = random_decode_inputs(rng, 32, 8, head_dim, 777, DTYPES["bf16"], q_scale=1e3)
+    got = decode_on_device(q, k, v, 32, 8, head_dim, "auto")
+    assert_close_at_any_scale(got, q, k, v, 32, 8, head_dim, TOL["bf16"])
