@@ -12,6 +12,7 @@ shapes in the same process, when importable.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -614,3 +615,58 @@ def measure_fixed_costs(
         for a in (q, out, k, v, ws):
             a.close()
     return results
+
+
+HEADDIM_DIMS = [32, 40, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256]
+EQUAL_BYTES_FROM = 32768  # lengths from which each D is held to D = 128 at equal KV bytes
+
+
+def run_headdim_bench(
+    out_dir: Path | None,
+    head_dims: Sequence[int] = HEADDIM_DIMS,
+    seq_lens: Sequence[int] = SEQ_LENS,
+    dtypes: Sequence[str] = ("bf16", "f16"),
+    iters: int = 30,
+) -> dict[str, Any]:
+    """``bench --only headdim``: 32/8/D for every D of ``head_dims`` at ``seq_lens``, next to
+    PyTorch, and from EQUAL_BYTES_FROM tokens against D = 128 over the same number of KV
+    bytes (S * D / 128 tokens), measured in the same run. Prints the table; writes
+    ``bench_headdim.json`` into ``out_dir``."""
+    shapes = [(32, 8, d) for d in head_dims]
+    result = run_decode_bench(None, shapes, seq_lens, dtypes, iters=iters, growing=False)
+    device = default_device()
+    ref_lens = sorted(
+        {s * d // 128 for d in head_dims for s in seq_lens if s >= EQUAL_BYTES_FROM} - {0}
+    )
+    refs = {
+        (dtype, seq): measure_point((32, 8, 128), seq, dtype, iters, device).graph_us
+        for dtype in dtypes
+        for seq in ref_lens
+    }
+    ceiling = result["read_ceiling_tbs"]
+    rows = []
+    print(f"32/8/D, us per decode (graph replay) | read ceiling {ceiling:.2f} TB/s")
+    print(
+        f"{'dtype':<5} {'D':>4} {'seq_len':>7} {'us':>8} {'TB/s':>6} {'torch us':>9} "
+        f"{'vs torch':>8} {'vs D=128, equal bytes':>22}"
+    )
+    for p in map(lambda d: DecodePoint(**d), result["points"]):
+        d = int(p.shape.split("/")[2])
+        tbs = p.tbs(p.graph_us) or 0.0
+        equal = p.seq_len >= EQUAL_BYTES_FROM
+        ref_us = refs.get((p.dtype, p.seq_len * d // 128)) if equal else None
+        of_128 = None if ref_us is None else ref_us / p.graph_us  # TB/s over D = 128's
+        speedup = p.torch_us / p.graph_us if p.torch_us else None
+        rows.append({**asdict(p), "head_dim": d, "tbs": tbs, "vs_torch": speedup,
+                     "vs_d128_equal_bytes": of_128})  # fmt: skip
+        print(
+            f"{p.dtype:<5} {d:>4} {p.seq_len:>7} {p.graph_us:8.1f} {tbs:6.2f} "
+            + (f"{p.torch_us:9.1f} {speedup:7.2f}x" if speedup else f"{'-':>9} {'-':>8}")
+            + (f" {100 * of_128:21.1f}%" if of_128 else "")
+        )
+    out = {"device": device.name, "read_ceiling_tbs": ceiling, "points": rows,
+           "d128_reference_us": {f"{k[0]}/{k[1]}": v for k, v in refs.items()}}  # fmt: skip
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench_headdim.json").write_text(json.dumps(out, indent=1))
+    return out

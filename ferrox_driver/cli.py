@@ -113,10 +113,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         measure_fixed_costs,
         measure_step_latency,
         run_decode_bench,
+        run_headdim_bench,
     )
 
-    if args.only in ("decode", "step", "host", "all"):
+    if args.only in ("decode", "step", "host", "all", "headdim"):
         import_torch()
+    if args.only == "headdim":
+        run_headdim_bench(
+            Path(args.out) if args.out else None,
+            seq_lens=args.seqs or SEQ_LENS,
+            dtypes=args.dtypes or ["bf16", "f16"],
+        )
     if args.only in ("host", "all"):
         from .bench_host import run_host_bench
 
@@ -239,9 +246,9 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="decode and host-time benchmarks", formatter_class=fmt)
     bench.add_argument(
         "--only",
-        choices=("all", "append", "parity", "step", "decode", "overhead", "host"),
+        choices=("all", "append", "parity", "step", "decode", "overhead", "host", "headdim"),
         default="all",
-        help="which benchmark to run",
+        help="which benchmark to run (all: every one but headdim, the head_dim sweep)",
     )
     bench.add_argument(
         "--out", help="directory for bench_decode.json, bench_decode.png and host_bench.json"
