@@ -112,12 +112,12 @@ __device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, in
     return r;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D, int STAGES = 0>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
     int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
-    constexpr int S = STAGES ? STAGES : FxStages<D>::value;
+    constexpr int S = FxStages<D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
@@ -161,7 +161,7 @@ __device__ __forceinline__ void gqa_split_mma(
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
             s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.f;
 #pragma unroll
-            for (int kb = 0; kb < (DR + 31) / 32; ++kb) {  // (K columns past DR: zeros)
+            for (int kb = 0; kb < D / 32; ++kb) {
                 const int c = (kb * 4 + tig) ^ ((r & 1) << 2);
                 const uint4 kv = *reinterpret_cast<const uint4*>(ks + r * D + c * 8);
                 const uint4 qv = qf.at(kb, tig);

@@ -15,12 +15,12 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
     return y;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D, int STAGES = 0>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D>
 __device__ __forceinline__ void gqa_split_mma_swapped(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
     int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
-    constexpr int S = STAGES ? STAGES : FxStages<D>::value;
+    constexpr int S = FxStages<D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;  // elements of one step's K (or V)
     constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(T);
@@ -54,7 +54,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         // = heads 2tig, 2tig + 1; two chains (the 16-byte reads' halves)
         float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int kb = 0; kb < (DR + 31) / 32; ++kb) {  // (K columns past DR: zeros)
+        for (int kb = 0; kb < D / 32; ++kb) {
             const int cg = (kb * 4 + tig) ^ ((g & 1) << 2);  // rows g and g + 8: same parity
             const uint4 ka = *reinterpret_cast<const uint4*>(ks + g * D + cg * 8);
             const uint4 kc = *reinterpret_cast<const uint4*>(ks + (g + 8) * D + cg * 8);
@@ -174,8 +174,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #ifndef FX_MMA_SWAPPED_D256
 #define FX_MMA_SWAPPED_D256 0
 #endif
-template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value, int DR = D,
-          int STAGES = 0>
+template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value, int DR = D>
 __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,
                                             float* ws_ml, T* out, int n_heads, int n_kv_heads,
                                             int seq_len, const int* seq_len_dev, int splits,
@@ -184,11 +183,12 @@ __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, 
                              : D == 128 ? FX_MMA_SWAPPED_D128
                                         : FX_MMA_SWAPPED_D256;
     if (SWAPPED)
-        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR, STAGES>(
-            q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len, seq_len_dev, splits, tile);
+        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR>(q, k, v, ws_o, ws_ml, out, n_heads,
+                                                        n_kv_heads, seq_len, seq_len_dev,
+                                                        splits, tile);
     else
-        gqa_split_mma<T, D, CLUSTER, WARPS, DR, STAGES>(
-            q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len, seq_len_dev, splits, tile);
+        gqa_split_mma<T, D, CLUSTER, WARPS, DR>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads,
+                                                seq_len, seq_len_dev, splits, tile);
 }
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
@@ -234,17 +234,15 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
     }
 
 // Any other head_dim DR (a multiple of 8) on the kernel of the next head_dim D up, the
-// columns past DR zeros (set once, never read from memory), with a ring of S steps (the
-// host makes it deeper, for as many bytes in flight as D's), its partials merged by the
-// combine kernel: gqa_split_mma_<dt>_d<D>_r<DR>_s<S>, instantiated by the host for the call
-// that needs it.
-#define FX_MMA_PAD_ENTRY(NAME, T, D, DR, S)                                                 \
+// columns past DR zeros (never read from memory) and its partials merged by the combine
+// kernel: gqa_split_mma_<dt>_d<D>_r<DR>, instantiated by the host for the call that needs it.
+#define FX_MMA_PAD_ENTRY(NAME, T, D, DR)                                                    \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, S>(q, k, v, ws_o, ws_ml, nullptr,       \
-                                                       n_heads, n_kv_heads, seq_len,        \
-                                                       seq_len_dev, splits, tile);          \
+        fx_mma_body<T, D, false, FX_WARPS_D##D, DR>(q, k, v, ws_o, ws_ml, nullptr, n_heads, \
+                                                    n_kv_heads, seq_len, seq_len_dev,       \
+                                                    splits, tile);                          \
     }
 
 #ifndef FX_SELECTED

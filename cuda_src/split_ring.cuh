@@ -36,44 +36,21 @@ __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start,
     constexpr int EPC = 16 / (int)sizeof(T);  // elements per 16-byte chunk
     constexpr int NCH = D / EPC, STEP = TOK * D;
     static_assert(DR <= D && DR % EPC == 0, "rows of whole 16-byte chunks, at most D");
-    constexpr int NCR = DR / EPC;  // the chunks a cache row has (fx_zero_pad_columns: the rest)
-    // Few padding chunks: the lanes keep D's mapping and skip them (packing the copies
-    // tighter made the padded head_dim 256 kernel spill on sm_100); more: the real chunks
-    // only, packed over the lanes.
-    constexpr bool PACKED = DR != D && NCR * 4 <= NCH * 3;
-    constexpr int W = PACKED ? NCR : NCH;  // chunks per row in the lanes' mapping
     if (t0 < end) {
         T* ks = ring + (j % S) * 2 * STEP;
         T* vs = ks + STEP;
 #pragma unroll
-        for (int i = 0; i < (TOK * W + 31) / 32; ++i) {
-            const int idx = i * 32 + lane, r = idx / W, c = idx % W;
-            if (TOK * W % 32 != 0 && idx >= TOK * W) break;
-            if (!PACKED && DR != D && c >= NCR) continue;  // a padding chunk: zeros already
-            const bool ok = t0 + r < end;
-            const long long off = (long long)(ok ? t0 + r : start) * row + c * EPC;
+        for (int i = 0; i < TOK * NCH / 32; ++i) {
+            const int idx = i * 32 + lane, r = idx / NCH, c = idx % NCH;
+            const bool col = DR == D || c < DR / EPC;  // a column the cache has
+            const bool ok = t0 + r < end && col;
+            const long long off = (long long)(t0 + r < end ? t0 + r : start) * row +
+                                  (col ? c : 0) * EPC;
             fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * EPC), kg + off, ok);
             fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * EPC), vg + off, ok);
         }
     }
     fx_cp_async_commit();
-}
-
-// Zeros in the columns past DR of every stage of a warp's ring (where the steps' copies
-// never write), once, before its first step: a padded head_dim's K columns meet Q's zeros,
-// its V columns are outputs no one reads, and neither may hold a NaN.
-template <class T, int D, int TOK, int S, int DR>
-__device__ __forceinline__ void fx_zero_pad_columns(T* ring, int lane) {
-    constexpr int EPC = 16 / (int)sizeof(T), NCH = D / EPC, NCR = DR / EPC, PAD = NCH - NCR;
-    if (PAD == 0) return;
-#pragma unroll 1
-    for (int idx = lane; idx < S * 2 * TOK * PAD; idx += 32) {
-        const int c = NCR + idx % PAD, r = (idx / PAD) % TOK, half = idx / (PAD * TOK);
-        const int swz = (half & 1) ? c ^ (r & 6) : c ^ ((r & 1) << 2);  // V : K
-        *reinterpret_cast<uint4*>(ring + half * (TOK * D) + r * D + swz * EPC) =
-            make_uint4(0u, 0u, 0u, 0u);
-    }
-    __syncwarp();
 }
 
 // One warp's K/V ring in the block's dynamic shared memory (fx_issue_step): S stages of
@@ -104,7 +81,6 @@ __device__ __forceinline__ FxWarpRing<T, D, TOK, S, WARPS, DR> fx_warp_ring(
     const FxWarpRing<T, D, TOK, S, WARPS, DR> r{
         reinterpret_cast<T*>(smem) + warp * S * 2 * (TOK * D), k + (long long)g_kv * DR,
         v + (long long)g_kv * DR, (long long)n_kv_heads * DR, start, end, warp, lane};
-    if (DR != D) fx_zero_pad_columns<T, D, TOK, S, DR>(r.ring, lane);
 #pragma unroll
     for (int j = 0; j < S - 1; ++j) r.issue(j);
     return r;

@@ -76,13 +76,11 @@ def split_entry(name: str) -> str:
             return f"FX_MMA_WIDE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
         if base.startswith("gqa_split_mma_") and parts[3] == "f32":
             pass  # the fp32 tensor-core kernels are gqa_split_tc32_*
-        elif base.startswith("gqa_split_mma_") and len(parts) == 7 and parts[5][0] == "r":
-            # gqa_split_mma_<dt>_d<D>_r<head_dim>_s<stages>: a head_dim padded to D
+        elif base.startswith("gqa_split_mma_") and len(parts) == 6 and parts[5][0] == "r":
+            # gqa_split_mma_<dt>_d<D>_r<head_dim>: a head_dim padded to D
             dt, d, dr = _ENTRY_TYPES[parts[3]], int(parts[4][1:]), int(parts[5][1:])
-            stages = int(parts[6][1:]) if parts[6][0] == "s" else 0
-            padded = parts[4][0] == "d" and d in MMA_HEAD_DIMS and 0 < dr < d and dr % 8 == 0
-            if padded and 2 <= stages <= 8:
-                return f"FX_MMA_PAD_ENTRY({name}, {dt}, {d}, {dr}, {stages})"
+            if parts[4][0] == "d" and d in MMA_HEAD_DIMS and 0 < dr < d and dr % 8 == 0:
+                return f"FX_MMA_PAD_ENTRY({name}, {dt}, {d}, {dr})"
         elif base.startswith("gqa_split_mma_") and len(parts) == 5:  # gqa_split_mma_<dt>_d<D>
             return f"FX_MMA_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {int(parts[4][1:])})"
         if base.startswith("gqa_split_tc32_f32_"):  # gqa_split_tc32_f32_d<D>
@@ -115,18 +113,6 @@ MAX_CLUSTER = kernel_define("FX_MAX_CLUSTER")  # blocks of one on-chip merge
 # +0.5; 28/4/128 at 512, 7168: +0.1).
 CLUSTER_MAX_EXCHANGE = 8192
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels ...
-
-
-def padded_stages(device: Device, mma_dim: int, head_dim: int) -> int:
-    """Steps in each warp's ring for a cache of ``head_dim`` on the ``mma_dim`` kernel: as
-    many real bytes in flight as ``mma_dim``'s own ring keeps (its steps carry
-    head_dim / mma_dim of the bytes), as far as the shared memory holds (a 24 KB margin for
-    the kernel's static arrays)."""
-    own = MMA_STAGES[mma_dim]
-    want = 1 + -(-(own - 1) * mma_dim // head_dim)
-    step_bytes = MMA_WARPS[mma_dim] * 16 * 2 * mma_dim * 2  # a step of every warp's ring
-    fits = (device.max_shared_per_block_optin - 24 * 1024) // step_bytes
-    return max(own, min(want, fits, 8))
 
 
 def mma_head_dim(head_dim: int) -> int | None:
@@ -351,11 +337,10 @@ def _plan_split(
     mma_dim = mma_head_dim(head_dim) if name != "f32" else None
     if mma_dim is not None and group <= 8 and aligned:
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{mma_dim}", True, 1, 32
+        if mma_dim != head_dim:
+            kname, padded_to = f"{kname}_r{head_dim}", mma_dim
         threads, stages = 32 * MMA_WARPS[mma_dim], MMA_STAGES[mma_dim]
         reserve = MMA_RESERVE_STAGES[mma_dim]
-        if mma_dim != head_dim:
-            stages = padded_stages(device, mma_dim, head_dim)
-            kname, padded_to = f"{kname}_r{head_dim}_s{stages}", mma_dim
     elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group):
         kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
         threads, stages = 32 * TC32_WARPS[head_dim], TC32_STAGES[head_dim]

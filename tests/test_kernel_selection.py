@@ -68,11 +68,11 @@ def test_a_plan_compiles_in_a_few_seconds_not_every_kernel(capsys):
 def test_padded_head_dims_compile_without_stack_or_spills(arch):
     # one per kernel head_dim they pad to, both 16-bit types across the three
     for name in (
-        "gqa_split_mma_bf16_d64_r40_s5",
-        "gqa_split_mma_f16_d128_r96_s3",
-        "gqa_split_mma_bf16_d128_r72_s3",
-        "gqa_split_mma_f16_d256_r160_s3",
-        "gqa_split_mma_bf16_d256_r248_s3",
+        "gqa_split_mma_bf16_d64_r40",
+        "gqa_split_mma_f16_d128_r96",
+        "gqa_split_mma_bf16_d128_r72",
+        "gqa_split_mma_f16_d256_r160",
+        "gqa_split_mma_bf16_d256_r248",
     ):
         source = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n"
         program = compile_source(source + attention.split_entry(name) + "\n", arch=arch)
@@ -85,17 +85,15 @@ def test_a_padded_kernel_is_named_for_its_call():
     assert attention.mma_head_dim(200) == 256 and attention.mma_head_dim(128) == 128
     assert attention.mma_head_dim(100) is None and attention.mma_head_dim(7) is None
     assert (
-        attention.split_entry("gqa_split_mma_bf16_d128_r96_s3")
-        == "FX_MMA_PAD_ENTRY(gqa_split_mma_bf16_d128_r96_s3, fx_bf16, 128, 96, 3)"
+        attention.split_entry("gqa_split_mma_bf16_d128_r96")
+        == "FX_MMA_PAD_ENTRY(gqa_split_mma_bf16_d128_r96, fx_bf16, 128, 96)"
     )
 
 
 @pytest.mark.parametrize(
     "bad",
-    ["gqa_split_mma_bf16", "gqa_split_fp8_g4_vec", "nope", "", "gqa_split_mma_bf16_d128_r100_s3",
-     "gqa_split_mma_bf16_d128_r128_s3", "gqa_split_mma_bf16_d96_r80_s3",
-     "gqa_split_mma_f32_d128_r96_s3", "gqa_split_mma_bf16_d128_r96",
-     "gqa_split_mma_bf16_d128_r96_s1"],
+    ["gqa_split_mma_bf16", "gqa_split_fp8_g4_vec", "nope", "", "gqa_split_mma_bf16_d128_r100",
+     "gqa_split_mma_bf16_d128_r128", "gqa_split_mma_bf16_d96_r80", "gqa_split_mma_f32_d128_r96"],
 )  # fmt: skip
 def test_a_name_no_kernel_has_is_refused(bad):
     with pytest.raises(ValueError, match="has no kernel"):
