@@ -161,7 +161,7 @@ __device__ __forceinline__ void gqa_split_mma(
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
             s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.f;
 #pragma unroll
-            for (int kb = 0; kb < (DR + 31) / 32; ++kb) {  // (blocks past DR: no K there)
+            for (int kb = 0; kb < D / 32; ++kb) {
                 const int c = (kb * 4 + tig) ^ ((r & 1) << 2);
                 const uint4 kv = *reinterpret_cast<const uint4*>(ks + r * D + c * 8);
                 const uint4 qv = qf.at(kb, tig);

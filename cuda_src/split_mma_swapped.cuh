@@ -54,7 +54,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         // = heads 2tig, 2tig + 1; two chains (the 16-byte reads' halves)
         float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int kb = 0; kb < (DR + 31) / 32; ++kb) {  // (blocks past DR: no K there)
+        for (int kb = 0; kb < D / 32; ++kb) {
             const int cg = (kb * 4 + tig) ^ ((g & 1) << 2);  // rows g and g + 8: same parity
             const uint4 ka = *reinterpret_cast<const uint4*>(ks + g * D + cg * 8);
             const uint4 kc = *reinterpret_cast<const uint4*>(ks + (g + 8) * D + cg * 8);

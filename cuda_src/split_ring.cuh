@@ -26,8 +26,9 @@ __device__ __forceinline__ void fx_cp_async_wait() {
 // Queue step j of a warp: K and V rows t0..t0+TOK into stage j % S of its ring, 16 bytes per
 // cp.async, rows XOR-swizzled in 16-byte units (K chunk c of row r at c ^ ((r & 1) << 2), V
 // at c ^ (r & 6)); rows past `end` are zeros. One commit group per step, even an empty one,
-// so the waits count steps. The cache's rows have DR <= D elements (a multiple of EPC), a
-// head_dim padded to the kernel's D: nothing past DR is read from memory.
+// so the waits count steps. The cache's rows have DR <= D elements (a multiple of EPC): the
+// ring's columns past DR are zeros, never read from memory (a head_dim padded to the
+// kernel's D).
 template <class T, int D, int TOK, int S, int DR = D>
 __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start, int end,
                                               int lane, const T* kg, const T* vg,
@@ -35,11 +36,6 @@ __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start,
     constexpr int EPC = 16 / (int)sizeof(T);  // elements per 16-byte chunk
     constexpr int NCH = D / EPC, STEP = TOK * D;
     static_assert(DR <= D && DR % EPC == 0, "rows of whole 16-byte chunks, at most D");
-    // Past DR: K's chunks up to the end of its last 32-column block are zeros (Q K^T reads
-    // those blocks, and a zero of Q times a NaN would poison the score); V's, and K's
-    // beyond, are not written at all: no score reads them, and V's feed only output
-    // columns past DR, which are never stored.
-    constexpr int KCH = (DR + 31) / 32 * (32 / EPC);
     if (t0 < end) {
         T* ks = ring + (j % S) * 2 * STEP;
         T* vs = ks + STEP;
@@ -50,9 +46,8 @@ __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start,
             const bool ok = t0 + r < end && col;
             const long long off = (long long)(t0 + r < end ? t0 + r : start) * row +
                                   (col ? c : 0) * EPC;
-            if (DR == D || c < KCH)
-                fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * EPC), kg + off, ok);
-            if (col) fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * EPC), vg + off, ok);
+            fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * EPC), kg + off, ok);
+            fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * EPC), vg + off, ok);
         }
     }
     fx_cp_async_commit();
