@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +30,14 @@ from .validation import dtype_name
 __all__ = [
     "ALGORITHMS",
     "OVERRIDES",
+    "TUNING",
+    "DeviceTraits",
     "Launch",
     "Overrides",
     "SplitPlan",
+    "Tuning",
     "parity_launches",
+    "plan",
     "plan_split",
     "split_launches",
 ]
@@ -115,14 +120,15 @@ CLUSTER_MAX_EXCHANGE = 8192
 MMA_HEAD_DIMS = (64, 128, 256)  # fp16/bf16 tensor-core kernels ...
 
 
-def mma_head_dim(head_dim: int) -> int | None:
+def mma_head_dim(head_dim: int, overrides: Overrides | None = None) -> int | None:
     """The fp16/bf16 tensor-core kernel's head_dim for a cache of ``head_dim``: its own, or
     for any other multiple of 8 the next of MMA_HEAD_DIMS up (the columns past it zeros,
     never read from memory: gqa_split_mma_<dt>_d<D>_r<head_dim>); None for the rest, and
     with ``OVERRIDES.padded_mma`` off for all but MMA_HEAD_DIMS."""
     if head_dim in MMA_HEAD_DIMS:
         return head_dim
-    if head_dim % 8 or head_dim > MMA_HEAD_DIMS[-1] or not OVERRIDES.padded_mma:
+    ov = OVERRIDES if overrides is None else overrides
+    if head_dim % 8 or head_dim > MMA_HEAD_DIMS[-1] or not ov.padded_mma:
         return None
     return next(d for d in MMA_HEAD_DIMS if d >= head_dim)
 
@@ -261,26 +267,111 @@ TC32_RESERVE_STAGES = {d: kernel_define(f"FX_TC32_RESERVE_STAGES_D{d}") for d in
 # clusters share some GPCs) they were 8.8-11.5% slower from 32768; with 4 (clusters of 16)
 # or 32 (MHA, clusters of 2), slower too. So the plan is for WIDE_KV_HEADS only.
 WIDE_WARPS = kernel_define("FX_WIDE_WARPS")
-WIDE_CHUNKS = 8
-WIDE_KV_HEADS = 8
 WIDE_HEAD_DIM = 128
 
 
-def wide_from(group: int) -> int:
-    """The shortest sequence a wide plan takes for groups of ``group`` (see WIDE_WARPS;
-    groups of 6 and 7 were not measured and take 8's length)."""
-    return 1024 if group <= 4 else 2048 if group == 5 else 16384
+@dataclass(frozen=True)
+class Tuning:
+    """The planner's measured thresholds for one architecture (TUNING); each was measured
+    as its note says.
+
+    Attributes:
+        cluster_max_exchange: see CLUSTER_MAX_EXCHANGE (H200, 512-8192 tokens).
+        wide_kv_heads: the KV heads the wide plans are for (see WIDE_WARPS: 8 on the H200,
+            one cluster per GPC).
+        wide_chunks: chunks per KV head, and blocks per cluster, of a wide plan.
+        wide_from: (largest group, shortest sequence) pairs: a wide plan for groups up to
+            that size from that length (H200: groups of 2-5 from 1024/2048 tokens, 8 from
+            16384; 6 and 7 not measured, so 8's).
+        tc32_groups: the fp32 groups that take the split-TF32 tensor-core kernels (see
+            ``tc32_for``; H200).
+    """
+
+    cluster_max_exchange: int = CLUSTER_MAX_EXCHANGE
+    wide_kv_heads: int = 8
+    wide_chunks: int = 8
+    wide_from: tuple[tuple[int, int], ...] = ((4, 1024), (5, 2048), (8, 16384))
+    tc32_groups: tuple[int, int] = (2, 8)
 
 
-_resident_blocks: dict[tuple[int, str], int] = {}
+# Measured on the H200 (sm_90); other architectures take its values until measured.
+TUNING: dict[str, Tuning] = {"sm_90": Tuning()}
+DEFAULT_TUNING = TUNING["sm_90"]
+WIDE_CHUNKS = DEFAULT_TUNING.wide_chunks
+WIDE_KV_HEADS = DEFAULT_TUNING.wide_kv_heads
 
 
-def _blocks_per_sm(kernel: Kernel, device: Device, threads: int, shared_mem: int) -> int:
-    key = (device.context_handle, kernel.name)
-    n = _resident_blocks.get(key)
-    if n is None:
-        n = _resident_blocks[key] = max(kernel.max_active_blocks(threads, shared_mem), 1)
-    return n
+def wide_from(group: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    """The shortest sequence a wide plan takes for groups of ``group`` (see Tuning)."""
+    return next((seq for most, seq in tuning.wide_from if group <= most), 2**62)
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceTraits:
+    """What the planner knows of a device: numbers from the driver, the occupancy of the
+    kernels it may choose (asked of the driver the first time, then remembered), and the
+    architecture's measured thresholds. ``DeviceTraits.of(device)`` reads a real one;
+    tests build their own, with occupancy functions of their choosing.
+
+    Attributes:
+        key: identifies the device (a context handle) in the planner's memo.
+        arch: e.g. ``"sm_90"``.
+        compute_capability: (major, minor).
+        multiprocessor_count: SMs.
+        blocks_per_sm: ``(kernel, threads, dynamic shared bytes) -> blocks`` resident on a
+            multiprocessor (cuOccupancyMaxActiveBlocksPerMultiprocessor), at least 1.
+        active_clusters: ``(kernel, cluster, threads, dynamic shared bytes) -> clusters``
+            of ``cluster`` blocks resident at once on the device
+            (cuOccupancyMaxActiveClusters; 0 where such a cluster cannot run).
+        tuning: the thresholds (TUNING by arch, DEFAULT_TUNING elsewhere).
+    """
+
+    key: Any
+    arch: str
+    compute_capability: tuple[int, int]
+    multiprocessor_count: int
+    blocks_per_sm: Callable[[str, int, int], int]
+    active_clusters: Callable[[str, int, int, int], int]
+    tuning: Tuning = DEFAULT_TUNING
+
+    @classmethod
+    def of(cls, device: Device) -> DeviceTraits:
+        """The traits of ``device`` (made once per context)."""
+        traits = _traits.get(device.context_handle)
+        if traits is None:
+            traits = _traits[device.context_handle] = _read_traits(device)
+        return traits
+
+
+_traits: dict[int, DeviceTraits] = {}
+
+
+def _read_traits(device: Device) -> DeviceTraits:
+    blocks: dict[str, int] = {}
+    clusters: dict[tuple[str, int], int] = {}
+
+    def blocks_per_sm(kernel: str, threads: int, shared: int) -> int:
+        n = blocks.get(kernel)
+        if n is None:
+            found = split_kernel(kernel, device).max_active_blocks(threads, shared)
+            n = blocks[kernel] = max(found, 1)
+        return n
+
+    def active_clusters(kernel: str, cluster: int, threads: int, shared: int) -> int:
+        n = clusters.get((kernel, cluster))
+        if n is None:
+            try:
+                n = split_kernel(kernel, device).max_active_clusters(cluster, threads, shared)
+            except CudaError:  # e.g. a cluster larger than this device (or MIG slice) holds
+                n = 0
+            clusters[kernel, cluster] = n
+        return n
+
+    return DeviceTraits(
+        device.context_handle, device.arch, device.compute_capability,
+        device.multiprocessor_count, blocks_per_sm, active_clusters,
+        TUNING.get(device.arch, DEFAULT_TUNING),
+    )  # fmt: skip
 
 
 _plans: dict[tuple[Any, ...], SplitPlan] = {}
@@ -310,44 +401,50 @@ def plan_split(
     """
     key = (device.context_handle, np.dtype(dtype), n_heads, n_kv_heads, head_dim, plan_seq,
            aligned, OVERRIDES)  # fmt: skip
-    plan = _plans.get(key)
-    if plan is None:
+    found = _plans.get(key)
+    if found is None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        plan = _plans[key] = _plan_split(
-            device, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned
-        )
-    else:  # its kernel loaded, as after a first plan (captures need it; a dict lookup)
-        split_kernel(plan.kernel, device)
-    return plan
+        found = _plans[key] = plan(
+            DeviceTraits.of(device), dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
+            OVERRIDES,
+        )  # fmt: skip
+    split_kernel(found.kernel, device)  # loaded (captures need it; after a first plan, a lookup)
+    return found
 
 
-def _plan_split(
-    device: Device,
-    dtype: np.dtype,
+def plan(
+    traits: DeviceTraits,
+    dtype: Any,
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
     plan_seq: int,
-    aligned: bool,
+    aligned: bool = True,
+    overrides: Overrides | None = None,
 ) -> SplitPlan:
+    """The split plan for decodes of up to ``plan_seq`` tokens of this shape on a device of
+    ``traits`` (see ``plan_split``, which remembers it per device): a function of its
+    arguments alone, ``overrides`` (default: OVERRIDES) included."""
+    ov = OVERRIDES if overrides is None else overrides
+    tuning = traits.tuning
     group = n_heads // n_kv_heads
-    name = dtype_name(dtype)
+    name = dtype_name(np.dtype(dtype))
     stages, step_tokens, reserve, padded_to = 0, 16, 0, 0
-    mma_dim = mma_head_dim(head_dim) if name != "f32" else None
+    mma_dim = mma_head_dim(head_dim, ov) if name != "f32" else None
     if mma_dim is not None and group <= 8 and aligned:
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{mma_dim}", True, 1, 32
         if mma_dim != head_dim:
             kname, padded_to = f"{kname}_r{head_dim}", mma_dim
         threads, stages = 32 * MMA_WARPS[mma_dim], MMA_STAGES[mma_dim]
         reserve = MMA_RESERVE_STAGES[mma_dim]
-    elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group):
+    elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group, ov, tuning):
         kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
         threads, stages = 32 * TC32_WARPS[head_dim], TC32_STAGES[head_dim]
         step_tokens = TC32_TOKENS[head_dim]
         reserve = TC32_RESERVE_STAGES[head_dim]
     else:
-        cap = OVERRIDES.heads_per_block
+        cap = ov.heads_per_block
         gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))
         tiles = -(-group // gt)
         lpt = 1
@@ -355,19 +452,18 @@ def _plan_split(
             lpt *= 2
         vec = "vec" if head_dim % 8 == 0 and aligned else "any"
         kname, tc, threads = f"gqa_split_{name}_g{gt}_{vec}", False, THREADS
-    kernel = split_kernel(kname, device)
     tile = TILE if tc else cuda_core_tile(lpt)
-    plan = SplitPlan(
+    chosen = SplitPlan(
         kname, tc, tiles, lpt, 1, threads, tile, stages, step_tokens, reserve_stages=reserve,
         kernel_head_dim=padded_to,
     )  # fmt: skip
-    shared = plan.shared_bytes(head_dim, np.dtype(dtype).itemsize)
-    wave = _blocks_per_sm(kernel, device, threads, shared) * device.multiprocessor_count
+    shared = chosen.shared_bytes(head_dim, np.dtype(dtype).itemsize)
+    wave = traits.blocks_per_sm(kname, threads, shared) * traits.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
     most = max(1, min(wave // (n_kv_heads * tiles), MAX_SPLITS))
     seq = max(plan_seq, 1)
     if not tc:
-        return dataclasses.replace(plan, splits=min(most, -(-seq // tile)))
+        return dataclasses.replace(chosen, splits=min(most, -(-seq // tile)))
     if name == "f32" and head_dim == 256:
         # 32-token tiles, no clusters: this kernel's steps (8 tokens of split-TF32 products
         # over 256 columns) are long dependent chains, so short sequences want more blocks
@@ -375,87 +471,88 @@ def _plan_split(
         # 8/1/256 10.9 -> 8.8 us at 512 tokens, 13.1 -> 11.8 at 4096; 16-token tiles 9.2 /
         # 11.8; in clusters 0.5-0.8 us slower.
         tile = 32
-        return dataclasses.replace(plan, splits=min(most, -(-seq // tile)), tile=tile)
+        return dataclasses.replace(chosen, splits=min(most, -(-seq // tile)), tile=tile)
     # 64-token tiles, merged on chip where the chunks fit resident clusters and exchange at
     # most CLUSTER_MAX_EXCHANGE floats: smaller tiles (more chunks, in clusters or not)
     # measured level or slower for these kernels.
-    wide = wide_plan(device, plan, name, n_kv_heads, group, head_dim, seq)
+    wide = wide_plan(traits, chosen, name, n_kv_heads, group, head_dim, seq, ov)
     if wide is not None:
         return wide
     splits = min(most, -(-seq // tile))
     if padded_to:  # no cluster twin: the combine kernel merges the chunks
-        return dataclasses.replace(plan, splits=splits, tile=tile)
+        return dataclasses.replace(chosen, splits=splits, tile=tile)
     shared += cluster_recv_bytes(head_dim)
-    cluster = splits * group * head_dim <= CLUSTER_MAX_EXCHANGE and clusters_fit(
-        device, f"{kname}_cluster", splits, n_kv_heads, threads, shared
+    cluster = splits * group * head_dim <= tuning.cluster_max_exchange and clusters_fit(
+        traits, f"{kname}_cluster", splits, n_kv_heads, threads, shared, ov
     )
     if cluster:
         kname = f"{kname}_cluster"
     return dataclasses.replace(
-        plan, kernel=kname, splits=splits, tile=tile, cluster=splits if cluster else 0
+        chosen, kernel=kname, splits=splits, tile=tile, cluster=splits if cluster else 0
     )
 
 
 def wide_plan(
-    device: Device,
+    traits: DeviceTraits,
     plan: SplitPlan,
     name: str,
     n_kv_heads: int,
     group: int,
     head_dim: int,
     seq: int,
+    overrides: Overrides | None = None,
 ) -> SplitPlan | None:
     """The wide plan replacing the fp16/bf16 tensor-core ``plan`` (see WIDE_WARPS), or None
     where it does not apply: another head_dim, other than WIDE_KV_HEADS KV heads, a sequence
     shorter than ``wide_from(group)``, clusters that would not all be resident, or
-    ``OVERRIDES.wide`` off (a comparison knob; ``cluster`` off turns it off too)."""
-    if not OVERRIDES.wide or name == "f32" or head_dim != WIDE_HEAD_DIM:
+    ``overrides.wide`` off (a comparison knob; ``cluster`` off turns it off too)."""
+    ov = OVERRIDES if overrides is None else overrides
+    tuning = traits.tuning
+    if not ov.wide or name == "f32" or head_dim != WIDE_HEAD_DIM:
         return None
-    if n_kv_heads != WIDE_KV_HEADS or seq < wide_from(group):
+    if n_kv_heads != tuning.wide_kv_heads or seq < wide_from(group, tuning):
         return None
     wide = dataclasses.replace(
         plan,
         kernel=f"gqa_split_mma_{name}_d{head_dim}_wide_cluster",
         threads=32 * WIDE_WARPS,
         reserve_stages=0,  # WIDE_WARPS x stages steps already fill a multiprocessor's share
-        splits=WIDE_CHUNKS,
+        splits=tuning.wide_chunks,
         tile=TILE,
-        cluster=WIDE_CHUNKS,
+        cluster=tuning.wide_chunks,
     )
     shared = wide.shared_bytes(head_dim, 2)
-    if not clusters_fit(device, wide.kernel, WIDE_CHUNKS, n_kv_heads, wide.threads, shared):
+    if not clusters_fit(
+        traits, wide.kernel, tuning.wide_chunks, n_kv_heads, wide.threads, shared, ov
+    ):
         return None
     return wide
 
 
-_resident_clusters: dict[tuple[int, str, int], int] = {}
-
-
 def clusters_fit(
-    device: Device, kernel_name: str, cluster: int, n_clusters: int, threads: int, shared: int
+    traits: DeviceTraits,
+    kernel_name: str,
+    cluster: int,
+    n_clusters: int,
+    threads: int,
+    shared: int,
+    overrides: Overrides | None = None,
 ) -> bool:
     """Whether ``n_clusters`` clusters of ``cluster`` blocks of the tensor-core kernel
     ``kernel_name`` run at once (one wave: a cluster waiting for another to finish would
     double the time), so each KV head's chunks can merge on chip instead of in a combine
     kernel. Needs compute capability 9.0 (clusters of at most ``MAX_CLUSTER`` blocks);
-    ``OVERRIDES.cluster`` off turns it off (a comparison knob)."""
-    if not OVERRIDES.cluster:
+    ``overrides.cluster`` off turns it off (a comparison knob)."""
+    if not (OVERRIDES if overrides is None else overrides).cluster:
         return False
-    if device.compute_capability < (9, 0) or cluster > MAX_CLUSTER:
+    if traits.compute_capability < (9, 0) or cluster > MAX_CLUSTER:
         return False
-    key = (device.context_handle, kernel_name, cluster)
-    n = _resident_clusters.get(key)
-    if n is None:
-        kernel = split_kernel(kernel_name, device)
-        try:
-            n = kernel.max_active_clusters(cluster, threads, shared)
-        except CudaError:  # e.g. a cluster larger than this device (or MIG slice) holds
-            n = 0
-        _resident_clusters[key] = n
-    return n >= n_clusters
+    return traits.active_clusters(kernel_name, cluster, threads, shared) >= n_clusters
 
 
-def tc32_for(group: int) -> bool:
+def tc32_for(
+    group: int, overrides: Overrides | None = None, tuning: Tuning = DEFAULT_TUNING
+) -> bool:
     """Whether an fp32 decode takes the split-TF32 tensor-core kernel (whose time does not
     depend on the group: it always computes 8 rows) rather than a CUDA-core one (whose
     time grows with the group). Measured on the H200 with the two-mma products: groups of 4
@@ -464,9 +561,10 @@ def tc32_for(group: int) -> bool:
     were faster at every length already with three mmas. Groups of 1 (MHA) stay on CUDA
     cores, which stream at the ceiling. ``OVERRIDES.tc32`` off keeps every group on CUDA
     cores (a comparison knob)."""
-    if not OVERRIDES.tc32:
+    if not (OVERRIDES if overrides is None else overrides).tc32:
         return False
-    return 2 <= group <= 8
+    low, high = tuning.tc32_groups
+    return low <= group <= high
 
 
 def cuda_core_tile(lanes_per_token: int) -> int:

@@ -118,71 +118,48 @@ def test_fp32_takes_tensor_cores_for_groups_of_two_to_eight(monkeypatch):
     assert not any(attention.tc32_for(g) for g in range(1, 17))
 
 
-class _FakeDevice:
-    """Enough of a Device for the cluster rule's early answers (no GPU)."""
+def _traits(cc=(9, 0), blocks=None, clusters=None, sms=132):
+    """A device's traits for the planner, built by hand (no GPU): by default a fake H200
+    (132 multiprocessors of 228 KiB of shared memory, 1 KiB of it reserved per block;
+    clusters of up to 8 blocks: 15 resident, of 9-16: 7)."""
 
-    context_handle = -1
+    def fake_blocks(kernel, threads, shared):
+        return max(1, min(2048 // threads, 228 * 1024 // (shared + 1024)))
 
-    def __init__(self, compute_capability):
-        self.compute_capability = compute_capability
+    def fake_clusters(kernel, cluster, threads, shared):
+        return 15 if cluster <= 8 else 7
+
+    return attention.DeviceTraits(
+        "fake", f"sm_{cc[0]}{cc[1]}", cc, sms, blocks or fake_blocks, clusters or fake_clusters
+    )
 
 
-def test_clusters_need_compute_capability_9_at_most_16_blocks_all_resident(monkeypatch):
-    resident = {"k4": 40, "k16": 7}  # clusters the (fake) device holds at once
+def test_clusters_need_compute_capability_9_at_most_16_blocks_all_resident():
+    resident = {"k4": 40, "k16": 7, "k_refused": 0}  # clusters the (fake) device holds at once
 
-    class FakeKernel:
-        def __init__(self, name):
-            self.name = name
+    def clusters(kernel, cluster, threads, shared):
+        return resident[kernel]
 
-        def max_active_clusters(self, cluster, threads, shared):
-            if self.name == "k_refused":
-                raise CudaError(
-                    912, "CUDA_ERROR_INVALID_CLUSTER_SIZE", "cuOccupancyMaxActiveClusters", "-"
-                )
-            return resident[self.name]
-
-    monkeypatch.setattr(attention, "split_kernel", lambda name, device: FakeKernel(name))
-    monkeypatch.setattr(attention, "_resident_clusters", {})
-
-    def fits(name, cluster, n_clusters, cc=(9, 0)):
-        return attention.clusters_fit(_FakeDevice(cc), name, cluster, n_clusters, 128, 0)
+    def fits(name, cluster, n_clusters, cc=(9, 0), overrides=None):
+        traits = _traits(cc, clusters=clusters)
+        return attention.clusters_fit(traits, name, cluster, n_clusters, 128, 0, overrides)
 
     assert fits("k4", 4, 32) and fits("k4", 4, 40) and not fits("k4", 4, 41)
     assert fits("k16", 16, 7) and not fits("k16", 16, 8)  # an eighth would wait: no
     assert not fits("k_refused", 16, 1)
     assert not fits("k4", 4, 1, cc=(8, 0))
     assert not fits("k4", attention.MAX_CLUSTER + 1, 1)
-    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(cluster=False))
-    assert not fits("k4", 4, 1)
+    assert not fits("k4", 4, 1, overrides=attention.Overrides(cluster=False))
 
 
-def test_plans_tile_and_merge_as_measured(monkeypatch):
-    """The plan rule on a fake H200 (132 multiprocessors of 228 KiB of shared memory, 1 KiB
-    of it reserved per block; clusters of up to 8 blocks: 15 resident, of 9-16: 7), no
-    GPU. Every tensor-core launch takes more than half a multiprocessor's shared memory (the
-    head_dim 128 one by its reserve), so one block fits each."""
+def test_plans_tile_and_merge_as_measured():
+    """The plan rule on a fake H200 (see _traits), no GPU. Every tensor-core launch takes
+    more than half a multiprocessor's shared memory (the head_dim 128 one by its reserve),
+    so one block fits each."""
+    traits = _traits()
 
-    class FakeKernel:
-        def __init__(self, name):
-            self.name = name
-
-        def max_active_blocks(self, threads, shared):
-            return max(1, min(2048 // threads, 228 * 1024 // (shared + 1024)))
-
-        def max_active_clusters(self, cluster, threads, shared):
-            return 15 if cluster <= 8 else 7
-
-    class FakeH200(_FakeDevice):
-        multiprocessor_count = 132
-
-    monkeypatch.setattr(attention, "split_kernel", lambda name, device: FakeKernel(name))
-    monkeypatch.setattr(attention, "_resident_blocks", {})
-    monkeypatch.setattr(attention, "_resident_clusters", {})
-    monkeypatch.setattr(attention, "_plans", {})
-    dev = FakeH200((9, 0))
-
-    def plan(dtype, heads, seq):
-        p = attention.plan_split(dev, np.dtype(dtype), *heads, seq)
+    def plan(dtype, heads, seq, overrides=None, on=traits):
+        p = attention.plan(on, dtype, *heads, seq, True, overrides)
         return p.kernel, p.tile, p.splits, p.cluster
 
     bf16 = ml_dtypes.bfloat16
@@ -206,7 +183,7 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     assert plan(bf16, (16, 4, 128), 32768) == ("gqa_split_mma_bf16_d128", 64, 33, 0)
     assert plan(bf16, (48, 12, 128), 32768) == ("gqa_split_mma_bf16_d128", 64, 11, 0)
     assert plan(bf16, (32, 32, 128), 32768) == ("gqa_split_mma_bf16_d128", 64, 4, 0)
-    p = attention.plan_split(dev, np.dtype(bf16), 32, 8, 128, 4096)
+    p = attention.plan(traits, bf16, 32, 8, 128, 4096)
     assert (p.threads, p.stages) == (32 * attention.WIDE_WARPS, attention.MMA_STAGES[128])
     ring = attention.WIDE_WARPS * attention.MMA_STAGES[128] * 16 * 2 * 128 * 2
     assert p.shared_bytes(128, 2) == ring + attention.cluster_recv_bytes(128)
@@ -229,20 +206,38 @@ def test_plans_tile_and_merge_as_measured(monkeypatch):
     assert plan(np.float32, (32, 8, 128), 4096) == ("gqa_split_tc32_f32_d128", 64, 16, 0)
     assert plan(np.float32, (16, 2, 64), 32768) == ("gqa_split_tc32_f32_d64", 64, 66, 0)
     for heads in ((32, 8, 128), (16, 2, 64)):
-        p = attention.plan_split(dev, np.dtype(np.float32), *heads, 4096)
+        p = attention.plan(traits, np.float32, *heads, 4096)
         hd = heads[2]
         assert (p.stages, p.reserve_stages) == (2, 3)
         assert p.shared_bytes(hd, 4) == p.threads // 32 * 3 * p.step_tokens * 2 * hd * 4
-    # FERROX_WIDE=0: the combine kernel's plans again (a comparison knob)
-    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(wide=False))
-    assert plan(bf16, (32, 8, 128), 4096) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
-    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides())
+    # wide=False (FERROX_WIDE=0): the combine kernel's plans again (a comparison knob)
+    no_wide = attention.Overrides(wide=False)
+    assert plan(bf16, (32, 8, 128), 4096, no_wide) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
     # no clusters before compute capability 9.0
-    monkeypatch.setattr(attention, "_resident_clusters", {})
-    monkeypatch.setattr(attention, "_plans", {})
-    dev.compute_capability = (8, 0)
-    assert plan(bf16, (32, 8, 128), 512) == ("gqa_split_mma_bf16_d128", 64, 8, 0)
-    assert plan(bf16, (32, 8, 128), 4096) == ("gqa_split_mma_bf16_d128", 64, 16, 0)
+    ampere = _traits(cc=(8, 0), sms=108)
+    assert plan(bf16, (32, 8, 128), 512, on=ampere) == ("gqa_split_mma_bf16_d128", 64, 8, 0)
+    assert plan(bf16, (32, 8, 128), 4096, on=ampere) == ("gqa_split_mma_bf16_d128", 64, 13, 0)
+    # padded head dims: the next tensor-core kernel up, merged by the combine kernel
+    assert plan(bf16, (32, 8, 96), 4096) == ("gqa_split_mma_bf16_d128_r96", 64, 16, 0)
+    assert plan(bf16, (32, 8, 40), 512)[0] == "gqa_split_mma_bf16_d64_r40"
+    no_pad = attention.Overrides(padded_mma=False)
+    assert plan(bf16, (32, 8, 96), 4096, no_pad)[0] == "gqa_split_bf16_g4_vec"
+    assert plan(bf16, (32, 8, 100), 4096)[0] == "gqa_split_bf16_g4_any"  # not a multiple of 8
+
+
+def test_the_thresholds_come_from_the_architecture_table():
+    h200 = _traits()
+    other = attention.DeviceTraits(
+        "other", "sm_90", (9, 0), 132, h200.blocks_per_sm, h200.active_clusters,
+        attention.Tuning(wide_kv_heads=4, cluster_max_exchange=0),
+    )  # fmt: skip
+    bf16 = ml_dtypes.bfloat16
+    assert attention.plan(h200, bf16, 32, 8, 128, 4096).kernel.endswith("_wide_cluster")
+    assert attention.plan(other, bf16, 32, 8, 128, 4096).cluster == 0  # no wide plan for 8
+    assert attention.plan(other, bf16, 16, 4, 128, 4096).kernel.endswith("_wide_cluster")
+    assert attention.plan(other, bf16, 32, 8, 128, 512).cluster == 0  # no exchange allowed
+    assert attention.TUNING["sm_90"] == attention.Tuning()
+    assert [g for g in range(1, 17) if attention.wide_from(g) <= 2048] == [1, 2, 3, 4, 5]
 
 
 def test_the_head_dim_128_launch_reserves_more_shared_memory_than_its_ring():
@@ -373,3 +368,32 @@ def test_compile_source_reads_the_log_into_a_buffer_of_its_own(monkeypatch):
     assert program.log == ""
     assert program.resources == {}
     assert program.cubin[:4] == b"\x7fELF"
+
+
+def test_traits_read_from_a_device_ask_the_driver_once_per_kernel(monkeypatch):
+    asked = []
+
+    class FakeKernel:
+        def __init__(self, name):
+            self.name = name
+
+        def max_active_blocks(self, threads, shared):
+            asked.append(("blocks", self.name))
+            return 0  # read as 1: a launch runs at least one block
+
+        def max_active_clusters(self, cluster, threads, shared):
+            asked.append(("clusters", self.name, cluster))
+            if cluster > 8:
+                raise CudaError(912, "CUDA_ERROR_INVALID_CLUSTER_SIZE", "cuOccupancy...", "-")
+            return 15
+
+    class FakeDevice:
+        context_handle, arch, compute_capability, multiprocessor_count = -7, "sm_90", (9, 0), 132
+
+    monkeypatch.setattr(attention, "split_kernel", lambda name, device: FakeKernel(name))
+    traits = attention._read_traits(FakeDevice())
+    assert traits.tuning is attention.TUNING["sm_90"] and traits.multiprocessor_count == 132
+    assert traits.blocks_per_sm("k", 128, 0) == traits.blocks_per_sm("k", 128, 0) == 1
+    assert traits.active_clusters("k", 16, 128, 0) == 0  # refused: none resident
+    assert traits.active_clusters("k", 8, 128, 0) == traits.active_clusters("k", 8, 128, 0) == 15
+    assert asked == [("blocks", "k"), ("clusters", "k", 16), ("clusters", "k", 8)]
