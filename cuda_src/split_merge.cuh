@@ -128,7 +128,6 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
                                           float* ws_o, float* ws_ml,
                                           T* out, int h0, int group, int splits, int split,
                                           int seq_len, const int* seq_len_dev, Where where) {
-    static_assert(!CLUSTER || DR == D, "padded head_dims merge through the combine kernel");
     if (!CLUSTER) {
         fx_write_partial<WARPS, D, SLOTS>(
             o_f, m_s, l_s, w_s, group, where,
@@ -146,12 +145,13 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
     float* recv = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(o_f) + RING);
     const unsigned recv_at = (unsigned)__cvta_generic_to_shared(recv);
     const unsigned blocks = fx_cluster_blocks(), rank = fx_cluster_rank();
-    const int slots = (group * D / 4 + (int)blocks - 1) / (int)blocks;
+    const int slots = (group * DR / 4 + (int)blocks - 1) / (int)blocks;
     fx_cluster_wait();  // every block of the cluster has started: its shared memory exists
     fx_write_partial<WARPS, D, SLOTS>(
         o_f, m_s, l_s, w_s, group, where,
         [&](int j, int d, float x) {  // unit u: to block u % blocks, [rank][u / blocks]
-            const unsigned u = (unsigned)(j * D + d) >> 2;  // unsigned: a shorter division
+            if (DR != D && d >= DR) return;  // a padding column
+            const unsigned u = (unsigned)(j * DR + d) >> 2;  // unsigned: a shorter division
             const unsigned at = FX_MAX_CLUSTER * 16 + (rank * slots + u / blocks) * 4 + (d & 3);
             fx_cluster_store(recv_at + at * 4, u % blocks, x);
         },
@@ -162,7 +162,7 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
                 fx_cluster_store(recv_at + (at + 1) * 4, c, l);
             }
         });
-    fx_cluster_merge<T, D, WARPS * 32>(recv, out, h0, group, fx_seq_len(seq_len, seq_len_dev));
+    fx_cluster_merge<T, DR, WARPS * 32>(recv, out, h0, group, fx_seq_len(seq_len, seq_len_dev));
 }
 
 // The tensor-core kernels' ending, once the warp's loop is done: the warps merged in a

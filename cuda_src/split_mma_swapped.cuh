@@ -234,8 +234,9 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
     }
 
 // Any other head_dim DR (a multiple of 8) on the kernel of the next head_dim D up, the
-// columns past DR zeros (never read from memory) and its partials merged by the combine
-// kernel: gqa_split_mma_<dt>_d<D>_r<DR>, instantiated by the host for the call that needs it.
+// columns past DR zeros (never read from memory): gqa_split_mma_<dt>_d<D>_r<DR> and its
+// _cluster twin (merged on chip where the plan's clusters fit), instantiated by the host for the
+// call that needs them.
 #define FX_MMA_PAD_ENTRY(NAME, T, D, DR)                                                    \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
@@ -243,6 +244,13 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
         fx_mma_body<T, D, false, FX_WARPS_D##D, DR>(q, k, v, ws_o, ws_ml, nullptr, n_heads, \
                                                     n_kv_heads, seq_len, seq_len_dev,       \
                                                     splits, tile);                          \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
+        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
+        int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
+        fx_mma_body<T, D, true, FX_WARPS_D##D, DR>(q, k, v, nullptr, nullptr, out, n_heads, \
+                                                   n_kv_heads, seq_len, seq_len_dev,        \
+                                                   splits, tile);                           \
     }
 
 #ifndef FX_SELECTED

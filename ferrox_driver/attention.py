@@ -77,7 +77,8 @@ def split_entry(name: str) -> str:
     try:
         if base.startswith("gqa_split_combine_"):
             return f"FX_COMBINE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
-        if base.endswith("_wide"):  # gqa_split_mma_<dt>_d128_wide_cluster
+        wide = len(parts) == 6 and parts[4:] == [f"d{WIDE_HEAD_DIM}", "wide"] and name != base
+        if wide:  # gqa_split_mma_<dt>_d128_wide_cluster
             return f"FX_MMA_WIDE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
         if base.startswith("gqa_split_mma_") and parts[3] == "f32":
             pass  # the fp32 tensor-core kernels are gqa_split_tc32_*
@@ -85,7 +86,7 @@ def split_entry(name: str) -> str:
             # gqa_split_mma_<dt>_d<D>_r<head_dim>: a head_dim padded to D
             dt, d, dr = _ENTRY_TYPES[parts[3]], int(parts[4][1:]), int(parts[5][1:])
             if parts[4][0] == "d" and d in MMA_HEAD_DIMS and 0 < dr < d and dr % 8 == 0:
-                return f"FX_MMA_PAD_ENTRY({name}, {dt}, {d}, {dr})"
+                return f"FX_MMA_PAD_ENTRY({base}, {dt}, {d}, {dr})"
         elif base.startswith("gqa_split_mma_") and len(parts) == 5:  # gqa_split_mma_<dt>_d<D>
             return f"FX_MMA_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {int(parts[4][1:])})"
         if base.startswith("gqa_split_tc32_f32_"):  # gqa_split_tc32_f32_d<D>
@@ -479,9 +480,7 @@ def plan(
     if wide is not None:
         return wide
     splits = min(most, -(-seq // tile))
-    if padded_to:  # no cluster twin: the combine kernel merges the chunks
-        return dataclasses.replace(chosen, splits=splits, tile=tile)
-    shared += cluster_recv_bytes(head_dim)
+    shared += cluster_recv_bytes(padded_to or head_dim)
     cluster = splits * group * head_dim <= tuning.cluster_max_exchange and clusters_fit(
         traits, f"{kname}_cluster", splits, n_kv_heads, threads, shared, ov
     )

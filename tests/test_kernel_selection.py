@@ -69,15 +69,16 @@ def test_padded_head_dims_compile_without_stack_or_spills(arch):
     # one per kernel head_dim they pad to, both 16-bit types across the three
     for name in (
         "gqa_split_mma_bf16_d64_r40",
-        "gqa_split_mma_f16_d128_r96",
+        "gqa_split_mma_f16_d128_r96_cluster",
         "gqa_split_mma_bf16_d128_r72",
         "gqa_split_mma_f16_d256_r160",
-        "gqa_split_mma_bf16_d256_r248",
+        "gqa_split_mma_bf16_d256_r248_cluster",
     ):
         source = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n"
         program = compile_source(source + attention.split_entry(name) + "\n", arch=arch)
-        res = program.resources[name]
-        assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0), (name, res)
+        for kernel in (name, name.removesuffix("_cluster")):
+            res = program.resources[kernel]
+            assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0), (kernel, res)
 
 
 def test_a_padded_kernel_is_named_for_its_call():
@@ -87,13 +88,15 @@ def test_a_padded_kernel_is_named_for_its_call():
     assert (
         attention.split_entry("gqa_split_mma_bf16_d128_r96")
         == "FX_MMA_PAD_ENTRY(gqa_split_mma_bf16_d128_r96, fx_bf16, 128, 96)"
+        == attention.split_entry("gqa_split_mma_bf16_d128_r96_cluster")  # with its twin
     )
 
 
 @pytest.mark.parametrize(
     "bad",
     ["gqa_split_mma_bf16", "gqa_split_fp8_g4_vec", "nope", "", "gqa_split_mma_bf16_d128_r100",
-     "gqa_split_mma_bf16_d128_r128", "gqa_split_mma_bf16_d96_r80", "gqa_split_mma_f32_d128_r96"],
+     "gqa_split_mma_bf16_d128_r128", "gqa_split_mma_bf16_d96_r80", "gqa_split_mma_f32_d128_r96",
+     "gqa_split_mma_bf16_d128_r72_wide_cluster", "gqa_split_mma_bf16_d128_wide"],
 )  # fmt: skip
 def test_a_name_no_kernel_has_is_refused(bad):
     with pytest.raises(ValueError, match="has no kernel"):

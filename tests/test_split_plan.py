@@ -217,9 +217,18 @@ def test_plans_tile_and_merge_as_measured():
     ampere = _traits(cc=(8, 0), sms=108)
     assert plan(bf16, (32, 8, 128), 512, on=ampere) == ("gqa_split_mma_bf16_d128", 64, 8, 0)
     assert plan(bf16, (32, 8, 128), 4096, on=ampere) == ("gqa_split_mma_bf16_d128", 64, 13, 0)
-    # padded head dims: the next tensor-core kernel up, merged by the combine kernel
+    # padded head dims: the next tensor-core kernel up, merged on chip where the clusters
+    # fit (as their kernel's), by the combine kernel where not, never in the wide plans
     assert plan(bf16, (32, 8, 96), 4096) == ("gqa_split_mma_bf16_d128_r96", 64, 16, 0)
-    assert plan(bf16, (32, 8, 40), 512)[0] == "gqa_split_mma_bf16_d64_r40"
+    assert plan(bf16, (32, 8, 96), 512) == ("gqa_split_mma_bf16_d128_r96_cluster", 64, 8, 8)
+    assert plan(bf16, (32, 8, 40), 512) == ("gqa_split_mma_bf16_d64_r40_cluster", 64, 8, 8)
+    assert plan(bf16, (4, 2, 160), 1024) == ("gqa_split_mma_bf16_d256_r160_cluster", 64, 16, 16)
+    assert plan(bf16, (8, 2, 160), 1024) == ("gqa_split_mma_bf16_d256_r160", 64, 16, 0)  # 10240
+    assert plan(bf16, (32, 8, 112), 32768) == ("gqa_split_mma_bf16_d128_r112", 64, 16, 0)
+    p = attention.plan(traits, bf16, 32, 8, 96, 512)
+    assert p.shared_bytes(96, 2) == attention.plan(traits, bf16, 32, 8, 128, 512).shared_bytes(
+        128, 2
+    )
     no_pad = attention.Overrides(padded_mma=False)
     assert plan(bf16, (32, 8, 96), 4096, no_pad)[0] == "gqa_split_bf16_g4_vec"
     assert plan(bf16, (32, 8, 100), 4096)[0] == "gqa_split_bf16_g4_any"  # not a multiple of 8
