@@ -112,7 +112,7 @@ __device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, in
     return r;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,

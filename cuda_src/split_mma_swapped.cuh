@@ -15,7 +15,7 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
     return y;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false>
 __device__ __forceinline__ void gqa_split_mma_swapped(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
@@ -174,7 +174,8 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #ifndef FX_MMA_SWAPPED_D256
 #define FX_MMA_SWAPPED_D256 0
 #endif
-template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value, int DR = D>
+template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value, int DR = D,
+          bool TILED = false>
 __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,
                                             float* ws_ml, T* out, int n_heads, int n_kv_heads,
                                             int seq_len, const int* seq_len_dev, int splits,
@@ -183,11 +184,11 @@ __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, 
                              : D == 128 ? FX_MMA_SWAPPED_D128
                                         : FX_MMA_SWAPPED_D256;
     if (SWAPPED)
-        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR>(q, k, v, ws_o, ws_ml, out, n_heads,
+        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR, TILED>(q, k, v, ws_o, ws_ml, out, n_heads,
                                                         n_kv_heads, seq_len, seq_len_dev,
                                                         splits, tile);
     else
-        gqa_split_mma<T, D, CLUSTER, WARPS, DR>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads,
+        gqa_split_mma<T, D, CLUSTER, WARPS, DR, TILED>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads,
                                                 seq_len, seq_len_dev, splits, tile);
 }
 
@@ -251,6 +252,25 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
         fx_mma_body<T, D, true, FX_WARPS_D##D, DR>(q, k, v, nullptr, nullptr, out, n_heads, \
                                                    n_kv_heads, seq_len, seq_len_dev,        \
                                                    splits, tile);                           \
+    }
+
+// Groups of 9-16 query heads per KV head in two tiles of 8 (a block each, the grid's y
+// 2 x KV heads), head_dim DR on the kernel of D (DR = D: not padded):
+// gqa_split_mma_<dt>_d<D>[_r<DR>]_t2 and its _cluster twin.
+#define FX_MMA_TILED_ENTRY(NAME, T, D, DR)                                                  \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
+        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, true>(                                  \
+            q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
+            splits, tile);                                                                  \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
+        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
+        int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
+        fx_mma_body<T, D, true, FX_WARPS_D##D, DR, true>(                                   \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
+            splits, tile);                                                                  \
     }
 
 #ifndef FX_SELECTED

@@ -120,10 +120,11 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
 
 // The first lines of every tensor-core kernel body: let the combine kernel start early,
 // check the launch and find the block's tokens [start, end) of its chunk `split` (leaving
-// when it has none), name the block's KV head g_kv, its group and first query head h0, the
+// when it has none), name the block's KV head g_kv, its query heads h0 .. h0 + group (all
+// of the KV head's, at most 8; with TILED, groups of 9-16, one of two tiles of 8), the
 // thread's lane and warp and its mma fragment coordinates (lane = 4g + tig), and queue the
 // first steps of this warp's ring `wr` of TOK-token steps of element type T (RING_BYTES:
-// the block's ring). The body must name CLUSTER, D, DR (the cache's head_dim, <= D), S,
+// the block's ring). The body must name CLUSTER, TILED, D, DR (the cache's head_dim, <= D), S,
 // WARPS, THREADS, k, v, n_heads,
 // n_kv_heads, seq_len, seq_len_dev, splits, tile and fx_dyn_smem as the kernels do.
 // A macro rather than a function: the same values from a helper function (fx_place, v18)
@@ -136,9 +137,12 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
     if (!fx_block_chunk<CLUSTER, D>(RING_BYTES, THREADS, seq_len, seq_len_dev, splits, tile, \
                                     split, start, end))                                     \
         return;                                                                             \
-    const int g_kv = blockIdx.y;                                                            \
-    const int group = n_heads / n_kv_heads; /* <= 8 on the tensor-core paths */             \
-    const int h0 = g_kv * group;                                                            \
+    /* TILED (groups of 9-16): blockIdx.y = 2 g_kv + tile, 8 query heads per tile */        \
+    const int heads_per_kv = n_heads / n_kv_heads;                                          \
+    const int g_kv = TILED ? (int)(blockIdx.y >> 1) : (int)blockIdx.y;                      \
+    const int tile_h = TILED ? (int)(blockIdx.y & 1) * 8 : 0;                               \
+    const int group = TILED ? min(8, heads_per_kv - tile_h) : heads_per_kv;                 \
+    const int h0 = g_kv * heads_per_kv + tile_h;                                            \
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;                             \
     const int g = lane >> 2, tig = lane & 3;                                                \
     const auto wr = fx_warp_ring<T, D, TOK, S, WARPS, DR>(fx_dyn_smem, k, v, g_kv,          \

@@ -75,6 +75,14 @@ def split_entry(name: str) -> str:
     base = name.removesuffix("_cluster")
     parts = base.split("_")
     try:
+        if base.startswith("gqa_split_mma_") and parts[-1] == "t2" and parts[3] != "f32":
+            # gqa_split_mma_<dt>_d<D>[_r<head_dim>]_t2: groups of 9-16 in two tiles of 8
+            d, padded = int(parts[4][1:]), len(parts) == 7 and parts[5][0] == "r"
+            dr = int(parts[5][1:]) if padded else d
+            ok = parts[4][0] == "d" and d in MMA_HEAD_DIMS and dr % 8 == 0
+            if ok and (len(parts) == 6 or (padded and 0 < dr < d)):
+                return f"FX_MMA_TILED_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {d}, {dr})"
+            raise ValueError(base)  # (refused below)
         if base.startswith("gqa_split_combine_"):
             return f"FX_COMBINE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
         wide = len(parts) == 6 and parts[4:] == [f"d{WIDE_HEAD_DIM}", "wide"] and name != base
@@ -196,7 +204,7 @@ class SplitPlan:
 
     kernel: str
     tensor_cores: bool
-    head_tiles: int  # blocks per KV head along the group (1 on the tensor-core path)
+    head_tiles: int  # blocks per KV head along the group (tensor cores: tiles of 8 heads)
     lanes_per_token: int
     splits: int
     threads: int = THREADS  # per block
@@ -433,10 +441,12 @@ def plan(
     name = dtype_name(np.dtype(dtype))
     stages, step_tokens, reserve, padded_to = 0, 16, 0, 0
     mma_dim = mma_head_dim(head_dim, ov) if name != "f32" else None
-    if mma_dim is not None and group <= 8 and aligned:
-        kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{mma_dim}", True, 1, 32
+    if mma_dim is not None and group <= 16 and aligned:  # 9-16: two tiles of 8 heads
+        kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{mma_dim}", True, -(-group // 8), 32
         if mma_dim != head_dim:
             kname, padded_to = f"{kname}_r{head_dim}", mma_dim
+        if tiles > 1:
+            kname = f"{kname}_t{tiles}"
         threads, stages = 32 * MMA_WARPS[mma_dim], MMA_STAGES[mma_dim]
         reserve = MMA_RESERVE_STAGES[mma_dim]
     elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group, ov, tuning):
@@ -481,8 +491,9 @@ def plan(
         return wide
     splits = min(most, -(-seq // tile))
     shared += cluster_recv_bytes(padded_to or head_dim)
-    cluster = splits * group * head_dim <= tuning.cluster_max_exchange and clusters_fit(
-        traits, f"{kname}_cluster", splits, n_kv_heads, threads, shared, ov
+    exchange = splits * min(group, 8) * head_dim  # floats one cluster (a head tile) merges
+    cluster = exchange <= tuning.cluster_max_exchange and clusters_fit(
+        traits, f"{kname}_cluster", splits, n_kv_heads * tiles, threads, shared, ov
     )
     if cluster:
         kname = f"{kname}_cluster"
@@ -666,7 +677,7 @@ def split_launches(
     seq_role: Roles = ()
     if plan.cluster:
         args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
-        grid = (plan.splits, n_kv_heads, 1)
+        grid = (plan.splits, n_kv_heads * plan.head_tiles, 1)
         roles = (*_QKV, (3, "out"), *(((6, "seq"),) if seq_len_dev is None else seq_role))
         return [Launch(plan.kernel, grid, plan.threads, args, shared, plan.cluster, roles=roles)]
     if workspace is None:
@@ -676,7 +687,7 @@ def split_launches(
     ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
-        grid = (plan.splits, n_kv_heads, 1)
+        grid = (plan.splits, n_kv_heads * plan.head_tiles, 1)  # tiles of 8 query heads
         at = 7
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         lanes = np.int32(plan.lanes_per_token)

@@ -466,6 +466,22 @@ def test_padded_head_dims_every_group_from_1_to_16(rng, dtype, head_dim, seq_len
         assert err < TOL[dtype], (group, err)
 
 
+# Groups past 8 take the tensor cores in tiles of 8 query heads (a block per tile and KV
+# head, both reading the KV head's rows): 9-16 heads per KV head, merged on chip (512
+# tokens: clusters of 8) or by the combine kernel, every tile's heads where they belong.
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 96])
+@pytest.mark.parametrize("seq_len", [0, 1, 65, 512, 4097])
+def test_groups_past_8_take_the_tensor_cores_in_tiles_of_8_heads(
+    rng, device, dtype, head_dim, seq_len
+):
+    for n_heads, n_kv in ((9, 1), (12, 1), (16, 1), (26, 2), (32, 2)):
+        plan = plan_split(device, np.dtype(DTYPES[dtype]), n_heads, n_kv, head_dim, seq_len)
+        assert plan.tensor_cores and plan.head_tiles == 2 and "_t2" in plan.kernel, plan
+        err = _decode_and_check(rng, dtype, n_heads, n_kv, head_dim, seq_len)
+        assert err < TOL[dtype], (n_heads, n_kv, err)
+
+
 @pytest.mark.parametrize("head_dim", [48, 96, 112])
 def test_padded_head_dims_take_the_tensor_cores_and_stay_finite_on_huge_scores(rng, head_dim):
     plan = plan_split(fd.Device(0), np.dtype(DTYPES["bf16"]), 32, 8, head_dim, 4096, True)

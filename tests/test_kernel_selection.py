@@ -73,6 +73,9 @@ def test_padded_head_dims_compile_without_stack_or_spills(arch):
         "gqa_split_mma_bf16_d128_r72",
         "gqa_split_mma_f16_d256_r160",
         "gqa_split_mma_bf16_d256_r248_cluster",
+        "gqa_split_mma_bf16_d128_t2_cluster",  # groups of 9-16, in two tiles of 8 heads
+        "gqa_split_mma_f16_d256_t2",
+        "gqa_split_mma_bf16_d64_r40_t2",
     ):
         source = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n"
         program = compile_source(source + attention.split_entry(name) + "\n", arch=arch)
@@ -90,13 +93,19 @@ def test_a_padded_kernel_is_named_for_its_call():
         == "FX_MMA_PAD_ENTRY(gqa_split_mma_bf16_d128_r96, fx_bf16, 128, 96)"
         == attention.split_entry("gqa_split_mma_bf16_d128_r96_cluster")  # with its twin
     )
+    assert (
+        attention.split_entry("gqa_split_mma_f16_d128_r96_t2_cluster")
+        == "FX_MMA_TILED_ENTRY(gqa_split_mma_f16_d128_r96_t2, fx_half, 128, 96)"
+    )
 
 
 @pytest.mark.parametrize(
     "bad",
     ["gqa_split_mma_bf16", "gqa_split_fp8_g4_vec", "nope", "", "gqa_split_mma_bf16_d128_r100",
      "gqa_split_mma_bf16_d128_r128", "gqa_split_mma_bf16_d96_r80", "gqa_split_mma_f32_d128_r96",
-     "gqa_split_mma_bf16_d128_r72_wide_cluster", "gqa_split_mma_bf16_d128_wide"],
+     "gqa_split_mma_bf16_d128_r72_wide_cluster", "gqa_split_mma_bf16_d128_wide",
+     "gqa_split_mma_bf16_d128_r128_t2", "gqa_split_mma_f32_d128_t2", "gqa_split_mma_bf16_d96_t2",
+     "gqa_split_mma_bf16_d128_t3", "gqa_split_mma_bf16_d128_wide_t2"],
 )  # fmt: skip
 def test_a_name_no_kernel_has_is_refused(bad):
     with pytest.raises(ValueError, match="has no kernel"):

@@ -229,6 +229,13 @@ def test_plans_tile_and_merge_as_measured():
     assert p.shared_bytes(96, 2) == attention.plan(traits, bf16, 32, 8, 128, 512).shared_bytes(
         128, 2
     )
+    # groups of 9-16: the tensor cores in two tiles of 8 query heads (twice the blocks per
+    # KV head, so half the chunks); past 16, CUDA cores
+    assert plan(bf16, (16, 1, 128), 32768) == ("gqa_split_mma_bf16_d128_t2", 64, 66, 0)
+    assert plan(bf16, (16, 1, 128), 512) == ("gqa_split_mma_bf16_d128_t2_cluster", 64, 8, 8)
+    assert plan(bf16, (24, 2, 96), 32768) == ("gqa_split_mma_bf16_d128_r96_t2", 64, 33, 0)
+    assert attention.plan(traits, bf16, 12, 1, 64, 4096).head_tiles == 2
+    assert plan(bf16, (17, 1, 128), 4096)[0] == "gqa_split_bf16_g4_vec"
     no_pad = attention.Overrides(padded_mma=False)
     assert plan(bf16, (32, 8, 96), 4096, no_pad)[0] == "gqa_split_bf16_g4_vec"
     assert plan(bf16, (32, 8, 100), 4096)[0] == "gqa_split_bf16_g4_any"  # not a multiple of 8
