@@ -25,7 +25,7 @@ from .kv_cache import KVCache, LayerKVCache
 from .launch import Kernel, Module
 from .memory import DeviceArray, empty, from_dlpack, pinned_empty, to_device, zeros
 from .module_cache import ensure_module_loaded
-from .reference import reference_gqa_decode
+from .reference import merge_states, reference_gqa_decode
 from .resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
 from .stream import Event, Stream
 
@@ -61,6 +61,7 @@ __all__ = [
     "gqa_decode_async",
     "gqa_decode_resident",
     "kv_append_async",
+    "merge_states",
     "pinned_empty",
     "reference_gqa_decode",
     "to_device",

@@ -1,15 +1,21 @@
-"""The float64 numpy reference for GQA decode (plain softmax, not the online form)."""
+"""The float64 numpy reference for GQA decode (plain softmax, not the online form), with
+every feature, and the exact merge of partial results by their log-sum-exp."""
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
+import ml_dtypes
 import numpy as np
 
+from .features import check_features
 from .types import HostArrayLike
 from .validation import check_decode_args
 
-__all__ = ["reference_gqa_decode"]
+__all__ = ["merge_states", "reference_gqa_decode"]
 
 
+@overload
 def reference_gqa_decode(
     q: HostArrayLike,
     k: HostArrayLike,
@@ -18,11 +24,69 @@ def reference_gqa_decode(
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
-) -> np.ndarray:
-    """Attention of one query token over a KV cache, in float64 on the CPU.
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: HostArrayLike | None = None,
+    alibi_slopes: HostArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: Literal[False] = False,
+) -> np.ndarray: ...
+@overload
+def reference_gqa_decode(
+    q: HostArrayLike,
+    k: HostArrayLike,
+    v: HostArrayLike,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: HostArrayLike | None = None,
+    alibi_slopes: HostArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[np.ndarray, np.ndarray]: ...
+@overload
+def reference_gqa_decode(
+    q: HostArrayLike,
+    k: HostArrayLike,
+    v: HostArrayLike,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: HostArrayLike | None = None,
+    alibi_slopes: HostArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: bool,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]: ...
+def reference_gqa_decode(
+    q: HostArrayLike,
+    k: HostArrayLike,
+    v: HostArrayLike,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: HostArrayLike | None = None,
+    alibi_slopes: HostArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Attention of one query token over a KV cache, in float64 on the CPU: the definition
+    the kernels are tested against.
 
-    Query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``; scores are
-    ``q.k / sqrt(head_dim)``, softmax over all positions, output ``softmax @ v``.
+    Query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``. For the query at
+    position ``i = seq_len - 1`` and cache token ``j``: ``score_j = scale * q.k_j``; with a
+    soft-cap ``score_j = cap * tanh(score_j / cap)``; with ALiBi ``score_j += slope_h *
+    (j - i)``; a window keeps only ``j >= seq_len - sliding_window``. The output is
+    ``sum_j exp(score_j) v_j / denominator``, ``denominator = sum_j exp(score_j)`` (plus
+    ``exp(sink_h)`` with sinks, which carry no value), and ``lse = log(denominator)``.
 
     Args:
         q: ``(n_heads*head_dim,)`` or ``(n_heads, head_dim)``.
@@ -31,25 +95,102 @@ def reference_gqa_decode(
         n_heads: query heads, a multiple of ``n_kv_heads``.
         n_kv_heads: KV heads.
         head_dim: elements per head.
+        sliding_window: attend to the last ``sliding_window`` tokens only.
+        logits_soft_cap: cap the scores softly at +-``logits_soft_cap``.
+        sinks: one logit per query head in the denominator (``-inf``: none).
+        alibi_slopes: one ALiBi slope per query head.
+        scale: the score scale (default ``1/sqrt(head_dim)``).
+        return_lse: also return the log-sum-exp per query head.
 
     Returns:
-        float64 array of q's shape; zeros when seq_len is 0.
+        float64 array of q's shape (zeros where a head attends to nothing: seq_len 0);
+            with ``return_lse``, ``(out, lse)``, lse float64 of shape ``(n_heads,)``,
+            natural log (``-inf`` for a head with no token and no sink).
 
     Raises:
-        ValueError, TypeError: as `ferrox_driver.gqa_decode`.
+        ValueError, TypeError: as `ferrox_driver.gqa_decode`, naming the argument.
     """
     spec = check_decode_args(q, k, v, n_heads, n_kv_heads, head_dim, allow_device=False)
+    feats = check_features(
+        n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse, allow_device=False,
+    )  # fmt: skip
+    seq = spec.seq_len
     qh = np.asarray(q, dtype=np.float64).reshape(n_heads, head_dim)
-    if spec.seq_len == 0:
-        return np.zeros(spec.q_shape, np.float64)
-    kh = np.asarray(k, dtype=np.float64).reshape(spec.seq_len, n_kv_heads, head_dim)
-    vh = np.asarray(v, dtype=np.float64).reshape(spec.seq_len, n_kv_heads, head_dim)
+    kh = np.asarray(k, dtype=np.float64).reshape(seq, n_kv_heads, head_dim)
+    vh = np.asarray(v, dtype=np.float64).reshape(seq, n_kv_heads, head_dim)
+    first = feats.window_start(seq)
+    kh, vh = kh[first:], vh[first:]
     group = n_heads // n_kv_heads
     # Query head h = g*group + j reads KV head g: view q as (n_kv_heads, group, head_dim).
     qg = qh.reshape(n_kv_heads, group, head_dim)
-    scores = np.einsum("gjd,sgd->gjs", qg, kh) / np.sqrt(head_dim)
-    scores -= scores.max(axis=2, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=2, keepdims=True)
-    out = np.einsum("gjs,sgd->gjd", p, vh)
-    return out.reshape(spec.q_shape)
+    scores = np.einsum("gjd,sgd->gjs", qg, kh) * feats.score_scale(head_dim)
+    if feats.logits_soft_cap is not None:
+        cap = feats.logits_soft_cap
+        scores = cap * np.tanh(scores / cap)
+    if feats.alibi_slopes is not None:
+        distance = np.arange(first, seq, dtype=np.float64) - (seq - 1)  # j - i <= 0
+        scores = scores + feats.alibi_slopes.reshape(n_kv_heads, group, 1) * distance
+    # one more column per head: the sink's logit (-inf: none), which carries no value
+    sink = np.full((n_kv_heads, group, 1), -np.inf)
+    if feats.sinks is not None:
+        sink = feats.sinks.reshape(n_kv_heads, group, 1)
+    logits = np.concatenate([scores, sink], axis=2)
+    top = logits.max(axis=2, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)  # a head with nothing: no NaN from -inf - -inf
+    weights = np.exp(logits - top)
+    total = weights.sum(axis=2, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(total > 0, weights[:, :, :-1] / total, 0.0)
+        lse = (top + np.log(total)).reshape(n_heads)  # log(0) = -inf: no token, no sink
+    out = np.einsum("gjs,sgd->gjd", p, vh).reshape(spec.q_shape)
+    return (out, lse) if feats.return_lse else out
+
+
+def merge_states(outs: HostArrayLike, lses: HostArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    """The exact combine of attention over disjoint parts of one sequence, from each part's
+    output and log-sum-exp (``return_lse=True``): ``out = sum_p w_p out_p / sum_p w_p`` and
+    ``lse = log(sum_p exp(lse_p))``, ``w_p = exp(lse_p)``. A part with ``lse = -inf`` (no
+    tokens) contributes nothing; a head every part of which is empty gets zeros and -inf.
+    Host (numpy) arrays; the device form, a capturable kernel, is not there yet.
+
+    Args:
+        outs: ``(parts, n_heads, head_dim)`` (or ``(parts, n_heads * head_dim)``), float.
+        lses: ``(parts, n_heads)``, natural log.
+
+    Returns:
+        ``(out, lse)``: out ``(n_heads, head_dim)`` (or ``(n_heads * head_dim,)``) in
+            outs' dtype, lse ``(n_heads,)`` in lses' dtype; computed in float64.
+
+    Raises:
+        ValueError, TypeError: naming the argument.
+    """
+    from .validation import array_info
+
+    oi = array_info(outs, "outs", allow_device=False)
+    li = array_info(lses, "lses", allow_device=False)
+    for info, name in ((oi, "outs"), (li, "lses")):
+        if info.dtype.kind != "f" and info.dtype != np.dtype(ml_dtypes.bfloat16):
+            raise TypeError(f"{name}: expected a floating-point array, got {info.dtype}")
+    if len(li.shape) != 2 or li.shape[0] < 1:
+        raise ValueError(f"lses: expected (parts, n_heads) with at least one part, got {li.shape}")
+    parts, n_heads = li.shape
+    if len(oi.shape) not in (2, 3) or (len(oi.shape) == 3 and oi.shape[:2] != (parts, n_heads)):
+        raise ValueError(f"outs: expected (parts, n_heads, head_dim) = ({parts}, {n_heads}, "
+                         f"head_dim) to match lses, got {oi.shape}")  # fmt: skip
+    if len(oi.shape) == 2 and (oi.shape[0] != parts or oi.shape[1] % n_heads):
+        raise ValueError(f"outs: expected (parts, n_heads * head_dim) with parts = {parts} "
+                         f"and n_heads = {n_heads} (lses), got {oi.shape}")  # fmt: skip
+    o = np.asarray(outs, dtype=np.float64).reshape(parts, n_heads, -1)
+    lse = np.asarray(lses, dtype=np.float64)
+    if np.isnan(lse).any() or (lse == np.inf).any():
+        raise ValueError("lses: expected finite values or -inf (an empty part), got NaN or +inf")
+    top = lse.max(axis=0)
+    top = np.where(np.isfinite(top), top, 0.0)
+    w = np.exp(lse - top)  # (parts, n_heads); 0 for an empty part
+    total = w.sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        merged = np.where(total[:, None] > 0, np.einsum("ph,phd->hd", w, o) / total[:, None], 0.0)
+        merged_lse = top + np.log(total)
+    out_shape = oi.shape[1:]
+    return (merged.reshape(out_shape).astype(oi.dtype), merged_lse.astype(li.dtype))
