@@ -75,6 +75,16 @@ def split_entry(name: str) -> str:
     base = name.removesuffix("_cluster")
     parts = base.split("_")
     try:
+        if "p2" in parts and name == base and parts[:3] == ["gqa", "split", "mma"]:
+            # gqa_split_mma_<dt>_d<D>_r<2 x head_dim>_p2[_t2]: two KV heads' rows as one
+            tiled = parts[-1] == "t2"
+            if len(parts) == 7 + tiled and parts[6] == "p2" and parts[3] != "f32":
+                d, dr = int(parts[4][1:]), int(parts[5][1:])
+                ok = parts[4][0] == "d" and parts[5][0] == "r" and d in MMA_HEAD_DIMS
+                if ok and 0 < dr <= d and dr % 16 == 0:
+                    flag = "true" if tiled else "false"
+                    return f"FX_MMA_PAIR_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {d}, {dr}, {flag})"
+            raise ValueError(name)
         if base.startswith("gqa_split_mma_") and parts[-1] == "t2" and parts[3] != "f32":
             # gqa_split_mma_<dt>_d<D>[_r<head_dim>]_t2: groups of 9-16 in two tiles of 8
             d, padded = int(parts[4][1:]), len(parts) == 7 and parts[5][0] == "r"
@@ -162,6 +172,8 @@ class Overrides:
             (``FERROX_EARLY_COMBINE=0``).
         padded_mma: fp16/bf16 head_dims other than 64/128/256 (multiples of 8) on the
             tensor-core kernels, padded (``FERROX_PADDED_MMA=0``: CUDA cores).
+        paired: head_dims up to 56 read two KV heads' rows as one (``FERROX_PAIRED=1``;
+            off by default until measured: an experiment).
     """
 
     heads_per_block: int = 4
@@ -170,6 +182,7 @@ class Overrides:
     wide: bool = True
     early_combine: bool = True
     padded_mma: bool = True
+    paired: bool = False
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -186,6 +199,7 @@ class Overrides:
             wide=on("FERROX_WIDE"),
             early_combine=on("FERROX_EARLY_COMBINE"),
             padded_mma=on("FERROX_PADDED_MMA"),
+            paired=env.get("FERROX_PAIRED", "0") == "1",
         )
 
 
@@ -215,6 +229,7 @@ class SplitPlan:
     cluster: int = 0  # blocks per thread block cluster (a KV head's chunks merge on chip,
     # no combine kernel); 0: the combine kernel merges them
     kernel_head_dim: int = 0  # the head_dim the kernel is built for, when not the call's
+    paired: bool = False  # two KV heads' rows read as one (the launch's n_kv_heads halved)
 
     def combine_kernel(self, dtype: Any) -> str | None:
         """The name of the kernel merging this plan's chunks for a ``dtype`` output (None:
@@ -441,6 +456,12 @@ def plan(
     name = dtype_name(np.dtype(dtype))
     stages, step_tokens, reserve, padded_to = 0, 16, 0, 0
     mma_dim = mma_head_dim(head_dim, ov) if name != "f32" else None
+    pair_dim = mma_head_dim(2 * head_dim, ov) if name != "f32" else None
+    if (
+        ov.paired and pair_dim is not None and head_dim % 8 == 0 and n_kv_heads % 2 == 0
+        and 2 * group <= 16 and aligned
+    ):  # fmt: skip
+        return _paired_plan(traits, name, n_heads, n_kv_heads, head_dim, plan_seq, pair_dim)
     if mma_dim is not None and group <= 16 and aligned:  # 9-16: two tiles of 8 heads
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{mma_dim}", True, -(-group // 8), 32
         if mma_dim != head_dim:
@@ -500,6 +521,26 @@ def plan(
     return dataclasses.replace(
         chosen, kernel=kname, splits=splits, tile=tile, cluster=splits if cluster else 0
     )
+
+
+def _paired_plan(
+    traits: DeviceTraits, name: str, n_heads: int, n_kv_heads: int, head_dim: int,
+    plan_seq: int, kernel_dim: int,
+) -> SplitPlan:  # fmt: skip
+    """The plan of two KV heads' rows read as one row of 2 x head_dim (Overrides.paired):
+    the kernel of ``kernel_dim`` for n_kv_heads / 2 KV heads of groups twice the size,
+    merged by the combine kernel."""
+    pairs, group = n_kv_heads // 2, 2 * (n_heads // n_kv_heads)
+    tiles = -(-group // 8)
+    kname = f"gqa_split_mma_{name}_d{kernel_dim}_r{2 * head_dim}_p2" + ("_t2" if tiles > 1 else "")
+    chosen = SplitPlan(
+        kname, True, tiles, 32, 1, 32 * MMA_WARPS[kernel_dim], TILE, MMA_STAGES[kernel_dim], 16,
+        reserve_stages=MMA_RESERVE_STAGES[kernel_dim], kernel_head_dim=kernel_dim, paired=True,
+    )  # fmt: skip
+    shared = chosen.shared_bytes(head_dim, 2)
+    wave = traits.blocks_per_sm(f"gqa_split_mma_{name}_d{kernel_dim}", chosen.threads, shared)
+    most = max(1, min(wave * traits.multiprocessor_count // (pairs * tiles), MAX_SPLITS))
+    return dataclasses.replace(chosen, splits=min(most, -(-max(plan_seq, 1) // TILE)))
 
 
 def wide_plan(
@@ -668,7 +709,8 @@ def split_launches(
     Raises:
         ValueError: a combine plan without ``workspace``.
     """
-    heads = (np.int32(n_heads), np.int32(n_kv_heads))
+    launch_kv = n_kv_heads // 2 if plan.paired else n_kv_heads  # paired: KV heads of 2 rows
+    heads = (np.int32(n_heads), np.int32(launch_kv))
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
     args: tuple[Any, ...]
     shared = plan.shared_bytes(head_dim, q.dtype.itemsize)
@@ -687,7 +729,7 @@ def split_launches(
     ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
-        grid = (plan.splits, n_kv_heads * plan.head_tiles, 1)  # tiles of 8 query heads
+        grid = (plan.splits, launch_kv * plan.head_tiles, 1)  # tiles of 8 query heads
         at = 7
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         lanes = np.int32(plan.lanes_per_token)
