@@ -112,6 +112,8 @@ __device__ __forceinline__ void gqa_split_tc32(
     constexpr int STEP = TOK * D;  // floats of one step's K (or V)
     constexpr int DR = D;          // the cache's head_dim: the kernel's own
     constexpr bool TILED = false;  // groups of at most 8
+    constexpr int F = 0;           // no features (yet)
+    const FxFeat feat{};
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     FX_TC_START(float, TOK, WARPS * S * 2 * STEP * sizeof(float));

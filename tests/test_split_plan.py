@@ -413,3 +413,31 @@ def test_traits_read_from_a_device_ask_the_driver_once_per_kernel(monkeypatch):
     assert traits.active_clusters("k", 16, 128, 0) == 0  # refused: none resident
     assert traits.active_clusters("k", 8, 128, 0) == traits.active_clusters("k", 8, 128, 0) == 15
     assert asked == [("blocks", "k"), ("clusters", "k", 16), ("clusters", "k", 8)]
+
+
+def test_features_take_the_tensor_core_kernels_with_the_combine_kernel():
+    traits, bf16 = _traits(), np.dtype(ml_dtypes.bfloat16)
+    bits = attention.F_WINDOW | attention.F_SINKS | attention.F_CAP
+    p = attention.plan(traits, bf16, 32, 8, 128, 32768, features=bits)
+    # no wide plan, no clusters: the combine kernel applies the window, the sinks and the LSE
+    assert (p.kernel, p.cluster, p.features) == (f"gqa_split_mma_bf16_d128_x{bits}", 0, bits)
+    assert p.combine_kernel(bf16) == "gqa_split_combine_bf16_x9"  # window + sinks
+    cap_only = attention.plan(traits, bf16, 32, 8, 128, 512, features=attention.F_CAP)
+    assert cap_only.combine_kernel(bf16) == "gqa_split_combine_bf16" and cap_only.cluster == 0
+    tiled = attention.plan(traits, bf16, 16, 1, 96, 4096, features=attention.F_LSE)
+    assert tiled.kernel == "gqa_split_mma_bf16_d128_r96_t2_x16"
+    assert attention.split_entry(tiled.kernel) == (
+        "FX_MMA_FEAT_ENTRY(gqa_split_mma_bf16_d128_r96_t2_x16, fx_bf16, 128, 96, true, 16)"
+    )
+    assert attention.split_entry("gqa_split_combine_f16_x25") == (
+        "FX_COMBINE_FEAT_ENTRY(gqa_split_combine_f16_x25, fx_half, 25)"
+    )
+    for bad in ("gqa_split_combine_f16_x2", "gqa_split_mma_bf16_d128_cluster_x1",
+                "gqa_split_mma_bf16_d128_wide_cluster_x1", "gqa_split_mma_bf16_d128_x64",
+                "gqa_split_tc32_f32_d128_x1"):  # fmt: skip
+        with pytest.raises(ValueError, match="has no kernel"):
+            attention.split_entry(bad)
+    for dtype, head_dim in ((np.float32, 128), (bf16, 100)):
+        with pytest.raises(NotImplementedError, match="not yet"):
+            attention.plan(traits, dtype, 32, 8, head_dim, 4096, features=attention.F_LSE)
+    assert attention.plan(traits, bf16, 32, 8, 128, 32768).features == 0  # none: as before

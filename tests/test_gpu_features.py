@@ -1,0 +1,125 @@
+"""gqa_decode's features (sliding window, soft-cap, sinks, ALiBi, scale, LSE) on the GPU,
+against the float64 reference (reference_gqa_decode, which test_reference_features.py
+checks against the definitions), outputs poisoned before each kernel."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import ferrox_driver as fd
+from ferrox_driver import attention
+
+from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
+
+pytestmark = pytest.mark.gpu
+
+LSE_TOL = {"f16": 1e-3, "bf16": 1e-3}
+WINDOW = 96
+
+
+def _features(rng, n_heads, which):
+    kw = {}
+    if "window" in which:
+        kw["sliding_window"] = WINDOW
+    if "cap" in which:
+        kw["logits_soft_cap"] = 5.0
+    if "sinks" in which:
+        kw["sinks"] = rng.standard_normal(n_heads).astype(np.float32)
+    if "alibi" in which:
+        kw["alibi_slopes"] = (2.0 ** -np.arange(1, n_heads + 1) * 4).astype(np.float32)
+    if "scale" in which:
+        kw["scale"] = 0.05
+    return kw
+
+
+def _check(rng, dtype, n_heads, n_kv, head_dim, seq, kw, q_scale=1.0):
+    q, k, v = random_decode_inputs(rng, n_heads, n_kv, head_dim, seq, DTYPES[dtype], q_scale)
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": head_dim}
+    ref, ref_lse = fd.reference_gqa_decode(q, k, v, **dims, return_lse=True, **kw)
+    qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
+    out = poisoned(q.shape, q.dtype)
+    got, lse = fd.gqa_decode(qd, kd, vd, **dims, out=out, return_lse=True, **kw)
+    got, lse = got.to_host().astype(np.float64), lse.to_host()
+    assert lse.dtype == np.float32 and lse.shape == (n_heads,)
+    assert np.isfinite(got).all()
+    if seq == 0 and "sinks" not in kw:
+        assert not got.any() and (lse == -np.inf).all()
+        return
+    assert rel_err(got, ref) < TOL[dtype], rel_err(got, ref)
+    np.testing.assert_allclose(lse, ref_lse, rtol=LSE_TOL[dtype], atol=LSE_TOL[dtype])
+
+
+COMBOS = ["window", "cap", "sinks", "alibi", "scale", "lse-only", "window+cap",
+          "window+sinks+alibi", "cap+sinks+scale", "window+cap+sinks+alibi+scale"]  # fmt: skip
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+def test_each_feature_and_combination_matches_the_reference(rng, combo):
+    kw = _features(rng, 32, combo)
+    for seq in (0, 1, WINDOW - 1, WINDOW, WINDOW + 1, 777, 4099):
+        _check(rng, "bf16", 32, 4, 128, seq, kw)
+
+
+# every kernel family with every feature at once (one kernel each): both 16-bit types,
+# head_dims 64/128/256 and 80 (padded to 128), groups of 1, 4, 8 and 16 (two tiles)
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("n_heads,n_kv", [(8, 8), (16, 4), (32, 4), (16, 1)])
+def test_every_kernel_takes_every_feature(rng, dtype, head_dim, n_heads, n_kv):
+    kw = _features(rng, n_heads, COMBOS[-1])
+    for seq in (0, 1, WINDOW - 1, WINDOW, WINDOW + 1, 777, 4099):
+        _check(rng, dtype, n_heads, n_kv, head_dim, seq, kw)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_soft_cap_stays_finite_on_huge_scores(rng, dtype):
+    kw = {"logits_soft_cap": 30.0}
+    _check(rng, dtype, 32, 8, 128, 3001, kw, q_scale=1e3)
+
+
+def test_a_window_reads_only_the_window(device):
+    # the plan covers min(seq_len, window) tokens: a 4096-token window over 131072 tokens
+    # plans like a 4096-token decode
+    dt = np.dtype(DTYPES["bf16"])
+    bits = attention.F_WINDOW
+    windowed = attention.plan_split(device, dt, 32, 8, 128, 4096, True, bits)
+    plain = attention.plan_split(device, dt, 32, 8, 128, 4096, True)
+    assert windowed.splits == plain.splits and windowed.kernel.endswith("_x1")
+
+
+def test_numpy_inputs_return_numpy_and_lse(rng):
+    q, k, v = random_decode_inputs(rng, 32, 8, 128, 500, DTYPES["bf16"])
+    sinks = rng.standard_normal(32).astype(np.float32)
+    dims = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128}
+    got, lse = fd.gqa_decode(q, k, v, **dims, sinks=sinks, sliding_window=100, return_lse=True)
+    ref, ref_lse = fd.reference_gqa_decode(
+        q, k, v, **dims, sinks=sinks, sliding_window=100, return_lse=True
+    )
+    assert isinstance(got, np.ndarray) and isinstance(lse, np.ndarray)
+    assert rel_err(got.astype(np.float64), ref) < TOL["bf16"]
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+def test_merging_split_decodes_equals_the_whole(rng, parts):
+    q, k, v = random_decode_inputs(rng, 32, 8, 128, 5000, DTYPES["bf16"])
+    dims = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128}
+    bounds = [0, *sorted(rng.choice(np.arange(1, 5000), parts - 1, replace=False)), 5000]
+    outs, lses = [], []
+    for a, b in itertools.pairwise(bounds):
+        o, lse = fd.gqa_decode(q, k[a:b], v[a:b], **dims, return_lse=True)
+        outs.append(o.astype(np.float32))
+        lses.append(lse)
+    out, lse = fd.merge_states(np.stack(outs), np.stack(lses))
+    ref, ref_lse = fd.reference_gqa_decode(q, k, v, **dims, return_lse=True)
+    assert rel_err(out.astype(np.float64), ref) < TOL["bf16"]
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+
+def test_features_on_fp32_are_refused_before_any_work(rng):
+    q, k, v = random_decode_inputs(rng, 8, 2, 64, 10, np.float32)
+    with pytest.raises(NotImplementedError, match="not yet"):
+        fd.gqa_decode(q, k, v, n_heads=8, n_kv_heads=2, head_dim=64, sliding_window=4)
