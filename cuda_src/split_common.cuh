@@ -75,8 +75,21 @@ struct FxScore {
         return s * FX_LOG2E;
     }
 };
+// The scale a kernel that pre-scales Q applies (the CUDA-core and fp32 tensor-core ones):
+// into the base-2 domain, or with a soft-cap or ALiBi in natural units (FxScore finishes).
+template <int F>
+__device__ __forceinline__ float fx_q_scale(const FxFeat& f, int head_dim) {
+    const float scale = (F & FX_F_SCALE) ? f.scale : rsqrtf((float)head_dim);
+    return (F & (FX_F_CAP | FX_F_ALIBI)) ? scale : scale * FX_LOG2E;
+}
+// The score of a pre-scaled q.k (fx_q_scale): as it is, or capped and with ALiBi.
+template <int F, class Scorer>
+__device__ __forceinline__ float fx_prescaled(const Scorer& sc, float x, int j) {
+    return (F & (FX_F_CAP | FX_F_ALIBI)) ? sc(x, j) : x;
+}
+
 // The scorer of query head h (`real`: not a padding row) for a kernel whose plain scale is
-// 1/sqrt(dr).
+// 1/sqrt(dr) (with pre-scaled Q: dr = 1, no FX_F_SCALE: scale 1).
 template <int F>
 __device__ __forceinline__ FxScore<F> fx_scorer(const FxFeat& f, int dr, int h, bool real,
                                                 int seq_len, const int* seq_len_dev) {

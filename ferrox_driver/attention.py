@@ -153,6 +153,12 @@ def _feature_entry(name: str, parts: list[str], mask: int) -> str:
         return f"FX_COMBINE_FEAT_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {mask})"
     tiled = parts[-1] == "t2"
     plain = split_entry(inner)  # the kernel without features, which must exist
+    if plain.startswith("FX_TC32_ENTRY("):  # gqa_split_tc32_f32_d<D>
+        return f"FX_TC32_FEAT_ENTRY({name}, {int(parts[4][1:])}, {mask})"
+    if plain.startswith("FX_GENERIC_ENTRY("):  # gqa_split_<dt>_g<G>_<vec|any>
+        vec = "true" if parts[4] == "vec" else "false"
+        return (f"FX_GENERIC_FEAT_ENTRY({name}, {_ENTRY_TYPES[parts[2]]}, {int(parts[3][1:])}, "
+                f"{vec}, {mask})")  # fmt: skip
     if not plain.startswith(("FX_MMA_ENTRY(", "FX_MMA_PAD_ENTRY(", "FX_MMA_TILED_ENTRY(")):
         raise ValueError(name)
     d = int(parts[4][1:])
@@ -495,26 +501,15 @@ def plan(
     """The split plan for decodes of up to ``plan_seq`` tokens of this shape on a device of
     ``traits`` (see ``plan_split``, which remembers it per device): a function of its
     arguments alone, ``overrides`` (default: OVERRIDES) included. With ``features`` (F_*
-    bits), the fp16/bf16 tensor-core kernel with them compiled in, its chunks merged by the
-    combine kernel (no clusters, no wide plans, yet); a window's plan covers the window
-    (``plan_seq`` at most the window, the caller's part).
-
-    Raises:
-        NotImplementedError: features on a decode the tensor-core kernels do not take (fp32,
-            a head_dim that is not a multiple of 8, groups past 16, unaligned arrays).
+    bits), the same kernel with them compiled in, its chunks merged by the combine kernel
+    (no clusters, no wide plans, yet); a window's plan covers the window (``plan_seq`` at
+    most the window, the caller's part).
     """
     if not features:
         return _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, overrides)
     ov = OVERRIDES if overrides is None else overrides
     ov = dataclasses.replace(ov, cluster=False, wide=False)
     found = _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
-    if not found.kernel.startswith("gqa_split_mma_"):
-        raise NotImplementedError(
-            "sliding_window, logits_soft_cap, sinks, alibi_slopes, scale, return_lse: not yet "
-            f"on this decode ({dtype_name(np.dtype(dtype))}, head_dim {head_dim}, "
-            f"{n_heads // n_kv_heads} query heads per KV head{'' if aligned else ', unaligned'});"
-            " they take fp16/bf16 caches, head_dims that are multiples of 8, groups of up to 16"
-        )
     return dataclasses.replace(found, kernel=f"{found.kernel}_x{features}", features=features)
 
 
@@ -792,6 +787,8 @@ def split_launches(
         lanes = np.int32(plan.lanes_per_token)
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(head_dim), np.int32(seq_len),
                 seq_len_dev, splits, lanes, tile)  # fmt: skip
+        if plan.features and features is not None:
+            args += features.split_args()
         grid = (plan.head_tiles, plan.splits, n_kv_heads)
         at = 8
     combine_args: tuple[Any, ...] = (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len),

@@ -434,10 +434,20 @@ def test_features_take_the_tensor_core_kernels_with_the_combine_kernel():
     )
     for bad in ("gqa_split_combine_f16_x2", "gqa_split_mma_bf16_d128_cluster_x1",
                 "gqa_split_mma_bf16_d128_wide_cluster_x1", "gqa_split_mma_bf16_d128_x64",
-                "gqa_split_tc32_f32_d128_x1"):  # fmt: skip
+                "gqa_split_tc32_f32_d128_cluster_x1"):  # fmt: skip
         with pytest.raises(ValueError, match="has no kernel"):
             attention.split_entry(bad)
-    for dtype, head_dim in ((np.float32, 128), (bf16, 100)):
-        with pytest.raises(NotImplementedError, match="not yet"):
-            attention.plan(traits, dtype, 32, 8, head_dim, 4096, features=attention.F_LSE)
+    # every kernel family takes them: fp32 on tensor cores, other head_dims on CUDA cores
+    lse = attention.F_LSE
+    assert attention.plan(traits, np.float32, 32, 8, 128, 4096, features=lse).kernel == (
+        "gqa_split_tc32_f32_d128_x16"
+    )
+    odd = attention.plan(traits, bf16, 32, 8, 100, 4096, features=lse)
+    assert odd.kernel == "gqa_split_bf16_g4_any_x16"
+    assert attention.split_entry(odd.kernel) == (
+        "FX_GENERIC_FEAT_ENTRY(gqa_split_bf16_g4_any_x16, fx_bf16, 4, false, 16)"
+    )
+    assert attention.split_entry("gqa_split_tc32_f32_d256_x63") == (
+        "FX_TC32_FEAT_ENTRY(gqa_split_tc32_f32_d256_x63, 256, 63)"
+    )
     assert attention.plan(traits, bf16, 32, 8, 128, 32768).features == 0  # none: as before
