@@ -13,14 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from . import attention
 from ._driver import _capture as _capture_state
 from ._driver import capture_keep, drv
 from .attention import check_algorithm
 from .decode import keep_for_capture, stream_capturing
 from .errors import ClosedError, KVCapacityError
+from .features import check_features
 from .graph import GraphExec
 from .interop import ArrayRef, array_ref
-from .kv_cache import KVCache, append_kernel
+from .kv_cache import KVCache, append_kernel, feature_bits_of
 from .launch import LaunchSequence, PackedLaunch
 from .memory import DeviceArray, empty, pinned_empty
 from .stream import Stream, stream_handle, stream_key
@@ -157,11 +159,17 @@ def gqa_decode_async(
     n_heads: int,
     stream: StreamLike,
     algorithm: str = "auto",
+    out_lse: DeviceArrayLike = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: DeviceArrayLike = None,
+    alibi_slopes: DeviceArrayLike = None,
+    scale: float | None = None,
 ) -> None:
     """Queue a decode of ``q_dev`` against the cache, reading seq_len on the device.
     No host work: capturable in a graph, valid for every sequence length. Before the
-    first capture call ``kv.prepare(n_heads)`` (or run it once eagerly): loading kernels
-    and allocating its scratch cannot happen inside a capture.
+    first capture call ``kv.prepare(n_heads)`` (with the same features) or run it once
+    eagerly: loading kernels and allocating its scratch cannot happen inside a capture.
 
     Args:
         q_dev: device array of ``n_heads*head_dim`` elements, cache dtype.
@@ -170,8 +178,26 @@ def gqa_decode_async(
         n_heads: query heads, a multiple of ``kv.n_kv_heads``.
         stream: the stream to queue on.
         algorithm: ``"auto"``/``"split"`` or ``"parity"``.
+        out_lse: a float32 device array of ``n_heads``, written with the log-sum-exp.
+        sliding_window: as `gqa_decode`; the window follows the device's seq_len, so a
+            graph captured once keeps it as the cache grows.
+        logits_soft_cap: as `gqa_decode`.
+        sinks: as `gqa_decode`, a float32 device array (read by the kernel at each run).
+        alibi_slopes: as `gqa_decode`, a float32 device array.
+        scale: as `gqa_decode`.
     """
     kv = _check_cache(kv)
+    if not (
+        out_lse is None and sliding_window is None and logits_soft_cap is None
+        and sinks is None and alibi_slopes is None and scale is None
+    ):  # fmt: skip
+        _decode_async_features(
+            q_dev, kv, out_dev, n_heads, stream, algorithm,
+            dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 alibi_slopes=alibi_slopes, scale=scale),
+            out_lse,
+        )  # fmt: skip
+        return
     qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
     sid = stream_key(stream)
     aligned = qr is not None and outr is not None and ((qr[0] | outr[0]) & 15) == 0
@@ -194,6 +220,61 @@ def gqa_decode_async(
         assert qr is not None and outr is not None  # _operand refused host arrays
         record, foreign = entry
         _length_for_device_work(kv, sid, foreign, qr, outr, (q_dev, out_dev))
+        record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
+
+
+def _feature_array(obj: Any, name: str, n: int, kv: KVCache) -> DeviceArray | None:
+    """A per-head float32 device array of a graph-safe decode (None stays None)."""
+    if obj is None:
+        return None
+    ref = array_ref(obj, name)
+    if ref is None:
+        raise TypeError(f"{name}: expected a float32 device array (the kernel reads it), got "
+                        "a numpy array")  # fmt: skip
+    ptr, shape, dtype, ordinal, contiguous, _ = ref
+    if dtype != np.float32 or math.prod(shape) != n or not contiguous:
+        raise ValueError(f"{name}: expected {n} contiguous float32, got shape {shape} of {dtype}")
+    if ordinal != kv.device.ordinal:
+        raise ValueError(f"{name}: on device {ordinal}, the cache on {kv.device.ordinal}")
+    return DeviceArray._wrap(ptr, (n,), np.dtype(np.float32), kv.device, None)
+
+
+def _decode_async_features(
+    q_dev: Any, kv: KVCache, out_dev: Any, n_heads: Any, stream: Any, algorithm: Any,
+    kw: dict[str, Any], out_lse: Any,
+) -> None:  # fmt: skip
+    """gqa_decode_async with features: checked (every call; the record is made once per
+    signature and feature values), then queued reading the length on the device."""
+    n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
+    if check_algorithm(algorithm) == "parity":
+        raise ValueError("algorithm: the features need the split kernels ('auto' or 'split')")
+    feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
+    size = n_heads * kv.head_dim
+    q = _operand(q_dev, "q_dev", size, kv)
+    out = _operand(out_dev, "out_dev", size, kv)
+    sinks = _feature_array(feats.sinks, "sinks", n_heads, kv)
+    slopes = _feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, kv)
+    lse = _feature_array(out_lse, "out_lse", n_heads, kv)
+    fargs = attention.FeatureArgs(
+        scale=feats.score_scale(kv.head_dim), cap=feats.logits_soft_cap or 1.0,
+        window=feats.sliding_window or 0, slopes=slopes, sinks=sinks, lse=lse,
+    )  # fmt: skip
+    bits = feature_bits_of(feats)
+    sid = stream_key(stream)
+    qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
+    assert qr is not None and outr is not None
+    with kv._lock:
+        q_view = DeviceArray._wrap(q, (size,), kv.dtype, kv.device, None)
+        out_view = DeviceArray._wrap(out, (size,), kv.dtype, kv.device, None)
+        record = kv.decode_record(
+            q_view, out_view, n_heads, algorithm, stream, length_on_device=True,
+            features=(bits, fargs),
+        )  # fmt: skip
+        foreign = sid != 0 and not isinstance(stream, Stream)
+        kept = tuple(x for x in (feats.sinks, feats.alibi_slopes, out_lse) if x is not None)
+        captured = _length_for_device_work(kv, sid, foreign, qr, outr, (q_dev, out_dev))
+        if captured and kept:
+            keep_for_capture(sid, foreign, *kept)
         record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
 
 

@@ -26,11 +26,12 @@ from .attention import (
 from .decode import DecodeRecord
 from .device import Device, resolve
 from .errors import ClosedError, FerroxError, KVCapacityError
+from .features import check_features
 from .launch import Kernel
 from .memory import DeviceArray, empty, pinned_empty
 from .module_cache import get_kernel
 from .stream import Event, Stream, stream_handle, stream_key
-from .types import DTypeLike, StreamLike
+from .types import DeviceArrayLike, DTypeLike, StreamLike
 from .validation import (
     MAX_HEAD_DIM,
     ArrayInfo,
@@ -500,17 +501,22 @@ class KVCache:
         stream: Any,
         *,
         length_on_device: bool,
+        features: tuple[int, Any] | None = None,
     ) -> DecodeRecord:
         """The launch record of decodes of ``n_heads`` query heads against this cache on
         ``stream`` (made once per signature): the length read on the device
         (``length_on_device``, for graphs and ``gqa_decode_async``) or written per call.
 
-        Every decode of a cache is planned for its capacity, so the eager path and graphs
-        captured once chunk the sequence identically and agree bit for bit."""
+        Every decode of a cache is planned for its capacity (with a window, for at most the
+        window), so the eager path and graphs captured once chunk the sequence identically
+        and agree bit for bit. ``features``: (F_* bits, attention.FeatureArgs), whose values
+        the record keeps (a key of their own)."""
         self._check_open()
         aligned = ((q_dev.ptr | out_dev.ptr) & 15) == 0
         sid = stream_key(stream)
-        key = (n_heads, algorithm, aligned, sid, length_on_device, attention.OVERRIDES)
+        bits, fargs = features if features is not None else (0, None)
+        fkey = None if fargs is None else _feature_key(fargs)
+        key = (n_heads, algorithm, aligned, sid, length_on_device, attention.OVERRIDES, bits, fkey)
         record = self._records.get(key)
         if record is None:
             seq_dev = self.state if length_on_device else None
@@ -524,12 +530,13 @@ class KVCache:
             else:
                 plan = plan_split(
                     self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim,
-                    self.capacity, aligned,
+                    self._plan_seq(fargs), aligned, bits,
                 )  # fmt: skip
                 ws = self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
                 launches = split_launches(
                     plan, q_dev, self._k, self._v, out_dev, ws, n_heads=n_heads,
                     n_kv_heads=n_kv, head_dim=hd, seq_len=seq_len, seq_len_dev=seq_dev,
+                    features=fargs,
                 )  # fmt: skip
             record = self._records[key] = DecodeRecord(
                 launches, self.device, stream_handle(sid), None
@@ -555,34 +562,61 @@ class KVCache:
                 self.device_length()
             record.run((q_dev.ptr, self._k_ptr, self._v_ptr, out_dev.ptr, self._seq_len))
 
-    def prepare(self, n_heads: int, algorithm: str = "auto") -> None:
+    def prepare(
+        self,
+        n_heads: int,
+        algorithm: str = "auto",
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: DeviceArrayLike = None,
+        alibi_slopes: DeviceArrayLike = None,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> None:
         """Load the kernels and allocate the scratch that decodes of ``n_heads`` query heads
-        need, so that they can then be captured into a graph (allocation and module loading
-        are not capturable), and bring the device's copy of the length up to date, keeping
-        it so after every host append. DecodeGraph does this itself.
+        (with the features given, as `gqa_decode_async` takes them; ``return_lse`` for its
+        ``out_lse``) need, so that they can then be captured into a graph (allocation and
+        module loading are not capturable), and bring the device's copy of the length up
+        to date, keeping it so after every host append. DecodeGraph does this itself.
 
         Raises:
             ClosedError: the cache or its stream was closed.
         """
         n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
         algorithm = check_algorithm(algorithm)
+        feats = check_features(
+            n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
+        )  # fmt: skip
         with self._lock:
-            self._prepare(n_heads, algorithm)
+            self._prepare(n_heads, algorithm, feature_bits_of(feats), feats.sliding_window)
 
-    def _prepare(self, n_heads: int, algorithm: str) -> None:
+    def _plan_seq(self, fargs: Any) -> int:
+        """The length decodes of this cache are planned for: its capacity, or the window."""
+        if fargs is None or not fargs.window:
+            return self.capacity
+        return min(self.capacity, fargs.window)
+
+    def _prepare(
+        self, n_heads: int, algorithm: str, bits: int = 0, window: int | None = None
+    ) -> None:
         self._check_open()
         append_kernel(self.device)
         self.device_length()
         self._eager_seq = True  # a graph will read the length: host appends keep it current
-        with empty((n_heads * self.head_dim,), self.dtype, device=self.device) as probe:
-            self.decode_record(probe, probe, n_heads, algorithm, self.stream,
-                               length_on_device=True)  # fmt: skip
+        if not bits:
+            with empty((n_heads * self.head_dim,), self.dtype, device=self.device) as probe:
+                self.decode_record(probe, probe, n_heads, algorithm, self.stream,
+                                   length_on_device=True)  # fmt: skip
         if algorithm != "parity":
             aligned = ((self._k_ptr | self._v_ptr) & 15) == 0
+            plan_seq = self.capacity if window is None else min(self.capacity, window)
             plan = plan_split(
                 self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim,
-                self.capacity, aligned,
+                plan_seq, aligned, bits,
             )  # fmt: skip
+            self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
             combine = plan.combine_kernel(self.dtype)
             if combine is not None:  # a cluster plan has none
                 split_kernel(combine, self.device)
@@ -753,3 +787,24 @@ class LayerKVCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _feature_key(fargs: Any) -> tuple[Any, ...]:
+    """What identifies a decode's feature values in a record's key: the scalars and the
+    per-head arrays' addresses (the kernels read the arrays, so new values in the same
+    arrays need no new record)."""
+
+    def ptr(a: Any) -> int:
+        return 0 if a is None else int(a.ptr)
+
+    return (fargs.scale, fargs.cap, fargs.window, ptr(fargs.slopes), ptr(fargs.sinks),
+            ptr(fargs.lse))  # fmt: skip
+
+
+def feature_bits_of(feats: Any) -> int:
+    """The F_* bits of validated features (features.Features)."""
+    return attention.feature_bits(
+        feats.sliding_window is not None, feats.logits_soft_cap is not None,
+        feats.alibi_slopes is not None, feats.sinks is not None, feats.return_lse,
+        feats.scale is not None,
+    )  # fmt: skip

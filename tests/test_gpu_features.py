@@ -127,3 +127,43 @@ def test_lse_of_plain_decodes_to_the_tolerance(rng, dtype):
     for n_heads, n_kv, head_dim in ((32, 8, 128), (28, 4, 128), (32, 32, 128), (16, 2, 64),
                                     (8, 1, 256)):  # fmt: skip
         _check(rng, dtype, n_heads, n_kv, head_dim, 3001, {})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_a_graph_captured_at_seq_len_1_keeps_window_sinks_and_lse_to_8192(rng, dtype):
+    # the window follows the device's seq_len; sinks are read from their device array at
+    # each replay (new values in place, no new capture); the LSE lands in out_lse
+    dt = DTYPES[dtype]
+    n_heads, n_kv, head_dim, cap, window = 32, 8, 128, 8192, 1000
+    k = rng.standard_normal((cap, n_kv, head_dim)).astype(dt)
+    v = rng.standard_normal((cap, n_kv, head_dim)).astype(dt)
+    q = rng.standard_normal((n_heads, head_dim)).astype(dt)
+    sinks = rng.standard_normal(n_heads).astype(np.float32)
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": head_dim}
+    with fd.KVCache(n_kv, head_dim, cap, dtype=dt) as kv, fd.Stream() as stream:
+        kv.extend(k[:1], v[:1])
+        kv.synchronize()
+        q_d, sinks_d = fd.to_device(q), fd.to_device(sinks)
+        out, lse = fd.empty((n_heads, head_dim), dt), fd.empty((n_heads,), np.float32)
+        kw = {"sliding_window": window, "sinks": sinks_d, "out_lse": lse}
+        kv.prepare(n_heads, sliding_window=window, sinks=sinks_d, return_lse=True)
+        with stream.capture() as graph:
+            fd.gqa_decode_async(q_d, kv, out, n_heads=n_heads, stream=stream, **kw)
+        exe = graph.instantiate()
+        for seq in [1, 2, 999, 1000, 1001, 4097, 8191, 8192]:
+            kv.extend(k[kv.seq_len : seq], v[kv.seq_len : seq])
+            kv.synchronize()
+            if seq == 4097:  # new sink values, same array
+                sinks = rng.standard_normal(n_heads).astype(np.float32)
+                sinks_d.copy_from_host(sinks)
+            out.fill_bytes(0xFF)
+            lse.fill_bytes(0xFF)
+            exe.launch(stream)
+            stream.synchronize()
+            ref, ref_lse = fd.reference_gqa_decode(
+                q, k[:seq], v[:seq], **dims, sliding_window=window, sinks=sinks, return_lse=True
+            )
+            assert rel_err(out.to_host().astype(np.float64), ref) < TOL[dtype], seq
+            np.testing.assert_allclose(lse.to_host(), ref_lse, rtol=LSE_TOL[dtype],
+                                       atol=LSE_TOL[dtype])  # fmt: skip
+        exe.close()
