@@ -24,9 +24,9 @@ from .graph import GraphExec
 from .interop import ArrayRef, array_ref
 from .kv_cache import KVCache, append_kernel, feature_bits_of
 from .launch import LaunchSequence, PackedLaunch
-from .memory import DeviceArray, empty, pinned_empty
+from .memory import DeviceArray, empty, pinned_empty, to_device
 from .stream import Stream, stream_handle, stream_key
-from .types import DeviceArrayLike, StreamLike
+from .types import ArrayLike, DeviceArrayLike, StreamLike
 from .validation import check_dims
 
 __all__ = ["DecodeGraph", "gqa_decode_async", "kv_append_async"]
@@ -288,6 +288,13 @@ class DecodeGraph:
         stream: where the graph runs (default: the cache's stream, so it stays ordered
             with the cache's own appends).
         algorithm: ``"auto"`` or ``"parity"``.
+        sliding_window: as `gqa_decode`; the window follows the cache's length.
+        logits_soft_cap: as `gqa_decode`.
+        sinks: as `gqa_decode`: a float32 device array (read at each step), or numpy,
+            copied once into the device array ``sinks``.
+        alibi_slopes: like ``sinks``.
+        scale: as `gqa_decode`.
+        return_lse: each step also writes the log-sum-exp per query head into ``lse``.
 
     Calling it is thread-safe (it takes the cache's lock); ``launch`` + ``synchronize``
     as a pair are the caller's to order. Closing the cache or the stream makes it raise
@@ -299,15 +306,36 @@ class DecodeGraph:
         k: page-locked staging for the new token's K row, (n_kv_heads, head_dim).
         v: like ``k``, for V.
         out: page-locked array the result lands in, (n_heads, head_dim).
+        lse: with ``return_lse``, the page-locked (n_heads,) float32 LSE of the last step.
+        sinks: the device array of sinks the graph reads (None without); write it in place
+            to change them.
+        alibi_slopes: like ``sinks``, for the slopes.
     """
 
     def __init__(
-        self, kv: KVCache, *, n_heads: int, stream: Stream | None = None, algorithm: str = "auto"
+        self,
+        kv: KVCache,
+        *,
+        n_heads: int,
+        stream: Stream | None = None,
+        algorithm: str = "auto",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: ArrayLike = None,
+        alibi_slopes: ArrayLike = None,
+        scale: float | None = None,
+        return_lse: bool = False,
     ) -> None:
         self._closed = True  # until built
         self.kv = _check_cache(kv)
         self.n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
         algorithm = check_algorithm(algorithm)
+        feats = check_features(
+            self.n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
+        )  # fmt: skip
+        if algorithm == "parity" and (not feats.plain or scale is not None or return_lse):
+            raise ValueError("algorithm: the features need the split kernels ('auto')")
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream: expected a ferrox_driver.Stream, got {type(stream)}")
         if stream is not None:
@@ -336,6 +364,21 @@ class DecodeGraph:
             for a, n in zip(starts, sizes, strict=True)
         )
         self._out_d = empty((sizes[0],), dt, device=kv.device)
+        # the features' per-head arrays on the device (numpy ones copied once into arrays
+        # of this graph: ``sinks``/``alibi_slopes``, writable in place), and the LSE
+        self._owned: list[DeviceArray] = []
+        self.sinks = self._per_head(feats.sinks)
+        self.alibi_slopes = self._per_head(feats.alibi_slopes)
+        self._lse_d = None
+        self.lse = None
+        if feats.return_lse:
+            self._lse_d = empty((self.n_heads,), np.float32, device=kv.device)
+            self._owned.append(self._lse_d)
+            self.lse = pinned_empty((self.n_heads,), np.float32)
+        self._features: dict[str, Any] = {
+            "sliding_window": feats.sliding_window, "logits_soft_cap": feats.logits_soft_cap,
+            "scale": feats.scale,
+        }  # fmt: skip
         with kv._lock:
             kv.synchronize()  # earlier eager work is done; the host seq_len is exact
             self._exec = self._capture(algorithm)
@@ -357,20 +400,37 @@ class DecodeGraph:
         if kv.stream._closed or self.stream._closed:
             raise ClosedError("DecodeGraph", "runs on a Stream that was closed")
 
+    def _per_head(self, values: Any) -> Any:
+        """A feature's per-head array on the device: a device array as given, numpy copied."""
+        if values is None or not isinstance(values, np.ndarray):
+            return values
+        arr = to_device(np.ascontiguousarray(values, np.float32), device=self.kv.device)
+        self._owned.append(arr)
+        return arr
+
     def _capture(self, algorithm: str) -> GraphExec:
         kv, s, h = self.kv, self.stream, self._h
         eager_seq = kv._eager_seq  # this graph's launches bring the length up to date
+        feats: dict[str, Any] = {k: v for k, v in self._features.items() if v is not None}
+        for name, arr in (("sinks", self.sinks), ("alibi_slopes", self.alibi_slopes)):
+            if arr is not None:
+                feats[name] = arr
         # Load kernels and allocate scratch first: neither is capturable.
-        kv.prepare(self.n_heads, algorithm)
+        kv.prepare(self.n_heads, algorithm, return_lse=self._lse_d is not None, **feats)
         with s.capture() as graph:
             drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data, self._in_d.nbytes, h)
             kv_append_async(kv, self._k_d, self._v_d, stream=s)
             gqa_decode_async(
-                self._q_d, kv, self._out_d, n_heads=self.n_heads, stream=s, algorithm=algorithm
-            )
+                self._q_d, kv, self._out_d, n_heads=self.n_heads, stream=s, algorithm=algorithm,
+                out_lse=self._lse_d, **feats,
+            )  # fmt: skip
             drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr, self._out_d.nbytes, h)
+            if self._lse_d is not None and self.lse is not None:
+                drv("cuMemcpyDtoHAsync", self.lse.ctypes.data, self._lse_d.ptr,
+                    self._lse_d.nbytes, h)  # fmt: skip
         kv._eager_seq = eager_seq
-        graph.keep_alive(self._stage, self.out, self._in_d, self._out_d, kv)
+        graph.keep_alive(self._stage, self.out, self._in_d, self._out_d, kv, *self._owned,
+                         *((self.lse,) if self.lse is not None else ()))  # fmt: skip
         exec_ = graph.instantiate()
         graph.close()
         return exec_
@@ -412,7 +472,8 @@ class DecodeGraph:
         """Append ``k_tok``/``v_tok`` and decode ``q``: one graph launch, one sync.
 
         Returns:
-            A new numpy array of shape (n_heads, head_dim) in the cache dtype.
+            A new numpy array of shape (n_heads, head_dim) in the cache dtype (built with
+                ``return_lse``, the step's LSE is then in ``lse``).
 
         Raises:
             KVCapacityError: the cache is full (checked on the host first: nothing runs).
@@ -459,7 +520,7 @@ class DecodeGraph:
         with self.kv._lock:  # not while another thread runs a step
             self._closed = True
             self._exec.close()
-            for arr in (self._in_d, self._out_d):
+            for arr in (self._in_d, self._out_d, *self._owned):
                 arr.close()
 
     def __enter__(self) -> DecodeGraph:

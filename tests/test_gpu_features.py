@@ -167,3 +167,33 @@ def test_a_graph_captured_at_seq_len_1_keeps_window_sinks_and_lse_to_8192(rng, d
             np.testing.assert_allclose(lse.to_host(), ref_lse, rtol=LSE_TOL[dtype],
                                        atol=LSE_TOL[dtype])  # fmt: skip
         exe.close()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_kv_cache_decode_and_decode_graph_take_the_features(rng, dtype):
+    dt = DTYPES[dtype]
+    n_heads, n_kv, head_dim, cap = 32, 8, 128, 2048
+    k = rng.standard_normal((cap, n_kv, head_dim)).astype(dt)
+    v = rng.standard_normal((cap, n_kv, head_dim)).astype(dt)
+    q = rng.standard_normal((n_heads, head_dim)).astype(dt)
+    sinks = rng.standard_normal(n_heads).astype(np.float32)
+    slopes = (2.0 ** -np.arange(1, n_heads + 1)).astype(np.float32)
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": head_dim}
+    with fd.KVCache(n_kv, head_dim, cap, dtype=dt) as kv:
+        kv.extend(k[:700], v[:700])
+        for kw in ({"sliding_window": 256, "sinks": sinks}, {"logits_soft_cap": 3.0},
+                   {"alibi_slopes": slopes, "scale": 0.1}):  # fmt: skip
+            got, lse = kv.decode(q, n_heads=n_heads, return_lse=True, **kw)
+            ref, ref_lse = fd.reference_gqa_decode(q, k[:700], v[:700], **dims,
+                                                   return_lse=True, **kw)  # fmt: skip
+            assert rel_err(got.astype(np.float64), ref) < TOL[dtype], kw
+            np.testing.assert_allclose(lse, ref_lse, rtol=LSE_TOL[dtype], atol=LSE_TOL[dtype])
+        kw = {"sliding_window": 300, "alibi_slopes": slopes}
+        with fd.DecodeGraph(kv, n_heads=n_heads, return_lse=True, **kw) as step:
+            for t in range(700, 712):
+                got = step(q, k[t], v[t])
+                ref, ref_lse = fd.reference_gqa_decode(q, k[: t + 1], v[: t + 1], **dims,
+                                                       return_lse=True, **kw)  # fmt: skip
+                assert rel_err(got.astype(np.float64), ref) < TOL[dtype], t
+                np.testing.assert_allclose(step.lse, ref_lse, rtol=LSE_TOL[dtype],
+                                           atol=LSE_TOL[dtype])  # fmt: skip
