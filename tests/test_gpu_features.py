@@ -197,3 +197,55 @@ def test_kv_cache_decode_and_decode_graph_take_the_features(rng, dtype):
                 assert rel_err(got.astype(np.float64), ref) < TOL[dtype], t
                 np.testing.assert_allclose(step.lse, ref_lse, rtol=LSE_TOL[dtype],
                                            atol=LSE_TOL[dtype])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("parts", [1, 2, 5, 8])
+def test_device_merge_of_split_decodes_equals_the_whole_decode(rng, dtype, parts):
+    # fp32: the merged parts equal the decode of the whole to 1e-6; the device merge equals
+    # the host one; and it replays inside a captured graph
+    dt = DTYPES[dtype]
+    n_heads, n_kv, head_dim, seq = 32, 8, 128, 6000
+    q, k, v = random_decode_inputs(rng, n_heads, n_kv, head_dim, seq, dt)
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": head_dim}
+    qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
+    whole, whole_lse = fd.gqa_decode(qd, kd, vd, **dims, return_lse=True)
+    bounds = [0, *sorted(rng.choice(np.arange(1, seq), parts - 1, replace=False)), seq]
+    outs, lses = [], []
+    for a, b in itertools.pairwise(bounds):
+        o, lse = fd.gqa_decode(q, k[a:b], v[a:b], **dims, return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    outs_d, lses_d = fd.to_device(np.stack(outs)), fd.to_device(np.stack(lses))
+    out = poisoned((n_heads, head_dim), dt)
+    got, got_lse = fd.merge_states(outs_d, lses_d, out=out)
+    host, host_lse = fd.merge_states(np.stack(outs), np.stack(lses))
+    tol = 1e-6 if dtype == "f32" else TOL[dtype]
+    assert rel_err(got.to_host().astype(np.float64), whole.to_host().astype(np.float64)) < tol
+    np.testing.assert_allclose(got_lse.to_host(), whole_lse.to_host(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.to_host().astype(np.float64), host.astype(np.float64),
+                               rtol=1e-2, atol=1e-2)  # fmt: skip
+    np.testing.assert_allclose(got_lse.to_host(), host_lse, rtol=1e-6, atol=1e-6)
+    with fd.Stream() as stream:
+        with stream.capture() as graph:
+            fd.merge_states(outs_d, lses_d, out=out, out_lse=got_lse, stream=stream)
+        exe = graph.instantiate()
+        out.fill_bytes(0xFF)
+        exe.launch(stream)
+        stream.synchronize()
+        assert rel_err(out.to_host().astype(np.float64), host.astype(np.float64)) < TOL[dtype]
+        exe.close()
+
+
+def test_device_merge_of_empty_parts_and_bad_inputs():
+    outs = fd.to_device(np.ones((2, 3, 4), np.float32))
+    lses = fd.to_device(np.array([[-np.inf, 0.0, -np.inf], [-np.inf, 0.0, 1.0]], np.float32))
+    out, lse = fd.merge_states(outs, lses)
+    assert not out.to_host()[0].any() and lse.to_host()[0] == -np.inf
+    np.testing.assert_allclose(out.to_host()[1:], 1.0)
+    with pytest.raises(TypeError, match="lses"):
+        fd.merge_states(outs, fd.to_device(np.zeros((2, 3), np.float16)))
+    with pytest.raises(ValueError, match="outs"):
+        fd.merge_states(fd.to_device(np.ones((3, 3, 4), np.float32)), lses)
+    with pytest.raises(TypeError, match="outs, lses"):
+        fd.merge_states(outs, np.zeros((2, 3), np.float32))
