@@ -161,9 +161,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         slot = (d / 64) * 16 + (gg >> 2) * 8 + d % 8;
         t = gg & 3;
     };
-    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR>(fx_dyn_smem, park_stats, park_o, ws_o, ws_ml,
-                                                    out, h0, group, splits, split, seq_len,
-                                                    seq_len_dev, where);
+    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR, F>(fx_dyn_smem, park_stats, park_o, ws_o,
+                                                       ws_ml, out, h0, group, splits, split,
+                                                       seq_len, seq_len_dev, where, &feat);
 }
 
 // Which head_dims take the swapped operands: measured against gqa_split_mma on the same
@@ -280,7 +280,8 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
     }
 
 // With features F (FX_F_*; their values the last arguments): gqa_split_mma_<dt>_d<D>
-// [_r<DR>][_t2]_x<F>, merged by the combine kernel (gqa_split_combine_<dt>_x<F'>).
+// [_r<DR>][_t2]_x<F>, merged by the combine kernel (gqa_split_combine_<dt>_x<F'>), and its
+// cluster twin <name>_cluster (which applies sinks and the LSE in the cluster's merge).
 #define FX_MMA_FEAT_ENTRY(NAME, T, D, DR, TILED, F)                                         \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
@@ -289,6 +290,26 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
         const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr};                    \
         fx_mma_body<T, D, false, FX_WARPS_D##D, DR, TILED, F>(                              \
             q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
+            splits, tile, feat);                                                            \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
+        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
+        int seq_len, const int* seq_len_dev, int splits, int tile, float scale, float cap,  \
+        int window, const float* slopes, const float* sinks, float* lse) {                  \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        fx_mma_body<T, D, true, FX_WARPS_D##D, DR, TILED, F>(                               \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
+            splits, tile, feat);                                                            \
+    }
+// ... and the wide cluster kernel (head_dim 128): gqa_split_mma_<dt>_d128_wide_x<F>_cluster
+#define FX_MMA_WIDE_FEAT_ENTRY(NAME, T, F)                                                  \
+    extern "C" __global__ void __launch_bounds__(FX_WIDE_WARPS * 32, 1) NAME(               \
+        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
+        int seq_len, const int* seq_len_dev, int splits, int tile, float scale, float cap,  \
+        int window, const float* slopes, const float* sinks, float* lse) {                  \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        fx_mma_body<T, 128, true, FX_WIDE_WARPS, 128, false, F>(                            \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
             splits, tile, feat);                                                            \
     }
 

@@ -75,8 +75,8 @@ def split_entry(name: str) -> str:
     base = name.removesuffix("_cluster")
     parts = base.split("_")
     try:
-        if parts[-1][:1] == "x" and parts[-1][1:].isdigit() and name == base:
-            return _feature_entry(name, parts[:-1], int(parts[-1][1:]))
+        if parts[-1][:1] == "x" and parts[-1][1:].isdigit():  # <kernel>_x<F>[_cluster]
+            return _feature_entry(name, parts[:-1], int(parts[-1][1:]), name != base)
         if base.startswith("gqa_split_mma_") and parts[-1] == "t2" and parts[3] != "f32":
             # gqa_split_mma_<dt>_d<D>[_r<head_dim>]_t2: groups of 9-16 in two tiles of 8
             d, padded = int(parts[4][1:]), len(parts) == 7 and parts[5][0] == "r"
@@ -134,6 +134,9 @@ class FeatureArgs:
     def combine_args(self) -> tuple[Any, ...]:
         return (np.int32(self.window), self.sinks, self.lse)
 
+    def cluster_args(self) -> tuple[Any, ...]:  # a cluster plan's split kernel: all of them
+        return (*self.split_args(), self.sinks, self.lse)
+
 
 def feature_bits(window: bool, cap: bool, alibi: bool, sinks: bool, lse: bool, scale: bool) -> int:
     """The F_* bits of a decode's features."""
@@ -141,30 +144,39 @@ def feature_bits(window: bool, cap: bool, alibi: bool, sinks: bool, lse: bool, s
     return sum(b for b, on in zip(bits, (window, cap, alibi, sinks, lse, scale), strict=True) if on)
 
 
-def _feature_entry(name: str, parts: list[str], mask: int) -> str:
-    """split_entry of ``name``, a split kernel with features ``mask`` (``<kernel>_x<mask>``:
-    an fp16/bf16 tensor-core kernel without clusters, or the combine kernel)."""
+def _feature_entry(name: str, parts: list[str], mask: int, cluster: bool) -> str:
+    """split_entry of ``name``, a split kernel with features ``mask`` (``<kernel>_x<mask>``,
+    and the fp16/bf16 tensor-core kernels' ``<kernel>_x<mask>_cluster``; ``parts``: the
+    name's without the ``_x<mask>`` and ``_cluster``), or the combine kernel's."""
     inner = "_".join(parts)
-    if not 0 < mask < 64 or "cluster" in parts or "wide" in parts:
+    if not 0 < mask < 64 or "cluster" in parts:
         raise ValueError(name)
-    if inner.startswith("gqa_split_combine_") and len(parts) == 4:
+    if parts[-1] == "wide":  # gqa_split_mma_<dt>_d128_wide_x<F>_cluster
+        if not cluster or split_entry(inner + "_cluster").split("(")[0] != "FX_MMA_WIDE_ENTRY":
+            raise ValueError(name)
+        return f"FX_MMA_WIDE_FEAT_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {mask})"
+    base = name.removesuffix("_cluster")
+    if inner.startswith("gqa_split_combine_") and len(parts) == 4 and not cluster:
         if mask & ~COMBINE_FEATURES:
             raise ValueError(name)
         return f"FX_COMBINE_FEAT_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {mask})"
     tiled = parts[-1] == "t2"
     plain = split_entry(inner)  # the kernel without features, which must exist
+    mma = plain.startswith(("FX_MMA_ENTRY(", "FX_MMA_PAD_ENTRY(", "FX_MMA_TILED_ENTRY("))
+    if cluster and not mma:  # (the fp32 and CUDA-core kernels with features: no clusters)
+        raise ValueError(name)
     if plain.startswith("FX_TC32_ENTRY("):  # gqa_split_tc32_f32_d<D>
         return f"FX_TC32_FEAT_ENTRY({name}, {int(parts[4][1:])}, {mask})"
     if plain.startswith("FX_GENERIC_ENTRY("):  # gqa_split_<dt>_g<G>_<vec|any>
         vec = "true" if parts[4] == "vec" else "false"
         return (f"FX_GENERIC_FEAT_ENTRY({name}, {_ENTRY_TYPES[parts[2]]}, {int(parts[3][1:])}, "
                 f"{vec}, {mask})")  # fmt: skip
-    if not plain.startswith(("FX_MMA_ENTRY(", "FX_MMA_PAD_ENTRY(", "FX_MMA_TILED_ENTRY(")):
+    if not mma:
         raise ValueError(name)
     d = int(parts[4][1:])
     dr = int(parts[5][1:]) if len(parts) > 5 and parts[5][0] == "r" else d
     flag = "true" if tiled else "false"
-    return f"FX_MMA_FEAT_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {d}, {dr}, {flag}, {mask})"
+    return f"FX_MMA_FEAT_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {d}, {dr}, {flag}, {mask})"
 
 
 def split_kernel(name: str, device: Device) -> Kernel:
@@ -501,16 +513,21 @@ def plan(
     """The split plan for decodes of up to ``plan_seq`` tokens of this shape on a device of
     ``traits`` (see ``plan_split``, which remembers it per device): a function of its
     arguments alone, ``overrides`` (default: OVERRIDES) included. With ``features`` (F_*
-    bits), the same kernel with them compiled in, its chunks merged by the combine kernel
-    (no clusters, no wide plans, yet); a window's plan covers the window (``plan_seq`` at
+    bits), the same kernel with them compiled in (``<kernel>_x<bits>[_cluster]``; the fp32
+    tensor-core ones without clusters); a window's plan covers the window (``plan_seq`` at
     most the window, the caller's part).
     """
     if not features:
         return _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, overrides)
     ov = OVERRIDES if overrides is None else overrides
-    ov = dataclasses.replace(ov, cluster=False, wide=False)
     found = _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
-    return dataclasses.replace(found, kernel=f"{found.kernel}_x{features}", features=features)
+    if found.cluster and not found.kernel.startswith("gqa_split_mma_"):
+        # the fp32 tensor-core kernels take features without clusters (not built)
+        ov = dataclasses.replace(ov, cluster=False, wide=False)
+        found = _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
+    base = found.kernel.removesuffix("_cluster")
+    kernel = f"{base}_x{features}" + ("_cluster" if found.cluster else "")
+    return dataclasses.replace(found, kernel=kernel, features=features)
 
 
 def _plan(
@@ -769,6 +786,8 @@ def split_launches(
     seq_role: Roles = ()
     if plan.cluster:
         args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
+        if plan.features and features is not None:
+            args += features.cluster_args()
         grid = (plan.splits, n_kv_heads * plan.head_tiles, 1)
         roles = (*_QKV, (3, "out"), *(((6, "seq"),) if seq_len_dev is None else seq_role))
         return [Launch(plan.kernel, grid, plan.threads, args, shared, plan.cluster, roles=roles)]

@@ -89,7 +89,7 @@ def test_a_window_reads_only_the_window(device):
     bits = attention.F_WINDOW
     windowed = attention.plan_split(device, dt, 32, 8, 128, 4096, True, bits)
     plain = attention.plan_split(device, dt, 32, 8, 128, 4096, True)
-    assert windowed.splits == plain.splits and windowed.kernel.endswith("_x1")
+    assert windowed.splits == plain.splits and "_x1" in windowed.kernel, windowed
 
 
 def test_numpy_inputs_return_numpy_and_lse(rng):

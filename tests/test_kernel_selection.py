@@ -123,6 +123,8 @@ def test_feature_kernels_compile_without_stack_or_spills(arch):
         "gqa_split_f32_g8_vec_x63",
         "gqa_split_bf16_g4_any_x63",
         "gqa_split_combine_f32_x25",
+        "gqa_split_mma_bf16_d128_wide_x63_cluster",
+        "gqa_split_mma_f16_d256_x63_cluster",
     ):
         source = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n"
         program = compile_source(source + attention.split_entry(name) + "\n", arch=arch)
