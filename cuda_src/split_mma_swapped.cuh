@@ -201,19 +201,22 @@ __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
 // (launched in clusters of `splits` blocks per KV head, writes the output). Chunks are
 // multiples of `tile` tokens (16 to FX_TILE; the host picks it per plan).
-#define FX_MMA_ENTRY(NAME, T, D)                                                            \
+#define FX_MMA_KERNELS(NAME, T, D, DR, TILED)                                               \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        fx_mma_body<T, D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,        \
-                                 seq_len, seq_len_dev, splits, tile);                       \
+        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, TILED>(                                 \
+            q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
+            splits, tile);                                                                  \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
         const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
         int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
-        fx_mma_body<T, D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,        \
-                                seq_len, seq_len_dev, splits, tile);                        \
+        fx_mma_body<T, D, true, FX_WARPS_D##D, DR, TILED>(                                  \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
+            splits, tile);                                                                  \
     }
+#define FX_MMA_ENTRY(NAME, T, D) FX_MMA_KERNELS(NAME, T, D, D, false)
 
 #ifndef FX_SELECTED  // the host compiles one entry at a time (attention.split_entry)
 FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
@@ -242,42 +245,14 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 
 // Any other head_dim DR (a multiple of 8) on the kernel of the next head_dim D up, the
 // columns past DR zeros (never read from memory): gqa_split_mma_<dt>_d<D>_r<DR> and its
-// _cluster twin (merged on chip where the plan's clusters fit), instantiated by the host for the
-// call that needs them.
-#define FX_MMA_PAD_ENTRY(NAME, T, D, DR)                                                    \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
-        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
-        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        fx_mma_body<T, D, false, FX_WARPS_D##D, DR>(q, k, v, ws_o, ws_ml, nullptr, n_heads, \
-                                                    n_kv_heads, seq_len, seq_len_dev,       \
-                                                    splits, tile);                          \
-    }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
-        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
-        int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
-        fx_mma_body<T, D, true, FX_WARPS_D##D, DR>(q, k, v, nullptr, nullptr, out, n_heads, \
-                                                   n_kv_heads, seq_len, seq_len_dev,        \
-                                                   splits, tile);                           \
-    }
+// _cluster twin (merged on chip where the plan's clusters fit), instantiated by the host
+// for the call that needs them.
+#define FX_MMA_PAD_ENTRY(NAME, T, D, DR) FX_MMA_KERNELS(NAME, T, D, DR, false)
 
 // Groups of 9-16 query heads per KV head in two tiles of 8 (a block each, the grid's y
 // 2 x KV heads), head_dim DR on the kernel of D (DR = D: not padded):
 // gqa_split_mma_<dt>_d<D>[_r<DR>]_t2 and its _cluster twin.
-#define FX_MMA_TILED_ENTRY(NAME, T, D, DR)                                                  \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
-        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
-        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, true>(                                  \
-            q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
-            splits, tile);                                                                  \
-    }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
-        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
-        int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
-        fx_mma_body<T, D, true, FX_WARPS_D##D, DR, true>(                                   \
-            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
-            splits, tile);                                                                  \
-    }
+#define FX_MMA_TILED_ENTRY(NAME, T, D, DR) FX_MMA_KERNELS(NAME, T, D, DR, true)
 
 // With features F (FX_F_*; their values the last arguments): gqa_split_mma_<dt>_d<D>
 // [_r<DR>][_t2]_x<F>, merged by the combine kernel (gqa_split_combine_<dt>_x<F'>), and its

@@ -77,28 +77,13 @@ def split_entry(name: str) -> str:
     try:
         if parts[-1][:1] == "x" and parts[-1][1:].isdigit():  # <kernel>_x<F>[_cluster]
             return _feature_entry(name, parts[:-1], int(parts[-1][1:]), name != base)
-        if base.startswith("gqa_split_mma_") and parts[-1] == "t2" and parts[3] != "f32":
-            # gqa_split_mma_<dt>_d<D>[_r<head_dim>]_t2: groups of 9-16 in two tiles of 8
-            d, padded = int(parts[4][1:]), len(parts) == 7 and parts[5][0] == "r"
-            dr = int(parts[5][1:]) if padded else d
-            ok = parts[4][0] == "d" and d in MMA_HEAD_DIMS and dr % 8 == 0
-            if ok and (len(parts) == 6 or (padded and 0 < dr < d)):
-                return f"FX_MMA_TILED_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {d}, {dr})"
-            raise ValueError(base)  # (refused below)
         if base.startswith("gqa_split_combine_"):
             return f"FX_COMBINE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
         wide = len(parts) == 6 and parts[4:] == [f"d{WIDE_HEAD_DIM}", "wide"] and name != base
         if wide:  # gqa_split_mma_<dt>_d128_wide_cluster
             return f"FX_MMA_WIDE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
-        if base.startswith("gqa_split_mma_") and parts[3] == "f32":
-            pass  # the fp32 tensor-core kernels are gqa_split_tc32_*
-        elif base.startswith("gqa_split_mma_") and len(parts) == 6 and parts[5][0] == "r":
-            # gqa_split_mma_<dt>_d<D>_r<head_dim>: a head_dim padded to D
-            dt, d, dr = _ENTRY_TYPES[parts[3]], int(parts[4][1:]), int(parts[5][1:])
-            if parts[4][0] == "d" and d in MMA_HEAD_DIMS and 0 < dr < d and dr % 8 == 0:
-                return f"FX_MMA_PAD_ENTRY({base}, {dt}, {d}, {dr})"
-        elif base.startswith("gqa_split_mma_") and len(parts) == 5:  # gqa_split_mma_<dt>_d<D>
-            return f"FX_MMA_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {int(parts[4][1:])})"
+        if base.startswith("gqa_split_mma_") and parts[3] != "f32":  # (fp32: gqa_split_tc32_*)
+            return _mma_entry(base, parts)
         if base.startswith("gqa_split_tc32_f32_"):  # gqa_split_tc32_f32_d<D>
             return f"FX_TC32_ENTRY({base}, {int(parts[4][1:])})"
         if len(parts) == 5 and parts[3][0] == "g" and parts[4] in ("vec", "any"):
@@ -107,6 +92,33 @@ def split_entry(name: str) -> str:
     except (KeyError, ValueError, IndexError):
         pass
     raise ValueError(f"kernel: {SPLIT_FILE} has no kernel {name!r}")
+
+
+def _mma_entry(base: str, parts: list[str]) -> str:
+    """split_entry of the fp16/bf16 tensor-core kernel ``base``,
+    gqa_split_mma_<dt>_d<D>[_r<head_dim>][_t2]: head_dim D (64, 128, 256), or a smaller
+    multiple of 8 padded to D; _t2: groups of 9-16 in two tiles of 8 query heads.
+
+    Raises:
+        ValueError, KeyError, IndexError: no such kernel.
+    """
+    rest = parts[4:]
+    tiled = rest[-1:] == ["t2"]
+    rest = rest[:-1] if tiled else rest
+    d = int(rest[0][1:])
+    if rest[0][0] != "d" or d not in MMA_HEAD_DIMS or len(rest) > 2:
+        raise ValueError(base)
+    dr = d
+    if len(rest) == 2:
+        dr = int(rest[1][1:])
+        if rest[1][0] != "r" or not (0 < dr < d and dr % 8 == 0):
+            raise ValueError(base)
+    dt = _ENTRY_TYPES[parts[3]]
+    if tiled:
+        return f"FX_MMA_TILED_ENTRY({base}, {dt}, {d}, {dr})"
+    if dr != d:
+        return f"FX_MMA_PAD_ENTRY({base}, {dt}, {d}, {dr})"
+    return f"FX_MMA_ENTRY({base}, {dt}, {d})"
 
 
 # The feature bits of the kernels' F (FX_F_* in split_common.cuh), and those the combine
