@@ -137,11 +137,11 @@ def reference_gqa_decode(
         sink = feats.sinks.reshape(n_kv_heads, group, 1)
     logits = np.concatenate([scores, sink], axis=2)
     top = logits.max(axis=2, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0.0)  # a head with nothing: no NaN from -inf - -inf
+    top = np.where(np.isneginf(top), 0.0, top)  # a head with nothing: no NaN from -inf - -inf
     weights = np.exp(logits - top)
     total = weights.sum(axis=2, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(total > 0, weights[:, :, :-1] / total, 0.0)
+        p = np.where(total == 0, 0.0, weights[:, :, :-1] / total)  # (NaN stays NaN)
         lse = (top + np.log(total)).reshape(n_heads)  # log(0) = -inf: no token, no sink
     out = np.einsum("gjs,sgd->gjd", p, vh).reshape(spec.q_shape)
     return (out, lse) if feats.return_lse else out
