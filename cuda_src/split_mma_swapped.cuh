@@ -15,11 +15,12 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
     return y;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0>
 __device__ __forceinline__ void gqa_split_mma_swapped(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
+    const FxFeat feat = FxFeat{}) {
     constexpr int S = FxStages<D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;  // elements of one step's K (or V)
@@ -31,7 +32,11 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     // Q as the B operand (n = heads), read as gqa_split_mma reads it for its A operand
     const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR>(q, h0, group, g, tig);
 
-    const float sscale = rsqrtf((float)DR) * FX_LOG2E;
+    // heads 2tig (a) and 2tig + 1 (b)
+    const FxScore<F> sca =
+        fx_scorer<F>(feat, DR, h0 + 2 * tig, 2 * tig < group, seq_len, seq_len_dev);
+    const FxScore<F> scb =
+        fx_scorer<F>(feat, DR, h0 + 2 * tig + 1, 2 * tig + 1 < group, seq_len, seq_len_dev);
 
     // O^T accumulators [64-d block][i][c]: d = hb*64 + g*8 + 2i + (c >> 1), head
     // 2tig + (c & 1).
@@ -64,10 +69,10 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         }
         const int ta = t0 + g, tc = ta + 8;
         float x[4];
-        x[0] = ta < end ? (s[0] + s2[0]) * sscale : -INFINITY;  // head a
-        x[1] = ta < end ? (s[1] + s2[1]) * sscale : -INFINITY;  // head b
-        x[2] = tc < end ? (s[2] + s2[2]) * sscale : -INFINITY;  // head a
-        x[3] = tc < end ? (s[3] + s2[3]) * sscale : -INFINITY;  // head b
+        x[0] = ta < end ? sca(s[0] + s2[0], ta) : -INFINITY;  // head a
+        x[1] = ta < end ? scb(s[1] + s2[1], ta) : -INFINITY;  // head b
+        x[2] = tc < end ? sca(s[2] + s2[2], tc) : -INFINITY;  // head a
+        x[3] = tc < end ? scb(s[3] + s2[3], tc) : -INFINITY;  // head b
         float mxa = fmaxf(x[0], x[2]), mxb = fmaxf(x[1], x[3]);
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) {
@@ -156,9 +161,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         slot = (d / 64) * 16 + (gg >> 2) * 8 + d % 8;
         t = gg & 3;
     };
-    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR>(fx_dyn_smem, park_stats, park_o, ws_o, ws_ml,
-                                                    out, h0, group, splits, split, seq_len,
-                                                    seq_len_dev, where);
+    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR, F>(fx_dyn_smem, park_stats, park_o, ws_o,
+                                                       ws_ml, out, h0, group, splits, split,
+                                                       seq_len, seq_len_dev, where, &feat);
 }
 
 // Which head_dims take the swapped operands: measured against gqa_split_mma on the same
@@ -175,20 +180,22 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #define FX_MMA_SWAPPED_D256 0
 #endif
 template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value, int DR = D,
-          bool TILED = false>
+          bool TILED = false, int F = 0>
 __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,
                                             float* ws_ml, T* out, int n_heads, int n_kv_heads,
                                             int seq_len, const int* seq_len_dev, int splits,
-                                            int tile) {
+                                            int tile, const FxFeat feat = FxFeat{}) {
     constexpr bool SWAPPED = D == 64    ? FX_MMA_SWAPPED_D64
                              : D == 128 ? FX_MMA_SWAPPED_D128
                                         : FX_MMA_SWAPPED_D256;
     if (SWAPPED)
-        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR, TILED>(
-            q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len, seq_len_dev, splits, tile);
+        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR, TILED, F>(
+            q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len, seq_len_dev, splits, tile,
+            feat);
     else
-        gqa_split_mma<T, D, CLUSTER, WARPS, DR, TILED>(
-            q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len, seq_len_dev, splits, tile);
+        gqa_split_mma<T, D, CLUSTER, WARPS, DR, TILED, F>(q, k, v, ws_o, ws_ml, out, n_heads,
+                                                          n_kv_heads, seq_len, seq_len_dev,
+                                                          splits, tile, feat);
 }
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
@@ -246,6 +253,40 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 // 2 x KV heads), head_dim DR on the kernel of D (DR = D: not padded):
 // gqa_split_mma_<dt>_d<D>[_r<DR>]_t2 and its _cluster twin.
 #define FX_MMA_TILED_ENTRY(NAME, T, D, DR) FX_MMA_KERNELS(NAME, T, D, DR, true)
+
+// With features F (FX_F_*; their values the last arguments): gqa_split_mma_<dt>_d<D>
+// [_r<DR>][_t2]_x<F>, merged by the combine kernel (gqa_split_combine_<dt>_x<F'>), and its
+// cluster twin <name>_cluster (which applies sinks and the LSE in the cluster's merge).
+#define FX_MMA_FEAT_ENTRY(NAME, T, D, DR, TILED, F)                                         \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile,          \
+        float scale, float cap, int window, const float* slopes) {                          \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr};                    \
+        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, TILED, F>(                              \
+            q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
+            splits, tile, feat);                                                            \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
+        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
+        int seq_len, const int* seq_len_dev, int splits, int tile, float scale, float cap,  \
+        int window, const float* slopes, const float* sinks, float* lse) {                  \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        fx_mma_body<T, D, true, FX_WARPS_D##D, DR, TILED, F>(                               \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
+            splits, tile, feat);                                                            \
+    }
+// ... and the wide cluster kernel (head_dim 128): gqa_split_mma_<dt>_d128_wide_x<F>_cluster
+#define FX_MMA_WIDE_FEAT_ENTRY(NAME, T, F)                                                  \
+    extern "C" __global__ void __launch_bounds__(FX_WIDE_WARPS * 32, 1) NAME(               \
+        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
+        int seq_len, const int* seq_len_dev, int splits, int tile, float scale, float cap,  \
+        int window, const float* slopes, const float* sinks, float* lse) {                  \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        fx_mma_body<T, 128, true, FX_WIDE_WARPS, 128, false, F>(                            \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
+            splits, tile, feat);                                                            \
+    }
 
 #ifndef FX_SELECTED
 FX_MMA_WIDE_ENTRY(gqa_split_mma_f16_d128_wide_cluster, fx_half)

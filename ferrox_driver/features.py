@@ -31,6 +31,16 @@ class Features:
     scale: float | None = None
     return_lse: bool = False
 
+    @property
+    def plain(self) -> bool:
+        """No feature but possibly a scale or LSE: the softmax the plain kernels compute."""
+        return (
+            self.sliding_window is None
+            and self.logits_soft_cap is None
+            and self.sinks is None
+            and self.alibi_slopes is None
+        )
+
     def score_scale(self, head_dim: int) -> float:
         """The scores' scale: ``scale``, or 1/sqrt(head_dim)."""
         return 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale
