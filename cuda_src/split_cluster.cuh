@@ -70,9 +70,10 @@ __device__ __forceinline__ void fx_check_cluster(int splits) {
 // memory. The pushes (remote stores, no round trip) and one barrier replace reads of the
 // other blocks' shared memory, a round trip, and the second barrier those needed to keep
 // every block alive while read (docs/design.md).
-template <class T, int D, int THREADS>
+template <class T, int D, int THREADS, int F = 0>
 __device__ __forceinline__ void fx_cluster_merge(const float* recv, T* __restrict__ out, int h0,
-                                                 int group, int seq) {
+                                                 int group, int seq,
+                                                 const FxFeat* feat = nullptr) {
     fx_cluster_arrive_release();
     fx_cluster_wait();  // every block's pushes have landed
     const unsigned blocks = fx_cluster_blocks(), rank = fx_cluster_rank();
@@ -98,6 +99,9 @@ __device__ __forceinline__ void fx_cluster_merge(const float* recv, T* __restric
         float mx = -INFINITY;
 #pragma unroll
         for (int c = 0; c < FX_MAX_CLUSTER; ++c) mx = fmaxf(mx, m[c]);
+        // with sinks, head j's sink logit (base 2) joins the maximum and the denominator
+        const float sink2 = (F & FX_F_SINKS) ? feat->sinks[h0 + j] * FX_LOG2E : -INFINITY;
+        if (F & FX_F_SINKS) mx = fmaxf(mx, sink2);
         float lsum = 0.f;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -109,6 +113,10 @@ __device__ __forceinline__ void fx_cluster_merge(const float* recv, T* __restric
             acc.z += w * o[c].z;
             acc.w += w * o[c].w;
         }
+        if (F & FX_F_SINKS) lsum += sink2 == -INFINITY ? 0.f : fx_exp2(sink2 - mx);
+        if ((F & FX_F_LSE) && d == 0)  // one unit per head writes its LSE (natural log)
+            feat->lse[h0 + j] = seq > 0 ? (mx + log2f(lsum)) * 0.69314718055994531f
+                                        : ((F & FX_F_SINKS) ? feat->sinks[h0 + j] : -INFINITY);
         const float inv = seq > 0 ? 1.f / lsum : 0.f;
         T* dst = out + (long long)(h0 + j) * D + d;
         dst[0] = fx_from_float<T>(acc.x * inv);

@@ -12,12 +12,13 @@
 #define FX_COMBINE_BATCH 16  // chunk loads in flight per lane, up to 64 chunks
 #define FX_COMBINE_MANY 33   // ... and past 64: 132 chunks in one trip to L2
 #define FX_COMBINE_WARPS (FX_COMBINE_THREADS / 32)
-template <class T, int BATCH>
+template <class T, int BATCH, int F = 0>
 __device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
                                                   const float* __restrict__ ws_o,
                                                   const float* __restrict__ ml, int head_dim,
                                                   int d, int active, float* w_s,
-                                                  float (*red_s)[32]) {
+                                                  float (*red_s)[32], float sink2 = 0.f,
+                                                  float* lse_h = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // This warp's first chunk outputs do not depend on the weights: load them now, so the
     // loads of the maxima below and these share one trip to L2.
@@ -41,6 +42,7 @@ __device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
     mx = red_s[0][0];
 #pragma unroll
     for (int w = 1; w < W; ++w) mx = fmaxf(mx, red_s[w][0]);
+    if (F & FX_F_SINKS) mx = fmaxf(mx, sink2);  // the sink's logit (base 2) counts too
     float lsum = 0.f;
     for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) {
         const float mc = ml[2 * c];
@@ -56,6 +58,9 @@ __device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
     lsum = 0.f;
 #pragma unroll
     for (int w = 0; w < W; ++w) lsum += red_s[w][1];
+    if (F & FX_F_SINKS) lsum += sink2 == -INFINITY ? 0.f : fx_exp2(sink2 - mx);
+    if ((F & FX_F_LSE) && lse_h != nullptr && threadIdx.x == 0)
+        *lse_h = (mx + log2f(lsum)) * 0.69314718055994531f;  // natural log
 
     // ---- weighted sum of the chunk outputs: warp w takes chunks w, w+4, w+8, ... in order
     float acc = 0.f;
@@ -80,10 +85,11 @@ __device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
     }
 }
 
-template <class T>
+template <class T, int F = 0>
 __device__ __forceinline__ void gqa_split_combine(
     T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
+    const FxFeat feat = FxFeat{}) {
     __shared__ float w_s[FX_MAX_SPLITS];
     __shared__ float red_s[FX_COMBINE_WARPS][32];
     const int h = blockIdx.x;
@@ -91,18 +97,26 @@ __device__ __forceinline__ void gqa_split_combine(
     const int seq = fx_seq_len(seq_len, seq_len_dev);  // written before the split kernel ran
     fx_wait_for_split();  // every block, so the combine ends after the split kernel
     T* out_h = out + (long long)h * head_dim;
+    // with sinks, head h's sink logit in base 2; with LSE, where head h's goes (once)
+    const float sink2 = (F & FX_F_SINKS) ? feat.sinks[h] * FX_LOG2E : 0.f;
+    float* lse_h = (F & FX_F_LSE) && blockIdx.y == 0 ? feat.lse + h : nullptr;
     if (seq <= 0) {
         if (threadIdx.x < 32 && d < head_dim) out_h[d] = fx_from_float<T>(0.f);
+        if ((F & FX_F_LSE) && lse_h != nullptr && threadIdx.x == 0)  // the sink alone, or none
+            *lse_h = (F & FX_F_SINKS) ? feat.sinks[h] : -INFINITY;
         return;
     }
-    const int chunk = fx_chunk(seq, splits, tile);
-    const int active = (seq + chunk - 1) / chunk;
+    const int first = fx_first_token<F>(seq, feat.window);
+    const int chunk = fx_chunk(seq - first, splits, tile);
+    const int active = (seq - first + chunk - 1) / chunk;
     const float* o = ws_o + (long long)h * splits * head_dim;
     const float* ml = ws_ml + (long long)h * splits * 2;
     if (active > FX_COMBINE_WARPS * FX_COMBINE_BATCH)
-        fx_combine_chunks<T, FX_COMBINE_MANY>(out_h, o, ml, head_dim, d, active, w_s, red_s);
+        fx_combine_chunks<T, FX_COMBINE_MANY, F>(out_h, o, ml, head_dim, d, active, w_s, red_s,
+                                                 sink2, lse_h);
     else
-        fx_combine_chunks<T, FX_COMBINE_BATCH>(out_h, o, ml, head_dim, d, active, w_s, red_s);
+        fx_combine_chunks<T, FX_COMBINE_BATCH, F>(out_h, o, ml, head_dim, d, active, w_s, red_s,
+                                                  sink2, lse_h);
 }
 
 #define FX_COMBINE_ENTRY(NAME, T)                                                           \
@@ -110,6 +124,18 @@ __device__ __forceinline__ void gqa_split_combine(
         T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
         const int* seq_len_dev, int splits, int tile) {                                     \
         gqa_split_combine<T>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits, tile); \
+    }
+
+// With the features that reach the combine (FX_F_WINDOW, FX_F_SINKS, FX_F_LSE in F):
+// gqa_split_combine_<dt>_x<F>.
+#define FX_COMBINE_FEAT_ENTRY(NAME, T, F)                                                   \
+    extern "C" __global__ void __launch_bounds__(FX_COMBINE_THREADS) NAME(                  \
+        T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
+        const int* seq_len_dev, int splits, int tile, int window, const float* sinks,       \
+        float* lse) {                                                                       \
+        const FxFeat feat{0.f, 0.f, window, nullptr, sinks, lse};                           \
+        gqa_split_combine<T, F>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev, splits,   \
+                                tile, feat);                                                \
     }
 
 #ifndef FX_SELECTED  // the host compiles one entry at a time (attention.split_entry)

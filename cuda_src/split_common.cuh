@@ -22,16 +22,104 @@ __device__ __forceinline__ int fx_chunk(int seq, int splits, int tile) {
     return (c + tile - 1) / tile * tile;
 }
 
-// Tokens [start, end) of chunk `split` at the current length; false when it has none
-// (the blocks past the end of a graph sized for the capacity leave at once).
+// ---- Features (features.py; each a compile-time switch, bits of the kernels' F): a decode
+// without one compiles to the kernel it has without features.
+#define FX_F_WINDOW 1  // attend to the last `window` tokens
+#define FX_F_CAP 2     // scores become cap * tanh(score / cap)
+#define FX_F_ALIBI 4   // score_j += slope_h * (j - (seq - 1))
+#define FX_F_SINKS 8   // exp(sink_h) in the softmax's denominator
+#define FX_F_LSE 16    // the log-sum-exp per head (natural log) to `lse`
+#define FX_F_SCALE 32  // the score scale `scale` instead of 1/sqrt(head_dim)
+// The run-time values of a decode's features (the kernels' last arguments).
+struct FxFeat {
+    float scale, cap;
+    int window;
+    const float* slopes;  // [n_heads]
+    const float* sinks;   // [n_heads]
+    float* lse;           // [n_heads]
+};
+
+// The first token a decode reads at length `seq`: seq - window with a window, else 0.
+template <int F>
+__device__ __forceinline__ int fx_first_token(int seq, int window) {
+    return (F & FX_F_WINDOW) ? max(0, seq - window) : 0;
+}
+
+// Tokens [start, end) of chunk `split` at the current length (of its last `window` tokens
+// with FX_F_WINDOW); false when it has none (the blocks past the end of a graph sized for
+// the capacity leave at once).
+template <int F = 0>
 __device__ __forceinline__ bool fx_chunk_bounds(int seq_len, const int* seq_len_dev,
                                                 int splits, int tile, int split, int& start,
-                                                int& end) {
+                                                int& end, int window = 0) {
     const int seq = fx_seq_len(seq_len, seq_len_dev);
-    const int chunk = fx_chunk(seq, splits, tile);
-    start = split * chunk;
+    const int first = fx_first_token<F>(seq, window);
+    const int chunk = fx_chunk(seq - first, splits, tile);
+    start = first + split * chunk;
     end = min(seq, start + chunk);
     return seq > 0 && start < seq;
+}
+
+__device__ __forceinline__ float fx_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fx_rcp(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// A score in the kernels' base-2 domain from q.k (`dot`) of token j: dot * sscale (sscale =
+// scale * log2 e), or with a soft-cap or ALiBi, in natural units first (capped, then the
+// head's slope times j - last, last = seq - 1), all folded into constants: capped,
+// s = cap * tanh(dot * scale / cap) with tanh(y) = 1 - 2 / (1 + e^2y), e^2y = 2^(dot * k2)
+// (k2 = 2 log2 e * scale / cap; ex2 and rcp approximate, on the special-function units),
+// so in base 2 s * log2 e = c1 - c2 / (1 + 2^(dot * k2)), c1 = cap log2 e = c2 / 2.
+// (tanhf and an IEEE division per score made a capped 32/8/128 bf16 decode 44-74% slower
+// than the plain one; this form costs two special-function ops.) |dot| large: 2^(...) is
+// 0 or inf, the score -cap or cap; NaN stays NaN.
+template <int F>
+struct FxScore {
+    float sscale, k2, c1, c2, slope2;  // slope2: the slope times log2 e
+    int last;
+    __device__ __forceinline__ float operator()(float dot, int j) const {
+        if (!(F & (FX_F_CAP | FX_F_ALIBI))) return dot * sscale;
+        float s = dot * sscale;
+        if (F & FX_F_CAP) s = c1 - c2 * fx_rcp(1.f + fx_exp2(dot * k2));
+        if (F & FX_F_ALIBI) s += slope2 * (float)(j - last);
+        return s;
+    }
+};
+// The scale a kernel that pre-scales Q applies (the CUDA-core and fp32 tensor-core ones):
+// into the base-2 domain, or with a soft-cap or ALiBi in natural units (FxScore finishes).
+template <int F>
+__device__ __forceinline__ float fx_q_scale(const FxFeat& f, int head_dim) {
+    const float scale = (F & FX_F_SCALE) ? f.scale : rsqrtf((float)head_dim);
+    return (F & (FX_F_CAP | FX_F_ALIBI)) ? scale : scale * FX_LOG2E;
+}
+// The score of a pre-scaled q.k (fx_q_scale): as it is, or capped and with ALiBi.
+template <int F, class Scorer>
+__device__ __forceinline__ float fx_prescaled(const Scorer& sc, float x, int j) {
+    return (F & (FX_F_CAP | FX_F_ALIBI)) ? sc(x, j) : x;
+}
+
+// The scorer of query head h (`real`: not a padding row) for a kernel whose plain scale is
+// 1/sqrt(dr) (with pre-scaled Q: dr = 1, no FX_F_SCALE: scale 1).
+template <int F>
+__device__ __forceinline__ FxScore<F> fx_scorer(const FxFeat& f, int dr, int h, bool real,
+                                                int seq_len, const int* seq_len_dev) {
+    FxScore<F> sc;
+    const float scale = (F & FX_F_SCALE) ? f.scale : rsqrtf((float)dr);
+    const float cap = (F & FX_F_CAP) ? f.cap : 1.f;
+    sc.sscale = scale * FX_LOG2E;
+    sc.k2 = 2.f * FX_LOG2E * scale / cap;
+    sc.c1 = cap * FX_LOG2E;
+    sc.c2 = 2.f * sc.c1;
+    sc.slope2 = (F & FX_F_ALIBI) && real ? f.slopes[h] * FX_LOG2E : 0.f;
+    sc.last = (F & FX_F_ALIBI) ? fx_seq_len(seq_len, seq_len_dev) - 1 : 0;
+    return sc;
 }
 
 // Programmatic dependent launch (compute capability 9.0 and up): the combine kernel is
@@ -56,8 +144,3 @@ __device__ __forceinline__ void fx_wait_for_split() {
 #endif
 }
 
-__device__ __forceinline__ float fx_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}

@@ -43,12 +43,12 @@ FX_SCALAR_LOAD8(fx_bf16)
 // Generic split kernel on CUDA cores: any head_dim 1..256, any group size (GT heads per
 // block, grid.z tiles the group). Lanes split a token's row in groups of `lpt` lanes, eight
 // elements each; each lane group keeps its own online softmax, merged at the block's end.
-template <class T, int GT, bool VEC>
+template <class T, int GT, bool VEC, int F = 0>
 __device__ __forceinline__ void gqa_split_generic(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads,
     int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int lpt,
-    int tile) {
+    int tile, const FxFeat feat = FxFeat{}) {
     __shared__ __align__(16) float o_s[FX_WARPS][GT][256];  // each warp's sum, merged at the end
     __shared__ float m_s[FX_THREADS][GT];
     __shared__ float l_s[FX_THREADS][GT];
@@ -58,7 +58,8 @@ __device__ __forceinline__ void gqa_split_generic(
     fx_let_combine_start<2>();
     const int split = blockIdx.y;
     int start, end;
-    if (!fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) return;
+    if (!fx_chunk_bounds<F>(seq_len, seq_len_dev, splits, tile, split, start, end, feat.window))
+        return;
 
     const int g = blockIdx.z;
     const int group = n_heads / n_kv_heads;
@@ -73,7 +74,16 @@ __device__ __forceinline__ void gqa_split_generic(
     const int d0 = l * 8;
     const int valid = max(0, min(8, head_dim - d0));
 
-    const float qscale = rsqrtf((float)head_dim) * FX_LOG2E;
+    const float qscale = fx_q_scale<F>(feat, head_dim);
+    // with a soft-cap or ALiBi, Q is scaled in natural units and sc[j] finishes head j's
+    // scores
+    constexpr bool NAT = (F & (FX_F_CAP | FX_F_ALIBI)) != 0;
+    FxScore<F & ~FX_F_SCALE> sc[NAT ? GT : 1];
+    if constexpr (NAT) {
+#pragma unroll
+        for (int j = 0; j < GT; ++j)
+            sc[j] = fx_scorer<F & ~FX_F_SCALE>(feat, 1, h0 + j, j < nh, seq_len, seq_len_dev);
+    }
     float qf[GT][8], acc[GT][8], m[GT], lsum[GT];
 #pragma unroll
     for (int j = 0; j < GT; ++j) {
@@ -133,6 +143,7 @@ __device__ __forceinline__ void gqa_split_generic(
             if (!has[u]) continue;
 #pragma unroll
             for (int j = 0; j < GT; ++j) {
+                if constexpr (NAT) s[j] = sc[j](s[j], u == 0 ? t0 : t1);
                 if (s[j] > m[j]) {  // rare after the first tokens: rescale only then
                     const float a = m[j] == -INFINITY ? 0.f : fx_exp2(m[j] - s[j]);
                     lsum[j] *= a;
@@ -209,6 +220,18 @@ __device__ __forceinline__ void gqa_split_generic(
         int lpt, int tile) {                                                                \
         gqa_split_generic<T, GT, VEC>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, head_dim,  \
                                       seq_len, seq_len_dev, splits, lpt, tile);             \
+    }
+
+// With features F: gqa_split_<dt>_g<GT>_<vec|any>_x<F> (the combine kernel merges it).
+#define FX_GENERIC_FEAT_ENTRY(NAME, T, GT, VEC, F)                                          \
+    extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int head_dim, int seq_len, const int* seq_len_dev, int splits,      \
+        int lpt, int tile, float scale, float cap, int window, const float* slopes) {       \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr};                    \
+        gqa_split_generic<T, GT, VEC, F>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads,         \
+                                         head_dim, seq_len, seq_len_dev, splits, lpt, tile, \
+                                         feat);                                             \
     }
 
 #define FX_GENERIC_FOR_TYPE(SUFFIX, T)                                \

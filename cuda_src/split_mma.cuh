@@ -125,11 +125,12 @@ __device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, in
     return r;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int PAIR = 1>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0, int PAIR = 1>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
+    const FxFeat feat = FxFeat{}) {
     constexpr int S = FxStages<D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
@@ -141,7 +142,7 @@ __device__ __forceinline__ void gqa_split_mma(
     const int a_heads = PAIR == 1 ? 0 : max(0, min(group, heads_per_kv / 2 - tile_h));
     const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR, PAIR>(q, h0, group, g, tig, a_heads);
 
-    const float sscale = rsqrtf((float)(DR / PAIR)) * FX_LOG2E;
+    const FxScore<F> sc = fx_scorer<F>(feat, DR / PAIR, h0 + g, g < group, seq_len, seq_len_dev);
 
     // O accumulators: [64-d block][e]: c0 -> d = hb*64 + (2 tig)*8 + e, c1 -> +8. The
     // padding rows' outputs (c2, c3) only ever add zero rows: a scratch pair per chain of
@@ -188,10 +189,10 @@ __device__ __forceinline__ void gqa_split_mma(
         }
         // ---- online softmax for head g over this lane's 4 scores (tokens of c0, c1)
         float x[4];
-        x[0] = ta < end ? s[0][0] * sscale : -INFINITY;
-        x[1] = ta + 1 < end ? s[0][1] * sscale : -INFINITY;
-        x[2] = tc < end ? s[1][0] * sscale : -INFINITY;
-        x[3] = tc + 1 < end ? s[1][1] * sscale : -INFINITY;
+        x[0] = ta < end ? sc(s[0][0], ta) : -INFINITY;
+        x[1] = ta + 1 < end ? sc(s[0][1], ta + 1) : -INFINITY;
+        x[2] = tc < end ? sc(s[1][0], tc) : -INFINITY;
+        x[3] = tc + 1 < end ? sc(s[1][1], tc + 1) : -INFINITY;
         float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -237,7 +238,7 @@ __device__ __forceinline__ void gqa_split_mma(
         slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
         t = (d % 64) / 16;
     };
-    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T), DR, PAIR>(
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T), DR, F, PAIR>(
         fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
-        seq_len_dev, where, a_heads);
+        seq_len_dev, where, &feat, a_heads);
 }

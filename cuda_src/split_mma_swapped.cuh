@@ -15,11 +15,12 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
     return y;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int PAIR = 1>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0, int PAIR = 1>
 __device__ __forceinline__ void gqa_split_mma_swapped(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
+    const FxFeat feat = FxFeat{}) {
     constexpr int S = FxStages<D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;  // elements of one step's K (or V)
@@ -32,7 +33,11 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     const int a_heads = PAIR == 1 ? 0 : max(0, min(group, heads_per_kv / 2 - tile_h));
     const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR, PAIR>(q, h0, group, g, tig, a_heads);
 
-    const float sscale = rsqrtf((float)(DR / PAIR)) * FX_LOG2E;
+    // heads 2tig (a) and 2tig + 1 (b)
+    const FxScore<F> sca =
+        fx_scorer<F>(feat, DR / PAIR, h0 + 2 * tig, 2 * tig < group, seq_len, seq_len_dev);
+    const FxScore<F> scb =
+        fx_scorer<F>(feat, DR / PAIR, h0 + 2 * tig + 1, 2 * tig + 1 < group, seq_len, seq_len_dev);
 
     // O^T accumulators [64-d block][i][c]: d = hb*64 + g*8 + 2i + (c >> 1), head
     // 2tig + (c & 1).
@@ -65,10 +70,10 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         }
         const int ta = t0 + g, tc = ta + 8;
         float x[4];
-        x[0] = ta < end ? (s[0] + s2[0]) * sscale : -INFINITY;  // head a
-        x[1] = ta < end ? (s[1] + s2[1]) * sscale : -INFINITY;  // head b
-        x[2] = tc < end ? (s[2] + s2[2]) * sscale : -INFINITY;  // head a
-        x[3] = tc < end ? (s[3] + s2[3]) * sscale : -INFINITY;  // head b
+        x[0] = ta < end ? sca(s[0] + s2[0], ta) : -INFINITY;  // head a
+        x[1] = ta < end ? scb(s[1] + s2[1], ta) : -INFINITY;  // head b
+        x[2] = tc < end ? sca(s[2] + s2[2], tc) : -INFINITY;  // head a
+        x[3] = tc < end ? scb(s[3] + s2[3], tc) : -INFINITY;  // head b
         float mxa = fmaxf(x[0], x[2]), mxb = fmaxf(x[1], x[3]);
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) {
@@ -157,9 +162,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         slot = (d / 64) * 16 + (gg >> 2) * 8 + d % 8;
         t = gg & 3;
     };
-    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR, PAIR>(
-        fx_dyn_smem, park_stats, park_o, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
-        seq_len_dev, where, a_heads);
+    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR, F, PAIR>(fx_dyn_smem, park_stats, park_o, ws_o,
+                                                       ws_ml, out, h0, group, splits, split,
+                                                       seq_len, seq_len_dev, where, &feat, a_heads);
 }
 
 // Which head_dims take the swapped operands: measured against gqa_split_mma on the same
@@ -176,39 +181,43 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #define FX_MMA_SWAPPED_D256 0
 #endif
 template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value, int DR = D,
-          bool TILED = false, int PAIR = 1>
+          bool TILED = false, int F = 0, int PAIR = 1>
 __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,
                                             float* ws_ml, T* out, int n_heads, int n_kv_heads,
                                             int seq_len, const int* seq_len_dev, int splits,
-                                            int tile) {
+                                            int tile, const FxFeat feat = FxFeat{}) {
     constexpr bool SWAPPED = D == 64    ? FX_MMA_SWAPPED_D64
                              : D == 128 ? FX_MMA_SWAPPED_D128
                                         : FX_MMA_SWAPPED_D256;
     if (SWAPPED)
-        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR, TILED, PAIR>(q, k, v, ws_o, ws_ml, out, n_heads,
-                                                        n_kv_heads, seq_len, seq_len_dev,
-                                                        splits, tile);
+        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR, TILED, F, PAIR>(
+            q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len, seq_len_dev, splits, tile,
+            feat);
     else
-        gqa_split_mma<T, D, CLUSTER, WARPS, DR, TILED, PAIR>(q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads,
-                                                seq_len, seq_len_dev, splits, tile);
+        gqa_split_mma<T, D, CLUSTER, WARPS, DR, TILED, F, PAIR>(q, k, v, ws_o, ws_ml, out, n_heads,
+                                                          n_kv_heads, seq_len, seq_len_dev,
+                                                          splits, tile, feat);
 }
 
 // Each kernel twice: with a combine kernel (partials to the workspace), and "_cluster"
 // (launched in clusters of `splits` blocks per KV head, writes the output). Chunks are
 // multiples of `tile` tokens (16 to FX_TILE; the host picks it per plan).
-#define FX_MMA_ENTRY(NAME, T, D)                                                            \
+#define FX_MMA_KERNELS(NAME, T, D, DR, TILED)                                               \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        fx_mma_body<T, D, false>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,        \
-                                 seq_len, seq_len_dev, splits, tile);                       \
+        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, TILED>(                                 \
+            q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
+            splits, tile);                                                                  \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
         const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
         int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
-        fx_mma_body<T, D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,        \
-                                seq_len, seq_len_dev, splits, tile);                        \
+        fx_mma_body<T, D, true, FX_WARPS_D##D, DR, TILED>(                                  \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
+            splits, tile);                                                                  \
     }
+#define FX_MMA_ENTRY(NAME, T, D) FX_MMA_KERNELS(NAME, T, D, D, false)
 
 #ifndef FX_SELECTED  // the host compiles one entry at a time (attention.split_entry)
 FX_MMA_ENTRY(gqa_split_mma_f16_d64, fx_half, 64)
@@ -237,41 +246,47 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 
 // Any other head_dim DR (a multiple of 8) on the kernel of the next head_dim D up, the
 // columns past DR zeros (never read from memory): gqa_split_mma_<dt>_d<D>_r<DR> and its
-// _cluster twin (merged on chip where the plan's clusters fit), instantiated by the host for the
-// call that needs them.
-#define FX_MMA_PAD_ENTRY(NAME, T, D, DR)                                                    \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
-        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
-        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        fx_mma_body<T, D, false, FX_WARPS_D##D, DR>(q, k, v, ws_o, ws_ml, nullptr, n_heads, \
-                                                    n_kv_heads, seq_len, seq_len_dev,       \
-                                                    splits, tile);                          \
-    }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
-        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
-        int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
-        fx_mma_body<T, D, true, FX_WARPS_D##D, DR>(q, k, v, nullptr, nullptr, out, n_heads, \
-                                                   n_kv_heads, seq_len, seq_len_dev,        \
-                                                   splits, tile);                           \
-    }
+// _cluster twin (merged on chip where the plan's clusters fit), instantiated by the host
+// for the call that needs them.
+#define FX_MMA_PAD_ENTRY(NAME, T, D, DR) FX_MMA_KERNELS(NAME, T, D, DR, false)
 
 // Groups of 9-16 query heads per KV head in two tiles of 8 (a block each, the grid's y
 // 2 x KV heads), head_dim DR on the kernel of D (DR = D: not padded):
 // gqa_split_mma_<dt>_d<D>[_r<DR>]_t2 and its _cluster twin.
-#define FX_MMA_TILED_ENTRY(NAME, T, D, DR)                                                  \
+#define FX_MMA_TILED_ENTRY(NAME, T, D, DR) FX_MMA_KERNELS(NAME, T, D, DR, true)
+
+// With features F (FX_F_*; their values the last arguments): gqa_split_mma_<dt>_d<D>
+// [_r<DR>][_t2]_x<F>, merged by the combine kernel (gqa_split_combine_<dt>_x<F'>), and its
+// cluster twin <name>_cluster (which applies sinks and the LSE in the cluster's merge).
+#define FX_MMA_FEAT_ENTRY(NAME, T, D, DR, TILED, F)                                         \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
-        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, true>(                                  \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile,          \
+        float scale, float cap, int window, const float* slopes) {                          \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr};                    \
+        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, TILED, F>(                              \
             q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
-            splits, tile);                                                                  \
+            splits, tile, feat);                                                            \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
         const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
-        int seq_len, const int* seq_len_dev, int splits, int tile) {                        \
-        fx_mma_body<T, D, true, FX_WARPS_D##D, DR, true>(                                   \
+        int seq_len, const int* seq_len_dev, int splits, int tile, float scale, float cap,  \
+        int window, const float* slopes, const float* sinks, float* lse) {                  \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        fx_mma_body<T, D, true, FX_WARPS_D##D, DR, TILED, F>(                               \
             q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
-            splits, tile);                                                                  \
+            splits, tile, feat);                                                            \
+    }
+// ... and the wide cluster kernel (head_dim 128): gqa_split_mma_<dt>_d128_wide_x<F>_cluster
+#define FX_MMA_WIDE_FEAT_ENTRY(NAME, T, F)                                                  \
+    extern "C" __global__ void __launch_bounds__(FX_WIDE_WARPS * 32, 1) NAME(               \
+        const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
+        int seq_len, const int* seq_len_dev, int splits, int tile, float scale, float cap,  \
+        int window, const float* slopes, const float* sinks, float* lse) {                  \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        fx_mma_body<T, 128, true, FX_WIDE_WARPS, 128, false, F>(                            \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
+            splits, tile, feat);                                                            \
     }
 
 // Two adjacent KV heads of head_dim DR/2 read as one row of DR elements (their rows lie side
@@ -283,7 +298,7 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
-        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, TILED, 2>(q, k, v, ws_o, ws_ml, nullptr, \
+        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, TILED, 0, 2>(q, k, v, ws_o, ws_ml, nullptr, \
                                                               n_heads, n_kv_heads, seq_len, \
                                                               seq_len_dev, splits, tile);   \
     }

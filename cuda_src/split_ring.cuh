@@ -103,16 +103,18 @@ __device__ __forceinline__ void fx_check_launch(unsigned bytes, unsigned threads
 // leaves. A cluster's blocks all stay (an idle one with end = start: no tokens) to take
 // part in the merge, and arrive at the cluster barrier that fx_finish waits on before any
 // block writes into another's shared memory (which must have started by then).
-template <bool CLUSTER, int D>
+template <bool CLUSTER, int D, int F = 0>
 __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned threads,
                                                int seq_len, const int* seq_len_dev, int splits,
-                                               int tile, int split, int& start, int& end) {
+                                               int tile, int split, int& start, int& end,
+                                               int window = 0) {
     fx_check_launch(ring_bytes + (CLUSTER ? FX_RECV_FLOATS(D) * 4 : 0), threads);
     if (CLUSTER) {
         fx_check_cluster(splits);
         fx_cluster_arrive_relaxed();
     }
-    if (fx_chunk_bounds(seq_len, seq_len_dev, splits, tile, split, start, end)) return true;
+    if (fx_chunk_bounds<F>(seq_len, seq_len_dev, splits, tile, split, start, end, window))
+        return true;
     if (!CLUSTER) return false;
     end = start;
     return true;
@@ -124,7 +126,8 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
 // of the KV head's, at most 8; with TILED, groups of 9-16, one of two tiles of 8), the
 // thread's lane and warp and its mma fragment coordinates (lane = 4g + tig), and queue the
 // first steps of this warp's ring `wr` of TOK-token steps of element type T (RING_BYTES:
-// the block's ring). The body must name CLUSTER, TILED, D, DR (the cache's head_dim, <= D), S,
+// the block's ring). The body must name CLUSTER, TILED, F and feat (its features), D, DR
+// (the cache's head_dim, <= D), S,
 // WARPS, THREADS, k, v, n_heads,
 // n_kv_heads, seq_len, seq_len_dev, splits, tile and fx_dyn_smem as the kernels do.
 // A macro rather than a function: the same values from a helper function (fx_place, v18)
@@ -134,8 +137,8 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
     fx_let_combine_start<2>();                                                              \
     const int split = blockIdx.x;                                                           \
     int start, end;                                                                         \
-    if (!fx_block_chunk<CLUSTER, D>(RING_BYTES, THREADS, seq_len, seq_len_dev, splits, tile, \
-                                    split, start, end))                                     \
+    if (!fx_block_chunk<CLUSTER, D, F>(RING_BYTES, THREADS, seq_len, seq_len_dev, splits,   \
+                                       tile, split, start, end, feat.window))               \
         return;                                                                             \
     /* TILED (groups of 9-16): blockIdx.y = 2 g_kv + tile, 8 query heads per tile */        \
     const int heads_per_kv = n_heads / n_kv_heads;                                          \

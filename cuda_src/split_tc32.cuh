@@ -99,11 +99,12 @@ __device__ __forceinline__ void fx_mma_2xtf32(float& c0, float& c1, float& c2, f
     fx_mma_tf32(c0, c1, c2, c3, ah0, al0, ah2, al2, bh0, bh1);
 }
 
-template <int D, bool CLUSTER>  // CLUSTER: as gqa_split_mma
+template <int D, bool CLUSTER, int F = 0>  // CLUSTER: as gqa_split_mma; F: features
 __device__ __forceinline__ void gqa_split_tc32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, float* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile) {
+    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
+    const FxFeat feat = FxFeat{}) {
     constexpr int S = FxTc32Shape<D>::stages;
     constexpr int WARPS = FxTc32Shape<D>::warps, THREADS = WARPS * 32;
     constexpr int TOK = FxTc32Shape<D>::tokens, NB = TOK / 8;  // tokens per step, 8-blocks
@@ -120,7 +121,9 @@ __device__ __forceinline__ void gqa_split_tc32(
     // (in registers it would take 2 * D / 4 of them): rows = heads, padded by 16 bytes.
     __shared__ __align__(16) unsigned qh_s[8][D + 4];
     __shared__ __align__(16) unsigned ql_s[8][D + 4];
-    const float sscale = rsqrtf((float)D) * FX_LOG2E;
+    const float sscale = fx_q_scale<F>(feat, D);
+    // (with a soft-cap or ALiBi, Q is scaled in natural units and sc finishes the scores)
+    const auto sc = fx_scorer<F & ~FX_F_SCALE>(feat, 1, h0 + g, g < group, seq_len, seq_len_dev);
     for (int i = threadIdx.x; i < 8 * NCH; i += THREADS) {
         const int j = i / NCH, c = (i % NCH) * 4;
         float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -186,7 +189,8 @@ __device__ __forceinline__ void gqa_split_tc32(
             for (int e = 0; e < 2; ++e)
                 x[2 * n + e] =
                     t0 + 8 * n + 2 * tig + e < end
-                        ? (s[n][e] + s[n][e + 2]) + (s2[n][e] + s2[n][e + 2])
+                        ? fx_prescaled<F>(sc, (s[n][e] + s[n][e + 2]) + (s2[n][e] + s2[n][e + 2]),
+                                          t0 + 8 * n + 2 * tig + e)
                         : -INFINITY;
         float mx = x[0];
 #pragma unroll
@@ -267,6 +271,17 @@ __device__ __forceinline__ void gqa_split_tc32(
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
         gqa_split_tc32<D, true>(q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads,        \
                                 seq_len, seq_len_dev, splits, tile);                        \
+    }
+
+// With features F: gqa_split_tc32_f32_d<D>_x<F> (the combine kernel merges it).
+#define FX_TC32_FEAT_ENTRY(NAME, D, F)                                                      \
+    extern "C" __global__ void __launch_bounds__(FX_TC32_WARPS_D##D * 32, 1) NAME(          \
+        const float* q, const float* k, const float* v, float* ws_o, float* ws_ml,          \
+        int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev, int splits,       \
+        int tile, float scale, float cap, int window, const float* slopes) {                \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr};                    \
+        gqa_split_tc32<D, false, F>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,     \
+                                    seq_len, seq_len_dev, splits, tile, feat);              \
     }
 
 #ifndef FX_SELECTED  // the host compiles one entry at a time (attention.split_entry)

@@ -24,8 +24,9 @@ from .graph import Graph, GraphExec
 from .kv_cache import KVCache, LayerKVCache
 from .launch import Kernel, Module
 from .memory import DeviceArray, empty, from_dlpack, pinned_empty, to_device, zeros
+from .merge import merge_states
 from .module_cache import ensure_module_loaded
-from .reference import merge_states, reference_gqa_decode
+from .reference import reference_gqa_decode
 from .resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
 from .stream import Event, Stream
 

@@ -85,28 +85,15 @@ def split_entry(name: str) -> str:
                     flag = "true" if tiled else "false"
                     return f"FX_MMA_PAIR_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {d}, {dr}, {flag})"
             raise ValueError(name)
-        if base.startswith("gqa_split_mma_") and parts[-1] == "t2" and parts[3] != "f32":
-            # gqa_split_mma_<dt>_d<D>[_r<head_dim>]_t2: groups of 9-16 in two tiles of 8
-            d, padded = int(parts[4][1:]), len(parts) == 7 and parts[5][0] == "r"
-            dr = int(parts[5][1:]) if padded else d
-            ok = parts[4][0] == "d" and d in MMA_HEAD_DIMS and dr % 8 == 0
-            if ok and (len(parts) == 6 or (padded and 0 < dr < d)):
-                return f"FX_MMA_TILED_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {d}, {dr})"
-            raise ValueError(base)  # (refused below)
+        if parts[-1][:1] == "x" and parts[-1][1:].isdigit():  # <kernel>_x<F>[_cluster]
+            return _feature_entry(name, parts[:-1], int(parts[-1][1:]), name != base)
         if base.startswith("gqa_split_combine_"):
             return f"FX_COMBINE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
         wide = len(parts) == 6 and parts[4:] == [f"d{WIDE_HEAD_DIM}", "wide"] and name != base
         if wide:  # gqa_split_mma_<dt>_d128_wide_cluster
             return f"FX_MMA_WIDE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
-        if base.startswith("gqa_split_mma_") and parts[3] == "f32":
-            pass  # the fp32 tensor-core kernels are gqa_split_tc32_*
-        elif base.startswith("gqa_split_mma_") and len(parts) == 6 and parts[5][0] == "r":
-            # gqa_split_mma_<dt>_d<D>_r<head_dim>: a head_dim padded to D
-            dt, d, dr = _ENTRY_TYPES[parts[3]], int(parts[4][1:]), int(parts[5][1:])
-            if parts[4][0] == "d" and d in MMA_HEAD_DIMS and 0 < dr < d and dr % 8 == 0:
-                return f"FX_MMA_PAD_ENTRY({base}, {dt}, {d}, {dr})"
-        elif base.startswith("gqa_split_mma_") and len(parts) == 5:  # gqa_split_mma_<dt>_d<D>
-            return f"FX_MMA_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {int(parts[4][1:])})"
+        if base.startswith("gqa_split_mma_") and parts[3] != "f32":  # (fp32: gqa_split_tc32_*)
+            return _mma_entry(base, parts)
         if base.startswith("gqa_split_tc32_f32_"):  # gqa_split_tc32_f32_d<D>
             return f"FX_TC32_ENTRY({base}, {int(parts[4][1:])})"
         if len(parts) == 5 and parts[3][0] == "g" and parts[4] in ("vec", "any"):
@@ -115,6 +102,103 @@ def split_entry(name: str) -> str:
     except (KeyError, ValueError, IndexError):
         pass
     raise ValueError(f"kernel: {SPLIT_FILE} has no kernel {name!r}")
+
+
+def _mma_entry(base: str, parts: list[str]) -> str:
+    """split_entry of the fp16/bf16 tensor-core kernel ``base``,
+    gqa_split_mma_<dt>_d<D>[_r<head_dim>][_t2]: head_dim D (64, 128, 256), or a smaller
+    multiple of 8 padded to D; _t2: groups of 9-16 in two tiles of 8 query heads.
+
+    Raises:
+        ValueError, KeyError, IndexError: no such kernel.
+    """
+    rest = parts[4:]
+    tiled = rest[-1:] == ["t2"]
+    rest = rest[:-1] if tiled else rest
+    d = int(rest[0][1:])
+    if rest[0][0] != "d" or d not in MMA_HEAD_DIMS or len(rest) > 2:
+        raise ValueError(base)
+    dr = d
+    if len(rest) == 2:
+        dr = int(rest[1][1:])
+        if rest[1][0] != "r" or not (0 < dr < d and dr % 8 == 0):
+            raise ValueError(base)
+    dt = _ENTRY_TYPES[parts[3]]
+    if tiled:
+        return f"FX_MMA_TILED_ENTRY({base}, {dt}, {d}, {dr})"
+    if dr != d:
+        return f"FX_MMA_PAD_ENTRY({base}, {dt}, {d}, {dr})"
+    return f"FX_MMA_ENTRY({base}, {dt}, {d})"
+
+
+# The feature bits of the kernels' F (FX_F_* in split_common.cuh), and those the combine
+# kernel takes (the rest end in the split kernel).
+F_WINDOW, F_CAP, F_ALIBI, F_SINKS, F_LSE, F_SCALE = 1, 2, 4, 8, 16, 32
+COMBINE_FEATURES = F_WINDOW | F_SINKS | F_LSE
+
+
+@dataclass(frozen=True)
+class FeatureArgs:
+    """The run-time values of a decode's features, as its kernels take them: the split
+    kernel's (scale, cap, window, ALiBi slopes) and the combine kernel's (window, sinks, the
+    LSE output); device arrays of float32 per query head, or None."""
+
+    scale: float
+    cap: float = 1.0
+    window: int = 0
+    slopes: DeviceArray | None = None
+    sinks: DeviceArray | None = None
+    lse: DeviceArray | None = None
+
+    def split_args(self) -> tuple[Any, ...]:
+        return (np.float32(self.scale), np.float32(self.cap), np.int32(self.window), self.slopes)
+
+    def combine_args(self) -> tuple[Any, ...]:
+        return (np.int32(self.window), self.sinks, self.lse)
+
+    def cluster_args(self) -> tuple[Any, ...]:  # a cluster plan's split kernel: all of them
+        return (*self.split_args(), self.sinks, self.lse)
+
+
+def feature_bits(window: bool, cap: bool, alibi: bool, sinks: bool, lse: bool, scale: bool) -> int:
+    """The F_* bits of a decode's features."""
+    bits = (F_WINDOW, F_CAP, F_ALIBI, F_SINKS, F_LSE, F_SCALE)
+    return sum(b for b, on in zip(bits, (window, cap, alibi, sinks, lse, scale), strict=True) if on)
+
+
+def _feature_entry(name: str, parts: list[str], mask: int, cluster: bool) -> str:
+    """split_entry of ``name``, a split kernel with features ``mask`` (``<kernel>_x<mask>``,
+    and the fp16/bf16 tensor-core kernels' ``<kernel>_x<mask>_cluster``; ``parts``: the
+    name's without the ``_x<mask>`` and ``_cluster``), or the combine kernel's."""
+    inner = "_".join(parts)
+    if not 0 < mask < 64 or "cluster" in parts:
+        raise ValueError(name)
+    if parts[-1] == "wide":  # gqa_split_mma_<dt>_d128_wide_x<F>_cluster
+        if not cluster or split_entry(inner + "_cluster").split("(")[0] != "FX_MMA_WIDE_ENTRY":
+            raise ValueError(name)
+        return f"FX_MMA_WIDE_FEAT_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {mask})"
+    base = name.removesuffix("_cluster")
+    if inner.startswith("gqa_split_combine_") and len(parts) == 4 and not cluster:
+        if mask & ~COMBINE_FEATURES:
+            raise ValueError(name)
+        return f"FX_COMBINE_FEAT_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {mask})"
+    tiled = parts[-1] == "t2"
+    plain = split_entry(inner)  # the kernel without features, which must exist
+    mma = plain.startswith(("FX_MMA_ENTRY(", "FX_MMA_PAD_ENTRY(", "FX_MMA_TILED_ENTRY("))
+    if cluster and not mma:  # (the fp32 and CUDA-core kernels with features: no clusters)
+        raise ValueError(name)
+    if plain.startswith("FX_TC32_ENTRY("):  # gqa_split_tc32_f32_d<D>
+        return f"FX_TC32_FEAT_ENTRY({name}, {int(parts[4][1:])}, {mask})"
+    if plain.startswith("FX_GENERIC_ENTRY("):  # gqa_split_<dt>_g<G>_<vec|any>
+        vec = "true" if parts[4] == "vec" else "false"
+        return (f"FX_GENERIC_FEAT_ENTRY({name}, {_ENTRY_TYPES[parts[2]]}, {int(parts[3][1:])}, "
+                f"{vec}, {mask})")  # fmt: skip
+    if not mma:
+        raise ValueError(name)
+    d = int(parts[4][1:])
+    dr = int(parts[5][1:]) if len(parts) > 5 and parts[5][0] == "r" else d
+    flag = "true" if tiled else "false"
+    return f"FX_MMA_FEAT_ENTRY({base}, {_ENTRY_TYPES[parts[3]]}, {d}, {dr}, {flag}, {mask})"
 
 
 def split_kernel(name: str, device: Device) -> Kernel:
@@ -230,11 +314,15 @@ class SplitPlan:
     # no combine kernel); 0: the combine kernel merges them
     kernel_head_dim: int = 0  # the head_dim the kernel is built for, when not the call's
     paired: bool = False  # two KV heads' rows read as one (the launch's n_kv_heads halved)
+    features: int = 0  # the features compiled in (F_* bits; the kernel's name ends _x<bits>)
 
     def combine_kernel(self, dtype: Any) -> str | None:
         """The name of the kernel merging this plan's chunks for a ``dtype`` output (None:
         a cluster plan, merged on chip)."""
-        return None if self.cluster else combine_kernel_name(dtype)
+        if self.cluster:
+            return None
+        merged = self.features & COMBINE_FEATURES  # those the combine kernel applies
+        return combine_kernel_name(dtype) + (f"_x{merged}" if merged else "")
 
     def workspace_floats(self, n_heads: int, head_dim: int) -> int:
         """Floats of scratch the launch needs: partial outputs, maxima and sums (none for a
@@ -410,6 +498,7 @@ def plan_split(
     head_dim: int,
     plan_seq: int,
     aligned: bool = True,
+    features: int = 0,
 ) -> SplitPlan:
     """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens
     (memoised: every decode asks, once; ``OVERRIDES`` is part of the key).
@@ -424,14 +513,14 @@ def plan_split(
     tokens (wide_plan).
     """
     key = (device.context_handle, np.dtype(dtype), n_heads, n_kv_heads, head_dim, plan_seq,
-           aligned, OVERRIDES)  # fmt: skip
+           aligned, OVERRIDES, features)  # fmt: skip
     found = _plans.get(key)
     if found is None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         found = _plans[key] = plan(
             DeviceTraits.of(device), dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
-            OVERRIDES,
+            OVERRIDES, features,
         )  # fmt: skip
     split_kernel(found.kernel, device)  # loaded (captures need it; after a first plan, a lookup)
     return found
@@ -446,10 +535,39 @@ def plan(
     plan_seq: int,
     aligned: bool = True,
     overrides: Overrides | None = None,
+    features: int = 0,
 ) -> SplitPlan:
     """The split plan for decodes of up to ``plan_seq`` tokens of this shape on a device of
     ``traits`` (see ``plan_split``, which remembers it per device): a function of its
-    arguments alone, ``overrides`` (default: OVERRIDES) included."""
+    arguments alone, ``overrides`` (default: OVERRIDES) included. With ``features`` (F_*
+    bits), the same kernel with them compiled in (``<kernel>_x<bits>[_cluster]``; the fp32
+    tensor-core ones without clusters); a window's plan covers the window (``plan_seq`` at
+    most the window, the caller's part).
+    """
+    if not features:
+        return _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, overrides)
+    ov = OVERRIDES if overrides is None else overrides
+    ov = dataclasses.replace(ov, paired=False)  # (the paired kernels take no features)
+    found = _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
+    if found.cluster and not found.kernel.startswith("gqa_split_mma_"):
+        # the fp32 tensor-core kernels take features without clusters (not built)
+        ov = dataclasses.replace(ov, cluster=False, wide=False)
+        found = _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
+    base = found.kernel.removesuffix("_cluster")
+    kernel = f"{base}_x{features}" + ("_cluster" if found.cluster else "")
+    return dataclasses.replace(found, kernel=kernel, features=features)
+
+
+def _plan(
+    traits: DeviceTraits,
+    dtype: Any,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    plan_seq: int,
+    aligned: bool = True,
+    overrides: Overrides | None = None,
+) -> SplitPlan:
     ov = OVERRIDES if overrides is None else overrides
     tuning = traits.tuning
     group = n_heads // n_kv_heads
@@ -701,14 +819,18 @@ def split_launches(
     head_dim: int,
     seq_len: int,
     seq_len_dev: DeviceArray | None,
+    features: FeatureArgs | None = None,
 ) -> list[Launch]:
     """The launches of a split decode in order: the split kernel of ``plan``, then (unless
     it is a cluster plan, whose split kernel writes ``out``) the kernel combining its
-    chunks, launched early.
+    chunks, launched early. A plan with features takes their values from ``features``.
 
     Raises:
-        ValueError: a combine plan without ``workspace``.
+        ValueError: a combine plan without ``workspace``, or with features and no
+            ``features``.
     """
+    if plan.features and features is None:
+        raise ValueError("features: the plan has features compiled in; pass their values")
     launch_kv = n_kv_heads // 2 if plan.paired else n_kv_heads  # paired: KV heads of 2 rows
     heads = (np.int32(n_heads), np.int32(launch_kv))
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
@@ -719,6 +841,8 @@ def split_launches(
     seq_role: Roles = ()
     if plan.cluster:
         args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
+        if plan.features and features is not None:
+            args += features.cluster_args()
         grid = (plan.splits, n_kv_heads * plan.head_tiles, 1)
         roles = (*_QKV, (3, "out"), *(((6, "seq"),) if seq_len_dev is None else seq_role))
         return [Launch(plan.kernel, grid, plan.threads, args, shared, plan.cluster, roles=roles)]
@@ -729,16 +853,24 @@ def split_launches(
     ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
+        if plan.features and features is not None:
+            args += features.split_args()
         grid = (plan.splits, launch_kv * plan.head_tiles, 1)  # tiles of 8 query heads
         at = 7
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         lanes = np.int32(plan.lanes_per_token)
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(head_dim), np.int32(seq_len),
                 seq_len_dev, splits, lanes, tile)  # fmt: skip
+        if plan.features and features is not None:
+            args += features.split_args()
         grid = (plan.head_tiles, plan.splits, n_kv_heads)
         at = 8
-    combine_args = (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev,
-                    splits, tile)  # fmt: skip
+    combine_args: tuple[Any, ...] = (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len),
+                                     seq_len_dev, splits, tile)  # fmt: skip
+    combine = plan.combine_kernel(q.dtype)
+    assert combine is not None
+    if plan.features & COMBINE_FEATURES and features is not None:
+        combine_args += features.combine_args()
     on_host = seq_len_dev is None
     return [
         Launch(
@@ -746,7 +878,7 @@ def split_launches(
             roles=(*_QKV, *(((at, "seq"),) if on_host else ())),
         ),
         Launch(
-            combine_kernel_name(q.dtype),
+            combine,
             (n_heads, -(-head_dim // 32), 1),
             COMBINE_THREADS,
             combine_args,

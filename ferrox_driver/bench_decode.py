@@ -670,3 +670,110 @@ def run_headdim_bench(
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "bench_headdim.json").write_text(json.dumps(out, indent=1))
     return out
+
+
+# ``bench --only features``: what each feature costs over the plain decode (32/8/128 bf16)
+FEATURE_CASES: dict[str, dict[str, Any]] = {
+    "soft-cap": {"logits_soft_cap": 50.0},
+    "sinks": {"sinks": True},
+    "ALiBi": {"alibi_slopes": True},
+    "return_lse": {"return_lse": True},
+    "all four": {"logits_soft_cap": 50.0, "sinks": True, "alibi_slopes": True,
+                 "return_lse": True},
+}  # fmt: skip
+FEATURE_SEQ_LENS = (4096, 32768)
+WINDOW_CASE = (4096, 131072)  # a 4096-token window over 131072 tokens
+
+
+def measure_features_point(
+    shape: tuple[int, int, int], seq: int, dtype: str, features: dict[str, Any], iters: int,
+    device: Device,
+) -> float:  # fmt: skip
+    """Graph-replayed us of a decode with ``features`` (sinks/alibi_slopes True: random
+    device arrays; sliding_window as given), over the benchmark's rotated KV sets."""
+    from . import attention
+
+    n_heads, n_kv, hd = shape
+    dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
+    stream = bench_stream(device)
+    q = empty((n_heads, hd), dt, device=device)
+    out = empty((n_heads, hd), dt, device=device)
+    fill_uniform(q, 7, stream)
+    per_head = {name: empty((n_heads,), np.float32, device=device)
+                for name in ("sinks", "alibi_slopes", "lse")}  # fmt: skip
+    for i, arr in enumerate(per_head.values()):
+        fill_uniform(arr, 11 + i, stream)
+    window = features.get("sliding_window")
+    bits = attention.feature_bits(
+        window is not None, "logits_soft_cap" in features, "alibi_slopes" in features,
+        "sinks" in features, bool(features.get("return_lse")), False,
+    )  # fmt: skip
+    args = attention.FeatureArgs(
+        scale=hd**-0.5, cap=features.get("logits_soft_cap", 1.0), window=window or 0,
+        slopes=per_head["alibi_slopes"] if "alibi_slopes" in features else None,
+        sinks=per_head["sinks"] if "sinks" in features else None,
+        lse=per_head["lse"] if features.get("return_lse") else None,
+    )  # fmt: skip
+    plan = attention.plan_split(
+        device, np.dtype(dt), n_heads, n_kv, hd, min(seq, window or seq), True, bits
+    )
+    combine = plan.combine_kernel(dt)
+    if combine is not None:
+        attention.split_kernel(combine, device)
+    ws = zeros((max(plan.workspace_floats(n_heads, hd), 1),), np.float32, device=device)
+    rotated = rotated_kv_sets(seq, n_kv, hd, dt, stream, device)
+    sets, chain = rotated.sets, rotated.chain
+
+    def eager(i: int) -> None:
+        k, v = sets[i % len(sets)]
+        for launch in attention.split_launches(
+            plan, q, k, v, out, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
+            seq_len=seq, seq_len_dev=None, features=args,
+        ):  # fmt: skip
+            launch.run(stream, device)
+
+    eager(0)
+    stream.synchronize()
+    execs = [captured(stream, functools.partial(eager, i)) for i in range(len(sets))]
+
+    def all_sets() -> None:
+        for i in range(chain):
+            eager(i)
+
+    chained = captured(stream, all_sets)
+    graph_us, _ = time_replays(chained, chain, execs, stream, iters)
+    for e in [*execs, chained]:
+        e.close()
+    rotated.close()
+    for arr in (q, out, ws, *per_head.values()):
+        arr.close()
+    return graph_us
+
+
+def run_features_bench(out_dir: Path | None, iters: int = 30) -> dict[str, Any]:
+    """``bench --only features``: 32/8/128 bf16, the plain decode and each feature at
+    FEATURE_SEQ_LENS, and a 4096-token window over 131072 tokens against a plain 4096-token
+    decode, in one run. Prints the table; writes ``bench_features.json``."""
+    device = default_device()
+    shape, dtype = (32, 8, 128), "bf16"
+    rows: list[dict[str, Any]] = []
+    print("32/8/128 bf16, us per decode (graph replay), against the plain decode")
+    print(f"{'features':<12} {'seq_len':>7} {'us':>8} {'plain us':>9} {'vs plain':>9}")
+    for seq in FEATURE_SEQ_LENS:
+        plain = measure_point(shape, seq, dtype, iters, device).graph_us
+        for name, feats in FEATURE_CASES.items():
+            us = measure_features_point(shape, seq, dtype, feats, iters, device)
+            rows.append({"features": name, "seq_len": seq, "us": us, "plain_us": plain})
+            print(f"{name:<12} {seq:>7} {us:8.2f} {plain:9.2f} {100 * (us / plain - 1):+8.1f}%")
+    w, seq = WINDOW_CASE
+    plain = measure_point(shape, w, dtype, iters, device).graph_us
+    us = measure_features_point(shape, seq, dtype, {"sliding_window": w}, iters, device)
+    rows.append({"features": f"window {w}", "seq_len": seq, "us": us, "plain_us": plain})
+    name = f"window {w}"
+    print(f"{name:<12} {seq:>7} {us:8.2f} {plain:9.2f} {100 * (us / plain - 1):+8.1f}%"
+          f"  (plain: {w} tokens)")  # fmt: skip
+    out = {"device": device.name, "shape": "32/8/128", "dtype": dtype, "rows": rows}
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench_features.json").write_text(json.dumps(out, indent=1))
+    return out

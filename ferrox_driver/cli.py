@@ -113,11 +113,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         measure_fixed_costs,
         measure_step_latency,
         run_decode_bench,
+        run_features_bench,
         run_headdim_bench,
     )
 
     if args.only in ("decode", "step", "host", "all", "headdim"):
         import_torch()
+    if args.only == "features":
+        run_features_bench(Path(args.out) if args.out else None)
     if args.only == "headdim":
         run_headdim_bench(
             Path(args.out) if args.out else None,
@@ -246,9 +249,20 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="decode and host-time benchmarks", formatter_class=fmt)
     bench.add_argument(
         "--only",
-        choices=("all", "append", "parity", "step", "decode", "overhead", "host", "headdim"),
+        choices=(
+            "all",
+            "append",
+            "parity",
+            "step",
+            "decode",
+            "overhead",
+            "host",
+            "headdim",
+            "features",
+        ),
         default="all",
-        help="which benchmark to run (all: every one but headdim, the head_dim sweep)",
+        help="which benchmark to run (all: every one but headdim, the head_dim sweep, and "
+        "features, what each attention feature costs)",
     )
     bench.add_argument(
         "--out", help="directory for bench_decode.json, bench_decode.png and host_bench.json"

@@ -16,7 +16,7 @@ import contextlib
 import math
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from .attention import (
     split_launches,
 )
 from .device import Device, device_for, resolve
+from .features import check_features
 from .interop import ArrayRef, array_ref
 from .launch import LaunchSequence
 from .memory import DeviceArray, OutputPool, empty, output_pool, to_device
@@ -155,7 +156,7 @@ def _make_record(
     sid: int,
 ) -> DecodeRecord:
     dev = q.device
-    dims = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
     workspace = None
     if algorithm == "parity":
         launches = parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=None)
@@ -203,7 +204,7 @@ def launch_decode(
     (default ``seq_len``); decodes planned for the same length chunk the sequence
     identically, so their results agree bit for bit.
     """
-    dims = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
     if seq_len_dev is None and workspace is None:
         record = decode_record(
             q, k, v, out, **dims, seq_len=seq_len, stream=stream, algorithm=algorithm,
@@ -342,6 +343,7 @@ def _prepare_call(
     return call
 
 
+@overload
 def gqa_decode(
     q: ArrayLike,
     k_cache: ArrayLike,
@@ -354,9 +356,54 @@ def gqa_decode(
     algorithm: str = "auto",
     device: Device | None = None,
     out: DeviceArrayLike = None,
-) -> np.ndarray | DeviceArray:
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike = None,
+    alibi_slopes: ArrayLike = None,
+    scale: float | None = None,
+    return_lse: Literal[False] = False,
+) -> np.ndarray | DeviceArray: ...
+@overload
+def gqa_decode(
+    q: ArrayLike,
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    stream: StreamLike = None,
+    algorithm: str = "auto",
+    device: Device | None = None,
+    out: DeviceArrayLike = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike = None,
+    alibi_slopes: ArrayLike = None,
+    scale: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]: ...
+def gqa_decode(
+    q: ArrayLike,
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    stream: StreamLike = None,
+    algorithm: str = "auto",
+    device: Device | None = None,
+    out: DeviceArrayLike = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike = None,
+    alibi_slopes: ArrayLike = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> np.ndarray | DeviceArray | tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]:
     """Attention of one query token over a KV cache, on the GPU (ferrox-cuda's
-    ``launch_gqa_decode``).
+    ``launch_gqa_decode``), with the features real models use.
 
     Args:
         q: ``(n_heads*head_dim,)`` or ``(n_heads, head_dim)``.
@@ -374,6 +421,15 @@ def gqa_decode(
             must be theirs.
         out: with device inputs, a device array of q's size and dtype to write into
             (default: a block of a per-stream pool).
+        sliding_window: attend to the last ``sliding_window`` tokens only.
+        logits_soft_cap: scores become ``cap * tanh(score / cap)``.
+        sinks: one logit per query head (float32) added to the softmax's denominator.
+        alibi_slopes: one ALiBi slope per query head (float32).
+        scale: the score scale (default ``1/sqrt(head_dim)``).
+        return_lse: also return the log-sum-exp of the scores per query head (float32,
+            natural log): the result is ``(out, lse)``. The definitions are
+            `reference_gqa_decode`'s. (The features take fp16/bf16 caches with head_dims
+            that are multiples of 8, for now.)
 
     Returns:
         With numpy inputs, a numpy array (copied back, complete). With device inputs
@@ -386,6 +442,15 @@ def gqa_decode(
         ValueError: bad shapes, layouts, or arrays on different devices.
         TypeError: bad types or dtypes. Both raised before any device work.
     """
+    if not (
+        sliding_window is None and logits_soft_cap is None and sinks is None
+        and alibi_slopes is None and scale is None and return_lse is False
+    ):  # fmt: skip
+        return _feature_decode(
+            q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm, device, out,
+            dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse),
+        )  # fmt: skip
     qr = array_ref(q, "q")
     if qr is not None:
         kr = array_ref(k_cache, "k_cache")
@@ -457,3 +522,114 @@ def _host_decode(
     finally:
         for a in (q_d, k_d, v_d, out_d):
             a.close()
+
+
+# Per (context, stream, role, elements): a device buffer the feature decodes on that stream
+# reuse (their work is ordered on it), so no free waits for queued work.
+_feature_scratch: dict[tuple[int, int, str, int], DeviceArray] = {}
+
+
+def _stream_buffer(dev: Device, sid: int, role: str, n: int) -> DeviceArray:
+    key = (dev.context_handle, sid, role, n)
+    buf = _feature_scratch.get(key)
+    if buf is None or buf.closed:
+        buf = _feature_scratch[key] = empty((n,), np.float32, device=dev)
+    return buf
+
+
+def _per_head_device(value: Any, dev: Device, sid: int, role: str, stream: Any) -> Any:
+    """A per-head float32 feature array on the device: a device array as given, a host
+    one copied into this stream's buffer for ``role``."""
+    if value is None or not isinstance(value, np.ndarray):
+        if value is None:
+            return None
+        ref = array_ref(value, role)
+        assert ref is not None
+        return DeviceArray._wrap(ref[0], ref[1], ref[2], dev, None)
+    buf = _stream_buffer(dev, sid, role, value.size)
+    buf.copy_from_host(np.ascontiguousarray(value, np.float32).reshape(-1), stream)
+    return buf
+
+
+def _feature_decode(
+    q: Any, k_cache: Any, v_cache: Any, n_heads: Any, n_kv_heads: Any, head_dim: Any,
+    stream: Any, algorithm: Any, device: Any, out: Any, kw: dict[str, Any],
+) -> Any:  # fmt: skip
+    """gqa_decode with features: every argument checked first (features.check_features),
+    then one split decode with them compiled in (attention.plan's features), numpy in and
+    out or device arrays in and out."""
+    spec = check_decode_args(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
+    feats = check_features(spec.n_heads, **kw)
+    if check_algorithm(algorithm) == "parity":
+        raise ValueError("algorithm: the features need the split kernels ('auto' or 'split')")
+    sid = stream_key(stream)
+    on_device = spec.on_device
+    if not on_device and out is not None:
+        raise TypeError("out: only accepted with device inputs; numpy inputs return a new array")
+    dev = resolve(device) if not on_device else None
+    arrays: list[DeviceArray] = []  # what this call made for numpy inputs (freed at the end)
+    if on_device:
+        refs = [array_ref(a, n) for a, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
+        ordinal = refs[0][3] if refs[0] else 0
+        if any(r is None or r[3] != ordinal for r in refs):
+            raise ValueError("q, k_cache, v_cache: pass all three on one device")
+        dev = device_for(ordinal)
+        q_d, k_d, v_d = (DeviceArray._wrap(r[0], r[1], r[2], dev, None) for r in refs if r)
+        if out is None:
+            out_d = empty(spec.q_shape, spec.dtype, device=dev)
+        else:
+            ref = array_ref(out, "out")
+            if ref is None or ref[2] != spec.dtype or math.prod(ref[1]) != math.prod(spec.q_shape):
+                raise ValueError(
+                    f"out: expected {math.prod(spec.q_shape)} elements of {spec.dtype}"
+                )
+            out_d = DeviceArray._wrap(ref[0], spec.q_shape, spec.dtype, dev, out)
+    else:
+        assert dev is not None
+        q_d, k_d, v_d = (to_device(a, stream, device=dev) for a in (q, k_cache, v_cache))
+        out_d = empty(spec.q_shape, spec.dtype, device=dev)
+        arrays += [q_d, k_d, v_d, out_d]
+    lse_d = empty((spec.n_heads,), np.float32, device=dev) if feats.return_lse else None
+    seq = spec.seq_len
+    bits = attention.feature_bits(
+        feats.sliding_window is not None, feats.logits_soft_cap is not None,
+        feats.alibi_slopes is not None, feats.sinks is not None, feats.return_lse,
+        feats.scale is not None,
+    )  # fmt: skip
+    plan_seq = seq if feats.sliding_window is None else min(seq, feats.sliding_window)
+    aligned = ((q_d.ptr | k_d.ptr | v_d.ptr) & 15) == 0
+    try:
+        plan = attention.plan_split(
+            dev, spec.dtype, spec.n_heads, spec.n_kv_heads, spec.head_dim, max(plan_seq, 1),
+            aligned, bits,
+        )  # fmt: skip
+        args = attention.FeatureArgs(
+            scale=feats.score_scale(spec.head_dim),
+            cap=feats.logits_soft_cap or 1.0,
+            window=feats.sliding_window or 0,
+            slopes=_per_head_device(feats.alibi_slopes, dev, sid, "alibi_slopes", stream),
+            sinks=_per_head_device(feats.sinks, dev, sid, "sinks", stream),
+            lse=lse_d,
+        )
+        ws = _stream_buffer(
+            dev, sid, "workspace", plan.workspace_floats(spec.n_heads, spec.head_dim)
+        )
+        launches = attention.split_launches(
+            plan, q_d, k_d, v_d, out_d, ws, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+            head_dim=spec.head_dim, seq_len=seq, seq_len_dev=None, features=args,
+        )  # fmt: skip
+        for launch in launches:
+            launch.run(stream, dev)
+        if on_device:
+            return (out_d, lse_d) if feats.return_lse else out_d
+        host = out_d.to_host(stream)  # waits for the work
+        return (host, lse_d.to_host(stream)) if lse_d is not None else host
+    except BaseException:
+        with contextlib.suppress(Exception):  # what was queued must end before the frees
+            cu.cuStreamSynchronize(stream_handle(stream))
+        raise
+    finally:
+        for a in arrays:
+            a.close()
+        if lse_d is not None and not on_device:
+            lse_d.close()

@@ -13,18 +13,20 @@ from typing import Any
 
 import numpy as np
 
+from . import attention
 from ._driver import _capture as _capture_state
 from ._driver import capture_keep, drv
 from .attention import check_algorithm
 from .decode import keep_for_capture, stream_capturing
 from .errors import ClosedError, KVCapacityError
+from .features import check_features
 from .graph import GraphExec
 from .interop import ArrayRef, array_ref
-from .kv_cache import KVCache, append_kernel
+from .kv_cache import KVCache, append_kernel, feature_bits_of
 from .launch import LaunchSequence, PackedLaunch
-from .memory import DeviceArray, empty, pinned_empty
+from .memory import DeviceArray, empty, pinned_empty, to_device
 from .stream import Stream, stream_handle, stream_key
-from .types import DeviceArrayLike, StreamLike
+from .types import ArrayLike, DeviceArrayLike, StreamLike
 from .validation import check_dims
 
 __all__ = ["DecodeGraph", "gqa_decode_async", "kv_append_async"]
@@ -157,11 +159,17 @@ def gqa_decode_async(
     n_heads: int,
     stream: StreamLike,
     algorithm: str = "auto",
+    out_lse: DeviceArrayLike = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: DeviceArrayLike = None,
+    alibi_slopes: DeviceArrayLike = None,
+    scale: float | None = None,
 ) -> None:
     """Queue a decode of ``q_dev`` against the cache, reading seq_len on the device.
     No host work: capturable in a graph, valid for every sequence length. Before the
-    first capture call ``kv.prepare(n_heads)`` (or run it once eagerly): loading kernels
-    and allocating its scratch cannot happen inside a capture.
+    first capture call ``kv.prepare(n_heads)`` (with the same features) or run it once
+    eagerly: loading kernels and allocating its scratch cannot happen inside a capture.
 
     Args:
         q_dev: device array of ``n_heads*head_dim`` elements, cache dtype.
@@ -170,8 +178,26 @@ def gqa_decode_async(
         n_heads: query heads, a multiple of ``kv.n_kv_heads``.
         stream: the stream to queue on.
         algorithm: ``"auto"``/``"split"`` or ``"parity"``.
+        out_lse: a float32 device array of ``n_heads``, written with the log-sum-exp.
+        sliding_window: as `gqa_decode`; the window follows the device's seq_len, so a
+            graph captured once keeps it as the cache grows.
+        logits_soft_cap: as `gqa_decode`.
+        sinks: as `gqa_decode`, a float32 device array (read by the kernel at each run).
+        alibi_slopes: as `gqa_decode`, a float32 device array.
+        scale: as `gqa_decode`.
     """
     kv = _check_cache(kv)
+    if not (
+        out_lse is None and sliding_window is None and logits_soft_cap is None
+        and sinks is None and alibi_slopes is None and scale is None
+    ):  # fmt: skip
+        _decode_async_features(
+            q_dev, kv, out_dev, n_heads, stream, algorithm,
+            dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 alibi_slopes=alibi_slopes, scale=scale),
+            out_lse,
+        )  # fmt: skip
+        return
     qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
     sid = stream_key(stream)
     aligned = qr is not None and outr is not None and ((qr[0] | outr[0]) & 15) == 0
@@ -197,6 +223,61 @@ def gqa_decode_async(
         record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
 
 
+def _feature_array(obj: Any, name: str, n: int, kv: KVCache) -> DeviceArray | None:
+    """A per-head float32 device array of a graph-safe decode (None stays None)."""
+    if obj is None:
+        return None
+    ref = array_ref(obj, name)
+    if ref is None:
+        raise TypeError(f"{name}: expected a float32 device array (the kernel reads it), got "
+                        "a numpy array")  # fmt: skip
+    ptr, shape, dtype, ordinal, contiguous, _ = ref
+    if dtype != np.float32 or math.prod(shape) != n or not contiguous:
+        raise ValueError(f"{name}: expected {n} contiguous float32, got shape {shape} of {dtype}")
+    if ordinal != kv.device.ordinal:
+        raise ValueError(f"{name}: on device {ordinal}, the cache on {kv.device.ordinal}")
+    return DeviceArray._wrap(ptr, (n,), np.dtype(np.float32), kv.device, None)
+
+
+def _decode_async_features(
+    q_dev: Any, kv: KVCache, out_dev: Any, n_heads: Any, stream: Any, algorithm: Any,
+    kw: dict[str, Any], out_lse: Any,
+) -> None:  # fmt: skip
+    """gqa_decode_async with features: checked (every call; the record is made once per
+    signature and feature values), then queued reading the length on the device."""
+    n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
+    if check_algorithm(algorithm) == "parity":
+        raise ValueError("algorithm: the features need the split kernels ('auto' or 'split')")
+    feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
+    size = n_heads * kv.head_dim
+    q = _operand(q_dev, "q_dev", size, kv)
+    out = _operand(out_dev, "out_dev", size, kv)
+    sinks = _feature_array(feats.sinks, "sinks", n_heads, kv)
+    slopes = _feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, kv)
+    lse = _feature_array(out_lse, "out_lse", n_heads, kv)
+    fargs = attention.FeatureArgs(
+        scale=feats.score_scale(kv.head_dim), cap=feats.logits_soft_cap or 1.0,
+        window=feats.sliding_window or 0, slopes=slopes, sinks=sinks, lse=lse,
+    )  # fmt: skip
+    bits = feature_bits_of(feats)
+    sid = stream_key(stream)
+    qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
+    assert qr is not None and outr is not None
+    with kv._lock:
+        q_view = DeviceArray._wrap(q, (size,), kv.dtype, kv.device, None)
+        out_view = DeviceArray._wrap(out, (size,), kv.dtype, kv.device, None)
+        record = kv.decode_record(
+            q_view, out_view, n_heads, algorithm, stream, length_on_device=True,
+            features=(bits, fargs),
+        )  # fmt: skip
+        foreign = sid != 0 and not isinstance(stream, Stream)
+        kept = tuple(x for x in (feats.sinks, feats.alibi_slopes, out_lse) if x is not None)
+        captured = _length_for_device_work(kv, sid, foreign, qr, outr, (q_dev, out_dev))
+        if captured and kept:
+            keep_for_capture(sid, foreign, *kept)
+        record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
+
+
 class DecodeGraph:
     """One token step (copy in q/k/v, append, decode, copy out) captured once as a CUDA
     graph and replayed for every token.
@@ -207,6 +288,13 @@ class DecodeGraph:
         stream: where the graph runs (default: the cache's stream, so it stays ordered
             with the cache's own appends).
         algorithm: ``"auto"`` or ``"parity"``.
+        sliding_window: as `gqa_decode`; the window follows the cache's length.
+        logits_soft_cap: as `gqa_decode`.
+        sinks: as `gqa_decode`: a float32 device array (read at each step), or numpy,
+            copied once into the device array ``sinks``.
+        alibi_slopes: like ``sinks``.
+        scale: as `gqa_decode`.
+        return_lse: each step also writes the log-sum-exp per query head into ``lse``.
 
     Calling it is thread-safe (it takes the cache's lock); ``launch`` + ``synchronize``
     as a pair are the caller's to order. Closing the cache or the stream makes it raise
@@ -218,15 +306,36 @@ class DecodeGraph:
         k: page-locked staging for the new token's K row, (n_kv_heads, head_dim).
         v: like ``k``, for V.
         out: page-locked array the result lands in, (n_heads, head_dim).
+        lse: with ``return_lse``, the page-locked (n_heads,) float32 LSE of the last step.
+        sinks: the device array of sinks the graph reads (None without); write it in place
+            to change them.
+        alibi_slopes: like ``sinks``, for the slopes.
     """
 
     def __init__(
-        self, kv: KVCache, *, n_heads: int, stream: Stream | None = None, algorithm: str = "auto"
+        self,
+        kv: KVCache,
+        *,
+        n_heads: int,
+        stream: Stream | None = None,
+        algorithm: str = "auto",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: ArrayLike = None,
+        alibi_slopes: ArrayLike = None,
+        scale: float | None = None,
+        return_lse: bool = False,
     ) -> None:
         self._closed = True  # until built
         self.kv = _check_cache(kv)
         self.n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
         algorithm = check_algorithm(algorithm)
+        feats = check_features(
+            self.n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
+        )  # fmt: skip
+        if algorithm == "parity" and (not feats.plain or scale is not None or return_lse):
+            raise ValueError("algorithm: the features need the split kernels ('auto')")
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream: expected a ferrox_driver.Stream, got {type(stream)}")
         if stream is not None:
@@ -255,6 +364,21 @@ class DecodeGraph:
             for a, n in zip(starts, sizes, strict=True)
         )
         self._out_d = empty((sizes[0],), dt, device=kv.device)
+        # the features' per-head arrays on the device (numpy ones copied once into arrays
+        # of this graph: ``sinks``/``alibi_slopes``, writable in place), and the LSE
+        self._owned: list[DeviceArray] = []
+        self.sinks = self._per_head(feats.sinks)
+        self.alibi_slopes = self._per_head(feats.alibi_slopes)
+        self._lse_d = None
+        self.lse = None
+        if feats.return_lse:
+            self._lse_d = empty((self.n_heads,), np.float32, device=kv.device)
+            self._owned.append(self._lse_d)
+            self.lse = pinned_empty((self.n_heads,), np.float32)
+        self._features: dict[str, Any] = {
+            "sliding_window": feats.sliding_window, "logits_soft_cap": feats.logits_soft_cap,
+            "scale": feats.scale,
+        }  # fmt: skip
         with kv._lock:
             kv.synchronize()  # earlier eager work is done; the host seq_len is exact
             self._exec = self._capture(algorithm)
@@ -276,20 +400,37 @@ class DecodeGraph:
         if kv.stream._closed or self.stream._closed:
             raise ClosedError("DecodeGraph", "runs on a Stream that was closed")
 
+    def _per_head(self, values: Any) -> Any:
+        """A feature's per-head array on the device: a device array as given, numpy copied."""
+        if values is None or not isinstance(values, np.ndarray):
+            return values
+        arr = to_device(np.ascontiguousarray(values, np.float32), device=self.kv.device)
+        self._owned.append(arr)
+        return arr
+
     def _capture(self, algorithm: str) -> GraphExec:
         kv, s, h = self.kv, self.stream, self._h
         eager_seq = kv._eager_seq  # this graph's launches bring the length up to date
+        feats: dict[str, Any] = {k: v for k, v in self._features.items() if v is not None}
+        for name, arr in (("sinks", self.sinks), ("alibi_slopes", self.alibi_slopes)):
+            if arr is not None:
+                feats[name] = arr
         # Load kernels and allocate scratch first: neither is capturable.
-        kv.prepare(self.n_heads, algorithm)
+        kv.prepare(self.n_heads, algorithm, return_lse=self._lse_d is not None, **feats)
         with s.capture() as graph:
             drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data, self._in_d.nbytes, h)
             kv_append_async(kv, self._k_d, self._v_d, stream=s)
             gqa_decode_async(
-                self._q_d, kv, self._out_d, n_heads=self.n_heads, stream=s, algorithm=algorithm
-            )
+                self._q_d, kv, self._out_d, n_heads=self.n_heads, stream=s, algorithm=algorithm,
+                out_lse=self._lse_d, **feats,
+            )  # fmt: skip
             drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr, self._out_d.nbytes, h)
+            if self._lse_d is not None and self.lse is not None:
+                drv("cuMemcpyDtoHAsync", self.lse.ctypes.data, self._lse_d.ptr,
+                    self._lse_d.nbytes, h)  # fmt: skip
         kv._eager_seq = eager_seq
-        graph.keep_alive(self._stage, self.out, self._in_d, self._out_d, kv)
+        graph.keep_alive(self._stage, self.out, self._in_d, self._out_d, kv, *self._owned,
+                         *((self.lse,) if self.lse is not None else ()))  # fmt: skip
         exec_ = graph.instantiate()
         graph.close()
         return exec_
@@ -331,7 +472,8 @@ class DecodeGraph:
         """Append ``k_tok``/``v_tok`` and decode ``q``: one graph launch, one sync.
 
         Returns:
-            A new numpy array of shape (n_heads, head_dim) in the cache dtype.
+            A new numpy array of shape (n_heads, head_dim) in the cache dtype (built with
+                ``return_lse``, the step's LSE is then in ``lse``).
 
         Raises:
             KVCapacityError: the cache is full (checked on the host first: nothing runs).
@@ -378,7 +520,7 @@ class DecodeGraph:
         with self.kv._lock:  # not while another thread runs a step
             self._closed = True
             self._exec.close()
-            for arr in (self._in_d, self._out_d):
+            for arr in (self._in_d, self._out_d, *self._owned):
                 arr.close()
 
     def __enter__(self) -> DecodeGraph:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -26,11 +26,12 @@ from .attention import (
 from .decode import DecodeRecord
 from .device import Device, resolve
 from .errors import ClosedError, FerroxError, KVCapacityError
+from .features import check_features
 from .launch import Kernel
 from .memory import DeviceArray, empty, pinned_empty
 from .module_cache import get_kernel
 from .stream import Event, Stream, stream_handle, stream_key
-from .types import DTypeLike, StreamLike
+from .types import DeviceArrayLike, DTypeLike, StreamLike
 from .validation import (
     MAX_HEAD_DIM,
     ArrayInfo,
@@ -63,7 +64,7 @@ class _HostDecoder:
     reading the length on the device, copy the result out) captured as one graph, so a
     decode is one launch and one wait."""
 
-    def __init__(self, kv: KVCache, n_heads: int, algorithm: str) -> None:
+    def __init__(self, kv: KVCache, n_heads: int, algorithm: str, feats: Any = None) -> None:
         shape = (n_heads * kv.head_dim,)
         self.shapes = {shape, (n_heads, kv.head_dim)}
         nbytes = shape[0] * kv.dtype.itemsize
@@ -71,15 +72,42 @@ class _HostDecoder:
         self.out_stage = pinned_empty(shape, kv.dtype)
         self.q_dev = empty(shape, kv.dtype, device=kv.device)
         self.out_dev = empty(shape, kv.dtype, device=kv.device)
+        # with features: page-locked staging and device copies of the per-head arrays (the
+        # call's sinks, slopes in; the LSE out), copied by the graph too
+        self.stages: dict[str, tuple[np.ndarray, DeviceArray]] = {}
+        features = None
+        if feats is not None:
+            for role, wanted in (("sinks", feats.sinks is not None),
+                                 ("alibi_slopes", feats.alibi_slopes is not None),
+                                 ("lse", feats.return_lse)):  # fmt: skip
+                if wanted:
+                    host = pinned_empty((n_heads,), np.float32)
+                    self.stages[role] = (host, empty((n_heads,), np.float32, device=kv.device))
+            dev = {role: pair[1] for role, pair in self.stages.items()}
+            fargs = attention.FeatureArgs(
+                scale=feats.score_scale(kv.head_dim), cap=feats.logits_soft_cap or 1.0,
+                window=feats.sliding_window or 0, slopes=dev.get("alibi_slopes"),
+                sinks=dev.get("sinks"), lse=dev.get("lse"),
+            )  # fmt: skip
+            features = (feature_bits_of(feats), fargs)
         record = kv.decode_record(
-            self.q_dev, self.out_dev, n_heads, algorithm, kv.stream, length_on_device=True
-        )
+            self.q_dev, self.out_dev, n_heads, algorithm, kv.stream, length_on_device=True,
+            features=features,
+        )  # fmt: skip
         h = kv._h
         with kv.stream.capture() as graph:
             drv("cuMemcpyHtoDAsync", self.q_dev.ptr, self.q_stage.ctypes.data, nbytes, h)
+            for role in ("sinks", "alibi_slopes"):
+                if role in self.stages:
+                    host, dev_arr = self.stages[role]
+                    drv("cuMemcpyHtoDAsync", dev_arr.ptr, host.ctypes.data, host.nbytes, h)
             record.run((self.q_dev.ptr, kv._k_ptr, kv._v_ptr, self.out_dev.ptr, 0))
             drv("cuMemcpyDtoHAsync", self.out_stage.ctypes.data, self.out_dev.ptr, nbytes, h)
-        graph.keep_alive(self.q_stage, self.out_stage, self.q_dev, self.out_dev, record)
+            if "lse" in self.stages:
+                host, dev_arr = self.stages["lse"]
+                drv("cuMemcpyDtoHAsync", host.ctypes.data, dev_arr.ptr, host.nbytes, h)
+        graph.keep_alive(self.q_stage, self.out_stage, self.q_dev, self.out_dev, record,
+                         *(x for pair in self.stages.values() for x in pair))  # fmt: skip
         self.exec = graph.instantiate()
         graph.close()
         self.launch_args = (self.exec.handle, h)
@@ -88,6 +116,8 @@ class _HostDecoder:
         self.exec.close()
         self.q_dev.close()
         self.out_dev.close()
+        for _, dev_arr in self.stages.values():
+            dev_arr.close()
 
 
 _OK = cu.CUresult.CUDA_SUCCESS
@@ -177,6 +207,7 @@ class KVCache:
         self._outgrown: list[DeviceArray] = []  # graphs captured earlier may still write them
         self._records: dict[tuple[Any, ...], DecodeRecord] = {}
         self._decoders: dict[tuple[int, str], _HostDecoder] = {}
+        self._feature_decoders: dict[tuple[Any, ...], _HostDecoder] = {}
         self._appenders: dict[tuple[Any, ...], Any] = {}  # kv_append_async's packed launches
         self._async_records: dict[tuple[Any, ...], tuple[DecodeRecord, bool]] = {}
         self._closed = False
@@ -445,9 +476,50 @@ class KVCache:
                 self.stream
             )
 
+    @overload
     def decode(
-        self, q: np.ndarray, *, n_heads: int, stream: StreamLike = None, algorithm: str = "auto"
-    ) -> np.ndarray:
+        self,
+        q: np.ndarray,
+        *,
+        n_heads: int,
+        stream: StreamLike = None,
+        algorithm: str = "auto",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: np.ndarray | None = None,
+        alibi_slopes: np.ndarray | None = None,
+        scale: float | None = None,
+        return_lse: Literal[False] = False,
+    ) -> np.ndarray: ...
+    @overload
+    def decode(
+        self,
+        q: np.ndarray,
+        *,
+        n_heads: int,
+        stream: StreamLike = None,
+        algorithm: str = "auto",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: np.ndarray | None = None,
+        alibi_slopes: np.ndarray | None = None,
+        scale: float | None = None,
+        return_lse: Literal[True],
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+    def decode(
+        self,
+        q: np.ndarray,
+        *,
+        n_heads: int,
+        stream: StreamLike = None,
+        algorithm: str = "auto",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: np.ndarray | None = None,
+        alibi_slopes: np.ndarray | None = None,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Decode one query against the resident cache.
 
         Args:
@@ -455,13 +527,29 @@ class KVCache:
             n_heads: query heads, a multiple of ``n_kv_heads``.
             stream: ignored unless given; the work always follows queued appends.
             algorithm: ``"auto"`` or ``"parity"``.
+            sliding_window: as `gqa_decode`.
+            logits_soft_cap: as `gqa_decode`.
+            sinks: as `gqa_decode` (numpy: copied in with q).
+            alibi_slopes: as `gqa_decode` (numpy).
+            scale: as `gqa_decode`.
+            return_lse: also return the log-sum-exp per query head (numpy float32).
 
         Returns:
-            A numpy array of q's shape and dtype.
+            A numpy array of q's shape and dtype; with ``return_lse``, ``(out, lse)``,
+                lse float32 of shape (n_heads,).
 
         Raises:
             ClosedError: the cache or its stream was closed.
         """
+        if not (
+            sliding_window is None and logits_soft_cap is None and sinks is None
+            and alibi_slopes is None and scale is None and return_lse is False
+        ):  # fmt: skip
+            return self._decode_features(
+                q, n_heads, algorithm,
+                dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                     sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse),
+            )  # fmt: skip
         with self._lock:  # the staging and the result are the cache's: one decode at a time
             if self._closed or self.stream._closed:
                 self._check_open()
@@ -491,6 +579,39 @@ class KVCache:
                 check(result, "cuStreamSynchronize")
             return dec.out_stage.reshape(q.shape).copy()
 
+    def _decode_features(self, q: Any, n_heads: Any, algorithm: Any, kw: dict[str, Any]) -> Any:
+        """KVCache.decode with features: checked, then one launch of a graph made once per
+        (n_heads, algorithm, which features, their scalars) that copies q and the per-head
+        arrays in, decodes and copies the result (and the LSE) out."""
+        n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
+        algorithm = check_algorithm(algorithm)
+        if algorithm == "parity":
+            raise ValueError("algorithm: the features need the split kernels ('auto')")
+        feats = check_features(n_heads, **kw, allow_device=False)
+        if not isinstance(q, np.ndarray):
+            raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
+        if q.dtype != self.dtype:
+            raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {q.dtype}")
+        check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
+        key = (n_heads, algorithm, feature_bits_of(feats), feats.sliding_window,
+               feats.logits_soft_cap, feats.scale)  # fmt: skip
+        with self._lock:
+            self._check_open()
+            dec = self._feature_decoders.get(key)
+            if dec is None:
+                dec = self._feature_decoders[key] = _HostDecoder(self, n_heads, algorithm, feats)
+            self.device.activate()
+            np.copyto(dec.q_stage, q.reshape(-1))
+            for role, values in (("sinks", feats.sinks), ("alibi_slopes", feats.alibi_slopes)):
+                if values is not None:
+                    np.copyto(dec.stages[role][0], values)  # float64 -> float32
+            if not self._device_seq_current:
+                self.device_length()
+            check(_graph_launch(*dec.launch_args), "cuGraphLaunch")
+            check(_stream_sync(self._h), "cuStreamSynchronize")
+            out = dec.out_stage.reshape(q.shape).copy()
+            return (out, dec.stages["lse"][0].copy()) if feats.return_lse else out
+
     def decode_record(
         self,
         q_dev: DeviceArray,
@@ -500,17 +621,22 @@ class KVCache:
         stream: Any,
         *,
         length_on_device: bool,
+        features: tuple[int, Any] | None = None,
     ) -> DecodeRecord:
         """The launch record of decodes of ``n_heads`` query heads against this cache on
         ``stream`` (made once per signature): the length read on the device
         (``length_on_device``, for graphs and ``gqa_decode_async``) or written per call.
 
-        Every decode of a cache is planned for its capacity, so the eager path and graphs
-        captured once chunk the sequence identically and agree bit for bit."""
+        Every decode of a cache is planned for its capacity (with a window, for at most the
+        window), so the eager path and graphs captured once chunk the sequence identically
+        and agree bit for bit. ``features``: (F_* bits, attention.FeatureArgs), whose values
+        the record keeps (a key of their own)."""
         self._check_open()
         aligned = ((q_dev.ptr | out_dev.ptr) & 15) == 0
         sid = stream_key(stream)
-        key = (n_heads, algorithm, aligned, sid, length_on_device, attention.OVERRIDES)
+        bits, fargs = features if features is not None else (0, None)
+        fkey = None if fargs is None else _feature_key(fargs)
+        key = (n_heads, algorithm, aligned, sid, length_on_device, attention.OVERRIDES, bits, fkey)
         record = self._records.get(key)
         if record is None:
             seq_dev = self.state if length_on_device else None
@@ -524,12 +650,13 @@ class KVCache:
             else:
                 plan = plan_split(
                     self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim,
-                    self.capacity, aligned,
+                    self._plan_seq(fargs), aligned, bits,
                 )  # fmt: skip
                 ws = self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
                 launches = split_launches(
                     plan, q_dev, self._k, self._v, out_dev, ws, n_heads=n_heads,
                     n_kv_heads=n_kv, head_dim=hd, seq_len=seq_len, seq_len_dev=seq_dev,
+                    features=fargs,
                 )  # fmt: skip
             record = self._records[key] = DecodeRecord(
                 launches, self.device, stream_handle(sid), None
@@ -555,34 +682,61 @@ class KVCache:
                 self.device_length()
             record.run((q_dev.ptr, self._k_ptr, self._v_ptr, out_dev.ptr, self._seq_len))
 
-    def prepare(self, n_heads: int, algorithm: str = "auto") -> None:
+    def prepare(
+        self,
+        n_heads: int,
+        algorithm: str = "auto",
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: DeviceArrayLike = None,
+        alibi_slopes: DeviceArrayLike = None,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> None:
         """Load the kernels and allocate the scratch that decodes of ``n_heads`` query heads
-        need, so that they can then be captured into a graph (allocation and module loading
-        are not capturable), and bring the device's copy of the length up to date, keeping
-        it so after every host append. DecodeGraph does this itself.
+        (with the features given, as `gqa_decode_async` takes them; ``return_lse`` for its
+        ``out_lse``) need, so that they can then be captured into a graph (allocation and
+        module loading are not capturable), and bring the device's copy of the length up
+        to date, keeping it so after every host append. DecodeGraph does this itself.
 
         Raises:
             ClosedError: the cache or its stream was closed.
         """
         n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
         algorithm = check_algorithm(algorithm)
+        feats = check_features(
+            n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
+        )  # fmt: skip
         with self._lock:
-            self._prepare(n_heads, algorithm)
+            self._prepare(n_heads, algorithm, feature_bits_of(feats), feats.sliding_window)
 
-    def _prepare(self, n_heads: int, algorithm: str) -> None:
+    def _plan_seq(self, fargs: Any) -> int:
+        """The length decodes of this cache are planned for: its capacity, or the window."""
+        if fargs is None or not fargs.window:
+            return self.capacity
+        return min(self.capacity, fargs.window)
+
+    def _prepare(
+        self, n_heads: int, algorithm: str, bits: int = 0, window: int | None = None
+    ) -> None:
         self._check_open()
         append_kernel(self.device)
         self.device_length()
         self._eager_seq = True  # a graph will read the length: host appends keep it current
-        with empty((n_heads * self.head_dim,), self.dtype, device=self.device) as probe:
-            self.decode_record(probe, probe, n_heads, algorithm, self.stream,
-                               length_on_device=True)  # fmt: skip
+        if not bits:
+            with empty((n_heads * self.head_dim,), self.dtype, device=self.device) as probe:
+                self.decode_record(probe, probe, n_heads, algorithm, self.stream,
+                                   length_on_device=True)  # fmt: skip
         if algorithm != "parity":
             aligned = ((self._k_ptr | self._v_ptr) & 15) == 0
+            plan_seq = self.capacity if window is None else min(self.capacity, window)
             plan = plan_split(
                 self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim,
-                self.capacity, aligned,
+                plan_seq, aligned, bits,
             )  # fmt: skip
+            self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
             combine = plan.combine_kernel(self.dtype)
             if combine is not None:  # a cluster plan has none
                 split_kernel(combine, self.device)
@@ -632,9 +786,10 @@ class KVCache:
         workspaces = [*self._workspaces.values(), *self._outgrown]
         for arr in (self._k, self._v, self.state, *workspaces):
             arr.close()
-        for dec in self._decoders.values():
+        for dec in (*self._decoders.values(), *self._feature_decoders.values()):
             dec.close()
         self._decoders.clear()
+        self._feature_decoders.clear()
         self._records.clear()
         self._appenders.clear()
         self._async_records.clear()
@@ -753,3 +908,24 @@ class LayerKVCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _feature_key(fargs: Any) -> tuple[Any, ...]:
+    """What identifies a decode's feature values in a record's key: the scalars and the
+    per-head arrays' addresses (the kernels read the arrays, so new values in the same
+    arrays need no new record)."""
+
+    def ptr(a: Any) -> int:
+        return 0 if a is None else int(a.ptr)
+
+    return (fargs.scale, fargs.cap, fargs.window, ptr(fargs.slopes), ptr(fargs.sinks),
+            ptr(fargs.lse))  # fmt: skip
+
+
+def feature_bits_of(feats: Any) -> int:
+    """The F_* bits of validated features (features.Features)."""
+    return attention.feature_bits(
+        feats.sliding_window is not None, feats.logits_soft_cap is not None,
+        feats.alibi_slopes is not None, feats.sinks is not None, feats.return_lse,
+        feats.scale is not None,
+    )  # fmt: skip

@@ -12,7 +12,7 @@ from .features import check_features
 from .types import HostArrayLike
 from .validation import check_decode_args
 
-__all__ = ["merge_states", "reference_gqa_decode"]
+__all__ = ["merge_states_host", "reference_gqa_decode"]
 
 
 @overload
@@ -137,22 +137,22 @@ def reference_gqa_decode(
         sink = feats.sinks.reshape(n_kv_heads, group, 1)
     logits = np.concatenate([scores, sink], axis=2)
     top = logits.max(axis=2, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0.0)  # a head with nothing: no NaN from -inf - -inf
+    top = np.where(np.isneginf(top), 0.0, top)  # a head with nothing: no NaN from -inf - -inf
     weights = np.exp(logits - top)
     total = weights.sum(axis=2, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(total > 0, weights[:, :, :-1] / total, 0.0)
+        p = np.where(total == 0, 0.0, weights[:, :, :-1] / total)  # (NaN stays NaN)
         lse = (top + np.log(total)).reshape(n_heads)  # log(0) = -inf: no token, no sink
     out = np.einsum("gjs,sgd->gjd", p, vh).reshape(spec.q_shape)
     return (out, lse) if feats.return_lse else out
 
 
-def merge_states(outs: HostArrayLike, lses: HostArrayLike) -> tuple[np.ndarray, np.ndarray]:
+def merge_states_host(outs: HostArrayLike, lses: HostArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """The exact combine of attention over disjoint parts of one sequence, from each part's
     output and log-sum-exp (``return_lse=True``): ``out = sum_p w_p out_p / sum_p w_p`` and
     ``lse = log(sum_p exp(lse_p))``, ``w_p = exp(lse_p)``. A part with ``lse = -inf`` (no
     tokens) contributes nothing; a head every part of which is empty gets zeros and -inf.
-    Host (numpy) arrays; the device form, a capturable kernel, is not there yet.
+    Host (numpy) arrays: `merge_states` takes device arrays too.
 
     Args:
         outs: ``(parts, n_heads, head_dim)`` (or ``(parts, n_heads * head_dim)``), float.

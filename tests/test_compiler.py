@@ -12,7 +12,7 @@ from ferrox_driver import module_cache
 from ferrox_driver.compiler import expand_includes, kernel_source, parse_resources, source_dir
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
-KERNEL_FILES = ["gqa_decode.cu", "gqa_decode_split.cu", "kv_cache.cu", "util.cu"]
+KERNEL_FILES = ["gqa_decode.cu", "gqa_decode_split.cu", "kv_cache.cu", "util.cu", "merge_states.cu"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -34,6 +34,7 @@ def test_every_kernel_file_compiles_for_arch_without_gpu(filename: str, arch: st
             {"gqa_split_f32_g8_vec", "gqa_split_mma_bf16_d128", "gqa_split_combine_f16"},
         ),
         ("kv_cache.cu", {"kv_append_row"}),
+        ("merge_states.cu", {"merge_states_f32", "merge_states_f16", "merge_states_bf16"}),
     ],
 )
 def test_decode_kernels_use_no_stack_and_never_spill(arch, filename, expected) -> None:

@@ -85,3 +85,21 @@ def test_reference_validates_like_the_kernel_path():
     with pytest.raises(ValueError, match="n_heads: must be a multiple"):
         a = args(n_heads=6, n_kv_heads=4)
         fd.reference_gqa_decode(a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), **a)
+
+
+@pytest.mark.parametrize(
+    "kw,error,match",
+    [
+        ({"sliding_window": 0}, ValueError, "sliding_window"),
+        ({"logits_soft_cap": -1.0}, ValueError, "logits_soft_cap"),
+        ({"sinks": np.zeros(3, np.float32)}, ValueError, "sinks"),
+        ({"alibi_slopes": np.zeros(8, np.complex64)}, TypeError, "alibi_slopes"),
+        ({"scale": float("inf")}, ValueError, "scale"),
+        ({"return_lse": 1}, TypeError, "return_lse"),
+    ],
+)
+def test_gqa_decode_refuses_bad_features_naming_them_before_any_device_work(kw, error, match):
+    q = np.zeros((8, 16), np.float16)
+    k = np.zeros((5, 2, 16), np.float16)
+    with pytest.raises(error, match=match):
+        fd.gqa_decode(q, k, k, n_heads=8, n_kv_heads=2, head_dim=16, **kw)

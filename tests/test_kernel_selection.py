@@ -110,3 +110,23 @@ def test_a_padded_kernel_is_named_for_its_call():
 def test_a_name_no_kernel_has_is_refused(bad):
     with pytest.raises(ValueError, match="has no kernel"):
         attention.split_entry(bad)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
+def test_feature_kernels_compile_without_stack_or_spills(arch):
+    # every family with every feature (x63), and the combine kernel with those it applies
+    for name in (
+        "gqa_split_mma_bf16_d128_x63",
+        "gqa_split_mma_f16_d256_x63",
+        "gqa_split_mma_bf16_d128_r80_t2_x63",
+        "gqa_split_tc32_f32_d256_x63",
+        "gqa_split_f32_g8_vec_x63",
+        "gqa_split_bf16_g4_any_x63",
+        "gqa_split_combine_f32_x25",
+        "gqa_split_mma_bf16_d128_wide_x63_cluster",
+        "gqa_split_mma_f16_d256_x63_cluster",
+    ):
+        source = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n"
+        program = compile_source(source + attention.split_entry(name) + "\n", arch=arch)
+        res = program.resources[name]
+        assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0), (name, res)

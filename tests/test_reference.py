@@ -65,3 +65,20 @@ def test_reference_accepts_bfloat16_inputs(rng):
     k = rng.standard_normal(3 * 32).astype(ml_dtypes.bfloat16)
     got = fd.reference_gqa_decode(q, k, k, n_heads=2, n_kv_heads=2, head_dim=16)
     np.testing.assert_allclose(got, direct(q, k, k, 2, 2, 16).reshape(-1), rtol=1e-9)
+
+
+@pytest.mark.parametrize("where", ["k", "v", "q"])
+def test_reference_propagates_nan_to_the_outputs_that_read_it(rng, where):
+    q = rng.standard_normal((8, 16))
+    k, v = rng.standard_normal((2, 5, 2, 16))
+    {"q": q[1], "k": k[3, 0], "v": v[3, 0]}[where][5] = np.nan  # KV head 0 / query head 1
+    poisoned = np.zeros((8, 16), bool)
+    if where == "q":
+        poisoned[1] = True  # its scores
+    elif where == "k":
+        poisoned[:4] = True  # the scores of KV head 0's query heads
+    else:
+        poisoned[:4, 5] = True  # one column of their outputs
+    for extra in ({}, {"logits_soft_cap": 30.0, "sinks": np.zeros(8)}):
+        out = fd.reference_gqa_decode(q, k, v, n_heads=8, n_kv_heads=2, head_dim=16, **extra)
+        assert (np.isnan(out) == poisoned).all(), extra

@@ -413,3 +413,53 @@ def test_traits_read_from_a_device_ask_the_driver_once_per_kernel(monkeypatch):
     assert traits.active_clusters("k", 16, 128, 0) == 0  # refused: none resident
     assert traits.active_clusters("k", 8, 128, 0) == traits.active_clusters("k", 8, 128, 0) == 15
     assert asked == [("blocks", "k"), ("clusters", "k", 16), ("clusters", "k", 8)]
+
+
+def test_features_take_the_plans_of_the_decode_without_them():
+    traits, bf16 = _traits(), np.dtype(ml_dtypes.bfloat16)
+    bits = attention.F_WINDOW | attention.F_SINKS | attention.F_CAP
+    # the wide plan and the clusters, with the features compiled in (the cluster's merge
+    # applies the sinks and the LSE)
+    p = attention.plan(traits, bf16, 32, 8, 128, 32768, features=bits)
+    wide = f"gqa_split_mma_bf16_d128_wide_x{bits}_cluster"
+    assert (p.kernel, p.cluster, p.features) == (wide, 8, bits)
+    assert attention.split_entry(wide) == f"FX_MMA_WIDE_FEAT_ENTRY({wide}, fx_bf16, {bits})"
+    clustered = attention.plan(traits, bf16, 64, 8, 128, 512, features=attention.F_LSE)
+    assert clustered.kernel == "gqa_split_mma_bf16_d128_x16_cluster" and clustered.cluster == 8
+    # where the chunks do not fit clusters: the combine kernel applies window, sinks, LSE
+    p = attention.plan(traits, bf16, 28, 4, 128, 4096, features=bits)
+    assert (p.kernel, p.cluster) == (f"gqa_split_mma_bf16_d128_x{bits}", 0)
+    assert p.combine_kernel(bf16) == "gqa_split_combine_bf16_x9"  # window + sinks
+    cap_only = attention.plan(traits, bf16, 28, 4, 128, 4096, features=attention.F_CAP)
+    assert cap_only.combine_kernel(bf16) == "gqa_split_combine_bf16"
+    # fp32 with features: no clusters (its cluster kernels take none)
+    f32 = attention.plan(traits, np.float32, 64, 8, 128, 512, features=attention.F_LSE)
+    assert (f32.kernel, f32.cluster) == ("gqa_split_tc32_f32_d128_x16", 0)
+    tiled = attention.plan(traits, bf16, 16, 1, 96, 4096, features=attention.F_LSE)
+    assert tiled.kernel == "gqa_split_mma_bf16_d128_r96_t2_x16"
+    assert attention.split_entry(tiled.kernel) == (
+        "FX_MMA_FEAT_ENTRY(gqa_split_mma_bf16_d128_r96_t2_x16, fx_bf16, 128, 96, true, 16)"
+    )
+    assert attention.split_entry("gqa_split_combine_f16_x25") == (
+        "FX_COMBINE_FEAT_ENTRY(gqa_split_combine_f16_x25, fx_half, 25)"
+    )
+    for bad in ("gqa_split_combine_f16_x2", "gqa_split_mma_bf16_d128_cluster_x1",
+                "gqa_split_mma_bf16_d128_wide_cluster_x1", "gqa_split_mma_bf16_d128_x64",
+                "gqa_split_tc32_f32_d128_cluster_x1", "gqa_split_tc32_f32_d128_x1_cluster",
+                "gqa_split_mma_bf16_d128_wide_x1", "gqa_split_combine_f16_x8_cluster"):  # fmt: skip
+        with pytest.raises(ValueError, match="has no kernel"):
+            attention.split_entry(bad)
+    # every kernel family takes them: fp32 on tensor cores, other head_dims on CUDA cores
+    lse = attention.F_LSE
+    assert attention.plan(traits, np.float32, 32, 8, 128, 4096, features=lse).kernel == (
+        "gqa_split_tc32_f32_d128_x16"
+    )
+    odd = attention.plan(traits, bf16, 32, 8, 100, 4096, features=lse)
+    assert odd.kernel == "gqa_split_bf16_g4_any_x16"
+    assert attention.split_entry(odd.kernel) == (
+        "FX_GENERIC_FEAT_ENTRY(gqa_split_bf16_g4_any_x16, fx_bf16, 4, false, 16)"
+    )
+    assert attention.split_entry("gqa_split_tc32_f32_d256_x63") == (
+        "FX_TC32_FEAT_ENTRY(gqa_split_tc32_f32_d256_x63, 256, 63)"
+    )
+    assert attention.plan(traits, bf16, 32, 8, 128, 32768).features == 0  # none: as before
