@@ -256,8 +256,10 @@ class Overrides:
             (``FERROX_EARLY_COMBINE=0``).
         padded_mma: fp16/bf16 head_dims other than 64/128/256 (multiples of 8) on the
             tensor-core kernels, padded (``FERROX_PADDED_MMA=0``: CUDA cores).
-        paired: head_dims up to 56 read two KV heads' rows as one (``FERROX_PAIRED=1``;
-            off by default until measured: an experiment).
+        paired: two adjacent KV heads' rows read as one row of 2 x head_dim: None (the
+            default) where the architecture's Tuning says (``paired_to``), True wherever
+            the kernels can (experiments and tests, ``FERROX_PAIRED=1``), False never
+            (``FERROX_PAIRED=0``).
     """
 
     heads_per_block: int = 4
@@ -266,7 +268,7 @@ class Overrides:
     wide: bool = True
     early_combine: bool = True
     padded_mma: bool = True
-    paired: bool = False
+    paired: bool | None = None
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -283,7 +285,7 @@ class Overrides:
             wide=on("FERROX_WIDE"),
             early_combine=on("FERROX_EARLY_COMBINE"),
             padded_mma=on("FERROX_PADDED_MMA"),
-            paired=env.get("FERROX_PAIRED", "0") == "1",
+            paired={"0": False, "1": True}.get(env.get("FERROX_PAIRED", "")),
         )
 
 
@@ -397,6 +399,11 @@ class Tuning:
             16384; 6 and 7 not measured, so 8's).
         tc32_groups: the fp32 groups that take the split-TF32 tensor-core kernels (see
             ``tc32_for``; H200).
+        paired_to: (largest head_dim, shortest sequence): fp16/bf16 head_dims up to that
+            read two KV heads' rows as one from that length (Overrides.paired). H200, 32/8/D
+            bf16 and fp16, graph-replayed, paired against not in one run (two rounds): D =
+            32, 40, 48 at 131072 tokens 20%, 23%, 19% faster, at 32768 15%, 10%, 2%; at 512
+            tokens 15-30% slower, and 40/48 at 4096 5-10% slower. 56 and up not measured.
     """
 
     cluster_max_exchange: int = CLUSTER_MAX_EXCHANGE
@@ -404,6 +411,7 @@ class Tuning:
     wide_chunks: int = 8
     wide_from: tuple[tuple[int, int], ...] = ((4, 1024), (5, 2048), (8, 16384))
     tc32_groups: tuple[int, int] = (2, 8)
+    paired_to: tuple[int, int] = (48, 16384)
 
 
 # Measured on the H200 (sm_90); other architectures take its values until measured.
@@ -575,9 +583,11 @@ def _plan(
     stages, step_tokens, reserve, padded_to = 0, 16, 0, 0
     mma_dim = mma_head_dim(head_dim, ov) if name != "f32" else None
     pair_dim = mma_head_dim(2 * head_dim, ov) if name != "f32" else None
+    most_dim, paired_from = tuning.paired_to
+    pays = head_dim <= most_dim and plan_seq >= paired_from
     if (
-        ov.paired and pair_dim is not None and head_dim % 8 == 0 and n_kv_heads % 2 == 0
-        and 2 * group <= 16 and aligned
+        (ov.paired or (ov.paired is None and pays)) and pair_dim is not None
+        and head_dim % 8 == 0 and n_kv_heads % 2 == 0 and 2 * group <= 16 and aligned
     ):  # fmt: skip
         return _paired_plan(traits, name, n_heads, n_kv_heads, head_dim, plan_seq, pair_dim)
     if mma_dim is not None and group <= 16 and aligned:  # 9-16: two tiles of 8 heads
