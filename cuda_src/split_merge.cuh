@@ -122,19 +122,24 @@ __device__ __forceinline__ void fx_write_partial(const float* o_f, const float (
 // workspace for the combine kernel; with CLUSTER each value is pushed to the receive area
 // (past the ring) of the block whose output unit it feeds, and the cluster's merge writes
 // the output.
-template <bool CLUSTER, int WARPS, int D, int SLOTS, int RING, int DR, int F = 0, class T,
+template <bool CLUSTER, int WARPS, int D, int SLOTS, int RING, int DR, int F = 0, int PAIR = 1, class T,
           class Where>
 __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
                                           const float (*l_s)[8], const float (*w_s)[8],
                                           float* ws_o, float* ws_ml,
                                           T* out, int h0, int group, int splits, int split,
                                           int seq_len, const int* seq_len_dev, Where where,
-                                          const FxFeat* feat = nullptr) {
+                                          const FxFeat* feat = nullptr, int a_heads = 0) {
+    static_assert(PAIR == 1 || !CLUSTER, "paired KV heads merge through the combine kernel");
     if (!CLUSTER) {
+        constexpr int DRH = DR / PAIR;  // a head's columns in the workspace
         fx_write_partial<WARPS, D, SLOTS>(
             o_f, m_s, l_s, w_s, group, where,
             [&](int j, int d, float x) {  // (columns past the cache's DR are padding)
-                if (DR == D || d < DR) ws_o[((long long)(h0 + j) * splits + split) * DR + d] = x;
+                // paired: the first a_heads heads own columns 0 .. DRH, the others DRH .. DR
+                const int lo = PAIR == 1 || j < a_heads ? 0 : DRH;
+                if ((PAIR == 1 && (DR == D || d < DR)) || (PAIR == 2 && d >= lo && d < lo + DRH))
+                    ws_o[((long long)(h0 + j) * splits + split) * DRH + (d - lo)] = x;
             },
             [&](int j, float m, float l) {
                 float* ml = ws_ml + ((long long)(h0 + j) * splits + split) * 2;
@@ -176,13 +181,13 @@ __device__ __forceinline__ void fx_finish(float* o_f, const float (*m_s)[8],
 // lane. The writes are whole rows, and fx_write_partial's column-ordered reads hit 32
 // different banks. (Serial warp-by-warp rounds over a row-major o_s cost 4 us, with 16-way
 // bank conflicts: docs/design.md.) `where` maps an output column to its fragment slot and lane.
-template <bool CLUSTER, int WARPS, int D, int SLOTS, int RING, int DR, int F = 0, class T,
+template <bool CLUSTER, int WARPS, int D, int SLOTS, int RING, int DR, int F = 0, int PAIR = 1, class T,
           class ParkStats, class ParkO, class Where>
 __device__ __forceinline__ void fx_merge_parked(unsigned char* smem, ParkStats park_stats,
                                                 ParkO park_o, float* ws_o, float* ws_ml, T* out,
                                                 int h0, int group, int splits, int split,
                                                 int seq_len, const int* seq_len_dev,
-                                                Where where, const FxFeat* feat = nullptr) {
+                                                Where where, const FxFeat* feat = nullptr, int a_heads = 0) {
     static_assert(WARPS * SLOTS * FX_OPAD * 4 <= RING, "the merge area must fit in the ring");
     __shared__ float m_s[WARPS][8];
     __shared__ float l_s[WARPS][8];
@@ -194,28 +199,28 @@ __device__ __forceinline__ void fx_merge_parked(unsigned char* smem, ParkStats p
     fx_warp_weights<WARPS>(m_s, w_s);
     park_o(o_f);
     __syncthreads();
-    fx_finish<CLUSTER, WARPS, D, SLOTS, RING, DR, F>(o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0,
+    fx_finish<CLUSTER, WARPS, D, SLOTS, RING, DR, F, PAIR>(o_f, m_s, l_s, w_s, ws_o, ws_ml, out, h0,
                                                      group, splits, split, seq_len, seq_len_dev,
-                                                     where, feat);
+                                                     where, feat, a_heads);
 }
 
 // fx_merge_parked for the kernels whose rows are heads: lane 4g + tig holds head g's running
 // max and a quarter of its sum, and O accumulators oacc[A][B][2] (fx_park_fragments).
-template <bool CLUSTER, int WARPS, int D, int RING, int DR, int F = 0, class T, int A, int B,
+template <bool CLUSTER, int WARPS, int D, int RING, int DR, int F = 0, int PAIR = 1, class T, int A, int B,
           class Where>
 __device__ __forceinline__ void fx_merge_warps(unsigned char* smem, float m_run, float l_run,
                                                const float (&oacc)[A][B][2], float* ws_o,
                                                float* ws_ml, T* out, int h0, int group,
                                                int splits, int split, int seq_len,
                                                const int* seq_len_dev, Where where,
-                                               const FxFeat* feat = nullptr) {
+                                               const FxFeat* feat = nullptr, int a_heads = 0) {
     auto park_stats = [&](float (*m_s)[8], float (*l_s)[8]) {
         fx_park_warp_stats(m_run, l_run, m_s, l_s);
     };
     auto park_o = [&](float* o_f) {
         fx_park_fragments(o_f, oacc, threadIdx.x >> 5, threadIdx.x & 31);
     };
-    fx_merge_parked<CLUSTER, WARPS, D, A * B * 2, RING, DR, F>(
+    fx_merge_parked<CLUSTER, WARPS, D, A * B * 2, RING, DR, F, PAIR>(
         smem, park_stats, park_o, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
-        seq_len_dev, where, feat);
+        seq_len_dev, where, feat, a_heads);
 }

@@ -93,13 +93,26 @@ struct FxQ {
                        : *reinterpret_cast<const uint4*>(row + kb * 32 + tig * 8);
     }
 };
-template <class T, int D, int THREADS, int DR = D>
-__device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, int g, int tig) {
+// PAIR = 2 (two KV heads' rows side by side as one of DR = 2 x head_dim): rows j <
+// a_heads are the first KV head's query heads, their q in columns 0 .. DR/2, the rest the
+// second's, in DR/2 .. DR; the other half of each row is zeros.
+template <class T, int D, int THREADS, int DR = D, int PAIR = 1>
+__device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, int g, int tig,
+                                               int a_heads = 0) {
     __shared__ __align__(16) T q_s[8][D + 8];
     for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
         const int j = i / (D / 8), c = (i % (D / 8)) * 8;  // (columns past DR: zeros)
-        const bool ok = j < group && (DR == D || c < DR);
-        *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_ldg16(q + (long long)(h0 + j) * DR + c, ok);
+        if (PAIR == 1) {
+            const bool ok = j < group && (DR == D || c < DR);
+            *reinterpret_cast<uint4*>(&q_s[j][c]) =
+                fx_ldg16(q + (long long)(h0 + j) * DR + c, ok);
+        } else {
+            constexpr int DRH = DR / 2;  // the head_dim
+            const int lo = j < a_heads ? 0 : DRH;
+            const bool ok = j < group && c >= lo && c < lo + DRH;
+            *reinterpret_cast<uint4*>(&q_s[j][c]) =
+                fx_ldg16(q + (long long)(h0 + j) * DRH + (ok ? c - lo : 0), ok);
+        }
     }
     __syncthreads();  // q_s complete; the first steps' loads are already in flight
     FxQ<T, D> r;
@@ -112,7 +125,7 @@ __device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, in
     return r;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0, int PAIR = 1>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
@@ -126,9 +139,10 @@ __device__ __forceinline__ void gqa_split_mma(
     FX_TC_START(T, 16, WARPS * S * 2 * STEP * sizeof(T));  // 16-token steps
 
     // Q as the A operand (rows = heads; rows 8..15 are zero)
-    const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR>(q, h0, group, g, tig);
+    const int a_heads = PAIR == 1 ? 0 : max(0, min(group, heads_per_kv / 2 - tile_h));
+    const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR, PAIR>(q, h0, group, g, tig, a_heads);
 
-    const FxScore<F> sc = fx_scorer<F>(feat, DR, h0 + g, g < group, seq_len, seq_len_dev);
+    const FxScore<F> sc = fx_scorer<F>(feat, DR / PAIR, h0 + g, g < group, seq_len, seq_len_dev);
 
     // O accumulators: [64-d block][e]: c0 -> d = hb*64 + (2 tig)*8 + e, c1 -> +8. The
     // padding rows' outputs (c2, c3) only ever add zero rows: a scratch pair per chain of
@@ -224,7 +238,7 @@ __device__ __forceinline__ void gqa_split_mma(
         slot = (d / 64) * 16 + (d % 8) * 2 + (d / 8) % 2;
         t = (d % 64) / 16;
     };
-    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T), DR, F>(
+    fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T), DR, F, PAIR>(
         fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
-        seq_len_dev, where, &feat);
+        seq_len_dev, where, &feat, a_heads);
 }

@@ -15,7 +15,7 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
     return y;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0, int PAIR = 1>
 __device__ __forceinline__ void gqa_split_mma_swapped(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
@@ -30,13 +30,14 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     FX_TC_START(T, 16, RING);  // 16-token steps
 
     // Q as the B operand (n = heads), read as gqa_split_mma reads it for its A operand
-    const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR>(q, h0, group, g, tig);
+    const int a_heads = PAIR == 1 ? 0 : max(0, min(group, heads_per_kv / 2 - tile_h));
+    const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR, PAIR>(q, h0, group, g, tig, a_heads);
 
     // heads 2tig (a) and 2tig + 1 (b)
     const FxScore<F> sca =
-        fx_scorer<F>(feat, DR, h0 + 2 * tig, 2 * tig < group, seq_len, seq_len_dev);
+        fx_scorer<F>(feat, DR / PAIR, h0 + 2 * tig, 2 * tig < group, seq_len, seq_len_dev);
     const FxScore<F> scb =
-        fx_scorer<F>(feat, DR, h0 + 2 * tig + 1, 2 * tig + 1 < group, seq_len, seq_len_dev);
+        fx_scorer<F>(feat, DR / PAIR, h0 + 2 * tig + 1, 2 * tig + 1 < group, seq_len, seq_len_dev);
 
     // O^T accumulators [64-d block][i][c]: d = hb*64 + g*8 + 2i + (c >> 1), head
     // 2tig + (c & 1).
@@ -161,9 +162,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         slot = (d / 64) * 16 + (gg >> 2) * 8 + d % 8;
         t = gg & 3;
     };
-    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR, F>(fx_dyn_smem, park_stats, park_o, ws_o,
+    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR, F, PAIR>(fx_dyn_smem, park_stats, park_o, ws_o,
                                                        ws_ml, out, h0, group, splits, split,
-                                                       seq_len, seq_len_dev, where, &feat);
+                                                       seq_len, seq_len_dev, where, &feat, a_heads);
 }
 
 // Which head_dims take the swapped operands: measured against gqa_split_mma on the same
@@ -180,7 +181,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #define FX_MMA_SWAPPED_D256 0
 #endif
 template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value, int DR = D,
-          bool TILED = false, int F = 0>
+          bool TILED = false, int F = 0, int PAIR = 1>
 __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,
                                             float* ws_ml, T* out, int n_heads, int n_kv_heads,
                                             int seq_len, const int* seq_len_dev, int splits,
@@ -189,11 +190,11 @@ __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, 
                              : D == 128 ? FX_MMA_SWAPPED_D128
                                         : FX_MMA_SWAPPED_D256;
     if (SWAPPED)
-        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR, TILED, F>(
+        gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR, TILED, F, PAIR>(
             q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len, seq_len_dev, splits, tile,
             feat);
     else
-        gqa_split_mma<T, D, CLUSTER, WARPS, DR, TILED, F>(q, k, v, ws_o, ws_ml, out, n_heads,
+        gqa_split_mma<T, D, CLUSTER, WARPS, DR, TILED, F, PAIR>(q, k, v, ws_o, ws_ml, out, n_heads,
                                                           n_kv_heads, seq_len, seq_len_dev,
                                                           splits, tile, feat);
 }
@@ -286,6 +287,20 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
         fx_mma_body<T, 128, true, FX_WIDE_WARPS, 128, false, F>(                            \
             q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
             splits, tile, feat);                                                            \
+    }
+
+// Two adjacent KV heads of head_dim DR/2 read as one row of DR elements (their rows lie side
+// by side in the cache): n_kv_heads / 2 "KV heads" of DR, query heads in the same order, Q
+// block-diagonal (fx_load_q), each query head's output its own half (fx_finish), merged by
+// the combine kernel: gqa_split_mma_<dt>_d<D>_r<DR>_p2[_t2]. Rows of 2 x 80-112 bytes
+// read as whole runs of the cache (docs/design.md).
+#define FX_MMA_PAIR_ENTRY(NAME, T, D, DR, TILED)                                            \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile) {        \
+        fx_mma_body<T, D, false, FX_WARPS_D##D, DR, TILED, 0, 2>(q, k, v, ws_o, ws_ml, nullptr, \
+                                                              n_heads, n_kv_heads, seq_len, \
+                                                              seq_len_dev, splits, tile);   \
     }
 
 #ifndef FX_SELECTED

@@ -75,6 +75,16 @@ def split_entry(name: str) -> str:
     base = name.removesuffix("_cluster")
     parts = base.split("_")
     try:
+        if "p2" in parts and name == base and parts[:3] == ["gqa", "split", "mma"]:
+            # gqa_split_mma_<dt>_d<D>_r<2 x head_dim>_p2[_t2]: two KV heads' rows as one
+            tiled = parts[-1] == "t2"
+            if len(parts) == 7 + tiled and parts[6] == "p2" and parts[3] != "f32":
+                d, dr = int(parts[4][1:]), int(parts[5][1:])
+                ok = parts[4][0] == "d" and parts[5][0] == "r" and d in MMA_HEAD_DIMS
+                if ok and 0 < dr <= d and dr % 16 == 0:
+                    flag = "true" if tiled else "false"
+                    return f"FX_MMA_PAIR_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {d}, {dr}, {flag})"
+            raise ValueError(name)
         if parts[-1][:1] == "x" and parts[-1][1:].isdigit():  # <kernel>_x<F>[_cluster]
             return _feature_entry(name, parts[:-1], int(parts[-1][1:]), name != base)
         if base.startswith("gqa_split_combine_"):
@@ -246,6 +256,10 @@ class Overrides:
             (``FERROX_EARLY_COMBINE=0``).
         padded_mma: fp16/bf16 head_dims other than 64/128/256 (multiples of 8) on the
             tensor-core kernels, padded (``FERROX_PADDED_MMA=0``: CUDA cores).
+        paired: two adjacent KV heads' rows read as one row of 2 x head_dim: None (the
+            default) where the architecture's Tuning says (``paired_to``), True wherever
+            the kernels can (experiments and tests, ``FERROX_PAIRED=1``), False never
+            (``FERROX_PAIRED=0``).
     """
 
     heads_per_block: int = 4
@@ -254,6 +268,7 @@ class Overrides:
     wide: bool = True
     early_combine: bool = True
     padded_mma: bool = True
+    paired: bool | None = None
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -270,6 +285,7 @@ class Overrides:
             wide=on("FERROX_WIDE"),
             early_combine=on("FERROX_EARLY_COMBINE"),
             padded_mma=on("FERROX_PADDED_MMA"),
+            paired={"0": False, "1": True}.get(env.get("FERROX_PAIRED", "")),
         )
 
 
@@ -299,6 +315,7 @@ class SplitPlan:
     cluster: int = 0  # blocks per thread block cluster (a KV head's chunks merge on chip,
     # no combine kernel); 0: the combine kernel merges them
     kernel_head_dim: int = 0  # the head_dim the kernel is built for, when not the call's
+    paired: bool = False  # two KV heads' rows read as one (the launch's n_kv_heads halved)
     features: int = 0  # the features compiled in (F_* bits; the kernel's name ends _x<bits>)
 
     def combine_kernel(self, dtype: Any) -> str | None:
@@ -382,6 +399,11 @@ class Tuning:
             16384; 6 and 7 not measured, so 8's).
         tc32_groups: the fp32 groups that take the split-TF32 tensor-core kernels (see
             ``tc32_for``; H200).
+        paired_to: (largest head_dim, shortest sequence): fp16/bf16 head_dims up to that
+            read two KV heads' rows as one from that length (Overrides.paired). H200, 32/8/D
+            bf16 and fp16, graph-replayed, paired against not in one run (two rounds): D =
+            32, 40, 48 at 131072 tokens 20%, 23%, 19% faster, at 32768 15%, 10%, 2%; at 512
+            tokens 15-30% slower, and 40/48 at 4096 5-10% slower. 56 and up not measured.
     """
 
     cluster_max_exchange: int = CLUSTER_MAX_EXCHANGE
@@ -389,6 +411,7 @@ class Tuning:
     wide_chunks: int = 8
     wide_from: tuple[tuple[int, int], ...] = ((4, 1024), (5, 2048), (8, 16384))
     tc32_groups: tuple[int, int] = (2, 8)
+    paired_to: tuple[int, int] = (48, 16384)
 
 
 # Measured on the H200 (sm_90); other architectures take its values until measured.
@@ -532,6 +555,7 @@ def plan(
     if not features:
         return _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, overrides)
     ov = OVERRIDES if overrides is None else overrides
+    ov = dataclasses.replace(ov, paired=False)  # (the paired kernels take no features)
     found = _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
     if found.cluster and not found.kernel.startswith("gqa_split_mma_"):
         # the fp32 tensor-core kernels take features without clusters (not built)
@@ -558,6 +582,14 @@ def _plan(
     name = dtype_name(np.dtype(dtype))
     stages, step_tokens, reserve, padded_to = 0, 16, 0, 0
     mma_dim = mma_head_dim(head_dim, ov) if name != "f32" else None
+    pair_dim = mma_head_dim(2 * head_dim, ov) if name != "f32" else None
+    most_dim, paired_from = tuning.paired_to
+    pays = head_dim <= most_dim and plan_seq >= paired_from
+    if (
+        (ov.paired or (ov.paired is None and pays)) and pair_dim is not None
+        and head_dim % 8 == 0 and n_kv_heads % 2 == 0 and 2 * group <= 16 and aligned
+    ):  # fmt: skip
+        return _paired_plan(traits, name, n_heads, n_kv_heads, head_dim, plan_seq, pair_dim)
     if mma_dim is not None and group <= 16 and aligned:  # 9-16: two tiles of 8 heads
         kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{mma_dim}", True, -(-group // 8), 32
         if mma_dim != head_dim:
@@ -617,6 +649,26 @@ def _plan(
     return dataclasses.replace(
         chosen, kernel=kname, splits=splits, tile=tile, cluster=splits if cluster else 0
     )
+
+
+def _paired_plan(
+    traits: DeviceTraits, name: str, n_heads: int, n_kv_heads: int, head_dim: int,
+    plan_seq: int, kernel_dim: int,
+) -> SplitPlan:  # fmt: skip
+    """The plan of two KV heads' rows read as one row of 2 x head_dim (Overrides.paired):
+    the kernel of ``kernel_dim`` for n_kv_heads / 2 KV heads of groups twice the size,
+    merged by the combine kernel."""
+    pairs, group = n_kv_heads // 2, 2 * (n_heads // n_kv_heads)
+    tiles = -(-group // 8)
+    kname = f"gqa_split_mma_{name}_d{kernel_dim}_r{2 * head_dim}_p2" + ("_t2" if tiles > 1 else "")
+    chosen = SplitPlan(
+        kname, True, tiles, 32, 1, 32 * MMA_WARPS[kernel_dim], TILE, MMA_STAGES[kernel_dim], 16,
+        reserve_stages=MMA_RESERVE_STAGES[kernel_dim], kernel_head_dim=kernel_dim, paired=True,
+    )  # fmt: skip
+    shared = chosen.shared_bytes(head_dim, 2)
+    wave = traits.blocks_per_sm(f"gqa_split_mma_{name}_d{kernel_dim}", chosen.threads, shared)
+    most = max(1, min(wave * traits.multiprocessor_count // (pairs * tiles), MAX_SPLITS))
+    return dataclasses.replace(chosen, splits=min(most, -(-max(plan_seq, 1) // TILE)))
 
 
 def wide_plan(
@@ -789,7 +841,8 @@ def split_launches(
     """
     if plan.features and features is None:
         raise ValueError("features: the plan has features compiled in; pass their values")
-    heads = (np.int32(n_heads), np.int32(n_kv_heads))
+    launch_kv = n_kv_heads // 2 if plan.paired else n_kv_heads  # paired: KV heads of 2 rows
+    heads = (np.int32(n_heads), np.int32(launch_kv))
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
     args: tuple[Any, ...]
     shared = plan.shared_bytes(head_dim, q.dtype.itemsize)
@@ -812,7 +865,7 @@ def split_launches(
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
         if plan.features and features is not None:
             args += features.split_args()
-        grid = (plan.splits, n_kv_heads * plan.head_tiles, 1)  # tiles of 8 query heads
+        grid = (plan.splits, launch_kv * plan.head_tiles, 1)  # tiles of 8 query heads
         at = 7
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         lanes = np.int32(plan.lanes_per_token)

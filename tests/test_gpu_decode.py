@@ -489,3 +489,20 @@ def test_padded_head_dims_take_the_tensor_cores_and_stay_finite_on_huge_scores(r
     q, k, v = random_decode_inputs(rng, 32, 8, head_dim, 777, DTYPES["bf16"], q_scale=1e3)
     got = decode_on_device(q, k, v, 32, 8, head_dim, "auto")
     assert_close_at_any_scale(got, q, k, v, 32, 8, head_dim, TOL["bf16"])
+
+
+# Overrides.paired=True (FERROX_PAIRED=1: wherever the kernels can, not only where Tuning.paired_to
+# says): two adjacent KV heads' rows read as one
+# row of 2 x head_dim, Q block-diagonal, each query head's half of the output kept
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [8, 32, 40, 48, 56, 64, 96, 128])
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(32, 8), (64, 8), (16, 2), (8, 2), (2, 2)])
+def test_paired_kv_heads_match_the_reference(rng, monkeypatch, dtype, head_dim, n_heads,
+                                             n_kv_heads):  # fmt: skip
+    monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(paired=True))
+    plan = plan_split(fd.Device(0), np.dtype(DTYPES[dtype]), n_heads, n_kv_heads, head_dim,
+                      4097, True)  # fmt: skip
+    assert plan.paired and "_p2" in plan.kernel, plan
+    for seq_len in (0, 1, 65, 4097):
+        err = _decode_and_check(rng, dtype, n_heads, n_kv_heads, head_dim, seq_len)
+        assert err < TOL[dtype], (seq_len, err)

@@ -463,3 +463,36 @@ def test_features_take_the_plans_of_the_decode_without_them():
         "FX_TC32_FEAT_ENTRY(gqa_split_tc32_f32_d256_x63, 256, 63)"
     )
     assert attention.plan(traits, bf16, 32, 8, 128, 32768).features == 0  # none: as before
+
+
+def test_head_dims_up_to_48_pair_their_kv_heads_from_16384_tokens():
+    """Two adjacent KV heads' rows read as one row of 2 x head_dim (Tuning.paired_to, as
+    measured on the H200), merged by the combine kernel; never with features."""
+    traits, bf16 = _traits(), np.dtype(ml_dtypes.bfloat16)
+
+    def kernel(heads, seq, dtype=bf16, overrides=None, features=0):
+        return attention.plan(traits, dtype, *heads, seq, True, overrides, features).kernel
+
+    p = attention.plan(traits, bf16, 32, 8, 40, 131072)
+    assert (p.kernel, p.paired, p.cluster) == ("gqa_split_mma_bf16_d128_r80_p2", True, 0)
+    assert kernel((32, 8, 32), 16384) == "gqa_split_mma_bf16_d64_r64_p2"
+    assert kernel((32, 8, 48), 32768) == "gqa_split_mma_bf16_d128_r96_p2"
+    assert kernel((64, 8, 48), 32768) == "gqa_split_mma_bf16_d128_r96_p2_t2"  # groups of 16
+    assert kernel((32, 8, 16), 32768, np.dtype(np.float16)) == "gqa_split_mma_f16_d64_r32_p2"
+    # shorter, wider, odd KV heads, groups past 8, fp32, features, FERROX_PAIRED=0: not
+    assert kernel((32, 8, 40), 8192) == "gqa_split_mma_bf16_d64_r40"
+    assert kernel((32, 8, 56), 131072) == "gqa_split_mma_bf16_d64_r56"
+    assert kernel((32, 8, 64), 131072) == "gqa_split_mma_bf16_d64"
+    assert "_p2" not in kernel((12, 3, 40), 131072)
+    assert "_p2" not in kernel((72, 8, 40), 131072)
+    assert "_p2" not in kernel((32, 8, 40), 131072, np.dtype(np.float32))
+    assert kernel((32, 8, 40), 131072, features=attention.F_LSE) == "gqa_split_mma_bf16_d64_r40_x16"
+    never = attention.Overrides(paired=False)
+    assert kernel((32, 8, 40), 131072, overrides=never) == "gqa_split_mma_bf16_d64_r40"
+    # paired=True (FERROX_PAIRED=1): wherever the kernels can
+    always = attention.Overrides(paired=True)
+    assert kernel((32, 8, 40), 512, overrides=always) == "gqa_split_mma_bf16_d128_r80_p2"
+    assert kernel((32, 8, 128), 512, overrides=always) == "gqa_split_mma_bf16_d256_r256_p2"
+    assert attention.split_entry("gqa_split_mma_bf16_d128_r80_p2") == (
+        "FX_MMA_PAIR_ENTRY(gqa_split_mma_bf16_d128_r80_p2, fx_bf16, 128, 80, false)"
+    )
