@@ -65,10 +65,10 @@ def check_scales(scale: Any, n_kv_heads: int, name: str) -> np.ndarray:
         raise ValueError(f"{name}: expected a scalar or {n_kv_heads} values, got shape {arr.shape}")
     if not (np.isfinite(arr).all() and (arr > 0).all()):
         raise ValueError(f"{name}: expected positive finite scales, got {arr.tolist()}")
-    out = arr.astype(np.float32)
-    if not (out > 0).all() or not np.isfinite(out).all():
-        raise ValueError(f"{name}: {arr.tolist()} do not fit float32 as positive finite values")
-    return out
+    tiny, top = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+    if not ((arr >= tiny) & (arr <= top)).all():
+        raise ValueError(f"{name}: {arr.tolist()} are not normal float32 values")
+    return arr.astype(np.float32)
 
 
 def quantize_kernel(fmt: str, device: Device) -> Kernel:
