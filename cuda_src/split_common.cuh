@@ -91,6 +91,11 @@ struct FxScore {
         if (F & FX_F_ALIBI) s += slope2 * (float)(j - last);
         return s;
     }
+    // scores of q.k * f for q.k (an fp8 cache's scale, a power of two q was scaled by)
+    __device__ __forceinline__ void fold(float f) {
+        sscale *= f;
+        k2 *= f;
+    }
 };
 // The scale a kernel that pre-scales Q applies (the CUDA-core and fp32 tensor-core ones):
 // into the base-2 domain, or with a soft-cap or ALiBi in natural units (FxScore finishes).

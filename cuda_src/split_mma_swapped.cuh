@@ -15,29 +15,152 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
     return y;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0, int PAIR = 1>
+// Q8 (an fp8 cache: FX_E4M3, FX_E5M2): K and V bytes, q and the output of type QT (fp16 or
+// bf16), the mmas in fp16: q converted (fx_load_q8, each head scaled by a power of two
+// where it would pass fp16's range), the cache's bytes widened as they are read from the
+// ring (exact: both formats are fp16 values), twice the ring's steps in the same bytes;
+// the KV head's scales (kv_scales: n_kv_heads K scales, then the V ones) folded into the
+// score scale and applied to the output once.
+#define FX_E4M3 1  // Q8: float8_e4m3fn
+#define FX_E5M2 2  // Q8: float8_e5m2
+template <class T, int Q8>
+struct FxStore {
+    using type = T;
+};
+template <class T>
+struct FxStore<T, FX_E4M3> {
+    using type = unsigned char;
+};
+template <class T>
+struct FxStore<T, FX_E5M2> {
+    using type = unsigned char;
+};
+// Eight elements of a ring row from offset `off`: 16 bytes as they are, or (Q8) eight fp8
+// values, 8 bytes, as eight fp16 ones (exact).
+template <int Q8>
+struct FxRead {
+    template <class KT>
+    __device__ __forceinline__ static uint4 at(const KT* row, int off) {
+        return *reinterpret_cast<const uint4*>(row + off);
+    }
+};
+template <int Q8>
+struct FxRead8 {
+    __device__ __forceinline__ static uint4 at(const unsigned char* row, int off) {
+        const uint2 w = *reinterpret_cast<const uint2*>(row + off);
+        const unsigned short h[4] = {(unsigned short)(w.x & 0xffffu),
+                                     (unsigned short)(w.x >> 16),
+                                     (unsigned short)(w.y & 0xffffu),
+                                     (unsigned short)(w.y >> 16)};
+        unsigned r[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (Q8 == FX_E4M3)
+                asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r[i]) : "h"(h[i]));
+            else
+                asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r[i]) : "h"(h[i]));
+        }
+        return make_uint4(r[0], r[1], r[2], r[3]);
+    }
+};
+template <>
+struct FxRead<FX_E4M3> : FxRead8<FX_E4M3> {};
+template <>
+struct FxRead<FX_E5M2> : FxRead8<FX_E5M2> {};
+// fx_load_q for an fp8 cache: q of type QT (fp16, bf16) as fp16, head j scaled by 2^-e_j,
+// e_j > 0 only where its largest |q| would pass 2^15 (so fp16 holds every bf16 q exactly
+// but for the tiniest); mul_a / mul_b: 2^e of heads 2tig and 2tig + 1, to undo it.
+template <int D, int THREADS, int DR, class QT>
+__device__ __forceinline__ FxQ<fx_half, D> fx_load_q8(const QT* q, int h0, int group, int g,
+                                                      int tig, float& mul_a, float& mul_b) {
+    __shared__ __align__(16) fx_half q_s[8][D + 8];
+    __shared__ int q_top[8];  // the bits of each head's largest |q|
+    if (threadIdx.x < 8) q_top[threadIdx.x] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
+        const int j = i / (D / 8), c = (i % (D / 8)) * 8;
+        const uint4 w = fx_ldg16(q + (long long)(h0 + j) * DR + c, j < group && c < DR);
+        const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+        float top = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 f = fx_unpack2(ws[e], QT{});
+            top = fmaxf(top, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+        atomicMax(&q_top[j], __float_as_int(top));
+    }
+    __syncthreads();
+    auto shift = [&](int j) {  // e_j
+        const int ex = ((q_top[j] >> 23) & 0xff) - 127;
+        return q_top[j] >= 0x7f800000 || ex < 15 ? 0 : ex - 14;
+    };
+    for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
+        const int j = i / (D / 8), c = (i % (D / 8)) * 8;
+        const uint4 w = fx_ldg16(q + (long long)(h0 + j) * DR + c, j < group && c < DR);
+        const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+        const float down = __int_as_float((127 - shift(j)) << 23);
+        unsigned h[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 f = fx_unpack2(ws[e], QT{});
+            h[e] = fx_pack2<fx_half>(f.x * down, f.y * down);
+        }
+        *reinterpret_cast<uint4*>(&q_s[j][c]) = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+    __syncthreads();
+    mul_a = __int_as_float((127 + shift(2 * tig)) << 23);
+    mul_b = __int_as_float((127 + shift(2 * tig + 1)) << 23);
+    FxQ<fx_half, D> r;
+    r.row = q_s[g];
+    if (FxQ<fx_half, D>::IN_REGS) {
+#pragma unroll
+        for (int kb = 0; kb < D / 32; ++kb)
+            r.frag[kb] = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
+    }
+    return r;
+}
+
+template <int F, int Q8>
+__device__ __forceinline__ FxScore<F> fx_folded(FxScore<F> sc, float f) {
+    if (Q8) sc.fold(f);
+    return sc;
+}
+
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0,
+          int PAIR = 1, int Q8 = 0, class QT = T>
 __device__ __forceinline__ void gqa_split_mma_swapped(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
-    int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
-    const FxFeat feat = FxFeat{}) {
-    constexpr int S = FxStages<D>::value;
+    const QT* __restrict__ q, const typename FxStore<T, Q8>::type* __restrict__ k,
+    const typename FxStore<T, Q8>::type* __restrict__ v, float* __restrict__ ws_o,
+    float* __restrict__ ws_ml, QT* __restrict__ out, int n_heads, int n_kv_heads, int seq_len,
+    const int* __restrict__ seq_len_dev, int splits, int tile, const FxFeat feat = FxFeat{},
+    const float* __restrict__ kv_scales = nullptr) {
+    using KT = typename FxStore<T, Q8>::type;  // the cache's element
+    constexpr int S = FxStages<D>::value * (Q8 ? 2 : 1);
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;  // elements of one step's K (or V)
-    constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(T);
+    constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(KT);
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    FX_TC_START(T, 16, RING);  // 16-token steps
+    FX_TC_START(KT, 16, RING);  // 16-token steps
 
     // Q as the B operand (n = heads), read as gqa_split_mma reads it for its A operand
     const int a_heads = PAIR == 1 ? 0 : max(0, min(group, heads_per_kv / 2 - tile_h));
-    const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR, PAIR>(q, h0, group, g, tig, a_heads);
+    float q_mul_a = 1.f, q_mul_b = 1.f;  // (Q8: the heads' power-of-two scales undone)
+    const FxQ<T, D> qf = [&] {
+        if constexpr (Q8 != 0)
+            return fx_load_q8<D, THREADS, DR>(q, h0, group, g, tig, q_mul_a, q_mul_b);
+        else
+            return fx_load_q<T, D, THREADS, DR, PAIR>(q, h0, group, g, tig, a_heads);
+    }();
 
-    // heads 2tig (a) and 2tig + 1 (b)
-    const FxScore<F> sca =
-        fx_scorer<F>(feat, DR / PAIR, h0 + 2 * tig, 2 * tig < group, seq_len, seq_len_dev);
-    const FxScore<F> scb =
-        fx_scorer<F>(feat, DR / PAIR, h0 + 2 * tig + 1, 2 * tig + 1 < group, seq_len, seq_len_dev);
+    // heads 2tig (a) and 2tig + 1 (b); Q8: the K scale and q's folded in
+    const float k_scale = Q8 ? kv_scales[g_kv] : 1.f;
+    const FxScore<F> sca = fx_folded<F, Q8>(
+        fx_scorer<F>(feat, DR / PAIR, h0 + 2 * tig, 2 * tig < group, seq_len, seq_len_dev),
+        k_scale * q_mul_a);
+    const FxScore<F> scb = fx_folded<F, Q8>(
+        fx_scorer<F>(feat, DR / PAIR, h0 + 2 * tig + 1, 2 * tig + 1 < group, seq_len, seq_len_dev),
+        k_scale * q_mul_b);
 
     // O^T accumulators [64-d block][i][c]: d = hb*64 + g*8 + 2i + (c >> 1), head
     // 2tig + (c & 1).
@@ -54,16 +177,20 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         fx_cp_async_wait<S - 1>();
         __syncwarp();
         const int t0 = wr.t0(j);
-        const T* ks = wr.k_stage(j);
-        const T* vs = ks + STEP;
+        const KT* ks = wr.k_stage(j);
+        const KT* vs = ks + STEP;
         // ---- S^T = K Q^T: rows = tokens t0 + g (c0, c1) and t0 + g + 8 (c2, c3), columns
         // = heads 2tig, 2tig + 1; two chains (the 16-byte reads' halves)
         float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int kb = 0; kb < D / 32; ++kb) {
             const int cg = (kb * 4 + tig) ^ ((g & 1) << 2);  // rows g and g + 8: same parity
-            const uint4 ka = *reinterpret_cast<const uint4*>(ks + g * D + cg * 8);
-            const uint4 kc = *reinterpret_cast<const uint4*>(ks + (g + 8) * D + cg * 8);
+            const int c8 = (kb * 4 + tig) >> 1, h8 = (tig & 1) * 8;  // (Q8: half a chunk)
+            const int k8 = ((c8 ^ fx_swz_k<KT, D>(g)) << 4) + h8;  // (g, g + 8: same swizzle)
+            const uint4 ka = Q8 ? FxRead<Q8>::at(ks + g * D, k8)
+                                : *reinterpret_cast<const uint4*>(ks + g * D + cg * 8);
+            const uint4 kc = Q8 ? FxRead<Q8>::at(ks + (g + 8) * D, k8)
+                                : *reinterpret_cast<const uint4*>(ks + (g + 8) * D + cg * 8);
             const uint4 qv = qf.at(kb, tig);
             FxMma<T>::run(s[0], s[1], s[2], s[3], ka.x, kc.x, ka.y, kc.y, qv.x, qv.y);
             FxMma<T>::run(s2[0], s2[1], s2[2], s2[3], ka.z, kc.z, ka.w, kc.w, qv.z, qv.w);
@@ -101,10 +228,16 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #pragma unroll
         for (int hb = 0; hb < D / 64; ++hb) {
             const int c = (hb * 8 + g) ^ (tig * 2);
-            const uint4 va = *reinterpret_cast<const uint4*>(vs + (tig * 2) * D + c * 8);
-            const uint4 vb = *reinterpret_cast<const uint4*>(vs + (tig * 2 + 1) * D + c * 8);
-            const uint4 vc = *reinterpret_cast<const uint4*>(vs + (tig * 2 + 8) * D + c * 8);
-            const uint4 vd = *reinterpret_cast<const uint4*>(vs + (tig * 2 + 9) * D + c * 8);
+            // (Q8: rows 2tig, 2tig + 1, + 8, + 9 share the swizzle)
+            const int v8 = ((((hb * 8 + g) >> 1) ^ fx_swz_v<KT, D>(tig * 2)) << 4) + (g & 1) * 8;
+            const uint4 va = Q8 ? FxRead<Q8>::at(vs + (tig * 2) * D, v8)
+                                : *reinterpret_cast<const uint4*>(vs + (tig * 2) * D + c * 8);
+            const uint4 vb = Q8 ? FxRead<Q8>::at(vs + (tig * 2 + 1) * D, v8)
+                                : *reinterpret_cast<const uint4*>(vs + (tig * 2 + 1) * D + c * 8);
+            const uint4 vc = Q8 ? FxRead<Q8>::at(vs + (tig * 2 + 8) * D, v8)
+                                : *reinterpret_cast<const uint4*>(vs + (tig * 2 + 8) * D + c * 8);
+            const uint4 vd = Q8 ? FxRead<Q8>::at(vs + (tig * 2 + 9) * D, v8)
+                                : *reinterpret_cast<const uint4*>(vs + (tig * 2 + 9) * D + c * 8);
             const unsigned wa[4] = {va.x, va.y, va.z, va.w};
             const unsigned wb[4] = {vb.x, vb.y, vb.z, vb.w};
             const unsigned wc[4] = {vc.x, vc.y, vc.z, vc.w};
@@ -126,6 +259,15 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         __syncwarp();
     }
     fx_cp_async_wait<0>();
+    if (Q8) {  // the V scale, once
+        const float v_scale = kv_scales[n_kv_heads + g_kv];
+#pragma unroll
+        for (int hb = 0; hb < D / 64; ++hb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) oacc[hb][i][c] *= v_scale;
+    }
 
     // ---- the warps' merge, as gqa_split_mma's, from this layout: the sums over the lanes
     // of a column (xor 4, 8, 16), then head 2tig's max and sum from lane tig
@@ -301,6 +443,43 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
         fx_mma_body<T, D, false, FX_WARPS_D##D, DR, TILED, 0, 2>(q, k, v, ws_o, ws_ml, nullptr, \
                                                               n_heads, n_kv_heads, seq_len, \
                                                               seq_len_dev, splits, tile);   \
+    }
+
+// An fp8 cache (Q8) with q and the output of type QT, features F (0: none; their values
+// passed either way): gqa_split_mma_<dt>_<e4m3|e5m2>_d<D>[_r<DR>][_t2]_x<F> and its
+// _cluster twin; the cache's head_dim DR a multiple of 16 (the ring's 16-byte chunks).
+#define FX_MMA8_KERNELS(NAME, QT, Q8, D, DR, TILED, F)                                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
+        const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
+        float* ws_ml, int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev,     \
+        int splits, int tile, const float* kv_scales, float scale, float cap, int window,   \
+        const float* slopes) {                                                              \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr};                    \
+        gqa_split_mma_swapped<fx_half, D, false, FX_WARPS_D##D, DR, TILED, F, 1, Q8, QT>(    \
+            q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
+            splits, tile, feat, kv_scales);                                                 \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
+        const QT* q, const unsigned char* k, const unsigned char* v, QT* out, int n_heads,  \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile,          \
+        const float* kv_scales, float scale, float cap, int window, const float* slopes,    \
+        const float* sinks, float* lse) {                                                   \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        gqa_split_mma_swapped<fx_half, D, true, FX_WARPS_D##D, DR, TILED, F, 1, Q8, QT>(     \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
+            splits, tile, feat, kv_scales);                                                 \
+    }
+// ... and the wide cluster kernel: gqa_split_mma_<dt>_<e4m3|e5m2>_d128_wide_x<F>_cluster
+#define FX_MMA8_WIDE_KERNEL(NAME, QT, Q8, F)                                                \
+    extern "C" __global__ void __launch_bounds__(FX_WIDE_WARPS * 32, 1) NAME(               \
+        const QT* q, const unsigned char* k, const unsigned char* v, QT* out, int n_heads,  \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile,          \
+        const float* kv_scales, float scale, float cap, int window, const float* slopes,    \
+        const float* sinks, float* lse) {                                                   \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        gqa_split_mma_swapped<fx_half, 128, true, FX_WIDE_WARPS, 128, false, F, 1, Q8, QT>(  \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
+            splits, tile, feat, kv_scales);                                                 \
     }
 
 #ifndef FX_SELECTED

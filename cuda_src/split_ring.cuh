@@ -29,6 +29,18 @@ __device__ __forceinline__ void fx_cp_async_wait() {
 // so the waits count steps. The cache's rows have DR <= D elements (a multiple of EPC): the
 // ring's columns past DR are zeros, never read from memory (a head_dim padded to the
 // kernel's D).
+// fp8 rings (1-byte T: 16 elements per chunk; an 8-byte read is half a chunk) swizzle for
+// their own reads (gqa_split_mma_swapped): K chunk c of row r at c ^ 2(r & 3) (D >= 128; a
+// warp's 8 rows of 32 bytes in two wavefronts), ^ 2((r >> 1) & 1) for D = 64; V at
+// c ^ 4((r >> 1) & 1) (D >= 128; rows 2t, 2t + 8 apart in the banks), as it is for D = 64.
+template <class T, int D>
+__device__ __forceinline__ int fx_swz_k(int r) {
+    return sizeof(T) > 1 ? (r & 1) << 2 : D >= 128 ? (r & 3) << 1 : ((r >> 1) & 1) << 1;
+}
+template <class T, int D>
+__device__ __forceinline__ int fx_swz_v(int r) {
+    return sizeof(T) > 1 ? r & 6 : D >= 128 ? ((r >> 1) & 1) << 2 : 0;
+}
 template <class T, int D, int TOK, int S, int DR = D>
 __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start, int end,
                                               int lane, const T* kg, const T* vg,
@@ -46,8 +58,8 @@ __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start,
             const bool ok = t0 + r < end && col;
             const long long off = (long long)(t0 + r < end ? t0 + r : start) * row +
                                   (col ? c : 0) * EPC;
-            fx_cp_async16(ks + r * D + ((c ^ ((r & 1) << 2)) * EPC), kg + off, ok);
-            fx_cp_async16(vs + r * D + ((c ^ (r & 6)) * EPC), vg + off, ok);
+            fx_cp_async16(ks + r * D + ((c ^ fx_swz_k<T, D>(r)) * EPC), kg + off, ok);
+            fx_cp_async16(vs + r * D + ((c ^ fx_swz_v<T, D>(r)) * EPC), vg + off, ok);
         }
     }
     fx_cp_async_commit();

@@ -7,6 +7,7 @@ driver API (cuda.bindings), with kernels compiled at run time by NVRTC.
 
 from __future__ import annotations
 
+from . import fp8 as fp8
 from ._version import __version__ as __version__
 from .compiler import KernelResources, Program, compile_source
 from .decode import gqa_decode

@@ -85,6 +85,8 @@ def split_entry(name: str) -> str:
                     flag = "true" if tiled else "false"
                     return f"FX_MMA_PAIR_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {d}, {dr}, {flag})"
             raise ValueError(name)
+        if len(parts) > 4 and parts[4] in FP8_FORMATS and base.startswith("gqa_split_mma_"):
+            return _fp8_entry(name, parts, name != base)
         if parts[-1][:1] == "x" and parts[-1][1:].isdigit():  # <kernel>_x<F>[_cluster]
             return _feature_entry(name, parts[:-1], int(parts[-1][1:]), name != base)
         if base.startswith("gqa_split_combine_"):
@@ -102,6 +104,39 @@ def split_entry(name: str) -> str:
     except (KeyError, ValueError, IndexError):
         pass
     raise ValueError(f"kernel: {SPLIT_FILE} has no kernel {name!r}")
+
+
+# fp8 caches (KVCache dtype float8_e4m3fn / float8_e5m2): the kernels' Q8 (FX_E4M3, FX_E5M2)
+FP8_FORMATS = {"e4m3": 1, "e5m2": 2}
+
+
+def _fp8_entry(name: str, parts: list[str], cluster: bool) -> str:
+    """split_entry of an fp8 cache's kernel: gqa_split_mma_<dt>_<e4m3|e5m2>_d<D>[_r<DR>]
+    [_t2]_x<F> (with its _cluster twin), or gqa_split_mma_<dt>_<fmt>_d128_wide_x<F>_cluster;
+    the cache's head_dim DR a multiple of 16 (the ring's chunks); ``parts``: the name's
+    without ``_cluster``."""
+    inner = parts
+    bits = inner[-1]
+    if parts[3] not in ("f16", "bf16") or bits[:1] != "x" or not bits[1:].isdigit():
+        raise ValueError(name)
+    if not 0 <= int(bits[1:]) < 64:
+        raise ValueError(name)
+    qt, q8, mask = _ENTRY_TYPES[parts[3]], FP8_FORMATS[parts[4]], int(bits[1:])
+    plain = [*parts[:4], *inner[5:-1]]  # the fp16/bf16 kernel's name
+    if plain[-1] == "wide":
+        if not cluster or split_entry("_".join(plain) + "_cluster").split("(")[0] != (
+            "FX_MMA_WIDE_ENTRY"
+        ):
+            raise ValueError(name)
+        return f"FX_MMA8_WIDE_KERNEL({name}, {qt}, {q8}, {mask})"
+    entry = _mma_entry("_".join(plain), plain)  # FX_MMA_[PAD_|TILED_]ENTRY(base, T, D[, DR])
+    args = entry[entry.index("(") + 1 : -1].split(", ")
+    d, dr = int(args[2]), int(args[-1])
+    if dr % 16:
+        raise ValueError(name)
+    tiled = "true" if entry.startswith("FX_MMA_TILED_ENTRY") else "false"
+    base = "_".join(inner)
+    return f"FX_MMA8_KERNELS({base}, {qt}, {q8}, {d}, {dr}, {tiled}, {mask})"
 
 
 def _mma_entry(base: str, parts: list[str]) -> str:
@@ -317,6 +352,7 @@ class SplitPlan:
     kernel_head_dim: int = 0  # the head_dim the kernel is built for, when not the call's
     paired: bool = False  # two KV heads' rows read as one (the launch's n_kv_heads halved)
     features: int = 0  # the features compiled in (F_* bits; the kernel's name ends _x<bits>)
+    fp8: str = ""  # an fp8 cache's format (FP8_FORMATS; the kernel reads bytes)
 
     def combine_kernel(self, dtype: Any) -> str | None:
         """The name of the kernel merging this plan's chunks for a ``dtype`` output (None:
@@ -507,6 +543,7 @@ def plan_split(
     plan_seq: int,
     aligned: bool = True,
     features: int = 0,
+    fp8: str = "",
 ) -> SplitPlan:
     """Choose the split kernel and the number of chunks for up to ``plan_seq`` tokens
     (memoised: every decode asks, once; ``OVERRIDES`` is part of the key).
@@ -521,14 +558,14 @@ def plan_split(
     tokens (wide_plan).
     """
     key = (device.context_handle, np.dtype(dtype), n_heads, n_kv_heads, head_dim, plan_seq,
-           aligned, OVERRIDES, features)  # fmt: skip
+           aligned, OVERRIDES, features, fp8)  # fmt: skip
     found = _plans.get(key)
     if found is None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         found = _plans[key] = plan(
             DeviceTraits.of(device), dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
-            OVERRIDES, features,
+            OVERRIDES, features, fp8,
         )  # fmt: skip
     split_kernel(found.kernel, device)  # loaded (captures need it; after a first plan, a lookup)
     return found
@@ -544,14 +581,24 @@ def plan(
     aligned: bool = True,
     overrides: Overrides | None = None,
     features: int = 0,
+    fp8: str = "",
 ) -> SplitPlan:
     """The split plan for decodes of up to ``plan_seq`` tokens of this shape on a device of
     ``traits`` (see ``plan_split``, which remembers it per device): a function of its
     arguments alone, ``overrides`` (default: OVERRIDES) included. With ``features`` (F_*
     bits), the same kernel with them compiled in (``<kernel>_x<bits>[_cluster]``; the fp32
     tensor-core ones without clusters); a window's plan covers the window (``plan_seq`` at
-    most the window, the caller's part).
+    most the window, the caller's part). With ``fp8`` (an fp8 cache's format, ``dtype``
+    q's), the fp16/bf16 plan's kernel for a cache of bytes,
+    ``gqa_split_mma_<dt>_<fp8>_<rest>_x<bits>[_cluster]`` (never paired).
+
+    Raises:
+        ValueError: ``fp8`` where the plan has no such kernel (q not fp16/bf16, a head_dim
+            not a multiple of 16, groups past 16).
     """
+    if fp8:
+        return _fp8_plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
+                         overrides, features, fp8)  # fmt: skip
     if not features:
         return _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, overrides)
     ov = OVERRIDES if overrides is None else overrides
@@ -564,6 +611,32 @@ def plan(
     base = found.kernel.removesuffix("_cluster")
     kernel = f"{base}_x{features}" + ("_cluster" if found.cluster else "")
     return dataclasses.replace(found, kernel=kernel, features=features)
+
+
+def _fp8_plan(
+    traits: DeviceTraits, dtype: Any, n_heads: int, n_kv_heads: int, head_dim: int,
+    plan_seq: int, aligned: bool, overrides: Overrides | None, features: int, fp8: str,
+) -> SplitPlan:  # fmt: skip
+    """``plan`` for an fp8 cache (see there)."""
+    if fp8 not in FP8_FORMATS:
+        raise ValueError(f"fp8: expected one of {sorted(FP8_FORMATS)}, got {fp8!r}")
+    # No wide plans: their 64 blocks read an fp8 cache at 2.96 TB/s where the plans of a
+    # full wave read 3.91 (H200, 32/8/128 at 131072 tokens, 90.7 vs 68.6 us; same at 64/8),
+    # as the widening costs each block more work per byte. No pairs (the kernels take none).
+    ov = dataclasses.replace(
+        OVERRIDES if overrides is None else overrides, paired=False, wide=False
+    )
+    found = plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
+    prefix = f"gqa_split_mma_{dtype_name(np.dtype(dtype))}_"
+    if not found.kernel.startswith(prefix) or head_dim % 16:
+        raise ValueError(
+            f"fp8: no kernel for q {np.dtype(dtype)}, head_dim {head_dim} and groups of "
+            f"{n_heads // n_kv_heads} (fp8 caches take fp16/bf16 q, head_dims that are "
+            f"multiples of 16 and groups up to 16)"
+        )
+    rest = found.kernel.removesuffix("_cluster")[len(prefix) :]
+    kernel = f"{prefix}{fp8}_{rest}_x{features}" + ("_cluster" if found.cluster else "")
+    return dataclasses.replace(found, kernel=kernel, features=features, fp8=fp8)
 
 
 def _plan(
@@ -830,6 +903,7 @@ def split_launches(
     seq_len: int,
     seq_len_dev: DeviceArray | None,
     features: FeatureArgs | None = None,
+    kv_scales: DeviceArray | None = None,
 ) -> list[Launch]:
     """The launches of a split decode in order: the split kernel of ``plan``, then (unless
     it is a cluster plan, whose split kernel writes ``out``) the kernel combining its
@@ -841,6 +915,12 @@ def split_launches(
     """
     if plan.features and features is None:
         raise ValueError("features: the plan has features compiled in; pass their values")
+    if plan.fp8 and kv_scales is None:
+        raise ValueError("kv_scales: an fp8 plan reads the cache's scales")
+    if plan.fp8:  # its kernels take the scales and every feature's value
+        features = features or FeatureArgs(scale=head_dim**-0.5)
+    with_features = bool(plan.features or plan.fp8) and features is not None
+    fp8_args: tuple[Any, ...] = (kv_scales,) if plan.fp8 else ()
     launch_kv = n_kv_heads // 2 if plan.paired else n_kv_heads  # paired: KV heads of 2 rows
     heads = (np.int32(n_heads), np.int32(launch_kv))
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
@@ -850,8 +930,8 @@ def split_launches(
     # role only when it is the length itself
     seq_role: Roles = ()
     if plan.cluster:
-        args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
-        if plan.features and features is not None:
+        args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile, *fp8_args)
+        if with_features and features is not None:
             args += features.cluster_args()
         grid = (plan.splits, n_kv_heads * plan.head_tiles, 1)
         roles = (*_QKV, (3, "out"), *(((6, "seq"),) if seq_len_dev is None else seq_role))
@@ -863,7 +943,8 @@ def split_launches(
     ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
-        if plan.features and features is not None:
+        args += fp8_args
+        if with_features and features is not None:
             args += features.split_args()
         grid = (plan.splits, launch_kv * plan.head_tiles, 1)  # tiles of 8 query heads
         at = 7

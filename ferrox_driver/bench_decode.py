@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .bench_report import print_table, write_results
@@ -71,7 +72,10 @@ def rotation(kv_bytes: int) -> tuple[int, int]:
 
 
 def fill_uniform(arr: DeviceArray, seed: int, stream: Stream) -> None:
-    """Fill a float32/float16/bfloat16 device array with values uniform in [-1, 1)."""
+    """Fill a float32/float16/bfloat16 device array with values uniform in [-1, 1) (an fp8
+    one: its bytes as float16 ones, values within +-1.0 and a few NaN: for timing only)."""
+    if arr.dtype.itemsize == 1 and arr.size % 2 == 0:
+        arr = arr.view((arr.size // 2,), np.float16)
     kernel = get_kernel("util.cu", f"ferrox_fill_uniform_{dtype_name(arr.dtype)}", arr.device)
     kernel.launch(1024, 256, (arr, np.int64(arr.size), np.uint32(seed)), stream=stream)
 
@@ -776,4 +780,97 @@ def run_features_bench(out_dir: Path | None, iters: int = 30) -> dict[str, Any]:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "bench_features.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+# ``bench --only fp8``: an fp8 cache against a bf16 one and PyTorch bf16
+FP8_SHAPES = [*SHAPES, (32, 8, 96)]
+FP8_SEQ_LENS = (32768, 131072)
+
+
+def measure_fp8_point(
+    shape: tuple[int, int, int], seq: int, fmt: str, iters: int, device: Device
+) -> float:
+    """Graph-replayed us of a bf16-q decode of an fp8 cache of format ``fmt`` (e4m3,
+    e5m2), over the benchmark's rotated KV sets (their bytes; scales 1)."""
+    from . import attention
+    from .fp8 import FP8_DTYPES
+
+    n_heads, n_kv, hd = shape
+    q_dt = np.dtype(ml_dtypes.bfloat16)
+    kv_dt = next(d for d, name in FP8_DTYPES.items() if name == fmt)
+    stream = bench_stream(device)
+    q = empty((n_heads, hd), q_dt, device=device)
+    out = empty((n_heads, hd), q_dt, device=device)
+    fill_uniform(q, 7, stream)
+    scales = zeros((2 * n_kv,), np.float32, device=device)
+    scales.copy_from_host(np.ones(2 * n_kv, np.float32), stream)
+    plan = attention.plan_split(device, q_dt, n_heads, n_kv, hd, seq, True, 0, fmt)
+    combine = plan.combine_kernel(q_dt)
+    if combine is not None:
+        attention.split_kernel(combine, device)
+    ws = zeros((max(plan.workspace_floats(n_heads, hd), 1),), np.float32, device=device)
+    rotated = rotated_kv_sets(seq, n_kv, hd, kv_dt, stream, device)
+    sets, chain = rotated.sets, rotated.chain
+
+    def eager(i: int) -> None:
+        k, v = sets[i % len(sets)]
+        for launch in attention.split_launches(
+            plan, q, k, v, out, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
+            seq_len=seq, seq_len_dev=None, kv_scales=scales,
+        ):  # fmt: skip
+            launch.run(stream, device)
+
+    eager(0)
+    stream.synchronize()
+    execs = [captured(stream, functools.partial(eager, i)) for i in range(len(sets))]
+
+    def all_sets() -> None:
+        for i in range(chain):
+            eager(i)
+
+    chained = captured(stream, all_sets)
+    graph_us, _ = time_replays(chained, chain, execs, stream, iters)
+    for e in [*execs, chained]:
+        e.close()
+    rotated.close()
+    for arr in (q, out, ws, scales):
+        arr.close()
+    return graph_us
+
+
+def run_fp8_bench(out_dir: Path | None, iters: int = 30, fmt: str = "e4m3") -> dict[str, Any]:
+    """``bench --only fp8``: FP8_SHAPES at FP8_SEQ_LENS, an fp8 (``fmt``) cache with bf16 q
+    against a bf16 cache and PyTorch bf16, graph-replayed, in one run; TB/s counting the
+    fp8 bytes, and % of the measured read ceiling. Prints the table; writes
+    ``bench_fp8.json``."""
+    device = default_device()
+    ceiling = measure_read_ceiling(device)
+    rows: list[dict[str, Any]] = []
+    for shape in FP8_SHAPES:
+        for seq in FP8_SEQ_LENS:
+            fp8_us = measure_fp8_point(shape, seq, fmt, iters, device)
+            bf16 = measure_point(shape, seq, "bf16", iters, device)
+            rows.append({"shape": "/".join(map(str, shape)), "seq_len": seq, "fp8_us": fp8_us,
+                         "bf16_us": bf16.graph_us, "point": bf16})  # fmt: skip
+    for row, shape in zip(rows, [s for s in FP8_SHAPES for _ in FP8_SEQ_LENS], strict=True):
+        point = with_torch(row.pop("point"), shape, iters)  # PyTorch last (run_decode_bench)
+        row["torch_us"] = point.torch_us
+    print(f"{fmt} cache, bf16 q: us per decode (graph replay) | read ceiling {ceiling:.2f} TB/s")
+    print(f"{'shape':<10} {'seq_len':>7} {'fp8 us':>8} {'TB/s':>6} {'%ceil':>6} {'bf16 us':>8} "
+          f"{'vs bf16':>8} {'torch us':>9} {'vs torch':>9}")  # fmt: skip
+    for row in rows:
+        _, n_kv, hd = map(int, row["shape"].split("/"))
+        tbs = 2 * row["seq_len"] * n_kv * hd / row["fp8_us"] / 1e6
+        row["fp8_tbs"], row["pct_ceiling"] = tbs, 100 * tbs / ceiling
+        torch_us = row["torch_us"]
+        vs_torch = f"{torch_us / row['fp8_us']:8.2f}x" if torch_us else f"{'-':>9}"
+        torch_col = f"{torch_us:9.1f}" if torch_us else f"{'-':>9}"
+        print(f"{row['shape']:<10} {row['seq_len']:>7} {row['fp8_us']:8.1f} {tbs:6.2f} "
+              f"{row['pct_ceiling']:6.1f} {row['bf16_us']:8.1f} "
+              f"{row['bf16_us'] / row['fp8_us']:7.2f}x {torch_col} {vs_torch}")  # fmt: skip
+    out = {"device": device.name, "format": fmt, "read_ceiling_tbs": ceiling, "rows": rows}
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench_fp8.json").write_text(json.dumps(out, indent=1))
     return out

@@ -114,11 +114,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         measure_step_latency,
         run_decode_bench,
         run_features_bench,
+        run_fp8_bench,
         run_headdim_bench,
     )
 
-    if args.only in ("decode", "step", "host", "all", "headdim"):
+    if args.only in ("decode", "step", "host", "all", "headdim", "fp8"):
         import_torch()
+    if args.only == "fp8":
+        run_fp8_bench(Path(args.out) if args.out else None)
     if args.only == "features":
         run_features_bench(Path(args.out) if args.out else None)
     if args.only == "headdim":
@@ -259,10 +262,11 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
             "host",
             "headdim",
             "features",
+            "fp8",
         ),
         default="all",
-        help="which benchmark to run (all: every one but headdim, the head_dim sweep, and "
-        "features, what each attention feature costs)",
+        help="which benchmark to run (all: every one but headdim, the head_dim sweep, "
+        "features, what each attention feature costs, and fp8, an fp8 cache against bf16)",
     )
     bench.add_argument(
         "--out", help="directory for bench_decode.json, bench_decode.png and host_bench.json"

@@ -63,6 +63,11 @@ def _check_cache(kv: Any) -> KVCache:
         raise TypeError(f"kv: expected a ferrox_driver.KVCache, got {type(kv).__name__}")
     if kv._closed or kv.stream._closed:
         kv._check_open()
+    if kv.fp8:
+        raise NotImplementedError(
+            "kv: fp8 caches decode through KVCache.decode for now (gqa_decode_async, "
+            "kv_append_async and DecodeGraph of fp8 caches are not built yet)"
+        )
     return kv
 
 

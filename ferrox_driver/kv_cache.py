@@ -27,8 +27,9 @@ from .decode import DecodeRecord
 from .device import Device, resolve
 from .errors import ClosedError, FerroxError, KVCapacityError
 from .features import check_features
-from .launch import Kernel
-from .memory import DeviceArray, empty, pinned_empty
+from .fp8 import FP8_DTYPES, MIN_COMPUTE_CAPABILITY, ROW_DTYPES, check_scales, quantize_kernel
+from .launch import Kernel, PackedLaunch
+from .memory import DeviceArray, as_dtype, empty, pinned_empty
 from .module_cache import get_kernel
 from .stream import Event, Stream, stream_handle, stream_key
 from .types import DeviceArrayLike, DTypeLike, StreamLike
@@ -64,14 +65,17 @@ class _HostDecoder:
     reading the length on the device, copy the result out) captured as one graph, so a
     decode is one launch and one wait."""
 
-    def __init__(self, kv: KVCache, n_heads: int, algorithm: str, feats: Any = None) -> None:
+    def __init__(
+        self, kv: KVCache, n_heads: int, algorithm: str, feats: Any = None, q_dtype: Any = None
+    ) -> None:
         shape = (n_heads * kv.head_dim,)
         self.shapes = {shape, (n_heads, kv.head_dim)}
-        nbytes = shape[0] * kv.dtype.itemsize
-        self.q_stage = pinned_empty(shape, kv.dtype)
-        self.out_stage = pinned_empty(shape, kv.dtype)
-        self.q_dev = empty(shape, kv.dtype, device=kv.device)
-        self.out_dev = empty(shape, kv.dtype, device=kv.device)
+        self.q_dtype = qdt = kv.dtype if q_dtype is None else np.dtype(q_dtype)
+        nbytes = shape[0] * qdt.itemsize
+        self.q_stage = pinned_empty(shape, qdt)
+        self.out_stage = pinned_empty(shape, qdt)
+        self.q_dev = empty(shape, qdt, device=kv.device)
+        self.out_dev = empty(shape, qdt, device=kv.device)
         # with features: page-locked staging and device copies of the per-head arrays (the
         # call's sinks, slopes in; the LSE out), copied by the graph too
         self.stages: dict[str, tuple[np.ndarray, DeviceArray]] = {}
@@ -133,7 +137,14 @@ class KVCache:
         n_kv_heads: KV heads per token.
         head_dim: elements per head, 1 to 256.
         capacity: the most tokens it will hold (memory is allocated once, up front).
-        dtype: float32 (as ferrox-cuda), float16 or ``ml_dtypes.bfloat16``.
+        dtype: float32 (as ferrox-cuda), float16 or ``ml_dtypes.bfloat16``; or an fp8 cache,
+            ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` (compute capability 8.9 and up,
+            head_dim a multiple of 16): appended rows (float32, float16, bfloat16) are
+            quantized on the device (`ferrox_driver.fp8.quantize`), and decodes take
+            float16 or bfloat16 q (the output in q's dtype).
+        k_scale, v_scale: an fp8 cache's scales (float32, a scalar or one per KV head;
+            default 1): it stores ``x / scale`` and the kernels read ``byte * scale``
+            (``set_scales`` changes them; they apply to every token, stored ones too).
         device: the device (default: device 0).
         stream: the stream appends and decodes run on (default: a stream of its own).
 
@@ -157,17 +168,34 @@ class KVCache:
         capacity: int,
         *,
         dtype: DTypeLike = np.float32,
+        k_scale: Any = None,
+        v_scale: Any = None,
         device: Device | None = None,
         stream: Stream | None = None,
         staging_slots: int = STAGING_SLOTS,
     ) -> None:
         self.n_kv_heads, self.head_dim = check_kv_shape(n_kv_heads, head_dim)
         self.capacity = check_int(capacity, "capacity", 1, 2**31 - 1)
-        self.dtype = check_dtype(dtype, "dtype")
+        as_fp8 = FP8_DTYPES.get(as_dtype(dtype, "dtype"), "")
+        self.dtype = as_dtype(dtype, "dtype") if as_fp8 else check_dtype(dtype, "dtype")
+        self.fp8 = as_fp8  # "e4m3", "e5m2" or "" (attention.FP8_FORMATS)
+        if not self.fp8 and (k_scale is not None or v_scale is not None):
+            raise ValueError("k_scale: only fp8 caches take scales")
+        if self.fp8 and self.head_dim % 16:
+            raise ValueError(
+                f"head_dim: fp8 caches take head_dims that are multiples of 16, got {self.head_dim}"
+            )
+        scales = np.concatenate([check_scales(k_scale, self.n_kv_heads, "k_scale"),
+                                 check_scales(v_scale, self.n_kv_heads, "v_scale")])  # fmt: skip
         slots = check_int(staging_slots, "staging_slots", 1)
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream: expected a ferrox_driver.Stream, got {type(stream)}")
         self.device = resolve(device)
+        if self.fp8 and self.device.compute_capability < MIN_COMPUTE_CAPABILITY:
+            raise ValueError(
+                f"dtype: fp8 caches need compute capability 8.9 or newer; device "
+                f"{self.device.ordinal} has {self.device.compute_capability}"
+            )
         self._owns_stream = stream is None
         self.stream = Stream(self.device) if stream is None else stream
         self._h = stream_handle(self.stream)
@@ -181,8 +209,11 @@ class KVCache:
         # state[0] = seq_len, state[1] = overflow flag (set by kernels, read by the host).
         self.state = empty((2,), np.int32, device=self.device)
         self.state.fill_bytes(0, self.stream)
-        self._stage_k = pinned_empty((slots, self.row_elems), self.dtype)
-        self._stage_v = pinned_empty((slots, self.row_elems), self.dtype)
+        self._scales = scales  # the host's copy of kv_scales
+        self.kv_scales: DeviceArray | None = None  # fp8: n_kv K scales, then n_kv V ones
+        row_dtype = np.float32 if self.fp8 else self.dtype  # (fp8: rows staged as float32)
+        self._stage_k = pinned_empty((slots, self.row_elems), row_dtype)
+        self._stage_v = pinned_empty((slots, self.row_elems), row_dtype)
         self._stage_seq = pinned_empty((slots,), np.int32)
         # Addresses computed once: numpy's .ctypes costs microseconds on every access.
         self._stage_k_addr = self._stage_k.ctypes.data
@@ -206,7 +237,7 @@ class KVCache:
         self._workspaces: dict[int, DeviceArray] = {}
         self._outgrown: list[DeviceArray] = []  # graphs captured earlier may still write them
         self._records: dict[tuple[Any, ...], DecodeRecord] = {}
-        self._decoders: dict[tuple[int, str], _HostDecoder] = {}
+        self._decoders: dict[tuple[int, str, np.dtype], _HostDecoder] = {}
         self._feature_decoders: dict[tuple[Any, ...], _HostDecoder] = {}
         self._appenders: dict[tuple[Any, ...], Any] = {}  # kv_append_async's packed launches
         self._async_records: dict[tuple[Any, ...], tuple[DecodeRecord, bool]] = {}
@@ -214,7 +245,27 @@ class KVCache:
         # Appends, decodes and the state they share (length, staging ring, scratch) are
         # ordered by one lock: re-entrant, as a decode may synchronize to read the length.
         self._lock = threading.RLock()
+        if self.fp8:
+            self._init_fp8(slots)
         self.stream.synchronize()
+
+    def _init_fp8(self, slots: int) -> None:
+        """An fp8 cache's scales on the device, and the quantizing append: each staging
+        slot's K and V rows (float32) copied to a device slot, then quantized into the
+        cache by one launch."""
+        self.kv_scales = empty((2 * self.n_kv_heads,), np.float32, device=self.device)
+        self.kv_scales.copy_from_host(self._scales, self.stream)
+        self._stage_kv = pinned_empty((slots, 2, self.row_elems), np.float32)
+        self._stage_kv_addr = self._stage_kv.ctypes.data
+        self._dev_stage = empty((slots, 2, self.row_elems), np.float32, device=self.device)
+        self._stage_k = self._stage_kv[:, 0]
+        self._stage_v = self._stage_kv[:, 1]
+        args = (self._dev_stage, self._dev_stage, self._k, self._v, self.kv_scales,
+                np.int32(self.n_kv_heads), np.int32(self.head_dim), np.int32(1), np.int32(0),
+                self.state, np.int32(self.capacity))  # fmt: skip
+        threads = min(256, -(-self.row_elems // 32) * 32)
+        self._quantize = PackedLaunch(quantize_kernel(self.fp8, self.device), 1, threads, args,
+                                      stream=self.stream)  # fmt: skip
 
     # -- lifetime checks -------------------------------------------------------------
     @property
@@ -330,7 +381,12 @@ class KVCache:
     def _check_rows(self, rows: Any, name: str, *, one: bool) -> np.ndarray:
         if not isinstance(rows, np.ndarray):
             raise TypeError(f"{name}: expected a numpy array, got {type(rows).__name__}")
-        if rows.dtype != self.dtype:
+        if self.fp8 and rows.dtype not in ROW_DTYPES:
+            raise TypeError(
+                f"{name}: expected float32, float16 or bfloat16 rows (quantized into the "
+                f"{self.dtype} cache), got {rows.dtype}"
+            )
+        if not self.fp8 and rows.dtype != self.dtype:
             raise TypeError(f"{name}: expected dtype {self.dtype} (the cache's), got {rows.dtype}")
         if one:
             if rows.size != self.row_elems or rows.shape not in (
@@ -386,6 +442,8 @@ class KVCache:
             KVCapacityError: the cache is full. Nothing was written in either case.
             ClosedError: the cache or its stream was closed.
         """
+        if self.fp8:
+            return self._append_fp8(k_tok, v_tok)
         shapes = self._row_shapes
         if not (
             type(k_tok) is np.ndarray and type(v_tok) is np.ndarray
@@ -418,6 +476,56 @@ class KVCache:
                 self._device_seq_current = False
             self._done_slot(slot)
 
+    def _append_fp8(self, k_tok: np.ndarray, v_tok: np.ndarray) -> None:
+        """``append`` into an fp8 cache: the rows staged as float32, one copy of both to
+        the device, one launch quantizing them into the cache."""
+        self._check_rows(k_tok, "k_tok", one=True)
+        self._check_rows(v_tok, "v_tok", one=True)
+        with self._lock:
+            if self._closed or self.stream._closed:
+                self._check_open()
+            seq = self._seq_len if self._host_seq_valid else self.seq_len
+            if seq >= self.capacity:
+                raise KVCapacityError(seq, self.capacity)
+            self.device.activate()
+            slot = self._take_slot()
+            stage = self._stage_kv[slot]
+            stage[0] = k_tok.reshape(-1)
+            stage[1] = v_tok.reshape(-1)
+            n, h = stage.nbytes, self._h
+            src = self._dev_stage.ptr + slot * n
+            check(_memcpy_htod(src, self._stage_kv_addr + slot * n, n, h), "cuMemcpyHtoDAsync")
+            launch = self._quantize
+            launch.slots[0], launch.slots[1], launch.slots[8] = src, src + n // 2, seq
+            launch()
+            self._seq_len = seq + 1
+            if self._eager_seq:
+                self._stage_seq[slot] = seq + 1
+                drv("cuMemcpyHtoDAsync", self.state.ptr, self._stage_seq_addr + 4 * slot, 4, h)
+            else:
+                self._device_seq_current = False
+            self._done_slot(slot)
+
+    def _extend_fp8(self, seq: int, k_rows: np.ndarray, v_rows: np.ndarray, n: int) -> None:
+        """``extend``'s copies for an fp8 cache: the rows as float32 to the device, quantized
+        there into tokens seq .. seq + n (waits for it: the float32 copies are freed)."""
+        shape = (n, self.row_elems)
+        with (empty(shape, np.float32, device=self.device) as k_dev,
+              empty(shape, np.float32, device=self.device) as v_dev):  # fmt: skip
+            k_dev.copy_from_host(np.ascontiguousarray(k_rows, np.float32).reshape(shape),
+                                 self.stream)  # fmt: skip
+            v_dev.copy_from_host(np.ascontiguousarray(v_rows, np.float32).reshape(shape),
+                                 self.stream)  # fmt: skip
+            blocks = min(1024, -(-n * self.row_elems // 256))
+            quantize_kernel(self.fp8, self.device).launch(
+                blocks, 256,
+                (k_dev, v_dev, self._k, self._v, self.kv_scales, np.int32(self.n_kv_heads),
+                 np.int32(self.head_dim), np.int32(n), np.int32(seq), self.state,
+                 np.int32(self.capacity)),
+                stream=self.stream,
+            )  # fmt: skip
+            self.stream.synchronize()
+
     def extend(self, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
         """Append many tokens (a prefill): one copy for K, one for V.
 
@@ -440,13 +548,18 @@ class KVCache:
             if n == 0:
                 return
             self.device.activate()
-            k_src = np.ascontiguousarray(k_rows)
-            v_src = np.ascontiguousarray(v_rows)
-            offset, nbytes = seq * self.row_bytes, n * self.row_bytes
-            # From pageable memory the driver stages the bytes before returning, so the
-            # caller may reuse its arrays at once.
-            drv("cuMemcpyHtoDAsync", self._k_ptr + offset, k_src.ctypes.data, nbytes, self._h)
-            drv("cuMemcpyHtoDAsync", self._v_ptr + offset, v_src.ctypes.data, nbytes, self._h)
+            if self.fp8:
+                self._extend_fp8(seq, k_rows, v_rows, n)
+            else:
+                k_src = np.ascontiguousarray(k_rows)
+                v_src = np.ascontiguousarray(v_rows)
+                offset, nbytes = seq * self.row_bytes, n * self.row_bytes
+                # From pageable memory the driver stages the bytes before returning, so the
+                # caller may reuse its arrays at once.
+                drv("cuMemcpyHtoDAsync", self._k_ptr + offset, k_src.ctypes.data, nbytes,
+                    self._h)  # fmt: skip
+                drv("cuMemcpyHtoDAsync", self._v_ptr + offset, v_src.ctypes.data, nbytes,
+                    self._h)  # fmt: skip
             self._seq_len = seq + n
             self._device_seq_current = False
             self.device_length()  # a prefill is rare: keep the device's copy current
@@ -468,13 +581,59 @@ class KVCache:
 
     # -- reading -------------------------------------------------------------------
     def to_host(self) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of the cached K and V, each (seq_len, n_kv_heads, head_dim)."""
+        """Copies of the cached K and V, each (seq_len, n_kv_heads, head_dim), in the
+        cache's dtype (an fp8 cache's: its bytes; ``dequantized`` scales them)."""
         with self._lock:
             seq = self.seq_len
             shape = (seq, self.n_kv_heads, self.head_dim)
             return self._k.view(shape).to_host(self.stream), self._v.view(shape).to_host(
                 self.stream
             )
+
+    def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
+        """K and V as float32, as the kernels read them: an fp8 cache's values times each
+        KV head's scale (a float32 product); the values themselves for other dtypes."""
+        k, v = self.to_host()
+        if not self.fp8:
+            return k.astype(np.float32), v.astype(np.float32)
+        n = self.n_kv_heads
+        ks, vs = self._scales[:n, None], self._scales[n:, None]
+        return k.astype(np.float32) * ks, v.astype(np.float32) * vs
+
+    @property
+    def k_scale(self) -> np.ndarray | None:
+        """An fp8 cache's K scales (float32, one per KV head; None for other dtypes)."""
+        return self._scales[: self.n_kv_heads].copy() if self.fp8 else None
+
+    @property
+    def v_scale(self) -> np.ndarray | None:
+        """An fp8 cache's V scales (float32, one per KV head; None for other dtypes)."""
+        return self._scales[self.n_kv_heads :].copy() if self.fp8 else None
+
+    def set_scales(self, k_scale: Any = None, v_scale: Any = None) -> None:
+        """Replace an fp8 cache's K and/or V scales (None: keep), on the device in stream
+        order: later appends quantize with them and every later decode (graphs captured
+        before included) reads every token, stored ones too, with them.
+
+        Raises:
+            ValueError: not an fp8 cache, or scales not positive, finite, one per KV head.
+        """
+        if not self.fp8:
+            raise ValueError("k_scale: only fp8 caches take scales")
+        n = self.n_kv_heads
+        new = self._scales.copy()
+        if k_scale is not None:
+            new[:n] = check_scales(k_scale, n, "k_scale")
+        if v_scale is not None:
+            new[n:] = check_scales(v_scale, n, "v_scale")
+        with self._lock:
+            self._check_open()
+            assert self.kv_scales is not None
+            self.device.activate()
+            self.stream.synchronize()  # (the copy below is from pageable memory)
+            self.kv_scales.copy_from_host(new, self.stream)
+            self.stream.synchronize()
+            self._scales = new
 
     @overload
     def decode(
@@ -553,16 +712,16 @@ class KVCache:
         with self._lock:  # the staging and the result are the cache's: one decode at a time
             if self._closed or self.stream._closed:
                 self._check_open()
-            dec = self._decoders.get((n_heads, algorithm))
+            qdt = q.dtype if self.fp8 and type(q) is np.ndarray else self.dtype
+            dec = self._decoders.get((n_heads, algorithm, qdt))
             if dec is None:
                 n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
                 algorithm = check_algorithm(algorithm)
-                dec = self._decoders[n_heads, algorithm] = _HostDecoder(self, n_heads, algorithm)
-            if not (type(q) is np.ndarray and q.dtype == self.dtype and q.shape in dec.shapes):
-                if not isinstance(q, np.ndarray):
-                    raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
-                if q.dtype != self.dtype:
-                    raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {q.dtype}")
+                self._check_q_dtype(q, algorithm)
+                dec = _HostDecoder(self, n_heads, algorithm, q_dtype=qdt)
+                self._decoders[n_heads, algorithm, qdt] = dec
+            if not (type(q) is np.ndarray and q.dtype == dec.q_dtype and q.shape in dec.shapes):
+                self._check_q_dtype(q, algorithm)
                 check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
             seq = self._seq_len if self._host_seq_valid else self.seq_len
             if seq == 0:
@@ -579,6 +738,21 @@ class KVCache:
                 check(result, "cuStreamSynchronize")
             return dec.out_stage.reshape(q.shape).copy()
 
+    def _check_q_dtype(self, q: Any, algorithm: str) -> None:
+        """q for a decode of this cache: a numpy array of the cache's dtype (an fp8
+        cache's: float16 or bfloat16; the split kernels only)."""
+        if not isinstance(q, np.ndarray):
+            raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
+        if self.fp8:
+            if q.dtype not in ROW_DTYPES[1:]:
+                raise TypeError(
+                    f"q: expected float16 or bfloat16 for the {self.dtype} cache, got {q.dtype}"
+                )
+            if algorithm == "parity":
+                raise ValueError("algorithm: fp8 caches decode with the split kernels ('auto')")
+        elif q.dtype != self.dtype:
+            raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {q.dtype}")
+
     def _decode_features(self, q: Any, n_heads: Any, algorithm: Any, kw: dict[str, Any]) -> Any:
         """KVCache.decode with features: checked, then one launch of a graph made once per
         (n_heads, algorithm, which features, their scalars) that copies q and the per-head
@@ -588,18 +762,16 @@ class KVCache:
         if algorithm == "parity":
             raise ValueError("algorithm: the features need the split kernels ('auto')")
         feats = check_features(n_heads, **kw, allow_device=False)
-        if not isinstance(q, np.ndarray):
-            raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
-        if q.dtype != self.dtype:
-            raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {q.dtype}")
+        self._check_q_dtype(q, algorithm)
         check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
         key = (n_heads, algorithm, feature_bits_of(feats), feats.sliding_window,
-               feats.logits_soft_cap, feats.scale)  # fmt: skip
+               feats.logits_soft_cap, feats.scale, q.dtype)  # fmt: skip
         with self._lock:
             self._check_open()
             dec = self._feature_decoders.get(key)
             if dec is None:
-                dec = self._feature_decoders[key] = _HostDecoder(self, n_heads, algorithm, feats)
+                dec = _HostDecoder(self, n_heads, algorithm, feats, q_dtype=q.dtype)
+                self._feature_decoders[key] = dec
             self.device.activate()
             np.copyto(dec.q_stage, q.reshape(-1))
             for role, values in (("sinks", feats.sinks), ("alibi_slopes", feats.alibi_slopes)):
@@ -636,7 +808,8 @@ class KVCache:
         sid = stream_key(stream)
         bits, fargs = features if features is not None else (0, None)
         fkey = None if fargs is None else _feature_key(fargs)
-        key = (n_heads, algorithm, aligned, sid, length_on_device, attention.OVERRIDES, bits, fkey)
+        key = (n_heads, algorithm, aligned, sid, length_on_device, attention.OVERRIDES, bits, fkey,
+               q_dev.dtype)  # fmt: skip
         record = self._records.get(key)
         if record is None:
             seq_dev = self.state if length_on_device else None
@@ -649,14 +822,15 @@ class KVCache:
                 )  # fmt: skip
             else:
                 plan = plan_split(
-                    self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim,
-                    self._plan_seq(fargs), aligned, bits,
+                    self.device, q_dev.dtype if self.fp8 else self.dtype, n_heads,
+                    self.n_kv_heads, self.head_dim, self._plan_seq(fargs), aligned, bits,
+                    self.fp8,
                 )  # fmt: skip
                 ws = self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
                 launches = split_launches(
                     plan, q_dev, self._k, self._v, out_dev, ws, n_heads=n_heads,
                     n_kv_heads=n_kv, head_dim=hd, seq_len=seq_len, seq_len_dev=seq_dev,
-                    features=fargs,
+                    features=fargs, kv_scales=self.kv_scales,
                 )  # fmt: skip
             record = self._records[key] = DecodeRecord(
                 launches, self.device, stream_handle(sid), None
@@ -722,6 +896,11 @@ class KVCache:
         self, n_heads: int, algorithm: str, bits: int = 0, window: int | None = None
     ) -> None:
         self._check_open()
+        if self.fp8:
+            raise NotImplementedError(
+                "kv: fp8 caches decode through KVCache.decode for now (graphs, "
+                "gqa_decode_async and DecodeGraph of fp8 caches are not built yet)"
+            )
         append_kernel(self.device)
         self.device_length()
         self._eager_seq = True  # a graph will read the length: host appends keep it current
@@ -784,7 +963,8 @@ class KVCache:
             else:
                 self.stream.synchronize()
         workspaces = [*self._workspaces.values(), *self._outgrown]
-        for arr in (self._k, self._v, self.state, *workspaces):
+        fp8 = (self.kv_scales, self._dev_stage) if self.fp8 and self.kv_scales is not None else ()
+        for arr in (self._k, self._v, self.state, *workspaces, *fp8):
             arr.close()
         for dec in (*self._decoders.values(), *self._feature_decoders.values()):
             dec.close()

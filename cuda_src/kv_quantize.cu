@@ -1,0 +1,62 @@
+// fp8 KV caches (KVCache with dtype float8_e4m3fn or float8_e5m2, compute capability 8.9
+// and up): float32 rows quantized on the device. Each value x of KV head h becomes
+// x / scale_h (an IEEE division), rounded to nearest even and saturated to the format's
+// finite range (448 for e4m3, 57344 for e5m2; infinities too); NaN stays NaN. As
+// `np.clip(x / scale, -max, max).astype(ml_dtypes.float8_*)`, bit for bit.
+
+template <int Q8>  // 1: e4m3, 2: e5m2
+__device__ __forceinline__ unsigned char fx_quantize(float x) {
+    unsigned short r;  // (both halves converted from x)
+    if (Q8 == 1)
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;" : "=h"(r) : "f"(x));
+    else
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %1;" : "=h"(r) : "f"(x));
+    return (unsigned char)(r & 0xffu);
+}
+
+// Rows [first, first + n_rows) of the caches from float32 rows k_src, v_src ([n_rows]
+// [n_kv][head_dim]); kv_scales: n_kv K scales, then n_kv V ones. first < 0: one row at the
+// device's length state[0], which is then bumped (a full cache writes nothing and sets the
+// overflow flag state[1]); launch ONE block then.
+template <int Q8>
+__device__ __forceinline__ void fx_quantize_rows(const float* __restrict__ k_src,
+                                                 const float* __restrict__ v_src,
+                                                 unsigned char* __restrict__ k_cache,
+                                                 unsigned char* __restrict__ v_cache,
+                                                 const float* __restrict__ kv_scales, int n_kv,
+                                                 int head_dim, int n_rows, int first,
+                                                 int* __restrict__ state, int capacity) {
+    const bool on_device = first < 0;
+    int row0 = first;
+    if (on_device) {
+        row0 = state[0];
+        __syncthreads();  // every thread has read the length before thread 0 bumps it
+        if (row0 < 0 || row0 >= capacity) {
+            if (threadIdx.x == 0) state[1] = 1;
+            return;
+        }
+    }
+    const long long row = (long long)n_kv * head_dim, n = row * n_rows;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int h = (int)((i / head_dim) % n_kv);
+        const long long at = (long long)row0 * row + i;
+        k_cache[at] = fx_quantize<Q8>(k_src[i] / kv_scales[h]);
+        v_cache[at] = fx_quantize<Q8>(v_src[i] / kv_scales[n_kv + h]);
+    }
+    if (on_device) {
+        __syncthreads();
+        if (threadIdx.x == 0) state[0] = row0 + 1;
+    }
+}
+
+#define FX_QUANTIZE_ENTRY(NAME, Q8)                                                         \
+    extern "C" __global__ void NAME(const float* k_src, const float* v_src,                 \
+                                    unsigned char* k_cache, unsigned char* v_cache,         \
+                                    const float* kv_scales, int n_kv, int head_dim,         \
+                                    int n_rows, int first, int* state, int capacity) {      \
+        fx_quantize_rows<Q8>(k_src, v_src, k_cache, v_cache, kv_scales, n_kv, head_dim,     \
+                             n_rows, first, state, capacity);                               \
+    }
+FX_QUANTIZE_ENTRY(kv_quantize_e4m3, 1)
+FX_QUANTIZE_ENTRY(kv_quantize_e5m2, 2)

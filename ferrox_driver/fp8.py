@@ -1,0 +1,76 @@
+"""fp8 KV caches: the formats, their scales, and quantization as the device does it.
+
+A cache of ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` holds each value x of KV head h
+as ``x / scale_h`` rounded to nearest even and saturated to the format's finite range (NaN
+stays NaN); the kernels read ``byte * scale_h``. ``quantize`` is that rounding on the host,
+bit for bit the device's (cuda_src/kv_quantize.cu), for checking and for choosing scales.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .device import Device
+from .launch import Kernel
+from .module_cache import get_kernel
+
+__all__ = ["FP8_DTYPES", "check_scales", "fp8_max", "quantize"]
+
+# the fp8 cache dtypes and their kernels' names (attention.FP8_FORMATS)
+FP8_DTYPES = {np.dtype(ml_dtypes.float8_e4m3fn): "e4m3", np.dtype(ml_dtypes.float8_e5m2): "e5m2"}
+ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+MIN_COMPUTE_CAPABILITY = (8, 9)  # cvt between fp8 and fp16/fp32 (Ada, Hopper and newer)
+
+
+def fp8_max(dtype: Any) -> float:
+    """The largest finite value of an fp8 dtype (448 for e4m3, 57344 for e5m2)."""
+    return float(ml_dtypes.finfo(np.dtype(dtype)).max)
+
+
+def quantize(x: Any, dtype: Any, scale: Any = 1.0) -> np.ndarray:
+    """``x`` (float32 or narrower; ``[..., n_kv_heads, head_dim]`` with per-head scales) as
+    the fp8 values an fp8 cache stores: ``x / scale`` in float32, rounded to nearest even,
+    saturated to the finite range; NaN stays NaN.
+
+    Args:
+        x: the values.
+        dtype: ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2``.
+        scale: a scalar, or one per KV head (broadcast against ``x[..., :, None]``).
+    """
+    dt = np.dtype(dtype)
+    top = fp8_max(dt)
+    s = np.asarray(scale, dtype=np.float32)
+    y = np.asarray(x, dtype=np.float32) / (s if s.ndim == 0 else s[:, None])
+    return np.clip(y, -top, top).astype(dt)
+
+
+def check_scales(scale: Any, n_kv_heads: int, name: str) -> np.ndarray:
+    """``scale`` (None: 1; a positive finite scalar or one per KV head) as float32 per KV head.
+
+    Raises:
+        TypeError, ValueError: naming ``name``.
+    """
+    if scale is None:
+        return np.ones(n_kv_heads, np.float32)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.ndarray, np.generic,
+                                                         list, tuple)):  # fmt: skip
+        raise TypeError(f"{name}: expected a float or one per KV head, got {type(scale).__name__}")
+    arr = np.asarray(scale, dtype=np.float64)
+    if arr.ndim == 0:
+        arr = np.full(n_kv_heads, float(arr))
+    if arr.shape != (n_kv_heads,):
+        raise ValueError(f"{name}: expected a scalar or {n_kv_heads} values, got shape {arr.shape}")
+    if not (np.isfinite(arr).all() and (arr > 0).all()):
+        raise ValueError(f"{name}: expected positive finite scales, got {arr.tolist()}")
+    tiny, top = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+    if not ((arr >= tiny) & (arr <= top)).all():
+        raise ValueError(f"{name}: {arr.tolist()} are not normal float32 values")
+    return arr.astype(np.float32)
+
+
+def quantize_kernel(fmt: str, device: Device) -> Kernel:
+    """The kernel that quantizes float32 rows into an fp8 cache of format ``fmt``."""
+    return get_kernel("kv_quantize.cu", f"kv_quantize_{fmt}", device)

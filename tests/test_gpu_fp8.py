@@ -1,0 +1,164 @@
+"""fp8 KV caches on the GPU: rows quantized on the device bit for bit as fd.fp8.quantize
+(ml_dtypes casts), and decodes against the float64 reference of the dequantized cache,
+the kernel's output poisoned before each decode."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ferrox_driver as fd
+
+from .gpu_helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+Q_DTYPES = {"f16": np.float16, "bf16": ml_dtypes.bfloat16}
+TOL = 1e-2  # the issue's bound against the reference of the dequantized cache
+
+
+def _same_bytes(got, want):
+    """fp8 arrays equal bit for bit, NaN where the other has NaN (any NaN pattern)."""
+    g, w = got.astype(np.float32), want.astype(np.float32)
+    assert (np.isnan(g) == np.isnan(w)).all()
+    keep = ~np.isnan(w)
+    assert (got.view(np.uint8)[keep] == want.view(np.uint8)[keep]).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("row_dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_quantized_rows_are_the_host_rounding_bit_for_bit(rng, fmt, row_dtype):
+    n_kv, hd, n = 4, 64, 40
+    k_scale, v_scale = np.array([0.5, 1.0, 3.0, 0.01], np.float32), 0.25
+    k = (rng.standard_normal((n, n_kv, hd)) * 200).astype(row_dtype)
+    v = (rng.standard_normal((n, n_kv, hd)) * 4).astype(row_dtype)
+    k[0, 0, :4] = [np.nan, np.inf, -np.inf, 1e30 if row_dtype != np.float16 else 6e4]
+    v[1, 2, :3] = [np.nan, -1e-7, 1e-30 if row_dtype != np.float16 else 1e-7]
+    with fd.KVCache(n_kv, hd, 64, dtype=FORMATS[fmt], k_scale=k_scale, v_scale=v_scale) as kv:
+        kv.extend(k[: n - 3], v[: n - 3])
+        for i in range(n - 3, n):  # and one token at a time
+            kv.append(k[i], v[i])
+        got_k, got_v = kv.to_host()
+        assert got_k.dtype == np.dtype(FORMATS[fmt]) and got_k.shape == (n, n_kv, hd)
+        want_k = fd.fp8.quantize(k, FORMATS[fmt], k_scale)
+        want_v = fd.fp8.quantize(v, FORMATS[fmt], v_scale)
+        _same_bytes(got_k, want_k)
+        _same_bytes(got_v, want_v)
+        dk, dv = kv.dequantized()
+        np.testing.assert_array_equal(dk, want_k.astype(np.float32) * k_scale[:, None])
+        np.testing.assert_array_equal(dv, want_v.astype(np.float32) * np.float32(v_scale))
+
+
+def _decode_checked(kv, q, n_heads, **features):
+    """kv.decode(q) with the decoder's device output poisoned (NaN) before the kernels run,
+    against the float64 reference of the dequantized cache."""
+    kv.decode(q, n_heads=n_heads, **features)  # makes the decoder
+    decoders = [*kv._decoders.values(), *kv._feature_decoders.values()]
+    for dec in decoders:
+        dec.out_dev.fill_bytes(0xFF, kv.stream)
+    got = kv.decode(q, n_heads=n_heads, **features)
+    k, v = kv.dequantized()
+    dims = {"n_heads": n_heads, "n_kv_heads": kv.n_kv_heads, "head_dim": kv.head_dim}
+    ref = fd.reference_gqa_decode(q, k, v, **dims, **features)
+    return got, ref
+
+
+GRID = [("e4m3", "bf16", hd, nh) for hd in (64, 80, 96, 128, 256) for nh in (8, 32, 64)] + [
+    (fmt, qdt, hd, 32) for fmt, qdt in (("e4m3", "f16"), ("e5m2", "bf16")) for hd in (80, 128)
+]
+
+
+@pytest.mark.parametrize("fmt,qdt,head_dim,n_heads", GRID)
+def test_fp8_decode_matches_the_reference_of_the_dequantized_cache(
+    rng, fmt, qdt, head_dim, n_heads
+):
+    n_kv = 8  # groups of 1, 4 and 8
+    k_scale = (rng.uniform(0.5, 2.0, n_kv) / 16).astype(np.float32)
+    with fd.KVCache(n_kv, head_dim, 4097, dtype=FORMATS[fmt], k_scale=k_scale,
+                    v_scale=0.02) as kv:  # fmt: skip
+        q = rng.standard_normal((n_heads, head_dim)).astype(Q_DTYPES[qdt])
+        assert not kv.decode(q, n_heads=n_heads).any()  # seq_len 0: zeros
+        done = 0
+        for seq in (1, 77, 4097):
+            k = rng.standard_normal((seq - done, n_kv, head_dim)) * 16
+            v = rng.standard_normal((seq - done, n_kv, head_dim)) * 0.05
+            kv.extend(k.astype(np.float32), v.astype(np.float32))
+            done = seq
+            got, ref = _decode_checked(kv, q, n_heads)
+            assert got.dtype == q.dtype and got.shape == q.shape
+            err = rel_err(got.astype(np.float64), ref)
+            assert err < TOL, (seq, err)
+
+
+def test_fp8_decode_of_131072_tokens(rng):
+    n_heads, n_kv, hd, seq = 32, 8, 128, 131072
+    with fd.KVCache(n_kv, hd, seq, dtype=FORMATS["e4m3"], k_scale=0.01, v_scale=0.01) as kv:
+        k = (rng.standard_normal((seq, n_kv, hd)) * 2).astype(np.float32)
+        v = rng.standard_normal((seq, n_kv, hd)).astype(np.float32)
+        kv.extend(k, v)
+        q = rng.standard_normal((n_heads, hd)).astype(ml_dtypes.bfloat16)
+        got, ref = _decode_checked(kv, q, n_heads)
+        assert rel_err(got.astype(np.float64), ref) < TOL
+
+
+def test_fp8_decode_with_features(rng):
+    n_heads, n_kv, hd = 32, 8, 128
+    kw = {"sliding_window": 96, "logits_soft_cap": 5.0, "return_lse": True,
+          "sinks": rng.standard_normal(n_heads).astype(np.float32),
+          "alibi_slopes": (2.0 ** -np.arange(1, n_heads + 1) * 4).astype(np.float32)}  # fmt: skip
+    with fd.KVCache(n_kv, hd, 512, dtype=FORMATS["e4m3"], k_scale=0.05, v_scale=0.1) as kv:
+        q = rng.standard_normal((n_heads, hd)).astype(ml_dtypes.bfloat16)
+        for seq in (95, 97, 300):
+            rows = rng.standard_normal((seq - kv.seq_len, n_kv, hd)).astype(np.float32)
+            kv.extend(rows, rows * 0.5)
+            (got, lse), (ref, ref_lse) = _decode_checked(kv, q, n_heads, **kw)
+            assert rel_err(got.astype(np.float64), ref) < TOL
+            np.testing.assert_allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+
+def test_bf16_q_past_the_range_of_fp16_is_scaled_not_lost(rng):
+    """The kernels' mmas are fp16: each head's q is scaled by a power of two first."""
+    n_heads, n_kv, hd = 16, 4, 64
+    with fd.KVCache(n_kv, hd, 256, dtype=FORMATS["e4m3"], k_scale=1e-3) as kv:
+        kv.extend(rng.standard_normal((200, n_kv, hd)).astype(np.float32),
+                  rng.standard_normal((200, n_kv, hd)).astype(np.float32))  # fmt: skip
+        q = rng.standard_normal((n_heads, hd)) * 4e5  # past fp16's 65504
+        q[1] *= 1e-9  # and a head near zero
+        q = q.astype(ml_dtypes.bfloat16)
+        got, ref = _decode_checked(kv, q, n_heads)
+        assert np.isfinite(got.astype(np.float32)).all()
+        assert rel_err(got.astype(np.float64), ref) < TOL
+
+
+def test_new_scales_apply_to_the_tokens_already_stored(rng):
+    n_heads, n_kv, hd = 8, 2, 64
+    with fd.KVCache(n_kv, hd, 64, dtype=FORMATS["e5m2"]) as kv:
+        kv.extend(rng.standard_normal((50, n_kv, hd)).astype(np.float16),
+                  rng.standard_normal((50, n_kv, hd)).astype(np.float16))  # fmt: skip
+        q = rng.standard_normal((n_heads, hd)).astype(np.float16)
+        before = kv.decode(q, n_heads=n_heads)
+        kv.set_scales(k_scale=[0.25, 4.0], v_scale=3.0)
+        np.testing.assert_array_equal(kv.k_scale, [0.25, 4.0])
+        got, ref = _decode_checked(kv, q, n_heads)
+        assert rel_err(got.astype(np.float64), ref) < TOL
+        assert np.abs(got.astype(np.float32) - before.astype(np.float32)).max() > 0.1
+
+
+def test_fp8_caches_refuse_what_is_not_built_yet(rng):
+    with fd.KVCache(2, 64, 16, dtype=FORMATS["e4m3"]) as kv:
+        kv.append(np.ones(128, np.float32), np.ones(128, np.float32))
+        q = np.ones((8, 64), np.float32)
+        with pytest.raises(TypeError, match="float16 or bfloat16"):
+            kv.decode(q, n_heads=8)
+        with pytest.raises(ValueError, match="algorithm"):
+            kv.decode(q.astype(np.float16), n_heads=8, algorithm="parity")
+        qd, out = fd.to_device(q.astype(np.float16)), fd.to_device(q.astype(np.float16))
+        with pytest.raises(NotImplementedError, match="fp8"):
+            fd.gqa_decode_async(qd, kv, out, n_heads=8, stream=kv.stream)
+        with pytest.raises(NotImplementedError, match="fp8"):
+            kv.prepare(8)
+        with pytest.raises(TypeError, match="float32, float16 or bfloat16 rows"):
+            kv.append(np.ones(128, np.int32), np.ones(128, np.int32))
+        assert kv.seq_len == 1  # nothing appended by the refusals
