@@ -7,7 +7,6 @@ driver API (cuda.bindings), with kernels compiled at run time by NVRTC.
 
 from __future__ import annotations
 
-from . import fp8 as fp8
 from ._version import __version__ as __version__
 from .compiler import KernelResources, Program, compile_source
 from .decode import gqa_decode
@@ -21,6 +20,7 @@ from .errors import (
     KVCapacityError,
     NoDeviceError,
 )
+from .fp8 import quantize_fp8
 from .graph import Graph, GraphExec
 from .kv_cache import KVCache, LayerKVCache
 from .launch import Kernel, Module
@@ -64,6 +64,7 @@ __all__ = [
     "gqa_decode_resident",
     "kv_append_async",
     "merge_states",
+    "quantize_fp8",
     "pinned_empty",
     "reference_gqa_decode",
     "to_device",

@@ -3,12 +3,11 @@
 A cache of ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` holds each value x of KV head h
 as ``x / scale_h`` rounded to nearest even and saturated to the format's finite range (NaN
 stays NaN); the kernels read ``byte * scale_h``. ``quantize`` is that rounding on the host,
-bit for bit the device's (cuda_src/kv_quantize.cu), for checking and for choosing scales.
+bit for bit the device's (cuda_src/kv_quantize.cu), for checking and for choosing scales
+(``fd.quantize_fp8``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -16,8 +15,9 @@ import numpy as np
 from .device import Device
 from .launch import Kernel
 from .module_cache import get_kernel
+from .types import DTypeLike, HostArrayLike
 
-__all__ = ["FP8_DTYPES", "check_scales", "fp8_max", "quantize"]
+__all__ = ["FP8_DTYPES", "check_scales", "fp8_max", "quantize_fp8"]
 
 # the fp8 cache dtypes and their kernels' names (attention.FP8_FORMATS)
 FP8_DTYPES = {np.dtype(ml_dtypes.float8_e4m3fn): "e4m3", np.dtype(ml_dtypes.float8_e5m2): "e5m2"}
@@ -25,20 +25,24 @@ ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfl
 MIN_COMPUTE_CAPABILITY = (8, 9)  # cvt between fp8 and fp16/fp32 (Ada, Hopper and newer)
 
 
-def fp8_max(dtype: Any) -> float:
+def fp8_max(dtype: DTypeLike) -> float:
     """The largest finite value of an fp8 dtype (448 for e4m3, 57344 for e5m2)."""
     return float(ml_dtypes.finfo(np.dtype(dtype)).max)
 
 
-def quantize(x: Any, dtype: Any, scale: Any = 1.0) -> np.ndarray:
+def quantize_fp8(x: HostArrayLike, dtype: DTypeLike, scale: HostArrayLike = 1.0) -> np.ndarray:
     """``x`` (float32 or narrower; ``[..., n_kv_heads, head_dim]`` with per-head scales) as
-    the fp8 values an fp8 cache stores: ``x / scale`` in float32, rounded to nearest even,
-    saturated to the finite range; NaN stays NaN.
+    the fp8 values an fp8 `KVCache` stores, bit for bit: ``x / scale`` in float32, rounded
+    to nearest even, saturated to the format's finite range (448 for e4m3, 57344 for
+    e5m2); NaN stays NaN. For checking a cache (``KVCache.to_host``) and choosing scales.
 
     Args:
         x: the values.
         dtype: ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2``.
         scale: a scalar, or one per KV head (broadcast against ``x[..., :, None]``).
+
+    Returns:
+        An array of ``dtype`` and x's shape.
     """
     dt = np.dtype(dtype)
     top = fp8_max(dt)
@@ -47,7 +51,7 @@ def quantize(x: Any, dtype: Any, scale: Any = 1.0) -> np.ndarray:
     return np.clip(y, -top, top).astype(dt)
 
 
-def check_scales(scale: Any, n_kv_heads: int, name: str) -> np.ndarray:
+def check_scales(scale: HostArrayLike, n_kv_heads: int, name: str) -> np.ndarray:
     """``scale`` (None: 1; a positive finite scalar or one per KV head) as float32 per KV head.
 
     Raises:

@@ -32,7 +32,7 @@ from .launch import Kernel, PackedLaunch
 from .memory import DeviceArray, as_dtype, empty, pinned_empty
 from .module_cache import get_kernel
 from .stream import Event, Stream, stream_handle, stream_key
-from .types import DeviceArrayLike, DTypeLike, StreamLike
+from .types import DeviceArrayLike, DTypeLike, HostArrayLike, StreamLike
 from .validation import (
     MAX_HEAD_DIM,
     ArrayInfo,
@@ -140,11 +140,12 @@ class KVCache:
         dtype: float32 (as ferrox-cuda), float16 or ``ml_dtypes.bfloat16``; or an fp8 cache,
             ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` (compute capability 8.9 and up,
             head_dim a multiple of 16): appended rows (float32, float16, bfloat16) are
-            quantized on the device (`ferrox_driver.fp8.quantize`), and decodes take
+            quantized on the device (as `quantize_fp8`), and decodes take
             float16 or bfloat16 q (the output in q's dtype).
-        k_scale, v_scale: an fp8 cache's scales (float32, a scalar or one per KV head;
-            default 1): it stores ``x / scale`` and the kernels read ``byte * scale``
-            (``set_scales`` changes them; they apply to every token, stored ones too).
+        k_scale: an fp8 cache's K scale (float32, a scalar or one per KV head; default
+            1): it stores ``x / k_scale`` and the kernels read ``byte * k_scale``
+            (``set_scales`` changes it; the scales apply to every token, stored ones too).
+        v_scale: the same for V.
         device: the device (default: device 0).
         stream: the stream appends and decodes run on (default: a stream of its own).
 
@@ -168,8 +169,8 @@ class KVCache:
         capacity: int,
         *,
         dtype: DTypeLike = np.float32,
-        k_scale: Any = None,
-        v_scale: Any = None,
+        k_scale: HostArrayLike = None,
+        v_scale: HostArrayLike = None,
         device: Device | None = None,
         stream: Stream | None = None,
         staging_slots: int = STAGING_SLOTS,
@@ -610,7 +611,7 @@ class KVCache:
         """An fp8 cache's V scales (float32, one per KV head; None for other dtypes)."""
         return self._scales[self.n_kv_heads :].copy() if self.fp8 else None
 
-    def set_scales(self, k_scale: Any = None, v_scale: Any = None) -> None:
+    def set_scales(self, k_scale: HostArrayLike = None, v_scale: HostArrayLike = None) -> None:
         """Replace an fp8 cache's K and/or V scales (None: keep), on the device in stream
         order: later appends quantize with them and every later decode (graphs captured
         before included) reads every token, stored ones too, with them.

@@ -1,4 +1,4 @@
-"""fp8 KV caches on the GPU: rows quantized on the device bit for bit as fd.fp8.quantize
+"""fp8 KV caches on the GPU: rows quantized on the device bit for bit as fd.quantize_fp8
 (ml_dtypes casts), and decodes against the float64 reference of the dequantized cache,
 the kernel's output poisoned before each decode."""
 
@@ -42,8 +42,8 @@ def test_quantized_rows_are_the_host_rounding_bit_for_bit(rng, fmt, row_dtype):
             kv.append(k[i], v[i])
         got_k, got_v = kv.to_host()
         assert got_k.dtype == np.dtype(FORMATS[fmt]) and got_k.shape == (n, n_kv, hd)
-        want_k = fd.fp8.quantize(k, FORMATS[fmt], k_scale)
-        want_v = fd.fp8.quantize(v, FORMATS[fmt], v_scale)
+        want_k = fd.quantize_fp8(k, FORMATS[fmt], k_scale)
+        want_v = fd.quantize_fp8(v, FORMATS[fmt], v_scale)
         _same_bytes(got_k, want_k)
         _same_bytes(got_v, want_v)
         dk, dv = kv.dequantized()
