@@ -16,7 +16,12 @@ import ferrox_driver as fd
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"
-CPU_EXAMPLES = ["quickstart.py", "compile_and_launch.py", "reference_on_cpu.py"]
+CPU_EXAMPLES = [
+    "quickstart.py",
+    "compile_and_launch.py",
+    "reference_on_cpu.py",
+    "fp8_scales_on_cpu.py",
+]
 GPU_EXAMPLES = [
     "quickstart.py",
     "compile_and_launch.py",
