@@ -18,6 +18,7 @@
 // The file is one translation unit in parts: compiler.kernel_source puts each part in place
 // of its #include (each part uses what the ones before it define).
 
+#include "split_traits.h"
 #include "split_common.cuh"
 #include "split_generic.cuh"
 #include "split_cluster.cuh"

@@ -5,7 +5,7 @@
 // chunks form one cluster and merge their partials through distributed shared memory, so
 // no combine kernel runs and no partial goes through global memory. Elsewhere the cluster
 // kernels trap (the host never picks them there).
-#define FX_MAX_CLUSTER 16  // the largest (non-portable) cluster of compute capability 9.0
+// (FX_MAX_CLUSTER, the largest cluster: split_traits.h)
 // A cluster block's receive area, in dynamic shared memory past its ring: the partials the
 // cluster's blocks push to it, [FX_MAX_CLUSTER][8][2] maxima and sums, then [blocks][slots]
 // float4 outputs (slots * blocks <= 8 * D / 4 + FX_MAX_CLUSTER). The host adds its size

@@ -8,7 +8,7 @@
 // (Eight warps cost 0.3 us more at 16 chunks: more threads to synchronise. 40 loads in
 // flight instead of 16 made 132-chunk plans 1-3% faster and 16- and 64-chunk ones 2-3%
 // slower: docs/design.md. So up to 64 chunks take 16 per lane, more take FX_COMBINE_MANY.)
-#define FX_COMBINE_THREADS 128
+// (FX_COMBINE_THREADS: split_traits.h)
 #define FX_COMBINE_BATCH 16  // chunk loads in flight per lane, up to 64 chunks
 #define FX_COMBINE_MANY 33   // ... and past 64: 132 chunks in one trip to L2
 #define FX_COMBINE_WARPS (FX_COMBINE_THREADS / 32)

@@ -2,12 +2,9 @@
 // share: chunk bounds from the length (which may live on the device), the combine's early
 // launch, exp2.
 
-#ifndef FX_THREADS  // (overridable with -D for experiments, as the rings in split_mma.cuh)
-#define FX_THREADS 128
-#endif
+// FX_THREADS, FX_TILE, FX_MAX_SPLITS and the other launch constants: split_traits.h, which
+// the host writes from ferrox_driver/kernel_traits.py (its SPLIT_TRAITS)
 #define FX_WARPS (FX_THREADS / 32)
-#define FX_TILE 64  // the largest chunk granularity (tokens): a block's tokens per iteration
-#define FX_MAX_SPLITS 1024
 #define FX_LOG2E 1.4426950408889634f
 
 __device__ __forceinline__ int fx_seq_len(int seq_len, const int* seq_len_dev) {

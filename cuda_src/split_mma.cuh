@@ -37,39 +37,9 @@ __device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
 }
 
 // Per head_dim: warps per block and steps in each warp's ring (one fewer in flight). The
-// host reads these defines (attention.py): a block has FX_WARPS_D<D> * 32 threads and
-// FX_WARPS_D<D> * stages * 16 tokens * 2 (K, V) * head_dim * 2 bytes of ring in dynamic
-// shared memory. (Overridable with -D for experiments: benchmarks/kernel_compare.py compares a file.)
-// Chosen by measurement: head_dim 64 issues twice the instructions per byte of 128, and
-// eight warps hide their latency better than a deeper ring. Head_dim 128 keeps one step
-// in flight per warp while it computes another: 2-4% faster at 4096 tokens than 3 in
-// flight, 0.1-0.5% at 32768-131072, 2% on MHA. Head_dim 64
-// keeps two in flight: 4.8% faster at 32768 tokens on 16/2/64 than three, 0.2-0.3% slower
-// at 131072.
-// FX_RESERVE_STAGES_D<D>: the launch reserves shared memory for this many steps where the
-// ring has fewer, so that one block still fills a multiprocessor (the plans' one wave of
-// one block per multiprocessor, and the clusters that fit, assume it).
-#ifndef FX_WARPS_D64
-#define FX_WARPS_D64 8
-#endif
-#ifndef FX_STAGES_D64
-#define FX_STAGES_D64 3
-#endif
-#ifndef FX_WARPS_D128
-#define FX_WARPS_D128 4
-#endif
-#ifndef FX_STAGES_D128
-#define FX_STAGES_D128 2
-#endif
-#define FX_RESERVE_STAGES_D64 4
-#define FX_RESERVE_STAGES_D128 4
-#define FX_RESERVE_STAGES_D256 3
-#ifndef FX_WARPS_D256
-#define FX_WARPS_D256 4
-#endif
-#ifndef FX_STAGES_D256
-#define FX_STAGES_D256 3  // 4 warps x 3 x 16 KB: as much as a block may have
-#endif
+// The rings' shape per head_dim (FX_WARPS_D<D>, FX_STAGES_D<D>, FX_RESERVE_STAGES_D<D>):
+// split_traits.h, written from ferrox_driver/kernel_traits.py, where the host plans with
+// the same values and their measurements are noted.
 template <int D> struct FxStages {
     static constexpr int value = D == 64 ? FX_STAGES_D64 : D == 128 ? FX_STAGES_D128 : FX_STAGES_D256;
 };

@@ -375,8 +375,7 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 // clusters of 8, where the other plans take 16 chunks and the combine kernel. Half the
 // multiprocessors stream the cache as fast (docs/design.md), no combine kernel runs, and
 // twice the warps share each block's doubled products (with 4 warps the same plans were
-// 3-32% slower: docs/design.md).
-#define FX_WIDE_WARPS 8
+// 3-32% slower: docs/design.md). FX_WIDE_WARPS: split_traits.h.
 #define FX_MMA_WIDE_ENTRY(NAME, T)                                                          \
     extern "C" __global__ void __launch_bounds__(FX_WIDE_WARPS * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \

@@ -16,44 +16,10 @@
 //     d = 4g..4g+3 of both rows and block j (0..3) takes element j, so n = g <-> d = 4g + j
 //     and the accumulators c0/c1 of block (q, j) hold d = 32q + 4(2tig) + j and +4.
 // Shared-memory rows are swizzled in 16-byte units as in gqa_split_mma.
-// Per head_dim: warps per block, steps in each warp's ring and tokens per step (8 or 16:
-// 8-token steps fit more warps or a wider head_dim into shared memory). The host reads
-// these defines (attention.py); overridable with -D for experiments. Head_dim 64 and 128 keep one step in flight per warp
-// while they compute another: 8-12% faster at 4096 tokens than two in flight, 1-7% at
-// 32768 but for 64/8/128 (0.5% slower there, 1.2% at 131072); head_dim 256 keeps two, as
-// one was 1.1% slower at 512-4096. FX_TC32_RESERVE_STAGES_D<D>:
-// the launch's shared memory in steps, as measured (as FX_RESERVE_STAGES_D<D>).
+// Per head_dim: warps per block, steps in each warp's ring and tokens per step
+// (FX_TC32_WARPS_D<D>, FX_TC32_STAGES_D<D>, FX_TC32_TOKENS_D<D>, FX_TC32_RESERVE_STAGES_D<D>):
+// split_traits.h, written from ferrox_driver/kernel_traits.py.
 template <int D> struct FxTc32Shape;
-#define FX_TC32_RESERVE_STAGES_D64 3
-#define FX_TC32_RESERVE_STAGES_D128 3
-#define FX_TC32_RESERVE_STAGES_D256 3
-#ifndef FX_TC32_WARPS_D64
-#define FX_TC32_WARPS_D64 8
-#endif
-#ifndef FX_TC32_STAGES_D64
-#define FX_TC32_STAGES_D64 2
-#endif
-#ifndef FX_TC32_TOKENS_D64
-#define FX_TC32_TOKENS_D64 16
-#endif
-#ifndef FX_TC32_WARPS_D128
-#define FX_TC32_WARPS_D128 8
-#endif
-#ifndef FX_TC32_STAGES_D128
-#define FX_TC32_STAGES_D128 2
-#endif
-#ifndef FX_TC32_TOKENS_D128
-#define FX_TC32_TOKENS_D128 8
-#endif
-#ifndef FX_TC32_WARPS_D256
-#define FX_TC32_WARPS_D256 4
-#endif
-#ifndef FX_TC32_STAGES_D256
-#define FX_TC32_STAGES_D256 3
-#endif
-#ifndef FX_TC32_TOKENS_D256
-#define FX_TC32_TOKENS_D256 8
-#endif
 template <> struct FxTc32Shape<64> {
     static constexpr int warps = FX_TC32_WARPS_D64, stages = FX_TC32_STAGES_D64;
     static constexpr int tokens = FX_TC32_TOKENS_D64;

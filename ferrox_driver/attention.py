@@ -12,16 +12,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .compiler import kernel_source
 from .device import Device
 from .errors import CudaError, FerroxError
+from .kernel_traits import SPLIT_TRAITS
 from .launch import Kernel, PackedLaunch
 from .memory import DeviceArray, empty
 from .module_cache import get_kernel
@@ -47,18 +46,13 @@ SPLIT_FILE = "gqa_decode_split.cu"
 
 
 @functools.cache
-def _integer_defines(filename: str) -> dict[str, int]:
-    """Every ``#define NAME <integer>`` of a kernel file (read and parsed once)."""
-    pattern = re.compile(r"^#define (\w+) (\d+)\b", re.MULTILINE)
-    return {m[1]: int(m[2]) for m in pattern.finditer(kernel_source(filename))}
-
-
-def kernel_define(name: str, filename: str = SPLIT_FILE) -> int:
-    """The integer a kernel file ``#define``s for ``name``: launch constants are read from
-    the kernel source, so the host's grids and shared memory sizes cannot drift from it."""
-    value = _integer_defines(filename).get(name)
+def kernel_define(name: str) -> int:
+    """The value of the split kernels' compile-time constant ``name`` (kernel_traits: the
+    kernels are compiled with the same table, so the host's grids and shared memory sizes
+    cannot drift from them)."""
+    value = SPLIT_TRAITS.get(name)
     if value is None:
-        raise RuntimeError(f"{filename} defines no integer {name}")
+        raise RuntimeError(f"{SPLIT_FILE} defines no integer {name} (kernel_traits.SPLIT_TRAITS)")
     return value
 
 

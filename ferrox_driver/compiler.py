@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ._driver import nvrtc_compile, nvrtc_version, rtc
 from .errors import CompileError
+from .kernel_traits import GENERATED_PARTS
 
 __all__ = [
     "KernelResources",
@@ -53,7 +54,8 @@ def kernel_source(filename: str) -> str:
 
 def expand_includes(filename: str, directory: Path) -> str:
     """The text of ``directory/filename`` with each ``#include "name"`` line replaced by the
-    text of ``directory/name`` (expanded the same way, each file once), between ``#line``
+    text of ``directory/name`` (expanded the same way, each file once; the parts the host
+    writes, ``kernel_traits.GENERATED_PARTS``, from there), between ``#line``
     marks so that NVRTC's messages name the part and its line.
 
     Raises:
@@ -69,11 +71,13 @@ def _expanded(filename: str, directory: Path, seen: set[str]) -> str:
     at = 0
     for m in _INCLUDE_RE.finditer(text):
         name = m.group(1)
-        if not (directory / name).is_file():
+        generated = GENERATED_PARTS.get(name)  # written by the host (kernel_traits)
+        if generated is None and not (directory / name).is_file():
             raise FileNotFoundError(f"{filename} includes {name!r}, which is not in {directory}")
         pieces.append(text[at : m.start()])
         if name not in seen:
-            body = _expanded(name, directory, seen)
+            seen.add(name)
+            body = generated() if generated is not None else _expanded(name, directory, seen)
             body += "" if body.endswith("\n") else "\n"
             line = text.count("\n", 0, m.end()) + 2  # the line after the #include
             pieces.append(f'#line 1 "{name}"\n{body}#line {line} "{filename}"')

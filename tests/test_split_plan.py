@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ferrox_driver import attention, bench_decode, bench_report, compiler
+from ferrox_driver import attention, bench_decode, bench_report, compiler, kernel_traits
 from ferrox_driver.compiler import compile_source, kernel_source
 from ferrox_driver.errors import CudaError
 
@@ -33,9 +33,14 @@ def test_host_launch_constants_are_the_kernels_defines():
         expected[f"FX_TC32_WARPS_D{head_dim}"] = attention.TC32_WARPS[head_dim]
         expected[f"FX_TC32_TOKENS_D{head_dim}"] = attention.TC32_TOKENS[head_dim]
     for name, value in expected.items():
-        found = re.search(rf"#define {name} (\d+)", src)
-        assert found, f"{name} not defined in the kernel"
-        assert int(found.group(1)) == value, name
+        found = re.findall(rf"^#define {name} (\d+)", src, re.M)
+        assert found == [str(value)], f"{name}: {found} in the kernel, {value} on the host"
+    # defined once, from the host's table: no part of the kernel file has its own
+    parts = sorted(compiler.source_dir().glob("split_*.cuh"))
+    assert parts
+    for part in parts:
+        for name in kernel_traits.SPLIT_TRAITS:
+            assert not re.search(rf"^#define {name}\b", part.read_text(), re.M), (part, name)
     assert sorted(attention.MMA_STAGES) == sorted(attention.MMA_WARPS) == [64, 128, 256]
     assert sorted(attention.TC32_STAGES) == sorted(attention.TC32_WARPS) == [64, 128, 256]
     assert all(t in (8, 16) for t in attention.TC32_TOKENS.values())
