@@ -76,6 +76,9 @@ def test_padded_head_dims_compile_without_stack_or_spills(arch):
         "gqa_split_mma_bf16_d128_t2_cluster",  # groups of 9-16, in two tiles of 8 heads
         "gqa_split_mma_f16_d256_t2",
         "gqa_split_mma_bf16_d64_r40_t2",
+        "gqa_split_mma_bf16_d128_r80_p2",  # two KV heads' rows as one (paired)
+        "gqa_split_mma_f16_d64_r64_p2_t2",
+        "gqa_split_mma_bf16_d256_r256_p2",
     ):
         source = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n"
         program = compile_source(source + attention.split_entry(name) + "\n", arch=arch)
