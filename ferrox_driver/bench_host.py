@@ -98,10 +98,37 @@ def run_host_bench(
         npdt = DTYPES[name]
         tdt = getattr(torch, TORCH_DTYPES[name])
         _cache_rows(fd, torch, F, row, rng, shape, seq_len, name, npdt, tdt, sync)
+    _fp8_append_row(fd, row, rng, shape, seq_len)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "host_bench.json").write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def _fp8_append_row(
+    fd: Any, row: Callable[..., None], rng: np.random.Generator, shape: tuple[int, int, int],
+    seq_len: int,
+) -> None:  # fmt: skip
+    """An append of bf16 numpy rows into an e4m3 cache (staged as float32, one copy and one
+    quantizing launch), to set against the bf16 cache's append row above."""
+    _, n_kv, hd = shape
+    cap = seq_len + 4 * BURSTS * BURST + 200
+    prefill = rng.standard_normal((seq_len, n_kv, hd)).astype(np.float32)
+    row_np = rng.standard_normal((n_kv, hd)).astype(ml_dtypes.bfloat16)
+    with fd.KVCache(n_kv, hd, cap, dtype=ml_dtypes.float8_e4m3fn, k_scale=0.01,
+                    v_scale=0.01) as kv:  # fmt: skip
+        kv.extend(prefill, prefill)
+
+        def append() -> None:
+            kv.append(row_np, row_np)
+
+        def refill() -> None:
+            kv.stream.synchronize()
+            kv.clear()
+            kv.extend(prefill, prefill)
+
+        row("KVCache.append(k, v) bf16 rows, e4m3 cache", "e4m3",
+            _attempt(lambda: burst_us(append, refill)))  # fmt: skip
 
 
 def _array_rows(
