@@ -161,6 +161,26 @@ def time_replays(
     return back_to_back, single
 
 
+def rotated_graph_us(
+    eager: Callable[[int], None], rotated: RotatedKV, stream: Stream, iters: int
+) -> float:
+    """Graph-replayed us per decode of ``eager(i)`` (a decode over set i of ``rotated``): run
+    once, then ``rotated.chain`` decodes over the sets in turn in one graph, timed."""
+    eager(0)
+    stream.synchronize()
+    execs = [captured(stream, functools.partial(eager, i)) for i in range(len(rotated.sets))]
+
+    def all_sets() -> None:
+        for i in range(rotated.chain):
+            eager(i)
+
+    chained = captured(stream, all_sets)
+    graph_us, _ = time_replays(chained, rotated.chain, execs, stream, iters)
+    for e in [*execs, chained]:
+        e.close()
+    return graph_us
+
+
 def time_graph_body(
     stream: Stream, body: Callable[[], None], iters: int = 50, chain: int = 20
 ) -> tuple[float, float]:
@@ -726,7 +746,7 @@ def measure_features_point(
         attention.split_kernel(combine, device)
     ws = zeros((max(plan.workspace_floats(n_heads, hd), 1),), np.float32, device=device)
     rotated = rotated_kv_sets(seq, n_kv, hd, dt, stream, device)
-    sets, chain = rotated.sets, rotated.chain
+    sets = rotated.sets
 
     def eager(i: int) -> None:
         k, v = sets[i % len(sets)]
@@ -736,18 +756,7 @@ def measure_features_point(
         ):  # fmt: skip
             launch.run(stream, device)
 
-    eager(0)
-    stream.synchronize()
-    execs = [captured(stream, functools.partial(eager, i)) for i in range(len(sets))]
-
-    def all_sets() -> None:
-        for i in range(chain):
-            eager(i)
-
-    chained = captured(stream, all_sets)
-    graph_us, _ = time_replays(chained, chain, execs, stream, iters)
-    for e in [*execs, chained]:
-        e.close()
+    graph_us = rotated_graph_us(eager, rotated, stream, iters)
     rotated.close()
     for arr in (q, out, ws, *per_head.values()):
         arr.close()
@@ -811,7 +820,7 @@ def measure_fp8_point(
         attention.split_kernel(combine, device)
     ws = zeros((max(plan.workspace_floats(n_heads, hd), 1),), np.float32, device=device)
     rotated = rotated_kv_sets(seq, n_kv, hd, kv_dt, stream, device)
-    sets, chain = rotated.sets, rotated.chain
+    sets = rotated.sets
 
     def eager(i: int) -> None:
         k, v = sets[i % len(sets)]
@@ -821,18 +830,7 @@ def measure_fp8_point(
         ):  # fmt: skip
             launch.run(stream, device)
 
-    eager(0)
-    stream.synchronize()
-    execs = [captured(stream, functools.partial(eager, i)) for i in range(len(sets))]
-
-    def all_sets() -> None:
-        for i in range(chain):
-            eager(i)
-
-    chained = captured(stream, all_sets)
-    graph_us, _ = time_replays(chained, chain, execs, stream, iters)
-    for e in [*execs, chained]:
-        e.close()
+    graph_us = rotated_graph_us(eager, rotated, stream, iters)
     rotated.close()
     for arr in (q, out, ws, scales):
         arr.close()
