@@ -62,6 +62,17 @@ struct FxQ {
         return IN_REGS ? frag[IN_REGS ? kb : 0]
                        : *reinterpret_cast<const uint4*>(row + kb * 32 + tig * 8);
     }
+    // head g's row of the staged Q (shared memory), this lane's part in registers
+    __device__ __forceinline__ static FxQ of(const T* row, int tig) {
+        FxQ r;
+        r.row = row;
+        if (IN_REGS) {
+#pragma unroll
+            for (int kb = 0; kb < D / 32; ++kb)
+                r.frag[kb] = *reinterpret_cast<const uint4*>(row + kb * 32 + tig * 8);
+        }
+        return r;
+    }
 };
 // PAIR = 2 (two KV heads' rows side by side as one of DR = 2 x head_dim): rows j <
 // a_heads are the first KV head's query heads, their q in columns 0 .. DR/2, the rest the
@@ -85,14 +96,7 @@ __device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, in
         }
     }
     __syncthreads();  // q_s complete; the first steps' loads are already in flight
-    FxQ<T, D> r;
-    r.row = q_s[g];
-    if (FxQ<T, D>::IN_REGS) {
-#pragma unroll
-        for (int kb = 0; kb < D / 32; ++kb)
-            r.frag[kb] = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
-    }
-    return r;
+    return FxQ<T, D>::of(q_s[g], tig);
 }
 
 template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0, int PAIR = 1>

@@ -110,14 +110,7 @@ __device__ __forceinline__ FxQ<fx_half, D> fx_load_q8(const QT* q, int h0, int g
     __syncthreads();
     mul_a = __int_as_float((127 + shift(2 * tig)) << 23);
     mul_b = __int_as_float((127 + shift(2 * tig + 1)) << 23);
-    FxQ<fx_half, D> r;
-    r.row = q_s[g];
-    if (FxQ<fx_half, D>::IN_REGS) {
-#pragma unroll
-        for (int kb = 0; kb < D / 32; ++kb)
-            r.frag[kb] = *reinterpret_cast<const uint4*>(&q_s[g][kb * 32 + tig * 8]);
-    }
-    return r;
+    return FxQ<fx_half, D>::of(q_s[g], tig);
 }
 
 template <int F, int Q8>
