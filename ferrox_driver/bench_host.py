@@ -118,17 +118,25 @@ def _fp8_append_row(
     with fd.KVCache(n_kv, hd, cap, dtype=ml_dtypes.float8_e4m3fn, k_scale=0.01,
                     v_scale=0.01) as kv:  # fmt: skip
         kv.extend(prefill, prefill)
-
-        def append() -> None:
-            kv.append(row_np, row_np)
-
-        def refill() -> None:
-            kv.stream.synchronize()
-            kv.clear()
-            kv.extend(prefill, prefill)
-
         row("KVCache.append(k, v) bf16 rows, e4m3 cache", "e4m3",
-            _attempt(lambda: burst_us(append, refill)))  # fmt: skip
+            _attempt(lambda: _append_us(kv, row_np, prefill)))  # fmt: skip
+
+
+def _append_us(kv: Any, row_np: np.ndarray, prefill: np.ndarray) -> float:
+    """Host us per ``kv.append`` of ``row_np`` (in bursts; between them the cache is
+    refilled to ``prefill``)."""
+
+    def append() -> None:
+        kv.append(row_np, row_np)
+
+    return burst_us(append, lambda: _refill(kv, prefill))
+
+
+def _refill(kv: Any, prefill: np.ndarray) -> None:
+    """The cache back to ``prefill`` once its queued work is done."""
+    kv.stream.synchronize()
+    kv.clear()
+    kv.extend(prefill, prefill)
 
 
 def _array_rows(
@@ -220,15 +228,10 @@ def _cache_rows(
         ours, theirs = _attempt(lambda: whole_us(decode)), _attempt(lambda: whole_us(torch_decode))
         row("KVCache.decode(q numpy), host to host", name, ours, theirs)
 
-        def append() -> None:
-            kv.append(row_np, row_np)
-
         def refill() -> None:
-            kv.stream.synchronize()
-            kv.clear()
-            kv.extend(prefill, prefill)
+            _refill(kv, prefill)
 
-        ours = _attempt(lambda: burst_us(append, refill))
+        ours = _attempt(lambda: _append_us(kv, row_np, prefill))
         row(
             "KVCache.append(k, v) numpy rows",
             name,
