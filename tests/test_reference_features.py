@@ -116,12 +116,15 @@ def test_identities_of_the_features(rng):
     # a sink scales the output by denominator / (denominator + e^sink)
     sinks = rng.standard_normal(8)
     got, lse = fd.reference_gqa_decode(q, k, v, **dims, sinks=sinks, return_lse=True)
-    np.testing.assert_allclose(lse, np.logaddexp(plain_lse, sinks), rtol=1e-13)
-    np.testing.assert_allclose(got, plain * np.exp(plain_lse - lse)[:, None], rtol=1e-12)
+    np.testing.assert_allclose(lse, np.logaddexp(plain_lse, sinks), rtol=1e-13, atol=1e-13)
+    # (outputs near zero: an absolute bound too, as float64 rounding of O(0.1) values)
+    np.testing.assert_allclose(got, plain * np.exp(plain_lse - lse)[:, None], rtol=1e-12,
+                               atol=1e-14)  # fmt: skip
     # LSE of the plain decode: log sum exp of the scaled scores
     scores = np.einsum("hd,shd->hs", q.astype(np.float64),
                        np.repeat(k.astype(np.float64), 4, axis=1)) / 4.0  # fmt: skip
-    np.testing.assert_allclose(plain_lse, np.logaddexp.reduce(scores, axis=1), rtol=1e-13)
+    np.testing.assert_allclose(plain_lse, np.logaddexp.reduce(scores, axis=1), rtol=1e-13,
+                               atol=1e-13)  # fmt: skip
     # a cap far above the scores changes nothing measurable; the default scale is 1/sqrt(D)
     np.testing.assert_allclose(
         fd.reference_gqa_decode(q, k, v, **dims, logits_soft_cap=1e6),
@@ -162,7 +165,7 @@ def test_merging_the_parts_of_a_split_sequence_equals_the_whole(rng, parts):
     lses.append(np.full(n_heads, -np.inf))
     out, lse = fd.merge_states(np.stack(outs), np.stack(lses))
     np.testing.assert_allclose(out, whole, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(lse, whole_lse, rtol=1e-13)
+    np.testing.assert_allclose(lse, whole_lse, rtol=1e-13, atol=1e-13)
     # float32 parts merge to float32 within float32's rounding
     out32, lse32 = fd.merge_states(np.stack(outs).astype(np.float32),
                                    np.stack(lses).astype(np.float32))  # fmt: skip
@@ -173,7 +176,7 @@ def test_merging_the_parts_of_a_split_sequence_equals_the_whole(rng, parts):
     out_s, merged_s = fd.merge_states(np.stack([*outs, np.zeros((n_heads, head_dim))]),
                                       np.stack([*lses, sinks]))  # fmt: skip
     np.testing.assert_allclose(out_s, with_sinks, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(merged_s, lse_s, rtol=1e-13)
+    np.testing.assert_allclose(merged_s, lse_s, rtol=1e-13, atol=1e-13)
 
 
 def test_merge_states_of_empty_heads_and_flat_outputs():
