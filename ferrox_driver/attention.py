@@ -195,6 +195,28 @@ def feature_bits(window: bool, cap: bool, alibi: bool, sinks: bool, lse: bool, s
     return sum(b for b, on in zip(bits, (window, cap, alibi, sinks, lse, scale), strict=True) if on)
 
 
+def feature_bits_of(feats: Any) -> int:
+    """The F_* bits of validated features (features.Features)."""
+    return feature_bits(
+        feats.sliding_window is not None, feats.logits_soft_cap is not None,
+        feats.alibi_slopes is not None, feats.sinks is not None, feats.return_lse,
+        feats.scale is not None,
+    )  # fmt: skip
+
+
+def feature_args(
+    feats: Any, head_dim: int, *, slopes: DeviceArray | None = None,
+    sinks: DeviceArray | None = None, lse: DeviceArray | None = None,
+) -> tuple[int, FeatureArgs]:  # fmt: skip
+    """The F_* bits and the kernels' values of validated features (features.Features) for
+    ``head_dim``, with the per-head device arrays the kernels read (None: not used)."""
+    values = FeatureArgs(
+        scale=feats.score_scale(head_dim), cap=feats.logits_soft_cap or 1.0,
+        window=feats.sliding_window or 0, slopes=slopes, sinks=sinks, lse=lse,
+    )  # fmt: skip
+    return feature_bits_of(feats), values
+
+
 def _feature_entry(name: str, parts: list[str], mask: int, cluster: bool) -> str:
     """split_entry of ``name``, a split kernel with features ``mask`` (``<kernel>_x<mask>``,
     and the fp16/bf16 tensor-core kernels' ``<kernel>_x<mask>_cluster``; ``parts``: the

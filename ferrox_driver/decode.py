@@ -428,8 +428,7 @@ def gqa_decode(
         scale: the score scale (default ``1/sqrt(head_dim)``).
         return_lse: also return the log-sum-exp of the scores per query head (float32,
             natural log): the result is ``(out, lse)``. The definitions are
-            `reference_gqa_decode`'s. (The features take fp16/bf16 caches with head_dims
-            that are multiples of 8, for now.)
+            `reference_gqa_decode`'s. Every dtype and head_dim takes every feature.
 
     Returns:
         With numpy inputs, a numpy array (copied back, complete). With device inputs
@@ -591,11 +590,7 @@ def _feature_decode(
         arrays += [q_d, k_d, v_d, out_d]
     lse_d = empty((spec.n_heads,), np.float32, device=dev) if feats.return_lse else None
     seq = spec.seq_len
-    bits = attention.feature_bits(
-        feats.sliding_window is not None, feats.logits_soft_cap is not None,
-        feats.alibi_slopes is not None, feats.sinks is not None, feats.return_lse,
-        feats.scale is not None,
-    )  # fmt: skip
+    bits = attention.feature_bits_of(feats)
     plan_seq = seq if feats.sliding_window is None else min(seq, feats.sliding_window)
     aligned = ((q_d.ptr | k_d.ptr | v_d.ptr) & 15) == 0
     try:
@@ -603,14 +598,11 @@ def _feature_decode(
             dev, spec.dtype, spec.n_heads, spec.n_kv_heads, spec.head_dim, max(plan_seq, 1),
             aligned, bits,
         )  # fmt: skip
-        args = attention.FeatureArgs(
-            scale=feats.score_scale(spec.head_dim),
-            cap=feats.logits_soft_cap or 1.0,
-            window=feats.sliding_window or 0,
+        _, args = attention.feature_args(
+            feats, spec.head_dim, lse=lse_d,
             slopes=_per_head_device(feats.alibi_slopes, dev, sid, "alibi_slopes", stream),
             sinks=_per_head_device(feats.sinks, dev, sid, "sinks", stream),
-            lse=lse_d,
-        )
+        )  # fmt: skip
         ws = _stream_buffer(
             dev, sid, "workspace", plan.workspace_floats(spec.n_heads, spec.head_dim)
         )

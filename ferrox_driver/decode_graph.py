@@ -22,7 +22,7 @@ from .errors import ClosedError, KVCapacityError
 from .features import check_features
 from .graph import GraphExec
 from .interop import ArrayRef, array_ref
-from .kv_cache import KVCache, append_kernel, feature_bits_of
+from .kv_cache import KVCache, append_kernel
 from .launch import LaunchSequence, PackedLaunch
 from .memory import DeviceArray, empty, pinned_empty, to_device
 from .stream import Stream, stream_handle, stream_key
@@ -260,11 +260,7 @@ def _decode_async_features(
     sinks = _feature_array(feats.sinks, "sinks", n_heads, kv)
     slopes = _feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, kv)
     lse = _feature_array(out_lse, "out_lse", n_heads, kv)
-    fargs = attention.FeatureArgs(
-        scale=feats.score_scale(kv.head_dim), cap=feats.logits_soft_cap or 1.0,
-        window=feats.sliding_window or 0, slopes=slopes, sinks=sinks, lse=lse,
-    )  # fmt: skip
-    bits = feature_bits_of(feats)
+    bits, fargs = attention.feature_args(feats, kv.head_dim, slopes=slopes, sinks=sinks, lse=lse)
     sid = stream_key(stream)
     qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
     assert qr is not None and outr is not None

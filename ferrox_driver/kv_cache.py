@@ -88,12 +88,10 @@ class _HostDecoder:
                     host = pinned_empty((n_heads,), np.float32)
                     self.stages[role] = (host, empty((n_heads,), np.float32, device=kv.device))
             dev = {role: pair[1] for role, pair in self.stages.items()}
-            fargs = attention.FeatureArgs(
-                scale=feats.score_scale(kv.head_dim), cap=feats.logits_soft_cap or 1.0,
-                window=feats.sliding_window or 0, slopes=dev.get("alibi_slopes"),
-                sinks=dev.get("sinks"), lse=dev.get("lse"),
+            features = attention.feature_args(
+                feats, kv.head_dim, slopes=dev.get("alibi_slopes"), sinks=dev.get("sinks"),
+                lse=dev.get("lse"),
             )  # fmt: skip
-            features = (feature_bits_of(feats), fargs)
         record = kv.decode_record(
             self.q_dev, self.out_dev, n_heads, algorithm, kv.stream, length_on_device=True,
             features=features,
@@ -765,7 +763,7 @@ class KVCache:
         feats = check_features(n_heads, **kw, allow_device=False)
         self._check_q_dtype(q, algorithm)
         check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
-        key = (n_heads, algorithm, feature_bits_of(feats), feats.sliding_window,
+        key = (n_heads, algorithm, attention.feature_bits_of(feats), feats.sliding_window,
                feats.logits_soft_cap, feats.scale, q.dtype)  # fmt: skip
         with self._lock:
             self._check_open()
@@ -884,8 +882,9 @@ class KVCache:
             n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
         )  # fmt: skip
+        bits = attention.feature_bits_of(feats)
         with self._lock:
-            self._prepare(n_heads, algorithm, feature_bits_of(feats), feats.sliding_window)
+            self._prepare(n_heads, algorithm, bits, feats.sliding_window)
 
     def _plan_seq(self, fargs: Any) -> int:
         """The length decodes of this cache are planned for: its capacity, or the window."""
@@ -1101,12 +1100,3 @@ def _feature_key(fargs: Any) -> tuple[Any, ...]:
 
     return (fargs.scale, fargs.cap, fargs.window, ptr(fargs.slopes), ptr(fargs.sinks),
             ptr(fargs.lse))  # fmt: skip
-
-
-def feature_bits_of(feats: Any) -> int:
-    """The F_* bits of validated features (features.Features)."""
-    return attention.feature_bits(
-        feats.sliding_window is not None, feats.logits_soft_cap is not None,
-        feats.alibi_slopes is not None, feats.sinks is not None, feats.return_lse,
-        feats.scale is not None,
-    )  # fmt: skip
