@@ -175,9 +175,9 @@ class KVCache:
     ) -> None:
         self.n_kv_heads, self.head_dim = check_kv_shape(n_kv_heads, head_dim)
         self.capacity = check_int(capacity, "capacity", 1, 2**31 - 1)
-        as_fp8 = FP8_DTYPES.get(as_dtype(dtype, "dtype"), "")
-        self.dtype = as_dtype(dtype, "dtype") if as_fp8 else check_dtype(dtype, "dtype")
-        self.fp8 = as_fp8  # "e4m3", "e5m2" or "" (attention.FP8_FORMATS)
+        dt = as_dtype(dtype, "dtype")
+        self.fp8 = FP8_DTYPES.get(dt, "")  # "e4m3", "e5m2" or "" (attention.FP8_FORMATS)
+        self.dtype = dt if self.fp8 else check_dtype(dt, "dtype")
         if not self.fp8 and (k_scale is not None or v_scale is not None):
             raise ValueError("k_scale: only fp8 caches take scales")
         if self.fp8 and self.head_dim % 16:
@@ -210,9 +210,12 @@ class KVCache:
         self.state.fill_bytes(0, self.stream)
         self._scales = scales  # the host's copy of kv_scales
         self.kv_scales: DeviceArray | None = None  # fp8: n_kv K scales, then n_kv V ones
-        row_dtype = np.float32 if self.fp8 else self.dtype  # (fp8: rows staged as float32)
-        self._stage_k = pinned_empty((slots, self.row_elems), row_dtype)
-        self._stage_v = pinned_empty((slots, self.row_elems), row_dtype)
+        if self.fp8:  # K and V of a slot side by side, float32: one copy (_init_fp8)
+            self._stage_kv = pinned_empty((slots, 2, self.row_elems), np.float32)
+            self._stage_k, self._stage_v = self._stage_kv[:, 0], self._stage_kv[:, 1]
+        else:
+            self._stage_k = pinned_empty((slots, self.row_elems), self.dtype)
+            self._stage_v = pinned_empty((slots, self.row_elems), self.dtype)
         self._stage_seq = pinned_empty((slots,), np.int32)
         # Addresses computed once: numpy's .ctypes costs microseconds on every access.
         self._stage_k_addr = self._stage_k.ctypes.data
@@ -254,11 +257,8 @@ class KVCache:
         cache by one launch."""
         self.kv_scales = empty((2 * self.n_kv_heads,), np.float32, device=self.device)
         self.kv_scales.copy_from_host(self._scales, self.stream)
-        self._stage_kv = pinned_empty((slots, 2, self.row_elems), np.float32)
         self._stage_kv_addr = self._stage_kv.ctypes.data
         self._dev_stage = empty((slots, 2, self.row_elems), np.float32, device=self.device)
-        self._stage_k = self._stage_kv[:, 0]
-        self._stage_v = self._stage_kv[:, 1]
         args = (self._dev_stage, self._dev_stage, self._k, self._v, self.kv_scales,
                 np.int32(self.n_kv_heads), np.int32(self.head_dim), np.int32(1), np.int32(0),
                 self.state, np.int32(self.capacity))  # fmt: skip
@@ -478,8 +478,17 @@ class KVCache:
     def _append_fp8(self, k_tok: np.ndarray, v_tok: np.ndarray) -> None:
         """``append`` into an fp8 cache: the rows staged as float32, one copy of both to
         the device, one launch quantizing them into the cache."""
-        self._check_rows(k_tok, "k_tok", one=True)
-        self._check_rows(v_tok, "v_tok", one=True)
+        shapes = self._row_shapes
+        if not (
+            type(k_tok) is np.ndarray
+            and type(v_tok) is np.ndarray
+            and k_tok.dtype in ROW_DTYPES
+            and v_tok.dtype in ROW_DTYPES
+            and k_tok.shape in shapes
+            and v_tok.shape in shapes
+        ):  # fmt: skip  (the full checks only where the quick one fails, as in append)
+            self._check_rows(k_tok, "k_tok", one=True)
+            self._check_rows(v_tok, "v_tok", one=True)
         with self._lock:
             if self._closed or self.stream._closed:
                 self._check_open()
