@@ -85,8 +85,7 @@ def split_entry(name: str) -> str:
             return _feature_entry(name, parts[:-1], int(parts[-1][1:]), name != base)
         if base.startswith("gqa_split_combine_"):
             return f"FX_COMBINE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
-        wide = len(parts) == 6 and parts[4:] == [f"d{WIDE_HEAD_DIM}", "wide"] and name != base
-        if wide:  # gqa_split_mma_<dt>_d128_wide_cluster
+        if _is_wide(parts) and name != base:  # gqa_split_mma_<dt>_d128_wide_cluster
             return f"FX_MMA_WIDE_ENTRY({name}, {_ENTRY_TYPES[parts[3]]})"
         if base.startswith("gqa_split_mma_") and parts[3] != "f32":  # (fp32: gqa_split_tc32_*)
             return _mma_entry(base, parts)
@@ -118,19 +117,21 @@ def _fp8_entry(name: str, parts: list[str], cluster: bool) -> str:
     qt, q8, mask = _ENTRY_TYPES[parts[3]], FP8_FORMATS[parts[4]], int(bits[1:])
     plain = [*parts[:4], *inner[5:-1]]  # the fp16/bf16 kernel's name
     if plain[-1] == "wide":
-        if not cluster or split_entry("_".join(plain) + "_cluster").split("(")[0] != (
-            "FX_MMA_WIDE_ENTRY"
-        ):
+        if not (cluster and _is_wide(plain)):
             raise ValueError(name)
         return f"FX_MMA8_WIDE_KERNEL({name}, {qt}, {q8}, {mask})"
-    entry = _mma_entry("_".join(plain), plain)  # FX_MMA_[PAD_|TILED_]ENTRY(base, T, D[, DR])
-    args = entry[entry.index("(") + 1 : -1].split(", ")
-    d, dr = int(args[2]), int(args[-1])
+    d, dr, tiled = _mma_shape("_".join(plain), plain)
     if dr % 16:
         raise ValueError(name)
-    tiled = "true" if entry.startswith("FX_MMA_TILED_ENTRY") else "false"
     base = "_".join(inner)
-    return f"FX_MMA8_KERNELS({base}, {qt}, {q8}, {d}, {dr}, {tiled}, {mask})"
+    flag = "true" if tiled else "false"
+    return f"FX_MMA8_KERNELS({base}, {qt}, {q8}, {d}, {dr}, {flag}, {mask})"
+
+
+def _is_wide(parts: list[str]) -> bool:
+    """Whether ``parts`` (a name's, without ``_cluster``) name the wide kernel,
+    gqa_split_mma_<dt>_d128_wide."""
+    return len(parts) == 6 and parts[4:] == [f"d{WIDE_HEAD_DIM}", "wide"]
 
 
 def _mma_entry(base: str, parts: list[str]) -> str:
@@ -141,6 +142,23 @@ def _mma_entry(base: str, parts: list[str]) -> str:
     Raises:
         ValueError, KeyError, IndexError: no such kernel.
     """
+    d, dr, tiled = _mma_shape(base, parts)
+    dt = _ENTRY_TYPES[parts[3]]
+    if tiled:
+        return f"FX_MMA_TILED_ENTRY({base}, {dt}, {d}, {dr})"
+    if dr != d:
+        return f"FX_MMA_PAD_ENTRY({base}, {dt}, {d}, {dr})"
+    return f"FX_MMA_ENTRY({base}, {dt}, {d})"
+
+
+def _mma_shape(base: str, parts: list[str]) -> tuple[int, int, bool]:
+    """(D, the cache's head_dim, tiled) of the fp16/bf16 tensor-core kernel ``base``
+    (see _mma_entry).
+
+    Raises:
+        ValueError, KeyError, IndexError: no such kernel.
+    """
+    _ENTRY_TYPES[parts[3]]  # (a dtype the kernels have: KeyError otherwise)
     rest = parts[4:]
     tiled = rest[-1:] == ["t2"]
     rest = rest[:-1] if tiled else rest
@@ -152,12 +170,7 @@ def _mma_entry(base: str, parts: list[str]) -> str:
         dr = int(rest[1][1:])
         if rest[1][0] != "r" or not (0 < dr < d and dr % 8 == 0):
             raise ValueError(base)
-    dt = _ENTRY_TYPES[parts[3]]
-    if tiled:
-        return f"FX_MMA_TILED_ENTRY({base}, {dt}, {d}, {dr})"
-    if dr != d:
-        return f"FX_MMA_PAD_ENTRY({base}, {dt}, {d}, {dr})"
-    return f"FX_MMA_ENTRY({base}, {dt}, {d})"
+    return d, dr, tiled
 
 
 # The feature bits of the kernels' F (FX_F_* in split_common.cuh), and those the combine
@@ -225,8 +238,9 @@ def _feature_entry(name: str, parts: list[str], mask: int, cluster: bool) -> str
     if not 0 < mask < 64 or "cluster" in parts:
         raise ValueError(name)
     if parts[-1] == "wide":  # gqa_split_mma_<dt>_d128_wide_x<F>_cluster
-        if not cluster or split_entry(inner + "_cluster").split("(")[0] != "FX_MMA_WIDE_ENTRY":
+        if not (cluster and _is_wide(parts)):
             raise ValueError(name)
+        _ENTRY_TYPES[parts[3]]  # (a dtype the kernels have: KeyError otherwise)
         return f"FX_MMA_WIDE_FEAT_ENTRY({name}, {_ENTRY_TYPES[parts[3]]}, {mask})"
     base = name.removesuffix("_cluster")
     if inner.startswith("gqa_split_combine_") and len(parts) == 4 and not cluster:
