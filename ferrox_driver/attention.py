@@ -947,9 +947,9 @@ def split_launches(
         raise ValueError("features: the plan has features compiled in; pass their values")
     if plan.fp8 and kv_scales is None:
         raise ValueError("kv_scales: an fp8 plan reads the cache's scales")
-    if plan.fp8:  # its kernels take the scales and every feature's value
-        features = features or FeatureArgs(scale=head_dim**-0.5)
-    with_features = bool(plan.features or plan.fp8) and features is not None
+    # the split kernel's last arguments: an fp8 plan's scales, and with features (an fp8
+    # plan's kernels take every feature's value, its own or not) their values
+    values = (features or FeatureArgs(scale=head_dim**-0.5)) if plan.features or plan.fp8 else None
     fp8_args: tuple[Any, ...] = (kv_scales,) if plan.fp8 else ()
     launch_kv = n_kv_heads // 2 if plan.paired else n_kv_heads  # paired: KV heads of 2 rows
     heads = (np.int32(n_heads), np.int32(launch_kv))
@@ -961,8 +961,8 @@ def split_launches(
     seq_role: Roles = ()
     if plan.cluster:
         args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile, *fp8_args)
-        if with_features and features is not None:
-            args += features.cluster_args()
+        if values is not None:
+            args += values.cluster_args()
         grid = (plan.splits, n_kv_heads * plan.head_tiles, 1)
         roles = (*_QKV, (3, "out"), *(((6, "seq"),) if seq_len_dev is None else seq_role))
         return [Launch(plan.kernel, grid, plan.threads, args, shared, plan.cluster, roles=roles)]
@@ -974,24 +974,24 @@ def split_launches(
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
         args += fp8_args
-        if with_features and features is not None:
-            args += features.split_args()
+        if values is not None:
+            args += values.split_args()
         grid = (plan.splits, launch_kv * plan.head_tiles, 1)  # tiles of 8 query heads
         at = 7
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         lanes = np.int32(plan.lanes_per_token)
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(head_dim), np.int32(seq_len),
                 seq_len_dev, splits, lanes, tile)  # fmt: skip
-        if plan.features and features is not None:
-            args += features.split_args()
+        if values is not None:
+            args += values.split_args()
         grid = (plan.head_tiles, plan.splits, n_kv_heads)
         at = 8
     combine_args: tuple[Any, ...] = (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len),
                                      seq_len_dev, splits, tile)  # fmt: skip
     combine = plan.combine_kernel(q.dtype)
     assert combine is not None
-    if plan.features & COMBINE_FEATURES and features is not None:
-        combine_args += features.combine_args()
+    if plan.features & COMBINE_FEATURES and values is not None:
+        combine_args += values.combine_args()
     on_host = seq_len_dev is None
     return [
         Launch(
