@@ -114,4 +114,4 @@ def test_fp8_kernels_compile_without_stack_or_spills(arch):
         for kernel, res in found.items():
             assert res.stack_bytes == 0 and res.spill_stores == 0, (arch, kernel, res)
     quant = compile_source(kernel_source("kv_quantize.cu"), arch=arch, name="kv_quantize.cu")
-    assert sorted(quant.resources) == ["kv_quantize_e4m3", "kv_quantize_e5m2"]
+    assert {"kv_quantize_e4m3", "kv_quantize_e5m2_bf16"} <= set(quant.resources)

@@ -154,11 +154,73 @@ def test_fp8_caches_refuse_what_is_not_built_yet(rng):
             kv.decode(q, n_heads=8)
         with pytest.raises(ValueError, match="algorithm"):
             kv.decode(q.astype(np.float16), n_heads=8, algorithm="parity")
-        qd, out = fd.to_device(q.astype(np.float16)), fd.to_device(q.astype(np.float16))
+        qd = fd.to_device(q)  # float32 q
+        with pytest.raises(TypeError, match="q_dev: expected"):
+            fd.gqa_decode_async(qd, kv, qd, n_heads=8, stream=kv.stream)
+        q16, out_bf16 = fd.to_device(q.astype(np.float16)), fd.empty((8, 64), ml_dtypes.bfloat16)
+        with pytest.raises(TypeError, match="out_dev: expected dtype float16"):
+            fd.gqa_decode_async(q16, kv, out_bf16, n_heads=8, stream=kv.stream)
         with pytest.raises(NotImplementedError, match="fp8"):
-            fd.gqa_decode_async(qd, kv, out, n_heads=8, stream=kv.stream)
-        with pytest.raises(NotImplementedError, match="fp8"):
-            kv.prepare(8)
+            fd.DecodeGraph(kv, n_heads=8)
+        with pytest.raises(TypeError, match="q_dtype"):
+            kv.prepare(8, q_dtype=np.float32)
         with pytest.raises(TypeError, match="float32, float16 or bfloat16 rows"):
             kv.append(np.ones(128, np.int32), np.ones(128, np.int32))
+        rows_i8 = fd.to_device(np.ones(128, np.int8))
+        with pytest.raises(TypeError, match="k_dev"):
+            fd.kv_append_async(kv, rows_i8, rows_i8, stream=kv.stream)
         assert kv.seq_len == 1  # nothing appended by the refusals
+
+
+@pytest.mark.parametrize("qdt", ["bf16", "f16"])
+def test_a_graph_of_fp8_appends_and_decodes_captured_once_serves_every_token(rng, qdt):
+    """kv_append_async of 16-bit device rows (quantized on the device) and
+    gqa_decode_async captured at seq_len 1, replayed to 600 tokens; with a window, sinks
+    and the LSE in a second graph."""
+    dt = Q_DTYPES[qdt]
+    n_heads, n_kv, hd, steps, window = 32, 8, 128, 600, 200
+    k = (rng.standard_normal((steps, n_kv, hd)) * 3).astype(dt)
+    v = rng.standard_normal((steps, n_kv, hd)).astype(dt)
+    q = rng.standard_normal((n_heads, hd)).astype(dt)
+    sinks = rng.standard_normal(n_heads).astype(np.float32)
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd}
+    with (fd.KVCache(n_kv, hd, steps, dtype=FORMATS["e4m3"], k_scale=0.02, v_scale=0.01) as kv,
+          fd.Stream() as stream):  # fmt: skip
+        k_row, v_row = fd.empty((n_kv, hd), dt), fd.empty((n_kv, hd), dt)
+        q_d, sinks_d = fd.to_device(q), fd.to_device(sinks)
+        kv.prepare(n_heads, q_dtype=dt)
+        kv.prepare(n_heads, q_dtype=dt, sliding_window=window, sinks=sinks_d, return_lse=True)
+        out, out_w = fd.empty((n_heads, hd), dt), fd.empty((n_heads, hd), dt)
+        lse = fd.empty((n_heads,), np.float32)
+        with stream.capture() as graph:
+            fd.kv_append_async(kv, k_row, v_row, stream=stream)
+            fd.gqa_decode_async(q_d, kv, out, n_heads=n_heads, stream=stream)
+        step = graph.instantiate()
+        with stream.capture() as graph_w:
+            fd.gqa_decode_async(q_d, kv, out_w, n_heads=n_heads, stream=stream,
+                                sliding_window=window, sinks=sinks_d, out_lse=lse)  # fmt: skip
+        windowed = graph_w.instantiate()
+        for t in range(steps):
+            k_row.copy_from_host(k[t], stream)
+            v_row.copy_from_host(v[t], stream)
+            out.fill_bytes(0xFF, stream)
+            step.launch(stream)
+            if t + 1 not in (1, 2, 199, 200, 201, 599, 600):
+                continue
+            out_w.fill_bytes(0xFF, stream)
+            windowed.launch(stream)
+            stream.synchronize()
+            assert kv.seq_len == t + 1
+            kq, vq = kv.to_host()
+            _same_bytes(kq, fd.quantize_fp8(k[: t + 1], FORMATS["e4m3"], 0.02))
+            _same_bytes(vq, fd.quantize_fp8(v[: t + 1], FORMATS["e4m3"], 0.01))
+            kd, vd = kv.dequantized()
+            ref = fd.reference_gqa_decode(q, kd, vd, **dims)
+            assert rel_err(out.to_host().astype(np.float64), ref) < TOL, t
+            ref_w, ref_lse = fd.reference_gqa_decode(
+                q, kd, vd, **dims, sliding_window=window, sinks=sinks, return_lse=True
+            )
+            assert rel_err(out_w.to_host().astype(np.float64), ref_w) < TOL, t
+            np.testing.assert_allclose(lse.to_host(), ref_lse, rtol=1e-3, atol=1e-3)
+        step.close()
+        windowed.close()
