@@ -27,7 +27,7 @@ from .kv_cache import KVCache, append_kernel
 from .launch import LaunchSequence, PackedLaunch
 from .memory import DeviceArray, empty, pinned_empty, to_device
 from .stream import Stream, stream_handle, stream_key
-from .types import ArrayLike, DeviceArrayLike, StreamLike
+from .types import ArrayLike, DeviceArrayLike, DTypeLike, StreamLike
 from .validation import check_dims, dtype_name
 
 __all__ = ["DecodeGraph", "gqa_decode_async", "kv_append_async"]
@@ -325,12 +325,17 @@ class DecodeGraph:
         alibi_slopes: like ``sinks``.
         scale: as `gqa_decode`.
         return_lse: each step also writes the log-sum-exp per query head into ``lse``.
+        q_dtype: an fp8 cache's dtype for q, the rows and the result (float16 or bfloat16;
+            default bfloat16): the rows are quantized on the device at each step. Other
+            caches take their own dtype.
 
     Calling it is thread-safe (it takes the cache's lock); ``launch`` + ``synchronize``
     as a pair are the caller's to order. Closing the cache or the stream makes it raise
     `ClosedError`, as does its own ``close()``.
 
     Attributes:
+        dtype: the dtype of q, the rows and the result (the cache's, or an fp8 cache's
+            ``q_dtype``).
         q: page-locked staging for the query, (n_heads, head_dim); fill it in place and
             call ``launch`` then ``synchronize`` to skip even the staging copy.
         k: page-locked staging for the new token's K row, (n_kv_heads, head_dim).
@@ -355,16 +360,15 @@ class DecodeGraph:
         alibi_slopes: ArrayLike = None,
         scale: float | None = None,
         return_lse: bool = False,
+        q_dtype: DTypeLike = None,
     ) -> None:
         self._closed = True  # until built
         self.kv = _check_cache(kv)
-        if kv.fp8:
-            raise NotImplementedError(
-                "kv: DecodeGraph does not take fp8 caches yet (capture kv_append_async and "
-                "gqa_decode_async instead)"
-            )
         self.n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
         algorithm = check_algorithm(algorithm)
+        # q, the rows and the result: the cache's dtype, or an fp8 cache's q_dtype (its rows
+        # quantized on the device by the graph's append)
+        self.dtype = kv._q_dtype_for(q_dtype, algorithm)
         feats = check_features(
             self.n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
@@ -377,7 +381,7 @@ class DecodeGraph:
             stream._check_open()
         self.stream = kv.stream if stream is None else stream
         self._h = stream_handle(self.stream)
-        dt, hd = kv.dtype, kv.head_dim
+        dt, hd = self.dtype, kv.head_dim
         # q, k and v share one page-locked buffer and one device buffer (each part 256-byte
         # aligned), so a replay copies them in with one copy.
         sizes = (self.n_heads * hd, kv.row_elems, kv.row_elems)
@@ -451,7 +455,8 @@ class DecodeGraph:
             if arr is not None:
                 feats[name] = arr
         # Load kernels and allocate scratch first: neither is capturable.
-        kv.prepare(self.n_heads, algorithm, return_lse=self._lse_d is not None, **feats)
+        kv.prepare(self.n_heads, algorithm, return_lse=self._lse_d is not None,
+                   q_dtype=self.dtype if kv.fp8 else None, **feats)  # fmt: skip
         with s.capture() as graph:
             drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data, self._in_d.nbytes, h)
             kv_append_async(kv, self._k_d, self._v_d, stream=s)
@@ -507,7 +512,7 @@ class DecodeGraph:
         """Append ``k_tok``/``v_tok`` and decode ``q``: one graph launch, one sync.
 
         Returns:
-            A new numpy array of shape (n_heads, head_dim) in the cache dtype (built with
+            A new numpy array of shape (n_heads, head_dim) in ``dtype`` (built with
                 ``return_lse``, the step's LSE is then in ``lse``).
 
         Raises:
@@ -516,7 +521,7 @@ class DecodeGraph:
             ClosedError: this graph, its cache or its stream was closed.
         """
         kv = self.kv
-        dt = kv.dtype
+        dt = self.dtype
         fq, fk, fv = self._flat
         if not (
             type(q) is np.ndarray and type(k_tok) is np.ndarray and type(v_tok) is np.ndarray

@@ -160,8 +160,8 @@ def test_fp8_caches_refuse_what_is_not_built_yet(rng):
         q16, out_bf16 = fd.to_device(q.astype(np.float16)), fd.empty((8, 64), ml_dtypes.bfloat16)
         with pytest.raises(TypeError, match="out_dev: expected dtype float16"):
             fd.gqa_decode_async(q16, kv, out_bf16, n_heads=8, stream=kv.stream)
-        with pytest.raises(NotImplementedError, match="fp8"):
-            fd.DecodeGraph(kv, n_heads=8)
+        with pytest.raises(TypeError, match="q_dtype"):
+            fd.DecodeGraph(kv, n_heads=8, q_dtype=np.float32)
         with pytest.raises(TypeError, match="q_dtype"):
             kv.prepare(8, q_dtype=np.float32)
         with pytest.raises(TypeError, match="float32, float16 or bfloat16 rows"):
@@ -224,3 +224,37 @@ def test_a_graph_of_fp8_appends_and_decodes_captured_once_serves_every_token(rng
             np.testing.assert_allclose(lse.to_host(), ref_lse, rtol=1e-3, atol=1e-3)
         step.close()
         windowed.close()
+
+
+def test_decode_graph_steps_an_fp8_cache(rng):
+    """DecodeGraph of an fp8 cache: bf16 q and rows in, each step's rows quantized on the
+    device, the result in bf16; features too."""
+    dt = ml_dtypes.bfloat16
+    n_heads, n_kv, hd, steps = 16, 4, 64, 300
+    sinks = rng.standard_normal(n_heads).astype(np.float32)
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd}
+    with fd.KVCache(n_kv, hd, steps, dtype=FORMATS["e5m2"], k_scale=0.05, v_scale=0.1) as kv:
+        kv.extend(rng.standard_normal((10, n_kv, hd)).astype(np.float32),
+                  rng.standard_normal((10, n_kv, hd)).astype(np.float32))  # fmt: skip
+        with fd.DecodeGraph(kv, n_heads=n_heads, q_dtype=dt, sliding_window=64, sinks=sinks,
+                            return_lse=True) as graph:  # fmt: skip
+            assert graph.dtype == np.dtype(dt)
+            for t in range(10, steps):
+                q = rng.standard_normal((n_heads, hd)).astype(dt)
+                k_tok = rng.standard_normal((n_kv, hd)).astype(dt)
+                v_tok = rng.standard_normal((n_kv, hd)).astype(dt)
+                out = graph(q, k_tok, v_tok)
+                if t % 97:
+                    continue
+                assert out.dtype == np.dtype(dt) and kv.seq_len == t + 1
+                kd, vd = kv.dequantized()
+                np.testing.assert_array_equal(
+                    kd[t],
+                    fd.quantize_fp8(k_tok, FORMATS["e5m2"], 0.05).astype(np.float32)
+                    * np.float32(0.05),
+                )
+                ref, ref_lse = fd.reference_gqa_decode(
+                    q, kd, vd, **dims, sliding_window=64, sinks=sinks, return_lse=True
+                )
+                assert rel_err(out.astype(np.float64), ref) < TOL, t
+                np.testing.assert_allclose(graph.lse, ref_lse, rtol=1e-3, atol=1e-3)
