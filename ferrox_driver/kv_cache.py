@@ -137,7 +137,7 @@ class KVCache:
         capacity: the most tokens it will hold (memory is allocated once, up front).
         dtype: float32 (as ferrox-cuda), float16 or ``ml_dtypes.bfloat16``; or an fp8 cache,
             ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` (compute capability 8.9 and up,
-            head_dim a multiple of 16): appended rows (float32, float16, bfloat16) are
+            head_dim a multiple of 8): appended rows (float32, float16, bfloat16) are
             quantized on the device (as `quantize_fp8`), and decodes take
             float16 or bfloat16 q (the output in q's dtype).
         k_scale: an fp8 cache's K scale (float32, a scalar or one per KV head; default
@@ -180,9 +180,9 @@ class KVCache:
         self.dtype = dt if self.fp8 else check_dtype(dt, "dtype")
         if not self.fp8 and (k_scale is not None or v_scale is not None):
             raise ValueError("k_scale: only fp8 caches take scales")
-        if self.fp8 and self.head_dim % 16:
+        if self.fp8 and self.head_dim % 8:
             raise ValueError(
-                f"head_dim: fp8 caches take head_dims that are multiples of 16, got {self.head_dim}"
+                f"head_dim: fp8 caches take head_dims that are multiples of 8, got {self.head_dim}"
             )
         scales = np.concatenate([check_scales(k_scale, self.n_kv_heads, "k_scale"),
                                  check_scales(v_scale, self.n_kv_heads, "v_scale")])  # fmt: skip

@@ -65,9 +65,11 @@ def _decode_checked(kv, q, n_heads, **features):
     return got, ref
 
 
-GRID = [("e4m3", "bf16", hd, nh) for hd in (64, 80, 96, 128, 256) for nh in (8, 32, 64)] + [
-    (fmt, qdt, hd, 32) for fmt, qdt in (("e4m3", "f16"), ("e5m2", "bf16")) for hd in (80, 128)
-]
+GRID = (
+    [("e4m3", "bf16", hd, nh) for hd in (64, 80, 96, 128, 256) for nh in (8, 32, 64)]
+    + [(fmt, qdt, hd, 32) for fmt, qdt in (("e4m3", "f16"), ("e5m2", "bf16")) for hd in (80, 128)]
+    + [("e4m3", "bf16", hd, 32) for hd in (8, 24, 40, 72, 200)]
+)  # rows of 8-byte chunks
 
 
 @pytest.mark.parametrize("fmt,qdt,head_dim,n_heads", GRID)
