@@ -1,5 +1,5 @@
 // fp8 KV caches (KVCache with dtype float8_e4m3fn or float8_e5m2, compute capability 8.9
-// and up): float32 rows quantized on the device. Each value x of KV head h becomes
+// and up): float32, float16 or bfloat16 rows quantized on the device. Each value x of KV head h becomes
 // x / scale_h (an IEEE division), rounded to nearest even and saturated to the format's
 // finite range (448 for e4m3, 57344 for e5m2; infinities too); NaN stays NaN. As
 // `np.clip(x / scale, -max, max).astype(ml_dtypes.float8_*)`, bit for bit.
@@ -14,13 +14,13 @@ __device__ __forceinline__ unsigned char fx_quantize(float x) {
     return (unsigned char)(r & 0xffu);
 }
 
-// Rows [first, first + n_rows) of the caches from float32 rows k_src, v_src ([n_rows]
+// Rows [first, first + n_rows) of the caches from rows k_src, v_src of type QT ([n_rows]
 // [n_kv][head_dim]); kv_scales: n_kv K scales, then n_kv V ones. first < 0: one row at the
 // device's length state[0], which is then bumped (a full cache writes nothing and sets the
 // overflow flag state[1]); launch ONE block then.
-template <int Q8>
-__device__ __forceinline__ void fx_quantize_rows(const float* __restrict__ k_src,
-                                                 const float* __restrict__ v_src,
+template <int Q8, class QT>
+__device__ __forceinline__ void fx_quantize_rows(const QT* __restrict__ k_src,
+                                                 const QT* __restrict__ v_src,
                                                  unsigned char* __restrict__ k_cache,
                                                  unsigned char* __restrict__ v_cache,
                                                  const float* __restrict__ kv_scales, int n_kv,
@@ -41,8 +41,8 @@ __device__ __forceinline__ void fx_quantize_rows(const float* __restrict__ k_src
          i += (long long)gridDim.x * blockDim.x) {
         const int h = (int)((i / head_dim) % n_kv);
         const long long at = (long long)row0 * row + i;
-        k_cache[at] = fx_quantize<Q8>(k_src[i] / kv_scales[h]);
-        v_cache[at] = fx_quantize<Q8>(v_src[i] / kv_scales[n_kv + h]);
+        k_cache[at] = fx_quantize<Q8>(fx_to_float(k_src[i]) / kv_scales[h]);
+        v_cache[at] = fx_quantize<Q8>(fx_to_float(v_src[i]) / kv_scales[n_kv + h]);
     }
     if (on_device) {
         __syncthreads();
@@ -50,13 +50,19 @@ __device__ __forceinline__ void fx_quantize_rows(const float* __restrict__ k_src
     }
 }
 
-#define FX_QUANTIZE_ENTRY(NAME, Q8)                                                         \
-    extern "C" __global__ void NAME(const float* k_src, const float* v_src,                 \
+// kv_quantize_<e4m3|e5m2> (float32 rows: the host's appends, staged) and
+// kv_quantize_<fmt>_<f16|bf16> (kv_append_async's 16-bit device rows)
+#define FX_QUANTIZE_ENTRY(NAME, Q8, QT)                                                     \
+    extern "C" __global__ void NAME(const QT* k_src, const QT* v_src,                       \
                                     unsigned char* k_cache, unsigned char* v_cache,         \
                                     const float* kv_scales, int n_kv, int head_dim,         \
                                     int n_rows, int first, int* state, int capacity) {      \
-        fx_quantize_rows<Q8>(k_src, v_src, k_cache, v_cache, kv_scales, n_kv, head_dim,     \
-                             n_rows, first, state, capacity);                               \
+        fx_quantize_rows<Q8, QT>(k_src, v_src, k_cache, v_cache, kv_scales, n_kv, head_dim, \
+                                 n_rows, first, state, capacity);                           \
     }
-FX_QUANTIZE_ENTRY(kv_quantize_e4m3, 1)
-FX_QUANTIZE_ENTRY(kv_quantize_e5m2, 2)
+FX_QUANTIZE_ENTRY(kv_quantize_e4m3, 1, float)
+FX_QUANTIZE_ENTRY(kv_quantize_e5m2, 2, float)
+FX_QUANTIZE_ENTRY(kv_quantize_e4m3_f16, 1, fx_half)
+FX_QUANTIZE_ENTRY(kv_quantize_e5m2_f16, 2, fx_half)
+FX_QUANTIZE_ENTRY(kv_quantize_e4m3_bf16, 1, fx_bf16)
+FX_QUANTIZE_ENTRY(kv_quantize_e5m2_bf16, 2, fx_bf16)

@@ -439,7 +439,8 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 
 // An fp8 cache (Q8) with q and the output of type QT, features F (0: none; their values
 // passed either way): gqa_split_mma_<dt>_<e4m3|e5m2>_d<D>[_r<DR>][_t2]_x<F> and its
-// _cluster twin; the cache's head_dim DR a multiple of 16 (the ring's 16-byte chunks).
+// _cluster twin; the cache's head_dim DR a multiple of 8 (fx_issue_step copies 8-byte
+// chunks where it is not one of 16).
 #define FX_MMA8_KERNELS(NAME, QT, Q8, D, DR, TILED, F)                                       \
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \

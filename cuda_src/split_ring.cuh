@@ -41,13 +41,23 @@ template <class T, int D>
 __device__ __forceinline__ int fx_swz_v(int r) {
     return sizeof(T) > 1 ? r & 6 : D >= 128 ? ((r >> 1) & 1) << 2 : 0;
 }
+// 8 bytes global -> shared (fp8 rings whose rows are not whole 16-byte chunks).
+__device__ __forceinline__ void fx_cp_async8(void* dst, const void* src, bool ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src),
+                 "r"(ok ? 8 : 0)
+                 : "memory");
+}
 template <class T, int D, int TOK, int S, int DR = D>
 __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start, int end,
                                               int lane, const T* kg, const T* vg,
                                               long long row) {
-    constexpr int EPC = 16 / (int)sizeof(T);  // elements per 16-byte chunk
-    constexpr int NCH = D / EPC, STEP = TOK * D;
-    static_assert(DR <= D && DR % EPC == 0, "rows of whole 16-byte chunks, at most D");
+    // 16-byte chunks; an fp8 ring of rows of 8-byte multiples copies 8-byte halves, each
+    // where the 16-byte chunk's swizzle puts it (unit u of row r at u ^ 2 swz(r))
+    constexpr int CB = sizeof(T) == 1 && DR % 16 ? 8 : 16;
+    constexpr int EPC = CB / (int)sizeof(T);  // elements per chunk
+    constexpr int NCH = D / EPC, STEP = TOK * D, SW = 16 / CB;
+    static_assert(DR <= D && DR % EPC == 0, "rows of whole chunks, at most D");
     if (t0 < end) {
         T* ks = ring + (j % S) * 2 * STEP;
         T* vs = ks + STEP;
@@ -58,8 +68,13 @@ __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start,
             const bool ok = t0 + r < end && col;
             const long long off = (long long)(t0 + r < end ? t0 + r : start) * row +
                                   (col ? c : 0) * EPC;
-            fx_cp_async16(ks + r * D + ((c ^ fx_swz_k<T, D>(r)) * EPC), kg + off, ok);
-            fx_cp_async16(vs + r * D + ((c ^ fx_swz_v<T, D>(r)) * EPC), vg + off, ok);
+            if constexpr (CB == 16) {
+                fx_cp_async16(ks + r * D + ((c ^ fx_swz_k<T, D>(r)) * EPC), kg + off, ok);
+                fx_cp_async16(vs + r * D + ((c ^ fx_swz_v<T, D>(r)) * EPC), vg + off, ok);
+            } else {
+                fx_cp_async8(ks + r * D + ((c ^ (SW * fx_swz_k<T, D>(r))) * EPC), kg + off, ok);
+                fx_cp_async8(vs + r * D + ((c ^ (SW * fx_swz_v<T, D>(r))) * EPC), vg + off, ok);
+            }
         }
     }
     fx_cp_async_commit();

@@ -106,7 +106,8 @@ FP8_FORMATS = {"e4m3": 1, "e5m2": 2}
 def _fp8_entry(name: str, parts: list[str], cluster: bool) -> str:
     """split_entry of an fp8 cache's kernel: gqa_split_mma_<dt>_<e4m3|e5m2>_d<D>[_r<DR>]
     [_t2]_x<F> (with its _cluster twin), or gqa_split_mma_<dt>_<fmt>_d128_wide_x<F>_cluster;
-    the cache's head_dim DR a multiple of 16 (the ring's chunks); ``parts``: the name's
+    the cache's head_dim DR a multiple of 8 (the ring's 16-byte chunks, or 8-byte ones where
+    DR is not a multiple of 16); ``parts``: the name's
     without ``_cluster``."""
     inner = parts
     bits = inner[-1]
@@ -121,7 +122,7 @@ def _fp8_entry(name: str, parts: list[str], cluster: bool) -> str:
             raise ValueError(name)
         return f"FX_MMA8_WIDE_KERNEL({name}, {qt}, {q8}, {mask})"
     d, dr, tiled = _mma_shape("_".join(plain), plain)
-    if dr % 16:
+    if dr % 8:
         raise ValueError(name)
     base = "_".join(inner)
     flag = "true" if tiled else "false"
@@ -624,7 +625,7 @@ def plan(
 
     Raises:
         ValueError: ``fp8`` where the plan has no such kernel (q not fp16/bf16, a head_dim
-            not a multiple of 16, groups past 16).
+            not a multiple of 8, groups past 16).
     """
     if fp8:
         return _fp8_plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
@@ -658,11 +659,11 @@ def _fp8_plan(
     )
     found = plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
     prefix = f"gqa_split_mma_{dtype_name(np.dtype(dtype))}_"
-    if not found.kernel.startswith(prefix) or head_dim % 16:
+    if not found.kernel.startswith(prefix) or head_dim % 8:
         raise ValueError(
             f"fp8: no kernel for q {np.dtype(dtype)}, head_dim {head_dim} and groups of "
             f"{n_heads // n_kv_heads} (fp8 caches take fp16/bf16 q, head_dims that are "
-            f"multiples of 16 and groups up to 16)"
+            f"multiples of 8 and groups up to 16)"
         )
     rest = found.kernel.removesuffix("_cluster")[len(prefix) :]
     kernel = f"{prefix}{fp8}_{rest}_x{features}" + ("_cluster" if found.cluster else "")

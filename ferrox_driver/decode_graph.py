@@ -20,23 +20,25 @@ from .attention import check_algorithm
 from .decode import keep_for_capture, stream_capturing
 from .errors import ClosedError, KVCapacityError
 from .features import check_features
+from .fp8 import ROW_DTYPES, quantize_kernel
 from .graph import GraphExec
 from .interop import ArrayRef, array_ref
 from .kv_cache import KVCache, append_kernel
 from .launch import LaunchSequence, PackedLaunch
 from .memory import DeviceArray, empty, pinned_empty, to_device
 from .stream import Stream, stream_handle, stream_key
-from .types import ArrayLike, DeviceArrayLike, StreamLike
-from .validation import check_dims
+from .types import ArrayLike, DeviceArrayLike, DTypeLike, StreamLike
+from .validation import check_dims, dtype_name
 
 __all__ = ["DecodeGraph", "gqa_decode_async", "kv_append_async"]
 
 APPEND_THREADS = 256
 
 
-def _operand(obj: Any, name: str, size: int, kv: KVCache) -> int:
-    """The device pointer of ``obj``, checked to hold ``size`` elements of the cache's dtype
-    on the cache's device, C-contiguous.
+def _operand(obj: Any, name: str, size: int, kv: KVCache, dtype: Any = None) -> int:
+    """The device pointer of ``obj``, checked to hold ``size`` elements of ``dtype`` (default:
+    the cache's; an fp8 cache's q, out and rows: ``_fp8_dtype``) on the cache's device,
+    C-contiguous.
 
     Raises:
         TypeError, ValueError: it does not.
@@ -44,9 +46,11 @@ def _operand(obj: Any, name: str, size: int, kv: KVCache) -> int:
     ref = array_ref(obj, name)
     if ref is None:
         raise TypeError(f"{name}: expected a device array, got a numpy array")
-    ptr, shape, dtype, ordinal, contiguous, _ = ref
-    if dtype != kv.dtype:
-        raise TypeError(f"{name}: expected dtype {kv.dtype} (the cache's), got {dtype}")
+    ptr, shape, got, ordinal, contiguous, _ = ref
+    want = kv.dtype if dtype is None else np.dtype(dtype)
+    if got != want:
+        whose = "the cache's" if dtype is None else f"as for this {kv.dtype} cache"
+        raise TypeError(f"{name}: expected dtype {want} ({whose}), got {got}")
     if math.prod(shape) != size:
         raise ValueError(f"{name}: expected {size} elements, got shape {shape}")
     if ordinal != kv.device.ordinal:
@@ -63,22 +67,36 @@ def _check_cache(kv: Any) -> KVCache:
         raise TypeError(f"kv: expected a ferrox_driver.KVCache, got {type(kv).__name__}")
     if kv._closed or kv.stream._closed:
         kv._check_open()
-    if kv.fp8:
-        raise NotImplementedError(
-            "kv: fp8 caches decode through KVCache.decode for now (gqa_decode_async, "
-            "kv_append_async and DecodeGraph of fp8 caches are not built yet)"
-        )
     return kv
+
+
+def _fp8_dtype(obj: Any, name: str, allowed: tuple[np.dtype, ...]) -> np.dtype:
+    """The dtype of device array ``obj`` for an fp8 cache: one of ``allowed``."""
+    ref = array_ref(obj, name)
+    if ref is None:
+        raise TypeError(f"{name}: expected a device array, got a numpy array")
+    if ref[2] not in allowed:
+        names = " or ".join(str(d) for d in allowed)
+        raise TypeError(f"{name}: expected {names} for an fp8 cache, got {ref[2]}")
+    return np.dtype(ref[2])
 
 
 class _Appender:
     """The append kernel packed once for one cache, stream and operand signature: a call
     writes the two row pointers and launches."""
 
-    def __init__(self, kv: KVCache, stream: Any, foreign: bool) -> None:
-        args = (None, None, kv.k_buffer, kv.v_buffer, kv.state, np.int64(kv.row_bytes),
-                np.int32(kv.capacity))  # fmt: skip
-        launch = PackedLaunch(append_kernel(kv.device), 1, APPEND_THREADS, args, stream=stream)
+    def __init__(self, kv: KVCache, stream: Any, foreign: bool, rows: Any = None) -> None:
+        args: tuple[Any, ...]
+        if kv.fp8:  # quantized on the way in, at the device's length (first = -1)
+            args = (None, None, kv.k_buffer, kv.v_buffer, kv.kv_scales,
+                    np.int32(kv.n_kv_heads), np.int32(kv.head_dim), np.int32(1), np.int32(-1),
+                    kv.state, np.int32(kv.capacity))  # fmt: skip
+            kernel = quantize_kernel(kv.fp8, kv.device, dtype_name(rows))
+        else:
+            args = (None, None, kv.k_buffer, kv.v_buffer, kv.state, np.int64(kv.row_bytes),
+                    np.int32(kv.capacity))  # fmt: skip
+            kernel = append_kernel(kv.device)
+        launch = PackedLaunch(kernel, 1, APPEND_THREADS, args, stream=stream)
         self.sequence = LaunchSequence([launch], ("k", "v"), [((0, "k"), (1, "v"))], kv.device)
         self.foreign = foreign
 
@@ -144,10 +162,11 @@ def kv_append_async(
     with kv._lock:
         appender = kv._appenders.get(key)
         if appender is None:  # checked once per signature
-            _operand(k_dev, "k_dev", kv.row_elems, kv)
-            _operand(v_dev, "v_dev", kv.row_elems, kv)
+            rows = _fp8_dtype(k_dev, "k_dev", ROW_DTYPES) if kv.fp8 else None
+            _operand(k_dev, "k_dev", kv.row_elems, kv, rows)
+            _operand(v_dev, "v_dev", kv.row_elems, kv, rows)
             foreign = sid != 0 and not isinstance(stream, Stream)
-            appender = kv._appenders[key] = _Appender(kv, stream_handle(sid), foreign)
+            appender = kv._appenders[key] = _Appender(kv, stream_handle(sid), foreign, rows)
         assert kr is not None and vr is not None  # _operand refused host arrays
         captured = _length_for_device_work(kv, sid, appender.foreign, kr, vr, (k_dev, v_dev))
         if captured and not capture_keep(_AppendsTo(kv)):  # a graph ferrox cannot see run
@@ -213,10 +232,11 @@ def gqa_decode_async(
             n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
             algorithm = check_algorithm(algorithm)
             size = n_heads * kv.head_dim
-            q = _operand(q_dev, "q_dev", size, kv)
-            out = _operand(out_dev, "out_dev", size, kv)
-            q_view = DeviceArray._wrap(q, (size,), kv.dtype, kv.device, None)
-            out_view = DeviceArray._wrap(out, (size,), kv.dtype, kv.device, None)
+            qdt = _q_dtype(q_dev, kv, algorithm)
+            q = _operand(q_dev, "q_dev", size, kv, qdt)
+            out = _operand(out_dev, "out_dev", size, kv, qdt)
+            q_view = DeviceArray._wrap(q, (size,), qdt, kv.device, None)
+            out_view = DeviceArray._wrap(out, (size,), qdt, kv.device, None)
             record = kv.decode_record(
                 q_view, out_view, n_heads, algorithm, stream, length_on_device=True
             )
@@ -226,6 +246,14 @@ def gqa_decode_async(
         record, foreign = entry
         _length_for_device_work(kv, sid, foreign, qr, outr, (q_dev, out_dev))
         record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
+
+
+def _q_dtype(q_dev: Any, kv: KVCache, algorithm: str) -> np.dtype:
+    """q's dtype for a decode of ``kv``: the cache's, or an fp8 cache's float16/bfloat16."""
+    if not kv.fp8:
+        return kv.dtype
+    qdt = _fp8_dtype(q_dev, "q_dev", ROW_DTYPES[1:])
+    return kv._q_dtype_for(qdt, algorithm)
 
 
 def _feature_array(obj: Any, name: str, n: int, kv: KVCache) -> DeviceArray | None:
@@ -255,8 +283,9 @@ def _decode_async_features(
         raise ValueError("algorithm: the features need the split kernels ('auto' or 'split')")
     feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
     size = n_heads * kv.head_dim
-    q = _operand(q_dev, "q_dev", size, kv)
-    out = _operand(out_dev, "out_dev", size, kv)
+    qdt = _q_dtype(q_dev, kv, algorithm)
+    q = _operand(q_dev, "q_dev", size, kv, qdt)
+    out = _operand(out_dev, "out_dev", size, kv, qdt)
     sinks = _feature_array(feats.sinks, "sinks", n_heads, kv)
     slopes = _feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, kv)
     lse = _feature_array(out_lse, "out_lse", n_heads, kv)
@@ -265,8 +294,8 @@ def _decode_async_features(
     qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
     assert qr is not None and outr is not None
     with kv._lock:
-        q_view = DeviceArray._wrap(q, (size,), kv.dtype, kv.device, None)
-        out_view = DeviceArray._wrap(out, (size,), kv.dtype, kv.device, None)
+        q_view = DeviceArray._wrap(q, (size,), qdt, kv.device, None)
+        out_view = DeviceArray._wrap(out, (size,), qdt, kv.device, None)
         record = kv.decode_record(
             q_view, out_view, n_heads, algorithm, stream, length_on_device=True,
             features=(bits, fargs),
@@ -296,12 +325,17 @@ class DecodeGraph:
         alibi_slopes: like ``sinks``.
         scale: as `gqa_decode`.
         return_lse: each step also writes the log-sum-exp per query head into ``lse``.
+        q_dtype: an fp8 cache's dtype for q, the rows and the result (float16 or bfloat16;
+            default bfloat16): the rows are quantized on the device at each step. Other
+            caches take their own dtype.
 
     Calling it is thread-safe (it takes the cache's lock); ``launch`` + ``synchronize``
     as a pair are the caller's to order. Closing the cache or the stream makes it raise
     `ClosedError`, as does its own ``close()``.
 
     Attributes:
+        dtype: the dtype of q, the rows and the result (the cache's, or an fp8 cache's
+            ``q_dtype``).
         q: page-locked staging for the query, (n_heads, head_dim); fill it in place and
             call ``launch`` then ``synchronize`` to skip even the staging copy.
         k: page-locked staging for the new token's K row, (n_kv_heads, head_dim).
@@ -326,11 +360,15 @@ class DecodeGraph:
         alibi_slopes: ArrayLike = None,
         scale: float | None = None,
         return_lse: bool = False,
+        q_dtype: DTypeLike = None,
     ) -> None:
         self._closed = True  # until built
         self.kv = _check_cache(kv)
         self.n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
         algorithm = check_algorithm(algorithm)
+        # q, the rows and the result: the cache's dtype, or an fp8 cache's q_dtype (its rows
+        # quantized on the device by the graph's append)
+        self.dtype = kv._q_dtype_for(q_dtype, algorithm)
         feats = check_features(
             self.n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
@@ -343,7 +381,7 @@ class DecodeGraph:
             stream._check_open()
         self.stream = kv.stream if stream is None else stream
         self._h = stream_handle(self.stream)
-        dt, hd = kv.dtype, kv.head_dim
+        dt, hd = self.dtype, kv.head_dim
         # q, k and v share one page-locked buffer and one device buffer (each part 256-byte
         # aligned), so a replay copies them in with one copy.
         sizes = (self.n_heads * hd, kv.row_elems, kv.row_elems)
@@ -417,7 +455,8 @@ class DecodeGraph:
             if arr is not None:
                 feats[name] = arr
         # Load kernels and allocate scratch first: neither is capturable.
-        kv.prepare(self.n_heads, algorithm, return_lse=self._lse_d is not None, **feats)
+        kv.prepare(self.n_heads, algorithm, return_lse=self._lse_d is not None,
+                   q_dtype=self.dtype if kv.fp8 else None, **feats)  # fmt: skip
         with s.capture() as graph:
             drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data, self._in_d.nbytes, h)
             kv_append_async(kv, self._k_d, self._v_d, stream=s)
@@ -473,7 +512,7 @@ class DecodeGraph:
         """Append ``k_tok``/``v_tok`` and decode ``q``: one graph launch, one sync.
 
         Returns:
-            A new numpy array of shape (n_heads, head_dim) in the cache dtype (built with
+            A new numpy array of shape (n_heads, head_dim) in ``dtype`` (built with
                 ``return_lse``, the step's LSE is then in ``lse``).
 
         Raises:
@@ -482,7 +521,7 @@ class DecodeGraph:
             ClosedError: this graph, its cache or its stream was closed.
         """
         kv = self.kv
-        dt = kv.dtype
+        dt = self.dtype
         fq, fk, fv = self._flat
         if not (
             type(q) is np.ndarray and type(k_tok) is np.ndarray and type(v_tok) is np.ndarray

@@ -75,6 +75,8 @@ def check_scales(scale: HostArrayLike, n_kv_heads: int, name: str) -> np.ndarray
     return arr.astype(np.float32)
 
 
-def quantize_kernel(fmt: str, device: Device) -> Kernel:
-    """The kernel that quantizes float32 rows into an fp8 cache of format ``fmt``."""
-    return get_kernel("kv_quantize.cu", f"kv_quantize_{fmt}", device)
+def quantize_kernel(fmt: str, device: Device, rows: str = "f32") -> Kernel:
+    """The kernel that quantizes rows of dtype ``rows`` (f32, f16, bf16) into an fp8 cache
+    of format ``fmt``."""
+    suffix = "" if rows == "f32" else f"_{rows}"
+    return get_kernel("kv_quantize.cu", f"kv_quantize_{fmt}{suffix}", device)

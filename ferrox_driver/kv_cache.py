@@ -137,7 +137,7 @@ class KVCache:
         capacity: the most tokens it will hold (memory is allocated once, up front).
         dtype: float32 (as ferrox-cuda), float16 or ``ml_dtypes.bfloat16``; or an fp8 cache,
             ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` (compute capability 8.9 and up,
-            head_dim a multiple of 16): appended rows (float32, float16, bfloat16) are
+            head_dim a multiple of 8): appended rows (float32, float16, bfloat16) are
             quantized on the device (as `quantize_fp8`), and decodes take
             float16 or bfloat16 q (the output in q's dtype).
         k_scale: an fp8 cache's K scale (float32, a scalar or one per KV head; default
@@ -180,9 +180,9 @@ class KVCache:
         self.dtype = dt if self.fp8 else check_dtype(dt, "dtype")
         if not self.fp8 and (k_scale is not None or v_scale is not None):
             raise ValueError("k_scale: only fp8 caches take scales")
-        if self.fp8 and self.head_dim % 16:
+        if self.fp8 and self.head_dim % 8:
             raise ValueError(
-                f"head_dim: fp8 caches take head_dims that are multiples of 16, got {self.head_dim}"
+                f"head_dim: fp8 caches take head_dims that are multiples of 8, got {self.head_dim}"
             )
         scales = np.concatenate([check_scales(k_scale, self.n_kv_heads, "k_scale"),
                                  check_scales(v_scale, self.n_kv_heads, "v_scale")])  # fmt: skip
@@ -282,7 +282,9 @@ class KVCache:
     def _resources(self) -> tuple[Any, ...]:
         """The device memory a graph that uses this cache must hold (see Graph)."""
         self._check_open()
-        arrays = (self._k, self._v, self.state, *self._workspaces.values(), *self._outgrown)
+        scales = () if self.kv_scales is None else (self.kv_scales,)
+        arrays = (self._k, self._v, self.state, *scales, *self._workspaces.values(),
+                  *self._outgrown)  # fmt: skip
         return tuple(a._base for a in arrays if a._base is not None)
 
     # -- state ---------------------------------------------------------------------
@@ -875,12 +877,15 @@ class KVCache:
         alibi_slopes: DeviceArrayLike = None,
         scale: float | None = None,
         return_lse: bool = False,
+        q_dtype: DTypeLike = None,
     ) -> None:
         """Load the kernels and allocate the scratch that decodes of ``n_heads`` query heads
         (with the features given, as `gqa_decode_async` takes them; ``return_lse`` for its
         ``out_lse``) need, so that they can then be captured into a graph (allocation and
         module loading are not capturable), and bring the device's copy of the length up
         to date, keeping it so after every host append. DecodeGraph does this itself.
+        ``q_dtype``: an fp8 cache's q (float16 or bfloat16; default bfloat16); others
+        take their own dtype.
 
         Raises:
             ClosedError: the cache or its stream was closed.
@@ -892,8 +897,23 @@ class KVCache:
             sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
         )  # fmt: skip
         bits = attention.feature_bits_of(feats)
+        qdt = self._q_dtype_for(q_dtype, algorithm)
         with self._lock:
-            self._prepare(n_heads, algorithm, bits, feats.sliding_window)
+            self._prepare(n_heads, algorithm, bits, feats.sliding_window, qdt)
+
+    def _q_dtype_for(self, q_dtype: DTypeLike, algorithm: str) -> np.dtype:
+        """The q dtype of this cache's decodes: its own, or an fp8 cache's ``q_dtype``
+        (float16 or bfloat16, default bfloat16; the split kernels only)."""
+        if not self.fp8:
+            if q_dtype is not None and as_dtype(q_dtype, "q_dtype") != self.dtype:
+                raise TypeError(f"q_dtype: the {self.dtype} cache decodes {self.dtype} q")
+            return self.dtype
+        qdt = ROW_DTYPES[2] if q_dtype is None else as_dtype(q_dtype, "q_dtype")
+        if qdt not in ROW_DTYPES[1:]:
+            raise TypeError(f"q_dtype: expected float16 or bfloat16 for an fp8 cache, got {qdt}")
+        if algorithm == "parity":
+            raise ValueError("algorithm: fp8 caches decode with the split kernels ('auto')")
+        return qdt
 
     def _plan_seq(self, fargs: Any) -> int:
         """The length decodes of this cache are planned for: its capacity, or the window."""
@@ -902,30 +922,30 @@ class KVCache:
         return min(self.capacity, fargs.window)
 
     def _prepare(
-        self, n_heads: int, algorithm: str, bits: int = 0, window: int | None = None
-    ) -> None:
+        self, n_heads: int, algorithm: str, bits: int = 0, window: int | None = None,
+        q_dtype: np.dtype | None = None,
+    ) -> None:  # fmt: skip
         self._check_open()
+        qdt = self.dtype if q_dtype is None else q_dtype
         if self.fp8:
-            raise NotImplementedError(
-                "kv: fp8 caches decode through KVCache.decode for now (graphs, "
-                "gqa_decode_async and DecodeGraph of fp8 caches are not built yet)"
-            )
-        append_kernel(self.device)
+            quantize_kernel(self.fp8, self.device)  # (one module: every row dtype's kernel)
+        else:
+            append_kernel(self.device)
         self.device_length()
         self._eager_seq = True  # a graph will read the length: host appends keep it current
         if not bits:
-            with empty((n_heads * self.head_dim,), self.dtype, device=self.device) as probe:
+            with empty((n_heads * self.head_dim,), qdt, device=self.device) as probe:
                 self.decode_record(probe, probe, n_heads, algorithm, self.stream,
                                    length_on_device=True)  # fmt: skip
         if algorithm != "parity":
             aligned = ((self._k_ptr | self._v_ptr) & 15) == 0
             plan_seq = self.capacity if window is None else min(self.capacity, window)
             plan = plan_split(
-                self.device, self.dtype, n_heads, self.n_kv_heads, self.head_dim,
-                plan_seq, aligned, bits,
+                self.device, qdt, n_heads, self.n_kv_heads, self.head_dim,
+                plan_seq, aligned, bits, self.fp8,
             )  # fmt: skip
             self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
-            combine = plan.combine_kernel(self.dtype)
+            combine = plan.combine_kernel(qdt)
             if combine is not None:  # a cluster plan has none
                 split_kernel(combine, self.device)
 

@@ -40,7 +40,7 @@ def test_quantize_divides_by_each_kv_heads_scale_in_float32():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"head_dim": 72}, ValueError, "head_dim: fp8 caches take head_dims that are multiples"),
+        ({"head_dim": 100}, ValueError, "head_dim: fp8 caches take head_dims that are multiples"),
         ({"k_scale": 0.0}, ValueError, "k_scale: expected positive finite"),
         ({"v_scale": [1.0, np.nan]}, ValueError, "v_scale: expected positive finite"),
         ({"k_scale": [1.0, 2.0, 3.0]}, ValueError, "k_scale: expected a scalar or 2 values"),
@@ -77,14 +77,15 @@ def test_fp8_plans_are_the_bf16_plans_on_byte_kernels():
     plain = attention.plan(traits, bf16, 32, 8, 128, 512)
     assert (p.splits, p.cluster, p.fp8) == (plain.splits, plain.cluster, "e4m3")
     assert p.shared_bytes(128, 2) == plain.shared_bytes(128, 2)  # twice the steps of bytes
-    for heads, dtype in (((32, 8, 72), bf16), ((32, 8, 128), np.dtype(np.float32)),
+    for heads, dtype in (((32, 8, 100), bf16), ((32, 8, 128), np.dtype(np.float32)),
                          ((36, 2, 128), bf16)):  # fmt: skip
         with pytest.raises(ValueError, match="fp8: no kernel"):
             kernel(heads, 4096, dtype=dtype)
     assert attention.split_entry("gqa_split_mma_f16_e5m2_d256_r192_t2_x3") == (
         "FX_MMA8_KERNELS(gqa_split_mma_f16_e5m2_d256_r192_t2_x3, fx_half, 2, 256, 192, true, 3)"
     )
-    for bad in ("gqa_split_mma_bf16_e4m3_d128", "gqa_split_mma_bf16_e4m3_d128_r72_x0",
+    assert kernel((32, 8, 72), 4096) == "gqa_split_mma_bf16_e4m3_d128_r72_x0"  # 8-byte chunks
+    for bad in ("gqa_split_mma_bf16_e4m3_d128", "gqa_split_mma_bf16_e4m3_d128_r68_x0",
                 "gqa_split_mma_f32_e4m3_d128_x0", "gqa_split_mma_bf16_e4m3_d128_wide_x0",
                 "gqa_split_mma_bf16_e4m3_d128_x64", "gqa_split_mma_bf16_e3m4_d128_x0"):  # fmt: skip
         with pytest.raises(ValueError, match="has no kernel"):
@@ -99,6 +100,10 @@ FP8_KERNELS = [
     "gqa_split_mma_bf16_e5m2_d256_r192_x26",
     "gqa_split_mma_bf16_e4m3_d128_wide_x0_cluster",
     "gqa_split_mma_f16_e4m3_d64_r48_x63",
+    "gqa_split_mma_bf16_e4m3_d128_r72_x0",  # rows of 8-byte chunks
+    "gqa_split_mma_f16_e5m2_d64_r40_t2_x31",
+    "gqa_split_mma_bf16_e4m3_d64_r8_x0",
+    "gqa_split_mma_bf16_e4m3_d256_r200_x0",
 ]
 
 
@@ -114,4 +119,4 @@ def test_fp8_kernels_compile_without_stack_or_spills(arch):
         for kernel, res in found.items():
             assert res.stack_bytes == 0 and res.spill_stores == 0, (arch, kernel, res)
     quant = compile_source(kernel_source("kv_quantize.cu"), arch=arch, name="kv_quantize.cu")
-    assert sorted(quant.resources) == ["kv_quantize_e4m3", "kv_quantize_e5m2"]
+    assert {"kv_quantize_e4m3", "kv_quantize_e5m2_bf16"} <= set(quant.resources)

@@ -65,9 +65,11 @@ def _decode_checked(kv, q, n_heads, **features):
     return got, ref
 
 
-GRID = [("e4m3", "bf16", hd, nh) for hd in (64, 80, 96, 128, 256) for nh in (8, 32, 64)] + [
-    (fmt, qdt, hd, 32) for fmt, qdt in (("e4m3", "f16"), ("e5m2", "bf16")) for hd in (80, 128)
-]
+GRID = (
+    [("e4m3", "bf16", hd, nh) for hd in (64, 80, 96, 128, 256) for nh in (8, 32, 64)]
+    + [(fmt, qdt, hd, 32) for fmt, qdt in (("e4m3", "f16"), ("e5m2", "bf16")) for hd in (80, 128)]
+    + [("e4m3", "bf16", hd, 32) for hd in (8, 24, 40, 72, 200)]
+)  # rows of 8-byte chunks
 
 
 @pytest.mark.parametrize("fmt,qdt,head_dim,n_heads", GRID)
@@ -154,11 +156,107 @@ def test_fp8_caches_refuse_what_is_not_built_yet(rng):
             kv.decode(q, n_heads=8)
         with pytest.raises(ValueError, match="algorithm"):
             kv.decode(q.astype(np.float16), n_heads=8, algorithm="parity")
-        qd, out = fd.to_device(q.astype(np.float16)), fd.to_device(q.astype(np.float16))
-        with pytest.raises(NotImplementedError, match="fp8"):
-            fd.gqa_decode_async(qd, kv, out, n_heads=8, stream=kv.stream)
-        with pytest.raises(NotImplementedError, match="fp8"):
-            kv.prepare(8)
+        qd = fd.to_device(q)  # float32 q
+        with pytest.raises(TypeError, match="q_dev: expected"):
+            fd.gqa_decode_async(qd, kv, qd, n_heads=8, stream=kv.stream)
+        q16, out_bf16 = fd.to_device(q.astype(np.float16)), fd.empty((8, 64), ml_dtypes.bfloat16)
+        with pytest.raises(TypeError, match="out_dev: expected dtype float16"):
+            fd.gqa_decode_async(q16, kv, out_bf16, n_heads=8, stream=kv.stream)
+        with pytest.raises(TypeError, match="q_dtype"):
+            fd.DecodeGraph(kv, n_heads=8, q_dtype=np.float32)
+        with pytest.raises(TypeError, match="q_dtype"):
+            kv.prepare(8, q_dtype=np.float32)
         with pytest.raises(TypeError, match="float32, float16 or bfloat16 rows"):
             kv.append(np.ones(128, np.int32), np.ones(128, np.int32))
+        rows_i8 = fd.to_device(np.ones(128, np.int8))
+        with pytest.raises(TypeError, match="k_dev"):
+            fd.kv_append_async(kv, rows_i8, rows_i8, stream=kv.stream)
         assert kv.seq_len == 1  # nothing appended by the refusals
+
+
+@pytest.mark.parametrize("qdt", ["bf16", "f16"])
+def test_a_graph_of_fp8_appends_and_decodes_captured_once_serves_every_token(rng, qdt):
+    """kv_append_async of 16-bit device rows (quantized on the device) and
+    gqa_decode_async captured at seq_len 1, replayed to 600 tokens; with a window, sinks
+    and the LSE in a second graph."""
+    dt = Q_DTYPES[qdt]
+    n_heads, n_kv, hd, steps, window = 32, 8, 128, 600, 200
+    k = (rng.standard_normal((steps, n_kv, hd)) * 3).astype(dt)
+    v = rng.standard_normal((steps, n_kv, hd)).astype(dt)
+    q = rng.standard_normal((n_heads, hd)).astype(dt)
+    sinks = rng.standard_normal(n_heads).astype(np.float32)
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd}
+    with (fd.KVCache(n_kv, hd, steps, dtype=FORMATS["e4m3"], k_scale=0.02, v_scale=0.01) as kv,
+          fd.Stream() as stream):  # fmt: skip
+        k_row, v_row = fd.empty((n_kv, hd), dt), fd.empty((n_kv, hd), dt)
+        q_d, sinks_d = fd.to_device(q), fd.to_device(sinks)
+        kv.prepare(n_heads, q_dtype=dt)
+        kv.prepare(n_heads, q_dtype=dt, sliding_window=window, sinks=sinks_d, return_lse=True)
+        out, out_w = fd.empty((n_heads, hd), dt), fd.empty((n_heads, hd), dt)
+        lse = fd.empty((n_heads,), np.float32)
+        with stream.capture() as graph:
+            fd.kv_append_async(kv, k_row, v_row, stream=stream)
+            fd.gqa_decode_async(q_d, kv, out, n_heads=n_heads, stream=stream)
+        step = graph.instantiate()
+        with stream.capture() as graph_w:
+            fd.gqa_decode_async(q_d, kv, out_w, n_heads=n_heads, stream=stream,
+                                sliding_window=window, sinks=sinks_d, out_lse=lse)  # fmt: skip
+        windowed = graph_w.instantiate()
+        for t in range(steps):
+            k_row.copy_from_host(k[t], stream)
+            v_row.copy_from_host(v[t], stream)
+            out.fill_bytes(0xFF, stream)
+            step.launch(stream)
+            if t + 1 not in (1, 2, 199, 200, 201, 599, 600):
+                continue
+            out_w.fill_bytes(0xFF, stream)
+            windowed.launch(stream)
+            stream.synchronize()
+            assert kv.seq_len == t + 1
+            kq, vq = kv.to_host()
+            _same_bytes(kq, fd.quantize_fp8(k[: t + 1], FORMATS["e4m3"], 0.02))
+            _same_bytes(vq, fd.quantize_fp8(v[: t + 1], FORMATS["e4m3"], 0.01))
+            kd, vd = kv.dequantized()
+            ref = fd.reference_gqa_decode(q, kd, vd, **dims)
+            assert rel_err(out.to_host().astype(np.float64), ref) < TOL, t
+            ref_w, ref_lse = fd.reference_gqa_decode(
+                q, kd, vd, **dims, sliding_window=window, sinks=sinks, return_lse=True
+            )
+            assert rel_err(out_w.to_host().astype(np.float64), ref_w) < TOL, t
+            np.testing.assert_allclose(lse.to_host(), ref_lse, rtol=1e-3, atol=1e-3)
+        step.close()
+        windowed.close()
+
+
+def test_decode_graph_steps_an_fp8_cache(rng):
+    """DecodeGraph of an fp8 cache: bf16 q and rows in, each step's rows quantized on the
+    device, the result in bf16; features too."""
+    dt = ml_dtypes.bfloat16
+    n_heads, n_kv, hd, steps = 16, 4, 64, 300
+    sinks = rng.standard_normal(n_heads).astype(np.float32)
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd}
+    with fd.KVCache(n_kv, hd, steps, dtype=FORMATS["e5m2"], k_scale=0.05, v_scale=0.1) as kv:
+        kv.extend(rng.standard_normal((10, n_kv, hd)).astype(np.float32),
+                  rng.standard_normal((10, n_kv, hd)).astype(np.float32))  # fmt: skip
+        with fd.DecodeGraph(kv, n_heads=n_heads, q_dtype=dt, sliding_window=64, sinks=sinks,
+                            return_lse=True) as graph:  # fmt: skip
+            assert graph.dtype == np.dtype(dt)
+            for t in range(10, steps):
+                q = rng.standard_normal((n_heads, hd)).astype(dt)
+                k_tok = rng.standard_normal((n_kv, hd)).astype(dt)
+                v_tok = rng.standard_normal((n_kv, hd)).astype(dt)
+                out = graph(q, k_tok, v_tok)
+                if t % 97:
+                    continue
+                assert out.dtype == np.dtype(dt) and kv.seq_len == t + 1
+                kd, vd = kv.dequantized()
+                np.testing.assert_array_equal(
+                    kd[t],
+                    fd.quantize_fp8(k_tok, FORMATS["e5m2"], 0.05).astype(np.float32)
+                    * np.float32(0.05),
+                )
+                ref, ref_lse = fd.reference_gqa_decode(
+                    q, kd, vd, **dims, sliding_window=64, sinks=sinks, return_lse=True
+                )
+                assert rel_err(out.astype(np.float64), ref) < TOL, t
+                np.testing.assert_allclose(graph.lse, ref_lse, rtol=1e-3, atol=1e-3)
