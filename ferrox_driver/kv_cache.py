@@ -210,9 +210,9 @@ class KVCache:
         self.state.fill_bytes(0, self.stream)
         self._scales = scales  # the host's copy of kv_scales
         self.kv_scales: DeviceArray | None = None  # fp8: n_kv K scales, then n_kv V ones
-        if self.fp8:  # K and V of a slot side by side, float32: one copy (_init_fp8)
-            self._stage_kv = pinned_empty((slots, 2, self.row_elems), np.float32)
-            self._stage_k, self._stage_v = self._stage_kv[:, 0], self._stage_kv[:, 1]
+        if self.fp8:  # K and V of a slot side by side in the rows' dtype: one copy (_init_fp8)
+            self._stage_kv = pinned_empty((slots, 2 * self.row_elems * 4), np.uint8)
+            self._stage_k = self._stage_v = self._stage_kv
         else:
             self._stage_k = pinned_empty((slots, self.row_elems), self.dtype)
             self._stage_v = pinned_empty((slots, self.row_elems), self.dtype)
@@ -253,18 +253,26 @@ class KVCache:
 
     def _init_fp8(self, slots: int) -> None:
         """An fp8 cache's scales on the device, and the quantizing append: each staging
-        slot's K and V rows (float32) copied to a device slot, then quantized into the
-        cache by one launch."""
+        slot's K and V rows, in the rows' own dtype (float32, float16 or bfloat16: no
+        conversion on the host), copied to a device slot, then quantized into the cache by
+        one launch of that dtype's kernel."""
         self.kv_scales = empty((2 * self.n_kv_heads,), np.float32, device=self.device)
         self.kv_scales.copy_from_host(self._scales, self.stream)
         self._stage_kv_addr = self._stage_kv.ctypes.data
-        self._dev_stage = empty((slots, 2, self.row_elems), np.float32, device=self.device)
-        args = (self._dev_stage, self._dev_stage, self._k, self._v, self.kv_scales,
-                np.int32(self.n_kv_heads), np.int32(self.head_dim), np.int32(1), np.int32(0),
-                self.state, np.int32(self.capacity))  # fmt: skip
+        self._dev_stage = empty(self._stage_kv.shape, np.uint8, device=self.device)
+        slot_bytes = self._stage_kv.shape[1]
         threads = min(256, -(-self.row_elems // 32) * 32)
-        self._quantize = PackedLaunch(quantize_kernel(self.fp8, self.device), 1, threads, args,
-                                      stream=self.stream)  # fmt: skip
+        # dtype -> (the staging ring seen as [slot][K|V][row] of it, its quantizing launch)
+        self._fp8_appends: dict[np.dtype, tuple[np.ndarray, PackedLaunch]] = {}
+        for dt, rows in zip(ROW_DTYPES, ("f32", "f16", "bf16"), strict=True):
+            strides = (slot_bytes, self.row_elems * dt.itemsize, dt.itemsize)
+            view = np.ndarray((slots, 2, self.row_elems), dt, self._stage_kv, strides=strides)
+            args = (self._dev_stage, self._dev_stage, self._k, self._v, self.kv_scales,
+                    np.int32(self.n_kv_heads), np.int32(self.head_dim), np.int32(1),
+                    np.int32(0), self.state, np.int32(self.capacity))  # fmt: skip
+            kernel = quantize_kernel(self.fp8, self.device, rows)
+            launch = PackedLaunch(kernel, 1, threads, args, stream=self.stream)
+            self._fp8_appends[dt] = (view, launch)
 
     # -- lifetime checks -------------------------------------------------------------
     @property
@@ -478,8 +486,9 @@ class KVCache:
             self._done_slot(slot)
 
     def _append_fp8(self, k_tok: np.ndarray, v_tok: np.ndarray) -> None:
-        """``append`` into an fp8 cache: the rows staged as float32, one copy of both to
-        the device, one launch quantizing them into the cache."""
+        """``append`` into an fp8 cache: the rows staged in their dtype (float32 when K's
+        and V's differ), one copy of both to the device, one launch quantizing them into
+        the cache."""
         shapes = self._row_shapes
         if not (
             type(k_tok) is np.ndarray
@@ -499,13 +508,15 @@ class KVCache:
                 raise KVCapacityError(seq, self.capacity)
             self.device.activate()
             slot = self._take_slot()
-            stage = self._stage_kv[slot]
+            dt = k_tok.dtype if k_tok.dtype == v_tok.dtype else ROW_DTYPES[0]
+            ring, launch = self._fp8_appends[dt]
+            stage = ring[slot]
             stage[0] = k_tok.reshape(-1)
             stage[1] = v_tok.reshape(-1)
-            n, h = stage.nbytes, self._h
-            src = self._dev_stage.ptr + slot * n
-            check(_memcpy_htod(src, self._stage_kv_addr + slot * n, n, h), "cuMemcpyHtoDAsync")
-            launch = self._quantize
+            n, h = 2 * self.row_elems * dt.itemsize, self._h
+            at = slot * self._stage_kv.shape[1]
+            src = self._dev_stage.ptr + at
+            check(_memcpy_htod(src, self._stage_kv_addr + at, n, h), "cuMemcpyHtoDAsync")
             launch.slots[0], launch.slots[1], launch.slots[8] = src, src + n // 2, seq
             launch()
             self._seq_len = seq + 1
@@ -517,17 +528,18 @@ class KVCache:
             self._done_slot(slot)
 
     def _extend_fp8(self, seq: int, k_rows: np.ndarray, v_rows: np.ndarray, n: int) -> None:
-        """``extend``'s copies for an fp8 cache: the rows as float32 to the device, quantized
-        there into tokens seq .. seq + n (waits for it: the float32 copies are freed)."""
+        """``extend``'s copies for an fp8 cache: the rows in their dtype (float32 when K's
+        and V's differ) to the device, quantized there into tokens seq .. seq + n (waits
+        for it: the device copies are freed)."""
+        dt = k_rows.dtype if k_rows.dtype == v_rows.dtype else ROW_DTYPES[0]
+        rows = ("f32", "f16", "bf16")[ROW_DTYPES.index(dt)]
         shape = (n, self.row_elems)
-        with (empty(shape, np.float32, device=self.device) as k_dev,
-              empty(shape, np.float32, device=self.device) as v_dev):  # fmt: skip
-            k_dev.copy_from_host(np.ascontiguousarray(k_rows, np.float32).reshape(shape),
-                                 self.stream)  # fmt: skip
-            v_dev.copy_from_host(np.ascontiguousarray(v_rows, np.float32).reshape(shape),
-                                 self.stream)  # fmt: skip
+        with (empty(shape, dt, device=self.device) as k_dev,
+              empty(shape, dt, device=self.device) as v_dev):  # fmt: skip
+            k_dev.copy_from_host(np.ascontiguousarray(k_rows, dt).reshape(shape), self.stream)
+            v_dev.copy_from_host(np.ascontiguousarray(v_rows, dt).reshape(shape), self.stream)
             blocks = min(1024, -(-n * self.row_elems // 256))
-            quantize_kernel(self.fp8, self.device).launch(
+            quantize_kernel(self.fp8, self.device, rows).launch(
                 blocks, 256,
                 (k_dev, v_dev, self._k, self._v, self.kv_scales, np.int32(self.n_kv_heads),
                  np.int32(self.head_dim), np.int32(n), np.int32(seq), self.state,

@@ -51,6 +51,25 @@ def test_quantized_rows_are_the_host_rounding_bit_for_bit(rng, fmt, row_dtype):
         np.testing.assert_array_equal(dv, want_v.astype(np.float32) * np.float32(v_scale))
 
 
+
+def test_appends_of_every_row_dtype_mixed_share_the_staging_ring(rng):
+    """Rows of each dtype, K's and V's different, one token at a time past the staging
+    ring's length: each token's bytes are the host rounding of its own rows."""
+    n_kv, hd, n = 2, 40, 300
+    dtypes = [np.float32, np.float16, ml_dtypes.bfloat16]
+    k = rng.standard_normal((n, n_kv, hd)).astype(np.float32) * 50
+    v = rng.standard_normal((n, n_kv, hd)).astype(np.float32) * 3
+    k_rows = [k[i].astype(dtypes[i % 3]) for i in range(n)]
+    v_rows = [v[i].astype(dtypes[(i // 3) % 3]) for i in range(n)]
+    with fd.KVCache(n_kv, hd, n, dtype=FORMATS["e4m3"], k_scale=0.5, v_scale=0.125) as kv:
+        for kr, vr in zip(k_rows, v_rows, strict=True):
+            kv.append(kr, vr)
+        got_k, got_v = kv.to_host()
+    want_k = np.stack([fd.quantize_fp8(r, FORMATS["e4m3"], 0.5) for r in k_rows])
+    want_v = np.stack([fd.quantize_fp8(r, FORMATS["e4m3"], 0.125) for r in v_rows])
+    _same_bytes(got_k, want_k)
+    _same_bytes(got_v, want_v)
+
 def _decode_checked(kv, q, n_heads, **features):
     """kv.decode(q) with the decoder's device output poisoned (NaN) before the kernels run,
     against the float64 reference of the dequantized cache."""
