@@ -60,9 +60,46 @@ __device__ __forceinline__ void fx_quantize_rows(const QT* __restrict__ k_src,
         fx_quantize_rows<Q8, QT>(k_src, v_src, k_cache, v_cache, kv_scales, n_kv, head_dim, \
                                  n_rows, first, state, capacity);                           \
     }
+#ifndef FX_SELECTED  // (a module of one FX_APPEND_ENTRY leaves these out)
 FX_QUANTIZE_ENTRY(kv_quantize_e4m3, 1, float)
 FX_QUANTIZE_ENTRY(kv_quantize_e5m2, 2, float)
 FX_QUANTIZE_ENTRY(kv_quantize_e4m3_f16, 1, fx_half)
 FX_QUANTIZE_ENTRY(kv_quantize_e5m2_f16, 2, fx_half)
 FX_QUANTIZE_ENTRY(kv_quantize_e4m3_bf16, 1, fx_bf16)
 FX_QUANTIZE_ENTRY(kv_quantize_e5m2_bf16, 2, fx_bf16)
+#endif
+
+// kv_append_<fmt>_<f32|f16|bf16>_n<N> (KVCache.append): one token's K and V rows, N
+// values each ([n_kv][head_dim]), passed by value as one argument (the driver copies the
+// arguments when it queues the launch: no host-to-device copy, no staging ring), quantized
+// into row `at` of the caches as above; then state[0] = at + 1. Launch ONE block.
+template <class QT, int N>
+struct FxRowPair {
+    QT k[N];
+    QT v[N];
+};
+
+template <int Q8, class QT, int N>
+__device__ __forceinline__ void fx_quantize_pair(const FxRowPair<QT, N>& rows,
+                                                 unsigned char* __restrict__ k_cache,
+                                                 unsigned char* __restrict__ v_cache,
+                                                 const float* __restrict__ kv_scales, int n_kv,
+                                                 int head_dim, int at, int* __restrict__ state) {
+    const long long base = (long long)at * N;
+    for (int i = threadIdx.x; i < N; i += blockDim.x) {
+        const int h = i / head_dim;
+        k_cache[base + i] = fx_quantize<Q8>(fx_to_float(rows.k[i]) / kv_scales[h]);
+        v_cache[base + i] = fx_quantize<Q8>(fx_to_float(rows.v[i]) / kv_scales[n_kv + h]);
+    }
+    if (threadIdx.x == 0) state[0] = at + 1;
+}
+
+#define FX_APPEND_ENTRY(NAME, Q8, QT, N)                                                 \
+    extern "C" __global__ void NAME(const __grid_constant__ FxRowPair<QT, N> rows,       \
+                                    unsigned char* k_cache, unsigned char* v_cache,      \
+                                    const float* kv_scales, int n_kv, int head_dim,      \
+                                    int at, int* state) {                                \
+        fx_quantize_pair<Q8, QT, N>(rows, k_cache, v_cache, kv_scales, n_kv, head_dim, at, \
+                                    state);                                              \
+    }
+// (instantiated by the host, one per cache's row length: get_kernel's select)

@@ -80,3 +80,19 @@ def quantize_kernel(fmt: str, device: Device, rows: str = "f32") -> Kernel:
     of format ``fmt``."""
     suffix = "" if rows == "f32" else f"_{rows}"
     return get_kernel("kv_quantize.cu", f"kv_quantize_{fmt}{suffix}", device)
+
+
+# K and V rows of at most this many bytes are passed to the append kernel by value (CUDA
+# 12.1 drivers and newer take up to 32764 bytes of arguments on compute capability 7.0+).
+ROWS_BY_VALUE_MAX = 16384
+_ROW_C_TYPES = {"f32": "float", "f16": "fx_half", "bf16": "fx_bf16"}
+
+
+def by_value_append_kernel(fmt: str, device: Device, rows: str, n: int) -> Kernel:
+    """The kernel that quantizes one token's K and V rows of ``n`` values of dtype ``rows``
+    (f32, f16, bf16), passed by value, into an fp8 cache of format ``fmt`` (compiled for
+    this ``n`` alone)."""
+    name = f"kv_append_{fmt}_{rows}_n{n}"
+    q8 = ("e4m3", "e5m2").index(fmt) + 1
+    entry = f"FX_APPEND_ENTRY({name}, {q8}, {_ROW_C_TYPES[rows]}, {n})"
+    return get_kernel("kv_quantize.cu", name, device, select=entry)

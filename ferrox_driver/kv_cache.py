@@ -14,7 +14,7 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from . import attention
-from ._driver import check, cu, drv
+from ._driver import check, cu, driver_version, drv
 from .attention import (
     allocate_scratch,
     check_algorithm,
@@ -27,7 +27,15 @@ from .decode import DecodeRecord
 from .device import Device, resolve
 from .errors import ClosedError, FerroxError, KVCapacityError
 from .features import check_features
-from .fp8 import FP8_DTYPES, MIN_COMPUTE_CAPABILITY, ROW_DTYPES, check_scales, quantize_kernel
+from .fp8 import (
+    FP8_DTYPES,
+    MIN_COMPUTE_CAPABILITY,
+    ROW_DTYPES,
+    ROWS_BY_VALUE_MAX,
+    by_value_append_kernel,
+    check_scales,
+    quantize_kernel,
+)
 from .launch import Kernel, PackedLaunch
 from .memory import DeviceArray, as_dtype, empty, pinned_empty
 from .module_cache import get_kernel
@@ -273,6 +281,29 @@ class KVCache:
             kernel = quantize_kernel(self.fp8, self.device, rows)
             launch = PackedLaunch(kernel, 1, threads, args, stream=self.stream)
             self._fp8_appends[dt] = (view, launch)
+        # dtype -> (K and V rows, passed by value, its launch) or None: rows of the dtype
+        # are staged (too many bytes for the launch's arguments, or a driver before 12.1)
+        self._fp8_value_appends: dict[np.dtype, tuple[np.ndarray, PackedLaunch] | None] = {}
+
+    def _value_append(self, dt: np.dtype) -> tuple[np.ndarray, PackedLaunch] | None:
+        """The by-value append of rows of ``dt`` (made at its first use), or None."""
+        if dt not in self._fp8_value_appends:
+            entry = None
+            if 2 * self.row_elems * dt.itemsize <= ROWS_BY_VALUE_MAX and (
+                (driver_version() or 0) >= 12010
+            ):
+                rows = ("f32", "f16", "bf16")[ROW_DTYPES.index(dt)]
+                kernel = by_value_append_kernel(self.fp8, self.device, rows, self.row_elems)
+                blob = np.zeros((2, self.row_elems), dt)
+                args = (np.uint64(0), self._k, self._v, self.kv_scales,
+                        np.int32(self.n_kv_heads), np.int32(self.head_dim), np.int32(0),
+                        self.state)  # fmt: skip
+                threads = min(256, -(-self.row_elems // 32) * 32)
+                launch = PackedLaunch(kernel, 1, threads, args, stream=self.stream)
+                launch.by_value(0, blob)
+                entry = (blob, launch)
+            self._fp8_value_appends[dt] = entry
+        return self._fp8_value_appends[dt]
 
     # -- lifetime checks -------------------------------------------------------------
     @property
@@ -486,9 +517,10 @@ class KVCache:
             self._done_slot(slot)
 
     def _append_fp8(self, k_tok: np.ndarray, v_tok: np.ndarray) -> None:
-        """``append`` into an fp8 cache: the rows staged in their dtype (float32 when K's
-        and V's differ), one copy of both to the device, one launch quantizing them into
-        the cache."""
+        """``append`` into an fp8 cache: one launch quantizing the rows into the cache,
+        the rows (in their dtype; float32 when K's and V's differ) passed in its
+        arguments, or, where they do not fit there, staged and copied to the device
+        first."""
         shapes = self._row_shapes
         if not (
             type(k_tok) is np.ndarray
@@ -507,8 +539,18 @@ class KVCache:
             if seq >= self.capacity:
                 raise KVCapacityError(seq, self.capacity)
             self.device.activate()
-            slot = self._take_slot()
             dt = k_tok.dtype if k_tok.dtype == v_tok.dtype else ROW_DTYPES[0]
+            by_value = self._value_append(dt)
+            if by_value is not None:  # the rows in the launch's arguments, no copy
+                blob, launch = by_value
+                blob[0] = k_tok.reshape(-1)
+                blob[1] = v_tok.reshape(-1)
+                launch.slots[6] = seq
+                launch()
+                self._seq_len = seq + 1
+                self._device_seq_current = True  # the kernel wrote state[0] = seq + 1
+                return
+            slot = self._take_slot()
             ring, launch = self._fp8_appends[dt]
             stage = ring[slot]
             stage[0] = k_tok.reshape(-1)

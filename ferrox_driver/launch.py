@@ -454,6 +454,7 @@ class PackedLaunch:
         self.slots, self._ptrs = _slot_arrays(len(bits))
         self.slots[: len(bits)] = bits
         self._address = ctypes.addressof(self._ptrs)
+        self._blobs: tuple[np.ndarray, ...] = ()  # arguments passed by value (by_value)
         kernel.module.device.activate()
         kernel.allow_shared(shared_mem)
         self.shared_mem = int(shared_mem)
@@ -471,6 +472,15 @@ class PackedLaunch:
         else:
             self._call, self._name = _cuLaunchKernel, "cuLaunchKernel"
             self._args = (handle, *self.dims, self.shared_mem, self._stream, self._address, 0)
+
+    def by_value(self, index: int, blob: np.ndarray) -> None:
+        """Pass argument ``index`` (a struct the kernel takes by value) from ``blob``'s
+        bytes rather than its slot. The driver copies them when it queues each launch, so
+        ``blob`` may be rewritten right after; it must stay alive (this launch holds it)."""
+        if not blob.flags.c_contiguous:
+            raise ValueError("blob: expected a C-contiguous array")
+        self._blobs = (*self._blobs, blob)
+        self._ptrs[index] = blob.ctypes.data
 
     def __call__(self) -> None:
         """Queue the launch with the slots as they are now.

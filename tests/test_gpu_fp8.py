@@ -51,7 +51,6 @@ def test_quantized_rows_are_the_host_rounding_bit_for_bit(rng, fmt, row_dtype):
         np.testing.assert_array_equal(dv, want_v.astype(np.float32) * np.float32(v_scale))
 
 
-
 def test_appends_of_every_row_dtype_mixed_share_the_staging_ring(rng):
     """Rows of each dtype, K's and V's different, one token at a time past the staging
     ring's length: each token's bytes are the host rounding of its own rows."""
@@ -69,6 +68,27 @@ def test_appends_of_every_row_dtype_mixed_share_the_staging_ring(rng):
     want_v = np.stack([fd.quantize_fp8(r, FORMATS["e4m3"], 0.125) for r in v_rows])
     _same_bytes(got_k, want_k)
     _same_bytes(got_v, want_v)
+
+
+def test_rows_too_large_to_pass_by_value_are_staged_and_both_paths_interleave(rng):
+    """16 KV heads of 256: bfloat16 rows (16 KB for K and V) go in the append launch's
+    arguments, float32 rows (32 KB) through the staging ring; alternated, each token holds
+    its own rows' rounding and a decode reads every token (the device length is kept)."""
+    n_kv, hd, n = 16, 256, 70
+    k = rng.standard_normal((n, n_kv, hd)).astype(np.float32) * 30
+    v = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    rows = [(k[i], v[i]) if i % 2 else (k[i].astype(ml_dtypes.bfloat16),
+            v[i].astype(ml_dtypes.bfloat16)) for i in range(n)]  # fmt: skip
+    with fd.KVCache(n_kv, hd, n, dtype=FORMATS["e4m3"], k_scale=0.25, v_scale=0.5) as kv:
+        for kr, vr in rows:
+            kv.append(kr, vr)
+        got_k, got_v = kv.to_host()
+        _same_bytes(got_k, np.stack([fd.quantize_fp8(r, FORMATS["e4m3"], 0.25) for r, _ in rows]))
+        _same_bytes(got_v, np.stack([fd.quantize_fp8(r, FORMATS["e4m3"], 0.5) for _, r in rows]))
+        q = rng.standard_normal((n_kv, hd)).astype(ml_dtypes.bfloat16)
+        got, ref = _decode_checked(kv, q, n_kv)
+        np.testing.assert_allclose(got.astype(np.float64), ref, rtol=1e-2, atol=1e-2)
+
 
 def _decode_checked(kv, q, n_heads, **features):
     """kv.decode(q) with the decoder's device output poisoned (NaN) before the kernels run,
