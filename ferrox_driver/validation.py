@@ -229,16 +229,16 @@ def head_major_rows(
     obj: Any, name: str, n_kv_heads: int, head_dim: int, *, allow_device: bool = True
 ) -> tuple[ArrayInfo, int, int]:
     """A head-major K or V array: ``(n_kv_heads, seq_len, head_dim)``, ``(1, n_kv_heads,
-    seq_len, head_dim)`` (a batch of one) or flat; each token's row contiguous, the KV heads
-    any whole number of rows apart from ``seq_len`` on (a view of the first tokens of a
-    larger cache, as ``cache[:, :, :seq_len]``). Returns its info, seq_len and the elements
-    from one KV head's rows to the next's.
+    seq_len, head_dim)`` (a batch of one) or flat. A device array's rows must be contiguous,
+    its KV heads any whole number of rows apart from ``seq_len`` on (a view of the first
+    tokens of a larger cache, as ``cache[:, :, :seq_len]``); a numpy array may have any
+    strides (it is copied in, contiguous). Returns its info, seq_len and the elements from
+    one KV head's rows to the next's (a numpy array's once copied).
     """
     from .interop import array_ref
 
-    if isinstance(obj, np.ndarray):
-        info = ArrayInfo(obj.shape, obj.dtype, False)
-        contiguous = obj.flags.c_contiguous
+    if isinstance(obj, np.ndarray):  # (any strides: the host path copies it, contiguous)
+        info, contiguous = ArrayInfo(obj.shape, obj.dtype, False), True
     elif not allow_device:
         raise TypeError(f"{name}: expected a numpy array, got {type(obj).__name__}")
     else:

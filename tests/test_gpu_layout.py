@@ -79,6 +79,22 @@ def test_a_view_of_the_first_tokens_of_a_larger_cache_is_read_in_place(rng, dtyp
         assert rel_err(got, _reference(q, k, v, n_heads, n_kv, hd)) < TOL[dtype]
 
 
+@pytest.mark.parametrize(
+    "shape,strides,message",
+    [
+        ((4, 32, 16), (64 * 32, 64, 1), "each token's row must be contiguous"),  # token stride
+        ((4, 32, 16), (64 * 32, 32, 2), "each token's row must be contiguous"),  # elements
+        ((4, 64, 16), (16, 16, 1), "KV heads 16 elements apart overlap"),
+    ],
+)
+def test_device_views_that_are_not_head_major_rows_are_refused(shape, strides, message):
+    base = fd.to_device(np.zeros((4, 64, 32), np.float16))
+    q = fd.to_device(np.zeros((8, 16), np.float16))
+    view = StridedView(base, shape, strides)
+    with pytest.raises(ValueError, match=f"k_cache: .*{message}"):
+        fd.gqa_decode(q, view, view, n_heads=8, n_kv_heads=4, head_dim=16, kv_layout="HND")
+
+
 def test_head_major_with_features_and_numpy_inputs(rng):
     n_heads, n_kv, hd, seq = 32, 8, 128, 3000
     q, k, v = random_decode_inputs(rng, n_heads, n_kv, hd, seq, DTYPES["bf16"])
