@@ -122,7 +122,7 @@ def test_a_torch_static_cache_slice_is_read_in_place(rng):
                   head_dim=hd, out=out, kv_layout="HND")  # fmt: skip
     torch.cuda.synchronize()
     got = out.float().cpu().numpy()
-    kb = kc[0, :, :n].float().cpu().numpy().transpose(1, 0, 2)  # the bf16 values it read
-    vb = vc[0, :, :n].float().cpu().numpy().transpose(1, 0, 2)
+    kb = np.ascontiguousarray(kc[0, :, :n].float().cpu().numpy().transpose(1, 0, 2))
+    vb = np.ascontiguousarray(vc[0, :, :n].float().cpu().numpy().transpose(1, 0, 2))
     qb = qt.float().cpu().numpy()
     assert rel_err(got, _reference(qb, kb, vb, n_heads, n_kv, hd)) < TOL["bf16"]

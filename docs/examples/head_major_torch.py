@@ -20,7 +20,7 @@ q = torch.randn(1, n_heads, 1, head_dim, **bf16)  # one token, as SDPA takes it
 
 out = torch.empty(n_heads, head_dim, **bf16)
 fd.gqa_decode(
-    q, k_cache[:, :, :n], v_cache[:, :, :n],  # views: heads capacity * head_dim apart
+    q.view(n_heads, head_dim), k_cache[:, :, :n], v_cache[:, :, :n],  # views, in place
     n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, kv_layout="HND", out=out,
     stream=torch.cuda.current_stream(),
 )  # fmt: skip
