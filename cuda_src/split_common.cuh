@@ -27,6 +27,8 @@ __device__ __forceinline__ int fx_chunk(int seq, int splits, int tile) {
 #define FX_F_SINKS 8   // exp(sink_h) in the softmax's denominator
 #define FX_F_LSE 16    // the log-sum-exp per head (natural log) to `lse`
 #define FX_F_SCALE 32  // the score scale `scale` instead of 1/sqrt(head_dim)
+#define FX_F_HND 64    // K and V head-major, [kv_head][token][head_dim]: heads `head_stride`
+                       // elements apart (a layout, not a feature: one bit of F all the same)
 // The run-time values of a decode's features (the kernels' last arguments).
 struct FxFeat {
     float scale, cap;
@@ -34,6 +36,7 @@ struct FxFeat {
     const float* slopes;  // [n_heads]
     const float* sinks;   // [n_heads]
     float* lse;           // [n_heads]
+    long long head_stride;  // FX_F_HND: elements from one KV head's rows to the next's
 };
 
 // The first token a decode reads at length `seq`: seq - window with a window, else 0.

@@ -103,9 +103,12 @@ __device__ __forceinline__ void gqa_split_generic(
         lsum[j] = 0.f;
     }
 
-    const long long row = (long long)n_kv_heads * head_dim;
-    const T* kg = k + (long long)g * head_dim + d0;
-    const T* vg = v + (long long)g * head_dim + d0;
+    // token-major rows of n_kv_heads * head_dim, or head-major (FX_F_HND)
+    const long long row = (F & FX_F_HND) ? head_dim : (long long)n_kv_heads * head_dim;
+    const T* kg = (F & FX_F_HND) ? k + g * feat.head_stride + d0
+                                 : k + (long long)g * head_dim + d0;
+    const T* vg = (F & FX_F_HND) ? v + g * feat.head_stride + d0
+                                 : v + (long long)g * head_dim + d0;
     const bool active = valid > 0;
 
     // Every lane runs the same iterations (the shuffles need the whole warp); tokens past
@@ -227,8 +230,9 @@ __device__ __forceinline__ void gqa_split_generic(
     extern "C" __global__ void __launch_bounds__(FX_THREADS, 1) NAME(                       \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int head_dim, int seq_len, const int* seq_len_dev, int splits,      \
-        int lpt, int tile, float scale, float cap, int window, const float* slopes) {       \
-        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr};                    \
+        int lpt, int tile, float scale, float cap, int window, const float* slopes,         \
+        long long head_stride) {                                                            \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
         gqa_split_generic<T, GT, VEC, F>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads,         \
                                          head_dim, seq_len, seq_len_dev, splits, lpt, tile, \
                                          feat);                                             \

@@ -396,8 +396,8 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile,          \
-        float scale, float cap, int window, const float* slopes) {                          \
-        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr};                    \
+        float scale, float cap, int window, const float* slopes, long long head_stride) {   \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
         fx_mma_body<T, D, false, FX_WARPS_D##D, DR, TILED, F>(                              \
             q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
             splits, tile, feat);                                                            \
@@ -405,8 +405,9 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
     extern "C" __global__ void __launch_bounds__(FX_WARPS_D##D * 32, 1) NAME##_cluster(     \
         const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
         int seq_len, const int* seq_len_dev, int splits, int tile, float scale, float cap,  \
-        int window, const float* slopes, const float* sinks, float* lse) {                  \
-        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        int window, const float* slopes, long long head_stride, const float* sinks,         \
+        float* lse) {                                                                       \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse, head_stride};             \
         fx_mma_body<T, D, true, FX_WARPS_D##D, DR, TILED, F>(                               \
             q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
             splits, tile, feat);                                                            \
@@ -416,8 +417,9 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
     extern "C" __global__ void __launch_bounds__(FX_WIDE_WARPS * 32, 1) NAME(               \
         const T* q, const T* k, const T* v, T* out, int n_heads, int n_kv_heads,            \
         int seq_len, const int* seq_len_dev, int splits, int tile, float scale, float cap,  \
-        int window, const float* slopes, const float* sinks, float* lse) {                  \
-        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        int window, const float* slopes, long long head_stride, const float* sinks,         \
+        float* lse) {                                                                       \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse, head_stride};             \
         fx_mma_body<T, 128, true, FX_WIDE_WARPS, 128, false, F>(                            \
             q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
             splits, tile, feat);                                                            \
@@ -446,8 +448,8 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
         const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
         float* ws_ml, int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev,     \
         int splits, int tile, const float* kv_scales, float scale, float cap, int window,   \
-        const float* slopes) {                                                              \
-        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr};                    \
+        const float* slopes, long long head_stride) {                                       \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
         gqa_split_mma_swapped<fx_half, D, false, FX_WARPS_D##D, DR, TILED, F, 1, Q8, QT>(    \
             q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
             splits, tile, feat, kv_scales);                                                 \
@@ -456,8 +458,8 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
         const QT* q, const unsigned char* k, const unsigned char* v, QT* out, int n_heads,  \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile,          \
         const float* kv_scales, float scale, float cap, int window, const float* slopes,    \
-        const float* sinks, float* lse) {                                                   \
-        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        long long head_stride, const float* sinks, float* lse) {                            \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse, head_stride};             \
         gqa_split_mma_swapped<fx_half, D, true, FX_WARPS_D##D, DR, TILED, F, 1, Q8, QT>(     \
             q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
             splits, tile, feat, kv_scales);                                                 \
@@ -468,8 +470,8 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
         const QT* q, const unsigned char* k, const unsigned char* v, QT* out, int n_heads,  \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile,          \
         const float* kv_scales, float scale, float cap, int window, const float* slopes,    \
-        const float* sinks, float* lse) {                                                   \
-        const FxFeat feat{scale, cap, window, slopes, sinks, lse};                          \
+        long long head_stride, const float* sinks, float* lse) {                            \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse, head_stride};             \
         gqa_split_mma_swapped<fx_half, 128, true, FX_WIDE_WARPS, 128, false, F, 1, Q8, QT>(  \
             q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
             splits, tile, feat, kv_scales);                                                 \

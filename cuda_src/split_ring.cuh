@@ -101,13 +101,17 @@ struct FxWarpRing {
         return ring + (j % S) * 2 * (TOK * D);
     }
 };
-template <class T, int D, int TOK, int S, int WARPS, int DR = D>
+// (F: the kernel's features; with FX_F_HND the rows are head-major, head_stride apart)
+template <class T, int D, int TOK, int S, int WARPS, int DR = D, int F = 0>
 __device__ __forceinline__ FxWarpRing<T, D, TOK, S, WARPS, DR> fx_warp_ring(
-    unsigned char* smem, const T* k, const T* v, int g_kv, int n_kv_heads, int start, int end,
-    int warp, int lane) {
+    unsigned char* smem, const T* k, const T* v, int g_kv, int n_kv_heads, long long head_stride,
+    int start, int end, int warp, int lane) {
+    const bool hnd = (F & FX_F_HND) != 0;
     const FxWarpRing<T, D, TOK, S, WARPS, DR> r{
-        reinterpret_cast<T*>(smem) + warp * S * 2 * (TOK * D), k + (long long)g_kv * DR,
-        v + (long long)g_kv * DR, (long long)n_kv_heads * DR, start, end, warp, lane};
+        reinterpret_cast<T*>(smem) + warp * S * 2 * (TOK * D),
+        hnd ? k + g_kv * head_stride : k + (long long)g_kv * DR,
+        hnd ? v + g_kv * head_stride : v + (long long)g_kv * DR,
+        hnd ? (long long)DR : (long long)n_kv_heads * DR, start, end, warp, lane};
 #pragma unroll
     for (int j = 0; j < S - 1; ++j) r.issue(j);
     return r;
@@ -156,7 +160,8 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
 // the block's ring). The body must name CLUSTER, TILED, F and feat (its features), D, DR
 // (the cache's head_dim, <= D), S,
 // WARPS, THREADS, k, v, n_heads,
-// n_kv_heads, seq_len, seq_len_dev, splits, tile and fx_dyn_smem as the kernels do.
+// n_kv_heads, seq_len, seq_len_dev, splits, tile and fx_dyn_smem as the kernels do; with
+// FX_F_HND in F the rows are head-major (feat.head_stride).
 // A macro rather than a function: the same values from a helper function (fx_place, v18)
 // changed the register allocation of the head_dim 256 kernels on sm_100, which spilled;
 // the macro's expansion is the code the three bodies had written out.
@@ -175,5 +180,5 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
     const int h0 = g_kv * heads_per_kv + tile_h;                                            \
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;                             \
     const int g = lane >> 2, tig = lane & 3;                                                \
-    const auto wr = fx_warp_ring<T, D, TOK, S, WARPS, DR>(fx_dyn_smem, k, v, g_kv,          \
-                                                          n_kv_heads, start, end, warp, lane)
+    const auto wr = fx_warp_ring<T, D, TOK, S, WARPS, DR, F>(                               \
+        fx_dyn_smem, k, v, g_kv, n_kv_heads, feat.head_stride, start, end, warp, lane)

@@ -244,8 +244,9 @@ __device__ __forceinline__ void gqa_split_tc32(
     extern "C" __global__ void __launch_bounds__(FX_TC32_WARPS_D##D * 32, 1) NAME(          \
         const float* q, const float* k, const float* v, float* ws_o, float* ws_ml,          \
         int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev, int splits,       \
-        int tile, float scale, float cap, int window, const float* slopes) {                \
-        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr};                    \
+        int tile, float scale, float cap, int window, const float* slopes,                  \
+        long long head_stride) {                                                            \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
         gqa_split_tc32<D, false, F>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads,     \
                                     seq_len, seq_len_dev, splits, tile, feat);              \
     }

@@ -113,7 +113,7 @@ def _fp8_entry(name: str, parts: list[str], cluster: bool) -> str:
     bits = inner[-1]
     if parts[3] not in ("f16", "bf16") or bits[:1] != "x" or not bits[1:].isdigit():
         raise ValueError(name)
-    if not 0 <= int(bits[1:]) < 64:
+    if not 0 <= int(bits[1:]) < F_LIMIT:
         raise ValueError(name)
     qt, q8, mask = _ENTRY_TYPES[parts[3]], FP8_FORMATS[parts[4]], int(bits[1:])
     plain = [*parts[:4], *inner[5:-1]]  # the fp16/bf16 kernel's name
@@ -175,16 +175,20 @@ def _mma_shape(base: str, parts: list[str]) -> tuple[int, int, bool]:
 
 
 # The feature bits of the kernels' F (FX_F_* in split_common.cuh), and those the combine
-# kernel takes (the rest end in the split kernel).
-F_WINDOW, F_CAP, F_ALIBI, F_SINKS, F_LSE, F_SCALE = 1, 2, 4, 8, 16, 32
+# kernel takes (the rest end in the split kernel). F_HND is a layout, not a feature: K and
+# V head-major ([kv_head][token][head_dim], FeatureArgs.head_stride apart), one bit all the
+# same, so that the kernels without it keep their code.
+F_WINDOW, F_CAP, F_ALIBI, F_SINKS, F_LSE, F_SCALE, F_HND = 1, 2, 4, 8, 16, 32, 64
+F_LIMIT = 128  # every F is below this
 COMBINE_FEATURES = F_WINDOW | F_SINKS | F_LSE
 
 
 @dataclass(frozen=True)
 class FeatureArgs:
     """The run-time values of a decode's features, as its kernels take them: the split
-    kernel's (scale, cap, window, ALiBi slopes) and the combine kernel's (window, sinks, the
-    LSE output); device arrays of float32 per query head, or None."""
+    kernel's (scale, cap, window, ALiBi slopes, a head-major cache's head stride) and the
+    combine kernel's (window, sinks, the LSE output); device arrays of float32 per query
+    head, or None."""
 
     scale: float
     cap: float = 1.0
@@ -192,9 +196,11 @@ class FeatureArgs:
     slopes: DeviceArray | None = None
     sinks: DeviceArray | None = None
     lse: DeviceArray | None = None
+    head_stride: int = 0  # F_HND: elements from one KV head's rows to the next's
 
     def split_args(self) -> tuple[Any, ...]:
-        return (np.float32(self.scale), np.float32(self.cap), np.int32(self.window), self.slopes)
+        return (np.float32(self.scale), np.float32(self.cap), np.int32(self.window), self.slopes,
+                np.int64(self.head_stride))  # fmt: skip
 
     def combine_args(self) -> tuple[Any, ...]:
         return (np.int32(self.window), self.sinks, self.lse)
@@ -236,7 +242,7 @@ def _feature_entry(name: str, parts: list[str], mask: int, cluster: bool) -> str
     and the fp16/bf16 tensor-core kernels' ``<kernel>_x<mask>_cluster``; ``parts``: the
     name's without the ``_x<mask>`` and ``_cluster``), or the combine kernel's."""
     inner = "_".join(parts)
-    if not 0 < mask < 64 or "cluster" in parts:
+    if not 0 < mask < F_LIMIT or "cluster" in parts:
         raise ValueError(name)
     if parts[-1] == "wide":  # gqa_split_mma_<dt>_d128_wide_x<F>_cluster
         if not (cluster and _is_wide(parts)):

@@ -714,7 +714,8 @@ def measure_features_point(
     device: Device,
 ) -> float:  # fmt: skip
     """Graph-replayed us of a decode with ``features`` (sinks/alibi_slopes True: random
-    device arrays; sliding_window as given), over the benchmark's rotated KV sets."""
+    device arrays; sliding_window as given; kv_layout "HND": the sets read head-major),
+    over the benchmark's rotated KV sets."""
     from . import attention
 
     n_heads, n_kv, hd = shape
@@ -732,11 +733,14 @@ def measure_features_point(
         window is not None, "logits_soft_cap" in features, "alibi_slopes" in features,
         "sinks" in features, bool(features.get("return_lse")), False,
     )  # fmt: skip
+    hnd = features.get("kv_layout") == "HND"
+    bits |= attention.F_HND if hnd else 0
     args = attention.FeatureArgs(
         scale=hd**-0.5, cap=features.get("logits_soft_cap", 1.0), window=window or 0,
         slopes=per_head["alibi_slopes"] if "alibi_slopes" in features else None,
         sinks=per_head["sinks"] if "sinks" in features else None,
         lse=per_head["lse"] if features.get("return_lse") else None,
+        head_stride=seq * hd if hnd else 0,
     )  # fmt: skip
     plan = attention.plan_split(
         device, np.dtype(dt), n_heads, n_kv, hd, min(seq, window or seq), True, bits

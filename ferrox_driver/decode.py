@@ -13,6 +13,7 @@ launches.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 from collections import OrderedDict
@@ -38,7 +39,14 @@ from .launch import LaunchSequence
 from .memory import DeviceArray, OutputPool, empty, output_pool, to_device
 from .stream import Stream, stream_handle, stream_key
 from .types import ArrayLike, DeviceArrayLike, StreamLike
-from .validation import ArrayInfo, DecodeSpec, check_decode_args, check_decode_infos
+from .validation import (
+    ArrayInfo,
+    DecodeSpec,
+    check_decode_args,
+    check_decode_infos,
+    check_head_major_args,
+    check_kv_layout,
+)
 
 __all__ = ["DecodeRecord", "decode_record", "gqa_decode", "launch_decode"]
 
@@ -362,6 +370,7 @@ def gqa_decode(
     alibi_slopes: ArrayLike = None,
     scale: float | None = None,
     return_lse: Literal[False] = False,
+    kv_layout: str = "NHD",
 ) -> np.ndarray | DeviceArray: ...
 @overload
 def gqa_decode(
@@ -382,6 +391,7 @@ def gqa_decode(
     alibi_slopes: ArrayLike = None,
     scale: float | None = None,
     return_lse: Literal[True],
+    kv_layout: str = "NHD",
 ) -> tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]: ...
 def gqa_decode(
     q: ArrayLike,
@@ -401,6 +411,7 @@ def gqa_decode(
     alibi_slopes: ArrayLike = None,
     scale: float | None = None,
     return_lse: bool = False,
+    kv_layout: str = "NHD",
 ) -> np.ndarray | DeviceArray | tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]:
     """Attention of one query token over a KV cache, on the GPU (ferrox-cuda's
     ``launch_gqa_decode``), with the features real models use.
@@ -429,6 +440,11 @@ def gqa_decode(
         return_lse: also return the log-sum-exp of the scores per query head (float32,
             natural log): the result is ``(out, lse)``. The definitions are
             `reference_gqa_decode`'s. Every dtype and head_dim takes every feature.
+        kv_layout: ``"NHD"`` (default: ``k_cache`` as above) or ``"HND"``: head-major K and
+            V, ``(n_kv_heads, seq_len, head_dim)`` or ``(1, n_kv_heads, seq_len,
+            head_dim)`` (PyTorch SDPA's and transformers' layout), each token's row
+            contiguous and the KV heads any number of rows apart, so ``cache[:, :, :n]``
+            of a larger head-major cache is read in place. Takes every feature.
 
     Returns:
         With numpy inputs, a numpy array (copied back, complete). With device inputs
@@ -444,11 +460,13 @@ def gqa_decode(
     if not (
         sliding_window is None and logits_soft_cap is None and sinks is None
         and alibi_slopes is None and scale is None and return_lse is False
+        and kv_layout == "NHD"
     ):  # fmt: skip
         return _feature_decode(
             q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm, device, out,
             dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
                  alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse),
+            check_kv_layout(kv_layout),
         )  # fmt: skip
     qr = array_ref(q, "q")
     if qr is not None:
@@ -553,14 +571,28 @@ def _per_head_device(value: Any, dev: Device, sid: int, role: str, stream: Any) 
 def _feature_decode(
     q: Any, k_cache: Any, v_cache: Any, n_heads: Any, n_kv_heads: Any, head_dim: Any,
     stream: Any, algorithm: Any, device: Any, out: Any, kw: dict[str, Any],
+    kv_layout: str = "NHD",
 ) -> Any:  # fmt: skip
-    """gqa_decode with features: every argument checked first (features.check_features),
-    then one split decode with them compiled in (attention.plan's features), numpy in and
-    out or device arrays in and out."""
-    spec = check_decode_args(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
+    """gqa_decode with features or head-major K and V: every argument checked first
+    (features.check_features), then one split decode with them compiled in
+    (attention.plan's features; a head-major cache is one more bit), numpy in and out or
+    device arrays in and out."""
+    head_stride = 0
+    if kv_layout == "HND":
+        spec, head_stride = check_head_major_args(
+            q, k_cache, v_cache, n_heads, n_kv_heads, head_dim
+        )
+        if not spec.on_device:  # copied in anyway: whole heads, contiguous
+            k_cache, v_cache = np.ascontiguousarray(k_cache), np.ascontiguousarray(v_cache)
+            head_stride = spec.seq_len * spec.head_dim
+    else:
+        spec = check_decode_args(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
     feats = check_features(spec.n_heads, **kw)
     if check_algorithm(algorithm) == "parity":
-        raise ValueError("algorithm: the features need the split kernels ('auto' or 'split')")
+        raise ValueError(
+            "algorithm: the features and head-major caches need the split kernels ('auto' or "
+            "'split')"
+        )
     sid = stream_key(stream)
     on_device = spec.on_device
     if not on_device and out is not None:
@@ -590,9 +622,10 @@ def _feature_decode(
         arrays += [q_d, k_d, v_d, out_d]
     lse_d = empty((spec.n_heads,), np.float32, device=dev) if feats.return_lse else None
     seq = spec.seq_len
-    bits = attention.feature_bits_of(feats)
+    bits = attention.feature_bits_of(feats) | (attention.F_HND if kv_layout == "HND" else 0)
     plan_seq = seq if feats.sliding_window is None else min(seq, feats.sliding_window)
-    aligned = ((q_d.ptr | k_d.ptr | v_d.ptr) & 15) == 0
+    heads_at = head_stride * spec.dtype.itemsize  # (16-byte loads need whole heads aligned)
+    aligned = ((q_d.ptr | k_d.ptr | v_d.ptr | heads_at) & 15) == 0
     try:
         plan = attention.plan_split(
             dev, spec.dtype, spec.n_heads, spec.n_kv_heads, spec.head_dim, max(plan_seq, 1),
@@ -603,6 +636,7 @@ def _feature_decode(
             slopes=_per_head_device(feats.alibi_slopes, dev, sid, "alibi_slopes", stream),
             sinks=_per_head_device(feats.sinks, dev, sid, "sinks", stream),
         )  # fmt: skip
+        args = dataclasses.replace(args, head_stride=head_stride)
         ws = _stream_buffer(
             dev, sid, "workspace", plan.workspace_floats(spec.n_heads, spec.head_dim)
         )

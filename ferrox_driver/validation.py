@@ -192,3 +192,118 @@ def _check_shapes(
             f"({seq_v} tokens)"
         )
     return DecodeSpec(n_heads, n_kv_heads, head_dim, seq_k, dtype, qi.shape, qi.on_device)
+
+
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def check_kv_layout(value: Any) -> str:
+    """``value`` if it names a KV layout: "NHD" ([token][kv_head][head_dim], the default)
+    or "HND" ([kv_head][token][head_dim], PyTorch SDPA's and transformers' caches)."""
+    if not isinstance(value, str) or value not in KV_LAYOUTS:
+        raise ValueError(
+            "kv_layout: expected 'NHD' ([token][kv_head][head_dim]) or 'HND' "
+            f"([kv_head][token][head_dim]), got {value!r}"
+        )
+    return value
+
+
+def _element_strides(obj: Any, itemsize: int) -> tuple[int, ...] | None:
+    """``obj``'s strides in elements, where it says (numpy, PyTorch, CUDA array interface);
+    None: it does not say (read as C-contiguous where it is)."""
+    if isinstance(obj, np.ndarray):
+        return tuple(s // itemsize for s in obj.strides)
+    stride = getattr(obj, "stride", None)  # torch.Tensor.stride()
+    if callable(stride):
+        try:
+            return tuple(int(s) for s in stride())
+        except TypeError:
+            pass
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if isinstance(cai, dict) and cai.get("strides") is not None:
+        return tuple(int(s) // itemsize for s in cai["strides"])
+    return None
+
+
+def head_major_rows(
+    obj: Any, name: str, n_kv_heads: int, head_dim: int, *, allow_device: bool = True
+) -> tuple[ArrayInfo, int, int]:
+    """A head-major K or V array: ``(n_kv_heads, seq_len, head_dim)``, ``(1, n_kv_heads,
+    seq_len, head_dim)`` (a batch of one) or flat. A device array's rows must be contiguous,
+    its KV heads any whole number of rows apart from ``seq_len`` on (a view of the first
+    tokens of a larger cache, as ``cache[:, :, :seq_len]``); a numpy array may have any
+    strides (it is copied in, contiguous). Returns its info, seq_len and the elements from
+    one KV head's rows to the next's (a numpy array's once copied).
+    """
+    from .interop import array_ref
+
+    if isinstance(obj, np.ndarray):  # (any strides: the host path copies it, contiguous)
+        info, contiguous = ArrayInfo(obj.shape, obj.dtype, False), True
+    elif not allow_device:
+        raise TypeError(f"{name}: expected a numpy array, got {type(obj).__name__}")
+    else:
+        ref = array_ref(obj, name)
+        assert ref is not None
+        info, contiguous = ArrayInfo(tuple(ref[1]), ref[2], True), ref[4]
+    shape = info.shape
+    expected = (
+        f"{name}: expected a head-major array of shape (n_kv_heads, seq_len, head_dim) = "
+        f"({n_kv_heads}, seq_len, {head_dim}), (1, {n_kv_heads}, seq_len, {head_dim}) or "
+        f"(n_kv_heads*seq_len*head_dim,), got {shape}"
+    )
+    if len(shape) == 1:
+        if shape[0] % (n_kv_heads * head_dim) or not contiguous:
+            raise ValueError(expected)
+        seq = shape[0] // (n_kv_heads * head_dim)
+        return info, seq, seq * head_dim
+    if not (
+        (len(shape) == 3 or (len(shape) == 4 and shape[0] == 1))
+        and shape[-3] == n_kv_heads and shape[-1] == head_dim
+    ):  # fmt: skip
+        raise ValueError(expected)
+    seq = shape[-2]
+    if contiguous:
+        return info, seq, seq * head_dim
+    strides = _element_strides(obj, info.dtype.itemsize)
+    if strides is None or (seq > 1 and strides[-2] != head_dim) or (
+        head_dim > 1 and strides[-1] != 1
+    ):  # fmt: skip
+        raise ValueError(
+            f"{name}: each token's row must be contiguous (strides (..., {head_dim}, 1) in "
+            f"elements), got strides {strides} for shape {shape}"
+        )
+    head_stride = strides[-3] if n_kv_heads > 1 else seq * head_dim
+    if head_stride < seq * head_dim:
+        raise ValueError(
+            f"{name}: KV heads {head_stride} elements apart overlap their {seq} tokens of "
+            f"{head_dim} (strides {strides})"
+        )
+    return info, seq, head_stride
+
+
+def check_head_major_args(
+    q: Any, k: Any, v: Any, n_heads: Any, n_kv_heads: Any, head_dim: Any
+) -> tuple[DecodeSpec, int]:
+    """``check_decode_args`` for head-major K and V (``head_major_rows``): the spec, and
+    the elements from one KV head's rows to the next's, which K and V share."""
+    n_heads, n_kv_heads, head_dim = check_dims(n_heads, n_kv_heads, head_dim)
+    qi = array_info(q, "q")
+    ki, seq_k, stride_k = head_major_rows(k, "k_cache", n_kv_heads, head_dim)
+    vi, _, stride_v = head_major_rows(v, "v_cache", n_kv_heads, head_dim)
+    if not qi.on_device == ki.on_device == vi.on_device:
+        raise TypeError(
+            "q, k_cache, v_cache: pass all three as numpy arrays or all three as device arrays"
+        )
+    dtype = check_dtype(qi.dtype, "q")
+    for info, name in ((ki, "k_cache"), (vi, "v_cache")):
+        check_dtype(info.dtype, name)
+        if info.dtype != dtype:
+            raise TypeError(f"{name}: expected q's dtype {dtype}, got {info.dtype}")
+    check_q(qi, n_heads, head_dim)
+    if ki.shape != vi.shape or stride_k != stride_v:
+        raise ValueError(
+            f"v_cache: expected k_cache's shape {ki.shape} and head stride {stride_k}, got "
+            f"{vi.shape} and {stride_v}"
+        )
+    spec = DecodeSpec(n_heads, n_kv_heads, head_dim, seq_k, dtype, qi.shape, qi.on_device)
+    return spec, stride_k

@@ -103,3 +103,44 @@ def test_gqa_decode_refuses_bad_features_naming_them_before_any_device_work(kw, 
     k = np.zeros((5, 2, 16), np.float16)
     with pytest.raises(error, match=match):
         fd.gqa_decode(q, k, k, n_heads=8, n_kv_heads=2, head_dim=16, **kw)
+
+
+HND = np.zeros((KV, S, D), np.float32)
+
+
+@pytest.mark.parametrize(
+    "over,exc,pattern",
+    [
+        (dict(kv_layout="hnd"), ValueError, "kv_layout: expected 'NHD'"),
+        (dict(kv_layout=None), ValueError, "kv_layout: expected 'NHD'"),
+        (dict(k_cache=np.zeros((S, KV, D), np.float32), v_cache=np.zeros((S, KV, D), np.float32)),
+         ValueError, r"k_cache: expected a head-major array of shape \(n_kv_heads"),
+        (dict(k_cache=np.zeros((2, KV, S, D), np.float32)), ValueError, "k_cache: expected a head"),
+        (dict(v_cache=np.zeros((KV, S + 1, D), np.float32)), ValueError,
+         "v_cache: expected k_cache's"),
+        (dict(v_cache=np.zeros((KV, S, D), np.float16)), TypeError, "v_cache: expected q's dtype"),
+        (dict(algorithm="parity"), ValueError, "algorithm: the features and head-major caches"),
+    ],
+)  # fmt: skip
+def test_head_major_caches_are_checked_before_any_device_work(over, exc, pattern):
+    kw = args(k_cache=HND, v_cache=HND, kv_layout="HND")
+    kw.update(over)
+    with pytest.raises(exc, match=pattern):
+        fd.gqa_decode(**kw)
+
+
+def test_head_major_numpy_arrays_of_any_strides_pass_the_checks_as_their_copies():
+    from ferrox_driver.validation import check_head_major_args
+
+    big = np.zeros((1, KV, 3 * S, D), np.float32)
+    spec, stride = check_head_major_args(np.zeros((H, D), np.float32), big[:, :, :S],
+                                         big[:, :, :S], H, KV, D)  # fmt: skip
+    assert (spec.seq_len, stride) == (S, S * D)  # (copied in: contiguous)
+    spec, stride = check_head_major_args(np.zeros(H * D, np.float32), HND, HND, H, KV, D)
+    assert (spec.seq_len, stride) == (S, S * D)
+    with pytest.raises(ValueError, match="k_cache: expected a head-major"):
+        check_head_major_args(np.zeros(H * D, np.float32), big[0, :1], big[0, :1], H, KV, D)
+    nhd = np.zeros((S, KV, D), np.float32)  # numpy: any strides (copied in, contiguous)
+    spec, stride = check_head_major_args(np.zeros(H * D, np.float32), nhd.transpose(1, 0, 2),
+                                         nhd.transpose(1, 0, 2), H, KV, D)  # fmt: skip
+    assert (spec.seq_len, stride) == (S, S * D)

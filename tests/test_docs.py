@@ -29,6 +29,7 @@ GPU_EXAMPLES = [
     "decode_graph_loop.py",
     "torch_graph_async.py",
     "torch_dlpack.py",
+    "head_major_torch.py",
     "features_gemma2_layer.py",
     "features_sinks.py",
     "features_merge_split.py",

@@ -1,0 +1,37 @@
+"""Head-major (kv_layout="HND") against token-major decodes: the benchmark's shapes, graph-
+replayed over rotated KV sets past L2, the two alternating in one process (two rounds, the
+faster of each kept), and the ratio. HND reads the same bytes as rows of one KV head's
+tokens, so what it can cost is the access pattern alone.
+
+    PYTHONPATH=. python3 benchmarks/layout_bench.py [bf16|f16|f32] [SEQ,SEQ,...]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import ferrox_driver as fd
+from ferrox_driver.bench_decode import SHAPES, measure_features_point, measure_point
+
+
+def main(argv: list[str]) -> int:
+    dtype = argv[1] if len(argv) > 1 else "bf16"
+    seqs = [int(x) for x in argv[2].split(",")] if len(argv) > 2 else [4096, 32768, 131072]
+    device = fd.Device(0)
+    print(f"{dtype}, us per decode (graph replay): token-major (NHD) vs head-major (HND)")
+    print(f"{'shape':<10} {'seq':>7} {'NHD us':>8} {'HND us':>8} {'HND/NHD':>8}")
+    for shape in SHAPES:
+        for seq in seqs:
+            nhd, hnd = [], []
+            for _ in range(2):
+                nhd.append(measure_point(shape, seq, dtype, 30, device).graph_us)
+                hnd.append(measure_features_point(shape, seq, dtype, {"kv_layout": "HND"},
+                                                  30, device))  # fmt: skip
+            a, b = min(nhd), min(hnd)
+            print(f"{'/'.join(map(str, shape)):<10} {seq:>7} {a:8.1f} {b:8.1f} {b / a:8.3f}",
+                  flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
