@@ -87,7 +87,8 @@ def test_fp8_plans_are_the_bf16_plans_on_byte_kernels():
     assert kernel((32, 8, 72), 4096) == "gqa_split_mma_bf16_e4m3_d128_r72_x0"  # 8-byte chunks
     for bad in ("gqa_split_mma_bf16_e4m3_d128", "gqa_split_mma_bf16_e4m3_d128_r68_x0",
                 "gqa_split_mma_f32_e4m3_d128_x0", "gqa_split_mma_bf16_e4m3_d128_wide_x0",
-                "gqa_split_mma_bf16_e4m3_d128_x64", "gqa_split_mma_bf16_e3m4_d128_x0"):  # fmt: skip
+                "gqa_split_mma_bf16_e4m3_d128_x128",
+                "gqa_split_mma_bf16_e3m4_d128_x0"):  # fmt: skip
         with pytest.raises(ValueError, match="has no kernel"):
             attention.split_entry(bad)
 

@@ -117,8 +117,13 @@ def test_a_name_no_kernel_has_is_refused(bad):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
 def test_feature_kernels_compile_without_stack_or_spills(arch):
-    # every family with every feature (x63), and the combine kernel with those it applies
+    # every family with every feature (x63), and with head-major K/V too (x127), and the
+    # combine kernel with those it applies
     for name in (
+        "gqa_split_mma_bf16_d128_x127",
+        "gqa_split_mma_f16_d256_x127_cluster",
+        "gqa_split_tc32_f32_d256_x127",
+        "gqa_split_bf16_g4_any_x127",
         "gqa_split_mma_bf16_d128_x63",
         "gqa_split_mma_f16_d256_x63",
         "gqa_split_mma_bf16_d128_r80_t2_x63",

@@ -449,7 +449,7 @@ def test_features_take_the_plans_of_the_decode_without_them():
         "FX_COMBINE_FEAT_ENTRY(gqa_split_combine_f16_x25, fx_half, 25)"
     )
     for bad in ("gqa_split_combine_f16_x2", "gqa_split_mma_bf16_d128_cluster_x1",
-                "gqa_split_mma_bf16_d128_wide_cluster_x1", "gqa_split_mma_bf16_d128_x64",
+                "gqa_split_mma_bf16_d128_wide_cluster_x1", "gqa_split_mma_bf16_d128_x128",
                 "gqa_split_tc32_f32_d128_cluster_x1", "gqa_split_tc32_f32_d128_x1_cluster",
                 "gqa_split_mma_bf16_d128_wide_x1", "gqa_split_combine_f16_x8_cluster"):  # fmt: skip
         with pytest.raises(ValueError, match="has no kernel"):
