@@ -272,13 +272,13 @@ class KVCache:
         threads = min(256, -(-self.row_elems // 32) * 32)
         # dtype -> (the staging ring seen as [slot][K|V][row] of it, its quantizing launch)
         self._fp8_appends: dict[np.dtype, tuple[np.ndarray, PackedLaunch]] = {}
-        for dt, rows in zip(ROW_DTYPES, ("f32", "f16", "bf16"), strict=True):
+        for dt in ROW_DTYPES:
             strides = (slot_bytes, self.row_elems * dt.itemsize, dt.itemsize)
             view = np.ndarray((slots, 2, self.row_elems), dt, self._stage_kv, strides=strides)
             args = (self._dev_stage, self._dev_stage, self._k, self._v, self.kv_scales,
                     np.int32(self.n_kv_heads), np.int32(self.head_dim), np.int32(1),
                     np.int32(0), self.state, np.int32(self.capacity))  # fmt: skip
-            kernel = quantize_kernel(self.fp8, self.device, rows)
+            kernel = quantize_kernel(self.fp8, self.device, dtype_name(dt))
             launch = PackedLaunch(kernel, 1, threads, args, stream=self.stream)
             self._fp8_appends[dt] = (view, launch)
         # dtype -> (K and V rows, passed by value, its launch) or None: rows of the dtype
@@ -292,8 +292,8 @@ class KVCache:
             if 2 * self.row_elems * dt.itemsize <= ROWS_BY_VALUE_MAX and (
                 (driver_version() or 0) >= 12010
             ):
-                rows = ("f32", "f16", "bf16")[ROW_DTYPES.index(dt)]
-                kernel = by_value_append_kernel(self.fp8, self.device, rows, self.row_elems)
+                kernel = by_value_append_kernel(self.fp8, self.device, dtype_name(dt),
+                                                self.row_elems)  # fmt: skip
                 blob = np.zeros((2, self.row_elems), dt)
                 args = (np.uint64(0), self._k, self._v, self.kv_scales,
                         np.int32(self.n_kv_heads), np.int32(self.head_dim), np.int32(0),
@@ -540,7 +540,10 @@ class KVCache:
                 raise KVCapacityError(seq, self.capacity)
             self.device.activate()
             dt = k_tok.dtype if k_tok.dtype == v_tok.dtype else ROW_DTYPES[0]
-            by_value = self._value_append(dt)
+            try:  # (one lookup a token; the first of a dtype makes its launch)
+                by_value = self._fp8_value_appends[dt]
+            except KeyError:
+                by_value = self._value_append(dt)
             if by_value is not None:  # the rows in the launch's arguments, no copy
                 blob, launch = by_value
                 blob[0] = k_tok.reshape(-1)
@@ -574,14 +577,13 @@ class KVCache:
         and V's differ) to the device, quantized there into tokens seq .. seq + n (waits
         for it: the device copies are freed)."""
         dt = k_rows.dtype if k_rows.dtype == v_rows.dtype else ROW_DTYPES[0]
-        rows = ("f32", "f16", "bf16")[ROW_DTYPES.index(dt)]
         shape = (n, self.row_elems)
         with (empty(shape, dt, device=self.device) as k_dev,
               empty(shape, dt, device=self.device) as v_dev):  # fmt: skip
             k_dev.copy_from_host(np.ascontiguousarray(k_rows, dt).reshape(shape), self.stream)
             v_dev.copy_from_host(np.ascontiguousarray(v_rows, dt).reshape(shape), self.stream)
             blocks = min(1024, -(-n * self.row_elems // 256))
-            quantize_kernel(self.fp8, self.device, rows).launch(
+            quantize_kernel(self.fp8, self.device, dtype_name(dt)).launch(
                 blocks, 256,
                 (k_dev, v_dev, self._k, self._v, self.kv_scales, np.int32(self.n_kv_heads),
                  np.int32(self.head_dim), np.int32(n), np.int32(seq), self.state,

@@ -166,12 +166,17 @@ def check_decode_infos(
     """Validate what a decode's kernels need of q, K and V (dtypes, shapes); raise naming
     the first bad one."""
     n_heads, n_kv_heads, head_dim = check_dims(n_heads, n_kv_heads, head_dim)
+    return _check_shapes(qi, ki, vi, n_heads, n_kv_heads, head_dim, _check_dtypes(qi, ki, vi))
+
+
+def _check_dtypes(qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> np.dtype:
+    """q's dtype, if the kernels take it and K and V have it too."""
     dtype = check_dtype(qi.dtype, "q")
     for info, name in ((ki, "k_cache"), (vi, "v_cache")):
         check_dtype(info.dtype, name)
         if info.dtype != dtype:
             raise TypeError(f"{name}: expected q's dtype {dtype}, got {info.dtype}")
-    return _check_shapes(qi, ki, vi, n_heads, n_kv_heads, head_dim, dtype)
+    return dtype
 
 
 def _check_shapes(
@@ -294,11 +299,7 @@ def check_head_major_args(
         raise TypeError(
             "q, k_cache, v_cache: pass all three as numpy arrays or all three as device arrays"
         )
-    dtype = check_dtype(qi.dtype, "q")
-    for info, name in ((ki, "k_cache"), (vi, "v_cache")):
-        check_dtype(info.dtype, name)
-        if info.dtype != dtype:
-            raise TypeError(f"{name}: expected q's dtype {dtype}, got {info.dtype}")
+    dtype = _check_dtypes(qi, ki, vi)
     check_q(qi, n_heads, head_dim)
     if ki.shape != vi.shape or stride_k != stride_v:
         raise ValueError(
