@@ -174,3 +174,15 @@ def test_the_environment_knobs_are_read_into_overrides_once() -> None:
         False, 2, True, True, True,
     )  # fmt: skip
     assert attention.Overrides.from_env({}).wide
+
+
+def test_importing_ferrox_imports_no_framework():
+    """PyTorch and transformers are optional: only ferrox_driver.integrations imports
+    them, when asked."""
+    import subprocess
+    import sys
+
+    names = "('torch', 'transformers', 'cupy')"
+    code = f"import sys, ferrox_driver; print(sorted(m for m in {names} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
