@@ -100,6 +100,7 @@ class FerroxAttention:
             kv = fd.KVCache(kv_heads, hd, capacity, dtype=ml_dtypes.bfloat16)
             kv.extend(_rows_numpy(k), _rows_numpy(v))
             kv.prepare(heads)  # kernels and scratch before any capture
+            kv.synchronize()  # the prefill's copies done before PyTorch's streams append
             self.caches.append(kv)
         self.out = [torch.empty(heads, hd, device="cuda", dtype=BF16) for _ in context]
 
