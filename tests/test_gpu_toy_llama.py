@@ -1,0 +1,27 @@
+"""benchmarks/toy_llama.py on the GPU, small: a whole token of a Llama-shaped model in one
+PyTorch CUDA graph with ferrox's attention gives the logits SDPA's does (the script exits
+non-zero otherwise) and prints its table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "toy_llama.py"
+
+
+def test_a_token_graph_of_a_toy_llama_matches_sdpa():
+    pytest.importorskip("torch")
+    args = ["--small", "--layers", "2", "--contexts", "1,777", "--steps", "8"]
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [
+        line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["1"], ["777"])
+    ]
+    assert len(rows) == 2 and all(float(r[-1]) < 1e-2 for r in rows), done.stdout
