@@ -309,6 +309,18 @@ def _decode_async_features(
         record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
 
 
+def _staging(sizes: tuple[int, ...], dt: np.dtype, device: Any) -> tuple[list[int], Any, Any]:
+    """Parts of ``sizes`` elements in one page-locked buffer and one device buffer, each
+    part 256-byte aligned (a replay copies them in with one copy): the parts' starts and
+    the two buffers."""
+    step = 256 // dt.itemsize
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + -(-n // step) * step)
+    total = starts[-1] + sizes[-1]
+    return starts, pinned_empty((total,), dt), empty((total,), dt, device=device)
+
+
 class DecodeGraph:
     """One token step (copy in q/k/v, append, decode, copy out) captured once as a CUDA
     graph and replayed for every token.
@@ -386,13 +398,7 @@ class DecodeGraph:
         # q, k and v share one page-locked buffer and one device buffer (each part 256-byte
         # aligned), so a replay copies them in with one copy.
         sizes = (self.n_heads * hd, kv.row_elems, kv.row_elems)
-        step = 256 // dt.itemsize
-        starts = [0]
-        for n in sizes[:-1]:
-            starts.append(starts[-1] + -(-n // step) * step)
-        total = starts[-1] + sizes[-1]
-        self._stage = pinned_empty((total,), dt)
-        self._in_d = empty((total,), dt, device=kv.device)
+        starts, self._stage, self._in_d = _staging(sizes, dt, kv.device)
         parts = [self._stage[a : a + n] for a, n in zip(starts, sizes, strict=True)]
         self.q = parts[0].reshape(self.n_heads, hd)
         self.k = parts[1].reshape(kv.n_kv_heads, hd)
@@ -625,13 +631,7 @@ class LayerDecodeGraph:
         # every layer's q, then every layer's K rows, then V rows: one page-locked buffer
         # and one device buffer (each part 256-byte aligned), one copy in per token
         sizes = (n * self.n_heads * hd, n * first.row_elems, n * first.row_elems)
-        step = 256 // dt.itemsize
-        starts = [0]
-        for size in sizes[:-1]:
-            starts.append(starts[-1] + -(-size // step) * step)
-        total = starts[-1] + sizes[-1]
-        self._stage = pinned_empty((total,), dt)
-        self._in_d = empty((total,), dt, device=first.device)
+        starts, self._stage, self._in_d = _staging(sizes, dt, first.device)
         parts = [self._stage[a : a + size] for a, size in zip(starts, sizes, strict=True)]
         self.q = parts[0].reshape(n, self.n_heads, hd)
         self.k = parts[1].reshape(n, first.n_kv_heads, hd)
