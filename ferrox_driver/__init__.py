@@ -10,7 +10,7 @@ from __future__ import annotations
 from ._version import __version__ as __version__
 from .compiler import KernelResources, Program, compile_source
 from .decode import gqa_decode
-from .decode_graph import DecodeGraph, gqa_decode_async, kv_append_async
+from .decode_graph import DecodeGraph, LayerDecodeGraph, gqa_decode_async, kv_append_async
 from .device import Device, cuda_available, device_count
 from .errors import (
     ClosedError,
@@ -36,6 +36,7 @@ __all__ = [
     "CompileError",
     "CudaError",
     "DecodeGraph",
+    "LayerDecodeGraph",
     "Device",
     "DeviceArray",
     "Event",

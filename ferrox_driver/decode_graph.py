@@ -8,6 +8,7 @@ it for every token, with no re-capture and no node update.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -23,14 +24,14 @@ from .features import check_features
 from .fp8 import ROW_DTYPES, quantize_kernel
 from .graph import GraphExec
 from .interop import ArrayRef, array_ref
-from .kv_cache import KVCache, append_kernel
+from .kv_cache import KVCache, LayerKVCache, append_kernel
 from .launch import LaunchSequence, PackedLaunch
 from .memory import DeviceArray, empty, pinned_empty, to_device
 from .stream import Stream, stream_handle, stream_key
 from .types import ArrayLike, DeviceArrayLike, DTypeLike, StreamLike
 from .validation import check_dims, dtype_name
 
-__all__ = ["DecodeGraph", "gqa_decode_async", "kv_append_async"]
+__all__ = ["DecodeGraph", "LayerDecodeGraph", "gqa_decode_async", "kv_append_async"]
 
 APPEND_THREADS = 256
 
@@ -308,6 +309,18 @@ def _decode_async_features(
         record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
 
 
+def _staging(sizes: tuple[int, ...], dt: np.dtype, device: Any) -> tuple[list[int], Any, Any]:
+    """Parts of ``sizes`` elements in one page-locked buffer and one device buffer, each
+    part 256-byte aligned (a replay copies them in with one copy): the parts' starts and
+    the two buffers."""
+    step = 256 // dt.itemsize
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + -(-n // step) * step)
+    total = starts[-1] + sizes[-1]
+    return starts, pinned_empty((total,), dt), empty((total,), dt, device=device)
+
+
 class DecodeGraph:
     """One token step (copy in q/k/v, append, decode, copy out) captured once as a CUDA
     graph and replayed for every token.
@@ -385,13 +398,7 @@ class DecodeGraph:
         # q, k and v share one page-locked buffer and one device buffer (each part 256-byte
         # aligned), so a replay copies them in with one copy.
         sizes = (self.n_heads * hd, kv.row_elems, kv.row_elems)
-        step = 256 // dt.itemsize
-        starts = [0]
-        for n in sizes[:-1]:
-            starts.append(starts[-1] + -(-n // step) * step)
-        total = starts[-1] + sizes[-1]
-        self._stage = pinned_empty((total,), dt)
-        self._in_d = empty((total,), dt, device=kv.device)
+        starts, self._stage, self._in_d = _staging(sizes, dt, kv.device)
         parts = [self._stage[a : a + n] for a, n in zip(starts, sizes, strict=True)]
         self.q = parts[0].reshape(self.n_heads, hd)
         self.k = parts[1].reshape(kv.n_kv_heads, hd)
@@ -564,6 +571,206 @@ class DecodeGraph:
                 arr.close()
 
     def __enter__(self) -> DecodeGraph:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LayerDecodeGraph:
+    """A whole token of a model, every layer's append and decode, captured once as one
+    CUDA graph and replayed for every token: one copy in (every layer's q and new K and V
+    rows), one launch, one copy out, one synchronize per token.
+
+    Args:
+        layers: the model's caches (a `LayerKVCache`; its layers share its stream).
+        n_heads: query heads, a multiple of the caches' KV heads.
+        sliding_window: as `DecodeGraph`, the same for every layer.
+        logits_soft_cap: as `DecodeGraph`.
+        sinks: as `DecodeGraph` (one array for every layer).
+        alibi_slopes: as `DecodeGraph`.
+        scale: as `DecodeGraph`.
+
+    Calling it is thread-safe (it takes every layer's lock, in layer order).
+
+    Attributes:
+        dtype: the caches' dtype: q's, the rows' and the result's.
+        q: page-locked staging, (n_layers, n_heads, head_dim).
+        k: page-locked staging for the new token's K rows, (n_layers, n_kv_heads, head_dim).
+        v: like ``k``, for V.
+        out: page-locked array the results land in, (n_layers, n_heads, head_dim).
+    """
+
+    def __init__(
+        self,
+        layers: LayerKVCache,
+        *,
+        n_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: ArrayLike = None,
+        alibi_slopes: ArrayLike = None,
+        scale: float | None = None,
+    ) -> None:
+        self._closed = True  # until built
+        if not isinstance(layers, LayerKVCache):
+            raise TypeError(
+                f"layers: expected a ferrox_driver.LayerKVCache, got {type(layers).__name__}"
+            )
+        self.caches: list[KVCache] = list(layers)
+        first = self.caches[0]
+        self.n_heads, _, _ = check_dims(n_heads, first.n_kv_heads, first.head_dim)
+        feats = check_features(
+            self.n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            sinks=sinks, alibi_slopes=alibi_slopes, scale=scale,
+        )  # fmt: skip
+        self.stream = layers.stream
+        self._h = stream_handle(self.stream)
+        n, dt, hd = len(self.caches), first.dtype, first.head_dim
+        self.dtype = dt
+        # every layer's q, then every layer's K rows, then V rows: one page-locked buffer
+        # and one device buffer (each part 256-byte aligned), one copy in per token
+        sizes = (n * self.n_heads * hd, n * first.row_elems, n * first.row_elems)
+        starts, self._stage, self._in_d = _staging(sizes, dt, first.device)
+        parts = [self._stage[a : a + size] for a, size in zip(starts, sizes, strict=True)]
+        self.q = parts[0].reshape(n, self.n_heads, hd)
+        self.k = parts[1].reshape(n, first.n_kv_heads, hd)
+        self.v = parts[2].reshape(n, first.n_kv_heads, hd)
+        self.out = pinned_empty((n, self.n_heads, hd), dt)
+        self._out_d = empty((n * self.n_heads * hd,), dt, device=first.device)
+        q_rows, kv_rows = self.n_heads * hd, first.row_elems
+        isz = dt.itemsize
+        self._layer_views = [
+            (
+                self._in_d.view((q_rows,), offset=(starts[0] + i * q_rows) * isz),
+                self._in_d.view((kv_rows,), offset=(starts[1] + i * kv_rows) * isz),
+                self._in_d.view((kv_rows,), offset=(starts[2] + i * kv_rows) * isz),
+                self._out_d.view((q_rows,), offset=i * q_rows * isz),
+            )
+            for i in range(n)
+        ]
+        self._owned: list[DeviceArray] = []
+        self.sinks = self._per_head(feats.sinks, first)
+        self.alibi_slopes = self._per_head(feats.alibi_slopes, first)
+        self._features: dict[str, Any] = {
+            k: v for k, v in (("sliding_window", feats.sliding_window),
+                              ("logits_soft_cap", feats.logits_soft_cap), ("scale", feats.scale),
+                              ("sinks", self.sinks), ("alibi_slopes", self.alibi_slopes))
+            if v is not None
+        }  # fmt: skip
+        with contextlib.ExitStack() as locks:
+            for kv in self.caches:
+                locks.enter_context(kv._lock)
+            for kv in self.caches:
+                kv.synchronize()  # earlier eager work is done; the host lengths are exact
+            self._exec = self._capture()
+        self._exec_handle = self._exec.handle
+        self._closed = False
+
+    def _per_head(self, values: Any, kv: KVCache) -> Any:
+        if values is None or not isinstance(values, np.ndarray):
+            return values
+        arr = to_device(np.ascontiguousarray(values, np.float32), device=kv.device)
+        self._owned.append(arr)
+        return arr
+
+    def _capture(self) -> GraphExec:
+        s, h = self.stream, self._h
+        eager = [kv._eager_seq for kv in self.caches]
+        for kv in self.caches:  # kernels and scratch first: neither is capturable
+            kv.prepare(self.n_heads, **self._features)
+        with s.capture() as graph:
+            drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data, self._in_d.nbytes, h)
+            for kv, (q_d, k_d, v_d, out_d) in zip(self.caches, self._layer_views, strict=True):
+                kv_append_async(kv, k_d, v_d, stream=s)
+                gqa_decode_async(q_d, kv, out_d, n_heads=self.n_heads, stream=s,
+                                 **self._features)  # fmt: skip
+            drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr, self._out_d.nbytes, h)
+        for kv, was in zip(self.caches, eager, strict=True):
+            kv._eager_seq = was
+        graph.keep_alive(self._stage, self.out, self._in_d, self._out_d, *self.caches,
+                         *self._owned)  # fmt: skip
+        exec_ = graph.instantiate()
+        graph.close()
+        return exec_
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("LayerDecodeGraph")
+        for kv in self.caches:
+            if kv._closed:
+                raise ClosedError("LayerDecodeGraph", "uses a KVCache that was closed")
+            if kv.stream._closed:
+                raise ClosedError("LayerDecodeGraph", "runs on a Stream that was closed")
+
+    def __call__(self, q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray) -> np.ndarray:
+        """Append every layer's ``k_rows[i]``/``v_rows[i]`` and decode its ``q[i]``: one
+        graph launch, one sync.
+
+        Args:
+            q: ``(n_layers, n_heads, head_dim)`` (or any shape of that size), the dtype's.
+            k_rows: ``(n_layers, n_kv_heads, head_dim)``, the new token's K rows.
+            v_rows: like ``k_rows``.
+
+        Returns:
+            A new numpy array ``(n_layers, n_heads, head_dim)``.
+
+        Raises:
+            KVCapacityError: a layer's cache is full (checked first: nothing runs).
+            TypeError: wrong sizes or dtypes.
+            ClosedError: this graph, a cache or the stream was closed.
+        """
+        for arr, stage, name in ((q, self.q, "q"), (k_rows, self.k, "k_rows"),
+                                 (v_rows, self.v, "v_rows")):  # fmt: skip
+            if not isinstance(arr, np.ndarray) or arr.dtype != self.dtype or arr.size != stage.size:
+                got = (
+                    f"{arr.dtype} of size {arr.size}" if isinstance(arr, np.ndarray) else type(arr)
+                )
+                raise TypeError(
+                    f"{name}: expected a numpy array of {stage.size} {self.dtype} elements "
+                    f"{stage.shape}, got {got}"
+                )
+        with contextlib.ExitStack() as locks:
+            for kv in self.caches:
+                locks.enter_context(kv._lock)
+            self._check_open()
+            seqs = [kv._seq_len if kv._host_seq_valid else kv.seq_len for kv in self.caches]
+            for kv, seq in zip(self.caches, seqs, strict=True):
+                if seq >= kv.capacity:
+                    raise KVCapacityError(seq, kv.capacity)
+            np.copyto(self.q, q.reshape(self.q.shape))
+            np.copyto(self.k, k_rows.reshape(self.k.shape))
+            np.copyto(self.v, v_rows.reshape(self.v.shape))
+            for kv in self.caches:
+                kv.device_length()
+                kv.mark_device_appends()
+            self.caches[0].device.activate()
+            drv("cuGraphLaunch", self._exec_handle, self._h)
+            drv("cuStreamSynchronize", self._h)
+            for kv, seq in zip(self.caches, seqs, strict=True):  # below capacity: no overflow
+                kv._seq_len, kv._host_seq_valid = seq + 1, not kv._graph_appends
+            return self.out.copy()
+
+    step = __call__
+
+    def close(self) -> None:
+        """Free the executable graph and the buffers; closing again does nothing."""
+        if self._closed:
+            return
+        with contextlib.ExitStack() as locks:
+            for kv in self.caches:
+                locks.enter_context(kv._lock)
+            self._closed = True
+            self._exec.close()
+            for arr in (self._in_d, self._out_d, *self._owned):
+                arr.close()
+
+    def __enter__(self) -> LayerDecodeGraph:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -367,3 +367,38 @@ def test_a_first_decode_inside_a_capture_gives_a_working_graph_or_a_clear_error(
         out.fill_bytes(0xFF, stream)
         fd.gqa_decode(qd, kd_big, vd_big, out=out, stream=stream, **kw)
         assert rel_err(out.to_host(stream), ref) < TOL["bf16"]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_a_layer_decode_graph_steps_every_layer_of_a_token_in_one_graph(rng, dtype):
+    dt, n_layers, steps = DTYPES[dtype], 4, 70
+    ks = rng.standard_normal((steps, n_layers, N_KV, HD)).astype(dt)
+    vs = rng.standard_normal((steps, n_layers, N_KV, HD)).astype(dt)
+    dims = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}
+    with (
+        fd.LayerKVCache(n_layers, N_KV, HD, steps, dtype=dt) as layers,
+        fd.LayerDecodeGraph(layers, n_heads=N_HEADS, sliding_window=50) as step,
+    ):
+        for t in range(steps):
+            q = rng.standard_normal((n_layers, N_HEADS, HD)).astype(dt)
+            step.out.fill(np.nan)  # (the graph writes every element)
+            out = step(q, ks[t], vs[t])
+            assert out.shape == (n_layers, N_HEADS, HD)
+            if t in (0, 1, 49, 50, steps - 1):
+                for i in range(n_layers):
+                    ref = fd.reference_gqa_decode(q[i], ks[: t + 1, i], vs[: t + 1, i],
+                                                  sliding_window=50, **dims)  # fmt: skip
+                    assert rel_err(out[i], ref) < TOL[dtype], (t, i)
+        for i in range(n_layers):
+            assert layers[i].seq_len == steps
+            k_host, v_host = layers[i].to_host()
+            np.testing.assert_array_equal(k_host, ks[:, i])
+            np.testing.assert_array_equal(v_host, vs[:, i])
+        q = np.zeros((n_layers, N_HEADS, HD), dt)
+        with pytest.raises(fd.KVCapacityError):
+            step(q, ks[0], vs[0])
+        assert [layer.seq_len for layer in layers] == [steps] * n_layers
+        with pytest.raises(TypeError, match="q: expected a numpy array of"):
+            step(q[:2], ks[0], vs[0])
+    with pytest.raises(fd.ClosedError):
+        step(q, ks[0], vs[0])

@@ -80,3 +80,8 @@ def test_closed_error_is_a_value_error_and_a_ferrox_error_naming_the_object():
     err = fd.ClosedError("DecodeGraph", "uses a KVCache that was closed")
     assert str(err) == "this DecodeGraph uses a KVCache that was closed"
     assert err.what == "DecodeGraph"
+
+
+def test_a_layer_decode_graph_takes_a_layer_kv_cache_only():
+    with pytest.raises(TypeError, match=r"layers: expected a ferrox_driver\.LayerKVCache"):
+        fd.LayerDecodeGraph(object(), n_heads=8)
