@@ -4,12 +4,16 @@ with its attention on ferrox (a KVCache per layer: kv_append_async + gqa_decode_
 length on the device) or on PyTorch's SDPA over a static head-major cache (the new row
 written at a device position, a mask over the capacity: what transformers' StaticCache
 does). Both start from the same weights, caches and token; the graphs replay one token
-each; the table gives ms per token and tokens/s, and how far the two logits are apart at
-the first step.
+each; the table gives ms per token (the median of 5 rounds) and tokens/s, and how far each
+one's first-step logits are from the same model's with its attention in float32 (SDPA over
+the cache upcast): in a deep random bf16 model two right attentions differ by a few 1e-2,
+so ferrox passes where it is no further from float32 than SDPA is (twice its distance, or
+1e-2).
 
     python3 benchmarks/toy_llama.py [--layers 32] [--contexts 4096,32768] [--steps 64] [--small]
 
-Exit status 1 when the two first-step logits differ by 1e-2 or more (relative).
+Exit status 1 when ferrox's first-step logits are further from float32 attention's than
+that.
 """
 
 from __future__ import annotations
@@ -117,9 +121,9 @@ class FerroxAttention:
 
 class SdpaAttention:
     def __init__(self, context: list[tuple[torch.Tensor, torch.Tensor]], capacity: int,
-                 shape: tuple[int, int, int]) -> None:  # fmt: skip
+                 shape: tuple[int, int, int], exact: bool = False) -> None:  # fmt: skip
         heads, kv_heads, hd = shape
-        self.heads = heads
+        self.heads, self.exact = heads, exact  # exact: attention in float32 (the reference)
         self.k, self.v = [], []
         for k, v in context:
             n = k.shape[0]
@@ -136,17 +140,27 @@ class SdpaAttention:
         self.k[i].index_copy_(2, at, k.view(1, -1, 1, k.shape[-1]))
         self.v[i].index_copy_(2, at, v.view(1, -1, 1, v.shape[-1]))
         mask = (self.slots <= pos).view(1, 1, 1, -1)
-        out = F.scaled_dot_product_attention(q.view(1, self.heads, 1, -1), self.k[i], self.v[i],
-                                             attn_mask=mask, enable_gqa=True)  # fmt: skip
-        return out.view(self.heads, -1)
+        q, kc, vc = q.view(1, self.heads, 1, -1), self.k[i], self.v[i]
+        if self.exact:
+            q, kc, vc = q.float(), kc.float(), vc.float()
+        out = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+        return out.to(BF16).view(self.heads, -1)
 
     def close(self) -> None:
         self.k.clear()
         self.v.clear()
 
 
+def first_logits(model: ToyLlama, attention, context: int) -> torch.Tensor:
+    """The logits of one eager token at position ``context``."""
+    token = torch.zeros(1, dtype=torch.long, device="cuda")
+    pos = torch.full((), context, dtype=torch.long, device="cuda")
+    return model.step(token, pos, attention).float()
+
+
 def run(model: ToyLlama, attention, context: int, steps: int) -> tuple[float, torch.Tensor]:
-    """ms per token of the captured token graph, and the first step's logits."""
+    """ms per token of the captured token graph (the median of 5 rounds of ``steps``
+    replays), and the first step's logits."""
     token = torch.zeros(1, dtype=torch.long, device="cuda")
     pos = torch.full((), context, dtype=torch.long, device="cuda")
     side = torch.cuda.Stream()
@@ -159,12 +173,15 @@ def run(model: ToyLlama, attention, context: int, steps: int) -> tuple[float, to
         model.step(token, pos, attention)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()  # (the second token, untimed)
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps, first
+    rounds = []
+    for _ in range(5):
+        start.record()
+        for _ in range(steps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        rounds.append(start.elapsed_time(end) / steps)
+    return sorted(rounds)[2], first.float()
 
 
 def main(argv: list[str]) -> int:
@@ -182,14 +199,17 @@ def main(argv: list[str]) -> int:
     print(f"Llama-3-8B-shaped random model, {args.layers} layers, bf16, one CUDA graph per "
           f"token (H200 and PyTorch {torch.__version__})")  # fmt: skip
     print(f"{'context':>8} {'ferrox ms':>10} {'sdpa ms':>8} {'ferrox tok/s':>13} "
-          f"{'sdpa tok/s':>11} {'speed-up':>9} {'logits rel err':>15}")  # fmt: skip
+          f"{'sdpa tok/s':>11} {'speed-up':>9} {'ferrox err':>11} {'sdpa err':>9}")  # fmt: skip
     failed = False
     for context in (int(c) for c in args.contexts.split(",")):
         g = torch.Generator("cuda").manual_seed(context)
         rows = [(torch.randn(context, kv_heads, hd, generator=g, device="cuda").to(BF16),
                  torch.randn(context, kv_heads, hd, generator=g, device="cuda").to(BF16))
                 for _ in model.layers]  # fmt: skip
-        capacity = context + args.steps + 2
+        capacity = context + 5 * args.steps + 2
+        exact = SdpaAttention(rows, capacity, model.shape, exact=True)
+        want = first_logits(model, exact, context)
+        exact.close()
         results = {}
         for name, cls in (("ferrox", FerroxAttention), ("sdpa", SdpaAttention)):
             attention = cls(rows, capacity, model.shape)
@@ -199,10 +219,10 @@ def main(argv: list[str]) -> int:
                 attention.close()
         del rows
         (f_ms, f_logits), (s_ms, s_logits) = results["ferrox"], results["sdpa"]
-        err = ((f_logits.float() - s_logits.float()).norm() / s_logits.float().norm()).item()
-        failed |= not err < 1e-2
+        f_err, s_err = (((x - want).norm() / want.norm()).item() for x in (f_logits, s_logits))
+        failed |= not f_err <= max(2 * s_err, 1e-2)
         print(f"{context:>8} {f_ms:>10.3f} {s_ms:>8.3f} {1e3 / f_ms:>13.1f} {1e3 / s_ms:>11.1f} "
-              f"{s_ms / f_ms:>8.2f}x {err:>15.1e}", flush=True)  # fmt: skip
+              f"{s_ms / f_ms:>8.2f}x {f_err:>11.1e} {s_err:>9.1e}", flush=True)  # fmt: skip
     return 1 if failed else 0
 
 

@@ -386,8 +386,8 @@ def test_a_layer_decode_graph_steps_every_layer_of_a_token_in_one_graph(rng, dty
             assert out.shape == (n_layers, N_HEADS, HD)
             if t in (0, 1, 49, 50, steps - 1):
                 for i in range(n_layers):
-                    ref = fd.reference_gqa_decode(q[i], ks[: t + 1, i], vs[: t + 1, i],
-                                                  sliding_window=50, **dims)  # fmt: skip
+                    k_ref, v_ref = (np.ascontiguousarray(a[: t + 1, i]) for a in (ks, vs))
+                    ref = fd.reference_gqa_decode(q[i], k_ref, v_ref, sliding_window=50, **dims)
                     assert rel_err(out[i], ref) < TOL[dtype], (t, i)
         for i in range(n_layers):
             assert layers[i].seq_len == steps

@@ -1,6 +1,6 @@
 """benchmarks/toy_llama.py on the GPU, small: a whole token of a Llama-shaped model in one
-PyTorch CUDA graph with ferrox's attention gives the logits SDPA's does (the script exits
-non-zero otherwise) and prints its table."""
+PyTorch CUDA graph with ferrox's attention gives logits as close to float32 attention's as
+SDPA's are (the script exits non-zero otherwise) and prints its table."""
 
 from __future__ import annotations
 
@@ -24,4 +24,5 @@ def test_a_token_graph_of_a_toy_llama_matches_sdpa():
     rows = [
         line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["1"], ["777"])
     ]
-    assert len(rows) == 2 and all(float(r[-1]) < 1e-2 for r in rows), done.stdout
+    # (ferrox's and SDPA's first-step logits against float32 attention's: 2 layers, both close)
+    assert len(rows) == 2 and all(float(r[-2]) < 1e-2 for r in rows), done.stdout

@@ -40,7 +40,9 @@ def model_pair(config):
 def test_register_adds_ferrox_to_transformers_attention_and_mask_functions():
     fxt.register()
     fxt.register()  # twice: the same
-    assert transformers.AttentionInterface._global_mapping["ferrox"] is fxt.ferrox_attention_forward
+    registered = transformers.AttentionInterface._global_mapping["ferrox"]
+    assert registered.__wrapped__ is fxt.ferrox_attention_forward
+    assert registered._torchdynamo_disable  # generate's torch.compile does not trace it
     assert "ferrox" in transformers.AttentionMaskInterface._global_mapping
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 NAME = "ferrox"
 logger = logging.getLogger(__name__)
+_REGISTERED: Any = None  # ferrox_attention_forward as registered (not traced by torch.compile)
 
 __all__ = ["NAME", "DecodeCall", "decode_call", "ferrox_attention_forward", "register"]
 
@@ -34,10 +35,17 @@ def register(name: str = NAME) -> None:
     tokens it attends to). Idempotent."""
     from functools import partial
 
+    import torch
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    AttentionInterface.register(name, ferrox_attention_forward)
+    global _REGISTERED
+    if _REGISTERED is None:
+        # generate() compiles a static cache's decode steps (torch.compile): ferrox runs
+        # outside the compiled graph (a graph break), its launches and the mask's host
+        # read as they are, never traced
+        _REGISTERED = torch.compiler.disable(ferrox_attention_forward)
+    AttentionInterface.register(name, _REGISTERED)
     # allow_is_causal_skip=False: a decode step's mask always says which tokens it reads
     AttentionMaskInterface.register(name, partial(sdpa_mask, allow_is_causal_skip=False))
 
