@@ -9,6 +9,7 @@ it for every token, with no re-capture and no node update.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -18,18 +19,33 @@ from . import attention
 from ._driver import _capture as _capture_state
 from ._driver import capture_keep, drv
 from .attention import check_algorithm
-from .decode import keep_for_capture, stream_capturing
-from .errors import ClosedError, KVCapacityError
+from .decode import (
+    MAX_RECORDS,
+    DecodeRecord,
+    _records,
+    _stream_buffer,
+    keep_for_capture,
+    stream_capturing,
+)
+from .decode import _lock as _records_lock
+from .device import Device, device_for
+from .errors import ClosedError, FerroxError, KVCapacityError
 from .features import check_features
 from .fp8 import ROW_DTYPES, quantize_kernel
 from .graph import GraphExec
 from .interop import ArrayRef, array_ref
-from .kv_cache import KVCache, LayerKVCache, append_kernel
+from .kv_cache import KVCache, LayerKVCache, _feature_key, append_kernel
 from .launch import LaunchSequence, PackedLaunch
 from .memory import DeviceArray, empty, pinned_empty, to_device
 from .stream import Stream, stream_handle, stream_key
 from .types import ArrayLike, DeviceArrayLike, DTypeLike, StreamLike
-from .validation import check_dims, dtype_name
+from .validation import (
+    SUPPORTED_DTYPES,
+    check_dims,
+    check_kv_layout,
+    dtype_name,
+    head_major_rows,
+)
 
 __all__ = ["DecodeGraph", "LayerDecodeGraph", "gqa_decode_async", "kv_append_async"]
 
@@ -178,7 +194,7 @@ def kv_append_async(
 
 def gqa_decode_async(
     q_dev: DeviceArrayLike,
-    kv: KVCache,
+    kv: KVCache | tuple[DeviceArrayLike, DeviceArrayLike],
     out_dev: DeviceArrayLike,
     *,
     n_heads: int,
@@ -190,15 +206,30 @@ def gqa_decode_async(
     sinks: DeviceArrayLike = None,
     alibi_slopes: DeviceArrayLike = None,
     scale: float | None = None,
+    seq_len: DeviceArrayLike = None,
+    kv_layout: str = "NHD",
 ) -> None:
     """Queue a decode of ``q_dev`` against the cache, reading seq_len on the device.
     No host work: capturable in a graph, valid for every sequence length. Before the
     first capture call ``kv.prepare(n_heads)`` (with the same features) or run it once
     eagerly: loading kernels and allocating its scratch cannot happen inside a capture.
 
+    ``kv`` may also be a pair ``(k_cache, v_cache)`` of the caller's device arrays, read in
+    place: a static cache of ``capacity`` tokens, of which the first ``seq_len`` (an int32
+    device scalar, read by the kernels at each run) are decoded. ``kv_layout="NHD"``:
+    ``(capacity, n_kv_heads, head_dim)``, C-contiguous; ``"HND"``: ``(n_kv_heads,
+    capacity, head_dim)`` or ``(1, n_kv_heads, capacity, head_dim)`` (a transformers
+    StaticCache layer's or an SDPA cache's buffers), rows contiguous, heads any whole
+    number of rows apart. The decode is planned for the capacity, as a KVCache's is; the
+    first call of each signature (shapes, dtypes, stream, features, the ``seq_len``
+    array) makes its launches and must come before a capture, the later ones only write
+    the pointers. ``seq_len`` must stay within ``[0, capacity]``: it is the kernels' to
+    read, not checked on the host. float32/float16/bfloat16 (an fp8 cache is a KVCache,
+    whose scales the decode reads).
+
     Args:
         q_dev: device array of ``n_heads*head_dim`` elements, cache dtype.
-        kv: the cache.
+        kv: the cache, or a pair ``(k_cache, v_cache)`` of device arrays (above).
         out_dev: device array like ``q_dev``, written with the result.
         n_heads: query heads, a multiple of ``kv.n_kv_heads``.
         stream: the stream to queue on.
@@ -210,7 +241,23 @@ def gqa_decode_async(
         sinks: as `gqa_decode`, a float32 device array (read by the kernel at each run).
         alibi_slopes: as `gqa_decode`, a float32 device array.
         scale: as `gqa_decode`.
+        seq_len: with a ``(k_cache, v_cache)`` pair (and only then): the int32 device
+            scalar of the tokens to decode.
+        kv_layout: with a pair: ``"NHD"`` or ``"HND"`` (above).
     """
+    if isinstance(kv, tuple):
+        _decode_async_pair(
+            q_dev, kv, out_dev, n_heads, stream, algorithm, seq_len, kv_layout,
+            dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 alibi_slopes=alibi_slopes, scale=scale),
+            out_lse,
+        )  # fmt: skip
+        return
+    if seq_len is not None or kv_layout != "NHD":
+        raise ValueError(
+            "seq_len, kv_layout: only with a (k_cache, v_cache) pair; a KVCache keeps its "
+            "own length and layout"
+        )
     kv = _check_cache(kv)
     if not (
         out_lse is None and sliding_window is None and logits_soft_cap is None
@@ -257,7 +304,7 @@ def _q_dtype(q_dev: Any, kv: KVCache, algorithm: str) -> np.dtype:
     return kv._q_dtype_for(qdt, algorithm)
 
 
-def _feature_array(obj: Any, name: str, n: int, kv: KVCache) -> DeviceArray | None:
+def _feature_array(obj: Any, name: str, n: int, device: Device) -> DeviceArray | None:
     """A per-head float32 device array of a graph-safe decode (None stays None)."""
     if obj is None:
         return None
@@ -268,9 +315,9 @@ def _feature_array(obj: Any, name: str, n: int, kv: KVCache) -> DeviceArray | No
     ptr, shape, dtype, ordinal, contiguous, _ = ref
     if dtype != np.float32 or math.prod(shape) != n or not contiguous:
         raise ValueError(f"{name}: expected {n} contiguous float32, got shape {shape} of {dtype}")
-    if ordinal != kv.device.ordinal:
-        raise ValueError(f"{name}: on device {ordinal}, the cache on {kv.device.ordinal}")
-    return DeviceArray._wrap(ptr, (n,), np.dtype(np.float32), kv.device, None)
+    if ordinal != device.ordinal:
+        raise ValueError(f"{name}: on device {ordinal}, the cache on {device.ordinal}")
+    return DeviceArray._wrap(ptr, (n,), np.dtype(np.float32), device, None)
 
 
 def _decode_async_features(
@@ -287,9 +334,9 @@ def _decode_async_features(
     qdt = _q_dtype(q_dev, kv, algorithm)
     q = _operand(q_dev, "q_dev", size, kv, qdt)
     out = _operand(out_dev, "out_dev", size, kv, qdt)
-    sinks = _feature_array(feats.sinks, "sinks", n_heads, kv)
-    slopes = _feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, kv)
-    lse = _feature_array(out_lse, "out_lse", n_heads, kv)
+    sinks = _feature_array(feats.sinks, "sinks", n_heads, kv.device)
+    slopes = _feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, kv.device)
+    lse = _feature_array(out_lse, "out_lse", n_heads, kv.device)
     bits, fargs = attention.feature_args(feats, kv.head_dim, slopes=slopes, sinks=sinks, lse=lse)
     sid = stream_key(stream)
     qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
@@ -307,6 +354,165 @@ def _decode_async_features(
         if captured and kept:
             keep_for_capture(sid, foreign, *kept)
         record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+    """A caller's (k_cache, v_cache) pair, checked: the refs, its shape and layout."""
+
+    k: ArrayRef
+    v: ArrayRef
+    n_kv_heads: int
+    head_dim: int
+    capacity: int
+    head_stride: int  # elements from one KV head's rows to the next's (HND), else 0
+    layout: str
+
+
+def _check_pair(pair: tuple[Any, ...], kv_layout: Any) -> _Pair:
+    """A ``(k_cache, v_cache)`` pair of device arrays in layout ``kv_layout``, checked."""
+    layout = check_kv_layout(kv_layout)
+    if len(pair) != 2:
+        raise TypeError(
+            f"kv: expected a KVCache or a pair (k_cache, v_cache), got {len(pair)} items"
+        )
+    k, v = pair
+    kr, vr = array_ref(k, "k_cache"), array_ref(v, "v_cache")
+    if kr is None or vr is None:
+        raise TypeError(
+            "k_cache, v_cache: expected device arrays (a pair is read in place on the "
+            "device), got a numpy array"
+        )
+    shape, dtype = tuple(kr[1]), kr[2]
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"k_cache: expected float32, float16 or bfloat16, got {dtype} (an fp8 cache is "
+            "a KVCache: the decode reads its scales)"
+        )
+    if layout == "HND":
+        if len(shape) not in (3, 4) or (len(shape) == 4 and shape[0] != 1):
+            raise ValueError(
+                "k_cache: expected a head-major array (n_kv_heads, capacity, head_dim) or "
+                f"(1, n_kv_heads, capacity, head_dim), got shape {shape}"
+            )
+        n_kv, hd = shape[-3], shape[-1]
+        _, capacity, stride = head_major_rows(k, "k_cache", n_kv, hd)
+        _, _, stride_v = head_major_rows(v, "v_cache", n_kv, hd)
+    else:
+        if len(shape) != 3 or not kr[4]:
+            raise ValueError(
+                "k_cache: expected a C-contiguous token-major array (capacity, n_kv_heads, "
+                f"head_dim), got shape {shape}{'' if kr[4] else ' (strided)'}"
+            )
+        capacity, n_kv, hd = shape
+        stride = stride_v = 0
+    if tuple(vr[1]) != shape or vr[2] != dtype or stride_v != stride:
+        raise ValueError(
+            f"v_cache: expected k_cache's shape {shape}, dtype {dtype} and layout, got "
+            f"{tuple(vr[1])} of {vr[2]}"
+        )
+    if layout == "NHD" and not vr[4]:
+        raise ValueError(f"v_cache: must be C-contiguous, got a strided view of shape {shape}")
+    if kr[3] != vr[3]:
+        raise ValueError(f"v_cache: on device {vr[3]}, k_cache on device {kr[3]}")
+    return _Pair(kr, vr, n_kv, hd, capacity, stride, layout)
+
+
+def _pair_operand(obj: Any, name: str, size: int, dtype: np.dtype, ordinal: int) -> ArrayRef:
+    """A device array of ``size`` contiguous elements of ``dtype`` on device ``ordinal``."""
+    ref = array_ref(obj, name)
+    if ref is None:
+        raise TypeError(f"{name}: expected a device array, got a numpy array")
+    _, shape, got, at, contiguous, _ = ref
+    if got != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {got}")
+    if math.prod(shape) != size or not contiguous:
+        raise ValueError(f"{name}: expected {size} contiguous elements, got shape {shape}")
+    if at != ordinal:
+        raise ValueError(f"{name}: on device {at}, the cache on device {ordinal}")
+    return ref
+
+
+def _decode_async_pair(
+    q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any,
+    algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
+) -> None:  # fmt: skip
+    """gqa_decode_async over a caller's (k_cache, v_cache): every argument checked, then
+    the launches of this signature (made on first use, outside a capture) queued with the
+    call's pointers, the length read from ``seq_len`` on the device."""
+    kv = _check_pair(pair, kv_layout)
+    n_heads, n_kv, hd = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
+    if check_algorithm(algorithm) == "parity":
+        raise ValueError("algorithm: a (k_cache, v_cache) pair needs the split kernels ('auto')")
+    if seq_len is None:
+        raise TypeError(
+            "seq_len: a (k_cache, v_cache) pair needs its length, an int32 device scalar"
+        )
+    ordinal, dtype = kv.k[3], np.dtype(kv.k[2])
+    seq = _pair_operand(seq_len, "seq_len", 1, np.dtype(np.int32), ordinal)
+    size = n_heads * hd
+    q = _pair_operand(q_dev, "q_dev", size, dtype, ordinal)
+    out = _pair_operand(out_dev, "out_dev", size, dtype, ordinal)
+    feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
+    dev = device_for(ordinal)
+    sinks = _feature_array(feats.sinks, "sinks", n_heads, dev)
+    slopes = _feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, dev)
+    lse = _feature_array(out_lse, "out_lse", n_heads, dev)
+    bits, fargs = attention.feature_args(feats, hd, slopes=slopes, sinks=sinks, lse=lse)
+    if kv.layout == "HND":
+        bits |= attention.F_HND
+        fargs = dataclasses.replace(fargs, head_stride=kv.head_stride)
+    heads_at = kv.head_stride * dtype.itemsize  # (16-byte loads need whole heads aligned)
+    aligned = ((q[0] | kv.k[0] | kv.v[0] | out[0] | heads_at) & 15) == 0
+    sid = stream_key(stream)
+    foreign = sid != 0 and not isinstance(stream, Stream)
+    dev.activate()  # this thread's context current before any driver call
+    key = ("pair", dev.context_handle, dtype, n_heads, n_kv, hd, kv.capacity, kv.head_stride,
+           aligned, sid, seq[0], bits, _feature_key(fargs), attention.OVERRIDES)  # fmt: skip
+    captured = bool(getattr(_capture_state, "depth", 0)) or (foreign and stream_capturing(sid))
+    record = _records.get(key)
+    if record is None:
+        if captured:
+            raise FerroxError(
+                "stream: the first decode of this (k_cache, v_cache) signature cannot load "
+                "its kernels or allocate its scratch inside a capture: run it once before "
+                "capturing"
+            )
+        with _records_lock:
+            record = _pair_record(key, dev, kv, q, out, seq, n_heads, dtype, aligned, bits,
+                                  fargs, feats.sliding_window, sid)  # fmt: skip
+    if captured:
+        refs = ((q, q_dev), (kv.k, pair[0]), (kv.v, pair[1]), (out, out_dev), (seq, seq_len))
+        owners = [o if r[5] is None else r[5] for r, o in refs]
+        kept = [x for x in (feats.sinks, feats.alibi_slopes, out_lse) if x is not None]
+        keep_for_capture(sid, foreign, record, *owners, *kept)
+    record.run((q[0], kv.k[0], kv.v[0], out[0], 0))
+
+
+def _pair_record(
+    key: tuple[Any, ...], dev: Device, kv: _Pair, q: ArrayRef, out: ArrayRef, seq: ArrayRef,
+    n_heads: int, dtype: np.dtype, aligned: bool, bits: int, fargs: Any,
+    window: int | None, sid: int,
+) -> DecodeRecord:  # fmt: skip
+    """The launches of a pair's decode, planned for its capacity (at most the window)."""
+    record = _records.get(key)
+    if record is not None:
+        return record
+    plan_seq = kv.capacity if window is None else min(kv.capacity, window)
+    n_kv, hd = kv.n_kv_heads, kv.head_dim
+    plan = attention.plan_split(dev, dtype, n_heads, n_kv, hd, max(plan_seq, 1), aligned, bits)
+    ws = _stream_buffer(dev, sid, "workspace", plan.workspace_floats(n_heads, hd))
+    q_d, out_d = (DeviceArray._wrap(r[0], (n_heads * hd,), dtype, dev, None) for r in (q, out))
+    k_d, v_d = (DeviceArray._wrap(r[0], tuple(r[1]), dtype, dev, None) for r in (kv.k, kv.v))
+    seq_d = DeviceArray._wrap(seq[0], (1,), np.dtype(np.int32), dev, None)
+    launches = attention.split_launches(
+        plan, q_d, k_d, v_d, out_d, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
+        seq_len=kv.capacity, seq_len_dev=seq_d, features=fargs,
+    )  # fmt: skip
+    record = _records[key] = DecodeRecord(launches, dev, stream_handle(sid), None)
+    while len(_records) > MAX_RECORDS:
+        _records.popitem(last=False)
+    return record
 
 
 def _staging(sizes: tuple[int, ...], dt: np.dtype, device: Any) -> tuple[list[int], Any, Any]:

@@ -30,6 +30,7 @@ GPU_EXAMPLES = [
     "torch_graph_async.py",
     "torch_dlpack.py",
     "head_major_torch.py",
+    "static_cache_graph_torch.py",
     "transformers_generate.py",
     "features_gemma2_layer.py",
     "features_sinks.py",

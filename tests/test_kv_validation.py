@@ -66,3 +66,57 @@ def test_async_ops_need_a_kv_cache():
         fd.kv_append_async(object(), None, None, stream=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="kv"):
         fd.gqa_decode_async(None, object(), None, n_heads=8, stream=None)  # type: ignore[arg-type]
+
+
+class FakeDevice:
+    """A device array as the CUDA array interface describes one, at address 0 (its shape,
+    dtype and strides are all a pair's checks read: no driver call)."""
+
+    def __init__(self, shape, dtype=np.float16, strides=None):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": np.dtype(dtype).str, "data": (0, False),
+            "version": 3, "strides": strides,
+        }  # fmt: skip
+
+
+HND = (1, 8, 64, 128)
+Q = FakeDevice((32, 128))
+SEQ = FakeDevice((1,), np.int32)
+
+
+def _pair(shape=HND, dtype=np.float16, v_shape=None, strides=None):
+    return (FakeDevice(shape, dtype, strides), FakeDevice(v_shape or shape, dtype, strides))
+
+
+@pytest.mark.parametrize(
+    "kv,kwargs,exc,pattern",
+    [
+        (_pair(), {"kv_layout": "NCHW"}, ValueError, "kv_layout: expected 'NHD'"),
+        ((Q, Q, Q), {}, TypeError, "a pair .* got 3 items"),
+        ((np.zeros(HND, np.float16),) * 2, {}, TypeError, "k_cache, v_cache: expected device"),
+        (_pair((8, 128)), {}, ValueError, "k_cache: expected a head-major array"),
+        (_pair((2, 8, 64, 128)), {}, ValueError, "k_cache: expected a head-major array"),
+        (_pair(v_shape=(1, 8, 63, 128)), {}, ValueError, "v_cache: expected k_cache's shape"),
+        (_pair(dtype=np.float64), {}, TypeError, "k_cache: expected float32, float16"),
+        (_pair((64, 8, 128), strides=(4096, 256, 2)), {"kv_layout": "NHD"}, ValueError,
+         "k_cache: expected a C-contiguous token-major"),
+        (_pair((1, 8, 64, 300)), {}, ValueError, "head_dim"),
+        (_pair(), {"seq_len": None}, TypeError, "seq_len: a .* pair needs its length"),
+        (_pair(), {"seq_len": FakeDevice((1,), np.int64)}, TypeError, "seq_len: expected dtype"),
+        (_pair(), {"seq_len": FakeDevice((2,), np.int32)}, ValueError, "seq_len: expected 1"),
+        (_pair(), {"q": FakeDevice((31, 128))}, ValueError, "q_dev: expected 4096"),
+        (_pair(), {"algorithm": "parity"}, ValueError, "algorithm: a .* pair needs the split"),
+        (_pair(), {"n_heads": 12}, ValueError, "n_heads"),
+    ],
+)  # fmt: skip
+def test_a_bad_cache_pair_is_refused_naming_the_argument(kv, kwargs, exc, pattern):
+    kwargs = {"n_heads": 32, "kv_layout": "HND", "seq_len": SEQ, **kwargs}
+    q = kwargs.pop("q", Q)
+    with pytest.raises(exc, match=pattern):
+        fd.gqa_decode_async(q, kv, Q, stream=None, **kwargs)
+
+
+def test_seq_len_and_kv_layout_are_a_pairs_alone():
+    for kwargs in ({"seq_len": SEQ}, {"kv_layout": "HND"}):
+        with pytest.raises(ValueError, match="only with a \\(k_cache, v_cache\\) pair"):
+            fd.gqa_decode_async(Q, object(), Q, n_heads=8, stream=None, **kwargs)  # type: ignore[arg-type]
