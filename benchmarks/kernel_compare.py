@@ -1,9 +1,17 @@
 """A change to the split-kernel file against the source before it: the same bits out, and
 the time per decode of each (its split and combine kernels both from the file compared),
 for the plans plan_split makes (cluster and combine plans), in the benchmark's
-back-to-back harness over rotated KV sets.
+back-to-back harness over rotated KV sets. Each plan's kernels are compiled from each
+source as the library compiles them (FX_SELECTED and the kernel's entry line), so kernels
+made on demand (padded head dims, paired heads, tiles) compare too.
 
     python3 benchmarks/kernel_compare.py OLD [shape ...]
+    python3 benchmarks/kernel_compare.py OLD --padded [shape ...]   # 32/8/D, D not 64/128/256
+    python3 benchmarks/kernel_compare.py OLD FX_PADDED_WARPS_D128=4 --padded
+
+NAME=VALUE: the old side's kernels compiled with that trait's value (kernel_traits), and its
+plans made with it (FX_PADDED_WARPS_D<D>, the one trait a plan reads here), to compare a
+trait's two values (OLD then usually the working tree's file, "new").
 
 OLD: the kernel file before the change, as a git revision (e.g. HEAD~1; its parts in place) or
 a file holding the whole source.
@@ -12,6 +20,7 @@ Each kernel is timed twice, alternating, and the faster of its two times is prin
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -37,35 +46,61 @@ CASES = [
     ((28, 4, 128), "bf16", [512]),
     ((64, 8, 128), "bf16", [512]),
 ]
+# head dims padded to a tensor-core kernel's (and D = 40, 48 paired from 16384 tokens)
+PADDED = [((32, 8, d), "bf16", [4096, 32768, 131072]) for d in (40, 48, 72, 80, 96, 112, 160)]
 
 
 def main() -> None:
     stream = fd.Stream()
-    old = Path(sys.argv[1])
-    sources = {
-        "old": old.read_text() if old.is_file() else source_at(sys.argv[1]),
-        "new": kernel_source("gqa_decode_split.cu"),
-    }
-    modules = {k: fd.Module(compile_source(src, name=f"{k}.cu")) for k, src in sources.items()}
+    args = sys.argv[2:]
+    cases = PADDED if "--padded" in args else CASES
+    defines = dict(a.split("=") for a in args if "=" in a)
+    only = [a for a in args if a != "--padded" and "=" not in a]
+    old = sys.argv[1]
+    new_src = kernel_source("gqa_decode_split.cu")
+    old_src = (
+        new_src
+        if old == "new"
+        else Path(old).read_text()
+        if Path(old).is_file()
+        else source_at(old)
+    )
+    for name, value in defines.items():
+        old_src = re.sub(rf"^#define {name} \d+$", f"#define {name} {value}", old_src, flags=re.M)
+    sources = {"old": old_src, "new": new_src}
     # a combine kernel launched early must wait for the split kernel (fx_wait_for_split)
     early = all("fx_wait_for_split" in src for src in sources.values())
     attention.OVERRIDES = attention.Overrides(early_combine=early)
-    for p in points(CASES, stream, sys.argv[2:]):
-        plan = p.plan()
-        combine = f"gqa_split_combine_{p.dtype_name}"
-        names = [plan.kernel] if plan.cluster else [plan.kernel, combine]
-        kernels = {k: {n: m.get_function(n) for n in names} for k, m in modules.items()}
+    for p in points(cases, stream, only):
+        plans = {"new": p.plan()}
+        saved = dict(attention.MMA_PADDED_WARPS)
+        for name, value in defines.items():
+            if name.startswith("FX_PADDED_WARPS_D"):
+                attention.MMA_PADDED_WARPS[int(name.removeprefix("FX_PADDED_WARPS_D"))] = int(value)
+        attention._plans.clear()  # (memoised: plan again with the old side's trait)
+        plans["old"] = p.plan()
+        attention.MMA_PADDED_WARPS.update(saved)
+        attention._plans.clear()
+        plan = plans["new"]
+        kernels = {}
+        for k, src in sources.items():
+            combine = f"gqa_split_combine_{p.dtype_name}"
+            names = [plans[k].kernel] if plans[k].cluster else [plans[k].kernel, combine]
+            entries = "\n".join(attention.split_entry(n) for n in names)
+            program = compile_source(f"#define FX_SELECTED 1\n{src}\n{entries}\n", name=f"{k}.cu")
+            module = fd.Module(program)
+            kernels[k] = {n: module.get_function(n) for n in names}
         bits = []
-        for kern in kernels.values():
+        for k, kern in kernels.items():
             p.out.fill_bytes(0xFF, stream)  # NaN: an unwritten output shows
-            p.decode(plan, kern)
+            p.decode(plans[k], kern)
             stream.synchronize()
             bits.append(p.out.to_host().view(np.uint8).copy())
         same = np.array_equal(bits[0], bits[1])
         times: dict[str, float] = {}
         for _ in range(2):
             for k, kern in kernels.items():
-                us = p.time(plan, kern)
+                us = p.time(plans[k], kern)
                 times[k] = min(times.get(k, us), us)
         print(
             f"{p.label} {plan.kernel} ({plan.splits} chunks): "
