@@ -91,6 +91,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         n_kv_heads=args.kv_heads,
         head_dim=args.head_dim,
         dtype=args.dtype,
+        model_context=0 if args.no_model else args.model_context,
+        model_shape=args.model_shape,
     )
     return run_demo(cfg)
 
@@ -249,6 +251,19 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
     demo.add_argument(
         "--arch", type=_arch, default=DEFAULT_ARCH, help="architecture to compile for without a GPU"
     )
+    demo.add_argument(
+        "--model-context",
+        type=_positive,
+        default=4096,
+        help="tokens of context of the toy Llama-shaped model (where PyTorch sees the GPU)",
+    )
+    demo.add_argument(
+        "--model-shape",
+        choices=("llama-3-8b", "small"),
+        default="llama-3-8b",
+        help="the toy model's widths (--layers layers): Llama-3-8B's, or narrow",
+    )
+    demo.add_argument("--no-model", action="store_true", help="skip the toy model")
     bench = sub.add_parser("bench", help="decode and host-time benchmarks", formatter_class=fmt)
     bench.add_argument(
         "--only",

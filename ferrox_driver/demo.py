@@ -1,5 +1,7 @@
 """``python -m ferrox_driver demo``: a multi-layer decode loop, eager, a CUDA graph per layer,
-and one CUDA graph per token (every layer in it, one sync)."""
+and one CUDA graph per token (every layer in it, one sync); then, where PyTorch sees the GPU,
+a Llama-shaped model with random weights whose whole token is one PyTorch CUDA graph, its
+attention on ferrox or on SDPA (``ferrox_driver.toy_llama``)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from .progress import progress
 from .reference import reference_gqa_decode
 from .validation import SUPPORTED_DTYPES
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "run_demo", "run_model_demo"]
 
 TOL = {"f32": 1e-5, "f16": 1e-2, "bf16": 1e-2}
 
@@ -31,6 +33,8 @@ class DemoConfig:
     head_dim: int = 128
     dtype: str = "bf16"
     check_every: int = 64
+    model_context: int = 4096  # the toy model's tokens of context (0: no model part)
+    model_shape: str = "llama-3-8b"  # or "small" (narrow layers)
 
 
 def _rel_err(out: np.ndarray, ref: np.ndarray) -> float:
@@ -106,4 +110,45 @@ def run_demo(cfg: DemoConfig) -> int:
           f"than eager launches; one graph per token, "
           f"{eager / statistics.median(latency['token']):.1f}x")  # fmt: skip
     print("reference checks: " + ("all passed" if not failures else f"{failures} FAILED"))
-    return 1 if failures else 0
+    model_failed = run_model_demo(cfg) if cfg.model_context else False
+    return 1 if failures or model_failed else 0
+
+
+def _torch_on_gpu() -> str | None:
+    """Why the model part cannot run here (None: it can)."""
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed"
+    if not torch.cuda.is_available():
+        return f"PyTorch {torch.__version__} sees no GPU"
+    return None
+
+
+def run_model_demo(cfg: DemoConfig) -> bool:
+    """The toy model's part: ms per token of a whole token in one PyTorch CUDA graph with
+    ferrox's attention against SDPA's; a line saying why not where PyTorch cannot run it.
+    Returns True when ferrox's logits are further from float32 attention's than SDPA's."""
+    why = _torch_on_gpu()
+    if why is not None:
+        print(f"\nmodel: skipped ({why}; pip install torch for a Llama-shaped model's token "
+              f"graph with ferrox's attention against SDPA's)")  # fmt: skip
+        return False
+    from . import toy_llama
+
+    shape = toy_llama.SMALL if cfg.model_shape == "small" else toy_llama.LLAMA_3_8B
+    name = "Llama-3-8B-shaped" if cfg.model_shape != "small" else "narrow Llama-shaped"
+    if shape is toy_llama.LLAMA_3_8B and not toy_llama.fits(cfg.layers, shape, cfg.model_context):
+        shape, name = toy_llama.SMALL, "narrow Llama-shaped (the full width does not fit)"
+    print(f"\nmodel: a {name} model with random weights, {cfg.layers} layers, bf16, "
+          f"{cfg.model_context} tokens of context; each token one PyTorch CUDA graph, its "
+          f"attention on ferrox (a KVCache per layer), on ferrox over SDPA's static cache "
+          f"in place, and on SDPA; err: the first step's logits against float32 "
+          f"attention's", flush=True)  # fmt: skip
+    model = toy_llama.ToyLlama(cfg.layers, **shape)
+    result = toy_llama.compare(model, cfg.model_context, steps=32)
+    print(toy_llama.table_header())
+    print(toy_llama.table_row(result))
+    print("model check: " + ("passed" if result.ok else "FAILED (ferrox's logits further from "
+                             "float32 attention's than twice SDPA's)"))  # fmt: skip
+    return not result.ok

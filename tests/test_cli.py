@@ -48,6 +48,8 @@ def test_module_entry_point_runs():
         (["demo", "--head-dim", "999"], "--head-dim"),
         (["demo", "--heads", "30", "--kv-heads", "8"], "--heads"),
         (["demo", "--dtype", "f64"], "--dtype"),
+        (["demo", "--model-context", "0"], "--model-context"),
+        (["demo", "--model-shape", "llama-70b"], "--model-shape"),
         (["nonsense"], "invalid choice: 'nonsense'"),
     ],
 )
@@ -102,3 +104,19 @@ def test_the_module_entry_point_names_itself_python_m():
     )
     assert done.returncode == 2
     assert done.stderr.startswith("python -m ferrox_driver demo: error: argument --layers")
+
+
+def test_the_demo_says_why_it_skips_the_model_where_pytorch_sees_no_gpu(capsys, monkeypatch):
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        pytest.skip("PyTorch sees a GPU here: the model part runs (tests/test_gpu_demo.py)")
+    from ferrox_driver import demo
+
+    assert demo.run_model_demo(demo.DemoConfig()) is False
+    out = capsys.readouterr().out
+    why = "is not installed" if torch is None else "sees no GPU"
+    assert "model: skipped (" in out and why in out, out
+    assert "ferrox_driver.toy_llama" not in sys.modules

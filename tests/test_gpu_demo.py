@@ -1,0 +1,36 @@
+"""The demo on the GPU, small: the decode loop's three paths pass their reference checks,
+and the toy Llama-shaped model's token graph with ferrox's attention runs next to SDPA's
+with logits as close to float32 attention's (the demo exits 1 otherwise)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_the_demo_runs_every_path_and_the_toy_model():
+    pytest.importorskip("torch")
+    argv = ["--layers", "2", "--tokens", "70", "--heads", "8", "--kv-heads", "2",
+            "--model-context", "777", "--model-shape", "small"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "ferrox_driver", "demo", *argv],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "reference checks: all passed" in out and "model check: passed" in out, out
+    for path in ("eager", "a graph per layer", "a graph per token"):
+        assert any(line.startswith(path) for line in done.stdout.splitlines()), out
+    row = next(line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["777"])
+    # ms per token of the three attentions, then the three logits' distances from float32's
+    assert all(float(x) > 0 for x in row[1:4]) and all(float(e) < 1e-2 for e in row[-3:]), out
+
+
+def test_the_demo_can_leave_the_model_out():
+    argv = ["--layers", "1", "--tokens", "3", "--no-model"]
+    done = subprocess.run([sys.executable, "-m", "ferrox_driver", "demo", *argv],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "reference checks: all passed" in done.stdout and "model" not in done.stdout
