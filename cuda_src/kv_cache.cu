@@ -39,3 +39,44 @@ extern "C" __global__ void kv_append_row(
     __syncthreads();
     if (threadIdx.x == 0) state[0] = seq + 1;
 }
+
+// One sequence sharded over `world` ranks: token g belongs to rank (g / block) % world, at
+// slot (g / (block * world)) * block + g % block of that rank's cache. Every rank runs this
+// for every token with the same rows; the owner stores them at its next slot. state[0] =
+// the sequence's length (every rank counts every token), state[1] = this rank's tokens,
+// state[2] = overflow flag (the sequence at `capacity`: nothing written or counted). Rows
+// as kv_append_row. Launch ONE block.
+extern "C" __global__ void kv_append_shard(
+    const char* __restrict__ k_row, const char* __restrict__ v_row, char* __restrict__ k_cache,
+    char* __restrict__ v_cache, int* __restrict__ state, long long row_bytes, int capacity,
+    int rank, int world, int block) {
+    const int g = state[0], local = state[1];
+    __syncthreads();  // every thread has read the state before thread 0 may bump it
+    if (g < 0 || g >= capacity) {
+        if (threadIdx.x == 0) state[2] = 1;
+        return;
+    }
+    const bool mine = (g / block) % world == rank;
+    if (mine) {
+        char* kd = k_cache + (long long)local * row_bytes;
+        char* vd = v_cache + (long long)local * row_bytes;
+        if (((unsigned long long)k_row | (unsigned long long)v_row | row_bytes) % 16 == 0) {
+            const uint4* ks = reinterpret_cast<const uint4*>(k_row);
+            const uint4* vs = reinterpret_cast<const uint4*>(v_row);
+            for (long long i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) {
+                reinterpret_cast<uint4*>(kd)[i] = ks[i];
+                reinterpret_cast<uint4*>(vd)[i] = vs[i];
+            }
+        } else {
+            for (long long i = threadIdx.x; i < row_bytes; i += blockDim.x) {
+                kd[i] = k_row[i];
+                vd[i] = v_row[i];
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        state[0] = g + 1;
+        if (mine) state[1] = local + 1;
+    }
+}

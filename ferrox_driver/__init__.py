@@ -29,6 +29,7 @@ from .merge import merge_states
 from .module_cache import ensure_module_loaded
 from .reference import reference_gqa_decode
 from .resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
+from .sharded import LocalGroup, ShardedDecoder, ShardedKVCache
 from .stream import Event, Stream
 
 __all__ = [
@@ -48,9 +49,12 @@ __all__ = [
     "Kernel",
     "KernelResources",
     "LayerKVCache",
+    "LocalGroup",
     "Module",
     "NoDeviceError",
     "Program",
+    "ShardedDecoder",
+    "ShardedKVCache",
     "Stream",
     "clear_layer_kv",
     "compile_source",

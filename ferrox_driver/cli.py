@@ -120,6 +120,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_headdim_bench,
     )
 
+    if args.only == "scale":
+        from .bench_scale import SCALE_SEQS, run_scale_bench, scale_table
+
+        gpus = [n for n in (1, 2, 4, 8) if n <= fd.device_count()]
+        rows = run_scale_bench(gpus, args.seqs or SCALE_SEQS)
+        _print("one 32/8/128 bf16 sequence sharded over N GPUs, per token and layer:")
+        _print(scale_table(rows))
+        if args.out:
+            import json
+
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "scale_bench.json").write_text(json.dumps(rows, indent=1))
+        return 0
     if args.only in ("decode", "step", "host", "all", "headdim", "fp8"):
         import_torch()
     if args.only == "fp8":
@@ -278,10 +291,12 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
             "headdim",
             "features",
             "fp8",
+            "scale",
         ),
         default="all",
         help="which benchmark to run (all: every one but headdim, the head_dim sweep, "
-        "features, what each attention feature costs, and fp8, an fp8 cache against bf16)",
+        "features, what each attention feature costs, fp8, an fp8 cache against bf16, and "
+        "scale, one sequence sharded over the GPUs, which needs the [distributed] extra)",
     )
     bench.add_argument(
         "--out", help="directory for bench_decode.json, bench_decode.png and host_bench.json"

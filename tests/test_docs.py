@@ -35,6 +35,8 @@ GPU_EXAMPLES = [
     "features_gemma2_layer.py",
     "features_sinks.py",
     "features_merge_split.py",
+    "sharded_local.py",
+    "sharded_nccl.py",
 ]
 
 
