@@ -29,6 +29,8 @@ fd.ShardedDecoder.decode_all(decoders, fd.to_device(q), outs, stream=stream)
 
 ref = fd.reference_gqa_decode(q, k, v, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd)
 errs = [np.linalg.norm(o.to_host(stream) - ref) / np.linalg.norm(ref) for o in outs]
-print(f"shards hold {[c.local_len for c in caches]} tokens; every rank's result against "
-      f"the reference: {max(errs):.1e}")
+print(
+    f"shards hold {[c.local_len for c in caches]} tokens; every rank's result against "
+    f"the reference: {max(errs):.1e}"
+)
 sys.exit(0 if max(errs) < 1e-5 else 1)
