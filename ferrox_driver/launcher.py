@@ -65,19 +65,34 @@ def launch(command: Sequence[str], envs: list[dict[str, str]], poll: float = 0.0
         raise
 
 
+def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The launcher's own options (up to ``-m MODULE`` or the script) and the program's
+    arguments, which may look like options (``-m module --seqs 1``)."""
+    argv = list(argv)
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        if argv[i] in ("-n", "--nproc", "-m"):
+            i += 2
+            if argv[i - 2] == "-m":
+                break
+        else:
+            i += 1
+    return argv[:i], argv[i:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ferrox_driver.launcher", description=__doc__)
     ap.add_argument("-n", "--nproc", type=int, required=True, help="ranks (one per GPU)")
     ap.add_argument("-m", dest="module", help="run a module, as python -m")
-    ap.add_argument("args", nargs=argparse.REMAINDER, help="script.py [args] (or the module's)")
-    a = ap.parse_args(argv)
+    ours, program = _split(sys.argv[1:] if argv is None else argv)
+    a = ap.parse_args(ours)
     if a.nproc < 1:
         ap.error(f"-n: expected at least 1, got {a.nproc}")
-    if a.module is None and not a.args:
+    if a.module is None and not program:
         ap.error("a script (or -m module) to run")
     from .distributed import new_unique_id
 
-    command = [sys.executable, *(["-m", a.module] if a.module else []), *a.args]
+    command = [sys.executable, *(["-m", a.module] if a.module else []), *program]
     return launch(command, rank_environments(a.nproc, new_unique_id(), dict(os.environ)))
 
 

@@ -38,7 +38,7 @@ def test_each_rank_gets_its_environment_and_the_groups_id():
     assert launcher.rank_environments(1, bytes(128), {})[0]["NCCL_NVLS_ENABLE"] == "0"
 
 
-def _ranks(code: str, n: int) -> list[dict[str, str]]:
+def _ranks(code: str, n: int) -> tuple[list[dict[str, str]], list[str]]:
     return [dict(RANK=str(r), PATH="/usr/bin:/bin") for r in range(n)], [sys.executable, "-c", code]
 
 
@@ -90,3 +90,21 @@ def test_without_nccl4py_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "nccl.bindings", None)
     with pytest.raises(ImportError, match=r"ferrox-driver\[distributed\]"):
         distributed.new_unique_id()
+
+
+def test_the_programs_own_options_pass_through_the_launcher():
+    assert launcher._split(["-n", "2", "-m", "pkg.mod", "--seqs", "1", "-n", "3"]) == (
+        ["-n", "2", "-m", "pkg.mod"],
+        ["--seqs", "1", "-n", "3"],
+    )
+    assert launcher._split(["-n", "4", "run.py", "-x"]) == (["-n", "4"], ["run.py", "-x"])
+
+
+def test_the_scale_table_compares_with_one_gpu_and_says_where_it_did_not_fit():
+    from ferrox_driver.bench_scale import scale_table
+
+    rows = [{"gpus": 2, "seq_len": 1 << 20, "sharded_us": 300.0, "unsharded_us": 600.0},
+            {"gpus": 8, "seq_len": 1 << 22, "sharded_us": 10.0, "unsharded_us": None}]  # fmt: skip
+    lines = scale_table(rows).splitlines()
+    assert lines[1].split() == ["2", "1048576", "300.0", "600.0", "0.500", "0.625"]
+    assert "(no fit)" in lines[2] and lines[2].split()[-1] == "0.156"
