@@ -41,6 +41,7 @@ from .stream import Stream, stream_handle, stream_key
 from .types import ArrayLike, DeviceArrayLike, DTypeLike, StreamLike
 from .validation import (
     SUPPORTED_DTYPES,
+    _element_strides,
     check_dims,
     check_kv_layout,
     dtype_name,
@@ -433,13 +434,91 @@ def _pair_operand(obj: Any, name: str, size: int, dtype: np.dtype, ordinal: int)
     return ref
 
 
+# The eager pair decode's calls, by everything its checks read: a repeated call (the same
+# shapes, strides, dtypes, features, seq_len array and stream; new q/k/v/out pointers)
+# skips the checks and the record lookup and only writes the pointers. The oldest go first
+# past MAX_PAIR_CALLS; the records themselves live in decode's LRU too.
+_pair_calls: dict[tuple[Any, ...], tuple[Any, Device, bool]] = {}
+MAX_PAIR_CALLS = 256
+_PAIR_ROLES = ("q_dev", "k_cache", "v_cache", "out_dev", "seq_len", "sinks", "alibi_slopes",
+               "out_lse")  # fmt: skip
+
+
 def _decode_async_pair(
     q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any,
     algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
 ) -> None:  # fmt: skip
-    """gqa_decode_async over a caller's (k_cache, v_cache): every argument checked, then
-    the launches of this signature (made on first use, outside a capture) queued with the
-    call's pointers, the length read from ``seq_len`` on the device."""
+    """gqa_decode_async over a caller's (k_cache, v_cache): a call seen before (`_pair_calls`)
+    queued with its pointers; a new one checked (`_pair_checked`) and remembered."""
+    sid = stream_key(stream)
+    found = _pair_call_key(q_dev, pair, out_dev, n_heads, sid, algorithm, seq_len, kv_layout,
+                           kw, out_lse)  # fmt: skip
+    entry = None if found is None else _pair_calls.get(found[0])
+    if entry is None:
+        entry = _pair_checked(q_dev, pair, out_dev, n_heads, stream, sid, algorithm, seq_len,
+                              kv_layout, kw, out_lse)  # fmt: skip
+        if found is not None:
+            while len(_pair_calls) >= MAX_PAIR_CALLS:
+                _pair_calls.pop(next(iter(_pair_calls)), None)
+            _pair_calls[found[0]] = entry
+    record, dev, foreign = entry
+    dev.activate()  # this thread's context current before any driver call
+    objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
+            out_lse)  # fmt: skip
+    refs: list[Any] = found[1] if found is not None else [
+        None if o is None else array_ref(o, n) for o, n in zip(objs, _PAIR_ROLES, strict=True)
+    ]  # fmt: skip
+    if bool(getattr(_capture_state, "depth", 0)) or (foreign and stream_capturing(sid)):
+        owners = [o if r[5] is None else r[5] for r, o in zip(refs, objs, strict=True) if r]
+        keep_for_capture(sid, foreign, record, *owners)
+    record.run((refs[0][0], refs[1][0], refs[2][0], refs[3][0], 0))
+
+
+def _pair_call_key(
+    q_dev: Any, pair: Any, out_dev: Any, n_heads: Any, sid: int, algorithm: Any, seq_len: Any,
+    kv_layout: Any, kw: dict[str, Any], out_lse: Any,
+) -> tuple[tuple[Any, ...], list[Any]] | None:  # fmt: skip
+    """The key of a pair decode's call in `_pair_calls` and its arrays' refs, or None where
+    the call is not one to remember (anything the checks would refuse goes to them)."""
+    if not isinstance(pair, tuple) or len(pair) != 2:
+        return None
+    objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
+            out_lse)  # fmt: skip
+    refs: list[Any] = []
+    sigs: list[Any] = []
+    for obj, role in zip(objs, _PAIR_ROLES, strict=True):
+        if obj is None:
+            refs.append(None)
+            sigs.append(None)
+            continue
+        ref = array_ref(obj, role)
+        if ref is None:
+            return None
+        sig: tuple[Any, ...] = (ref[1], ref[2], ref[3], ref[4])
+        if not ref[4]:  # (a head-major view: its strides place the heads)
+            sig += (_element_strides(obj, ref[2].itemsize),)
+        refs.append(ref)
+        sigs.append(sig)
+    # q, k, v and out change pointers from call to call (their 16-byte alignment matters);
+    # seq_len's and the features' arrays are the record's own
+    aligned = ((refs[0][0] | refs[1][0] | refs[2][0] | refs[3][0]) & 15) == 0
+    held = tuple(0 if r is None else r[0] for r in refs[4:])
+    key = (sid, n_heads, algorithm, kv_layout, kw.get("sliding_window"),
+           kw.get("logits_soft_cap"), kw.get("scale"), aligned, held, *sigs,
+           attention.OVERRIDES)  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key, refs
+
+
+def _pair_checked(
+    q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any, sid: int,
+    algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
+) -> tuple[Any, Device, bool]:  # fmt: skip
+    """A pair decode's every argument checked, and its record (made on first use, outside
+    a capture), device and whether its stream is another library's."""
     kv = _check_pair(pair, kv_layout)
     n_heads, n_kv, hd = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
     if check_algorithm(algorithm) == "parity":
@@ -464,7 +543,6 @@ def _decode_async_pair(
         fargs = dataclasses.replace(fargs, head_stride=kv.head_stride)
     heads_at = kv.head_stride * dtype.itemsize  # (16-byte loads need whole heads aligned)
     aligned = ((q[0] | kv.k[0] | kv.v[0] | out[0] | heads_at) & 15) == 0
-    sid = stream_key(stream)
     foreign = sid != 0 and not isinstance(stream, Stream)
     dev.activate()  # this thread's context current before any driver call
     key = ("pair", dev.context_handle, dtype, n_heads, n_kv, hd, kv.capacity, kv.head_stride,
@@ -481,12 +559,7 @@ def _decode_async_pair(
         with _records_lock:
             record = _pair_record(key, dev, kv, q, out, seq, n_heads, dtype, aligned, bits,
                                   fargs, feats.sliding_window, sid)  # fmt: skip
-    if captured:
-        refs = ((q, q_dev), (kv.k, pair[0]), (kv.v, pair[1]), (out, out_dev), (seq, seq_len))
-        owners = [o if r[5] is None else r[5] for r, o in refs]
-        kept = [x for x in (feats.sinks, feats.alibi_slopes, out_lse) if x is not None]
-        keep_for_capture(sid, foreign, record, *owners, *kept)
-    record.run((q[0], kv.k[0], kv.v[0], out[0], 0))
+    return record, dev, foreign
 
 
 def _pair_record(

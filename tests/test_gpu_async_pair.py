@@ -173,3 +173,28 @@ def test_a_torch_static_cache_is_decoded_in_place_inside_a_torch_graph(rng):
         ).view(n_heads, hd)  # fmt: skip (the float64 reference)
         err = ((out.double() - want).norm() / want.norm()).item()
         assert err < TOL["bf16"], (n, err)
+
+
+def test_repeated_calls_of_one_shape_read_each_calls_own_head_strides(rng):
+    # eager calls are remembered by their shapes and strides: the same shape with the heads
+    # another number of rows apart is another call, never the last one's launches
+    torch = pytest.importorskip("torch")
+    n_heads, n_kv, hd, cap, n = 8, 2, 64, 300, 257
+    q, k, v = random_decode_inputs(rng, n_heads, n_kv, hd, n, np.float16)
+    ref = fd.reference_gqa_decode(q, k, v, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd)
+    cuda = torch.device("cuda")
+    length = torch.full((1,), n, dtype=torch.int32, device=cuda)
+    q_t = torch.from_numpy(q).to(cuda)
+    stream = torch.cuda.current_stream()
+    for extra in (0, 100, 0, 37, 100):  # rows past the capacity in each head's buffer
+        pair = []
+        for rows in (k, v):
+            buf = torch.full((1, n_kv, cap + extra, hd), float("nan"), dtype=torch.float16,
+                             device=cuda)  # fmt: skip
+            buf[0, :, :n] = torch.from_numpy(rows.transpose(1, 0, 2).copy()).to(cuda)
+            pair.append(buf[:, :, :cap])
+        out = torch.full((n_heads, hd), float("nan"), dtype=torch.float16, device=cuda)
+        fd.gqa_decode_async(q_t, tuple(pair), out, n_heads=n_heads, stream=stream,
+                            seq_len=length, kv_layout="HND")  # fmt: skip
+        got = out.cpu().numpy()
+        assert rel_err(got, ref) < TOL["f16"], (extra, rel_err(got, ref))

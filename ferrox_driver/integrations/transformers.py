@@ -118,7 +118,7 @@ def decode_call(
             return span
         first, length = span
         window = length - first if first else None
-    sinks = None if s_aux is None else s_aux.reshape(-1).float()
+    sinks = None if s_aux is None else _float_sinks(s_aux)
     if sinks is not None and sinks.numel() != n_heads:
         return f"{sinks.numel()} sinks for {n_heads} query heads"
     cap = float(softcap) if softcap else None
@@ -172,11 +172,45 @@ def ferrox_attention_forward(
     _, n_heads, _, head_dim = query.shape
     n = call.length
     out = torch.empty((1, 1, n_heads, head_dim), dtype=query.dtype, device=query.device)
-    fd.gqa_decode(
-        query.reshape(n_heads, head_dim), key[:, :, :n], value[:, :, :n],
-        n_heads=n_heads, n_kv_heads=key.shape[1], head_dim=head_dim, out=out,
-        kv_layout="HND", stream=torch.cuda.current_stream(query.device),
-        sliding_window=call.sliding_window, logits_soft_cap=call.logits_soft_cap,
-        scale=call.scale, sinks=call.sinks,
-    )  # fmt: skip
+    stream = torch.cuda.current_stream(query.device)
+    q = query.reshape(n_heads, head_dim)
+    features = dict(sliding_window=call.sliding_window, logits_soft_cap=call.logits_soft_cap,
+                    scale=call.scale, sinks=call.sinks)  # fmt: skip
+    if n < key.shape[2]:  # a static cache: its whole buffer, the length on the device
+        length = _length_on(query.device, stream)
+        length.fill_(n)
+        fd.gqa_decode_async(q, (key, value), out, n_heads=n_heads, stream=stream,
+                            seq_len=length, kv_layout="HND", **features)  # fmt: skip
+    else:  # (a dynamic cache: a new shape at every step)
+        fd.gqa_decode(q, key, value, n_heads=n_heads, n_kv_heads=key.shape[1],
+                      head_dim=head_dim, out=out, kv_layout="HND", stream=stream,
+                      **features)  # fmt: skip
     return out, None
+
+
+# A static cache's decode is planned once for its buffer, its launches remembered by the
+# arrays it reads: the length (one int32 per device and stream, written before each
+# decode on the decode's stream) and the sinks (one float32 copy per s_aux tensor, kept
+# while its values stay: _float_sinks) keep their addresses from step to step.
+_LENGTHS: dict[tuple[Any, int], Any] = {}
+_SINKS: dict[int, tuple[Any, int, Any]] = {}
+
+
+def _length_on(device: Any, stream: Any) -> Any:
+    import torch
+
+    key = (device, stream.cuda_stream)
+    length = _LENGTHS.get(key)
+    if length is None:
+        length = _LENGTHS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return length
+
+
+def _float_sinks(s_aux: Any) -> Any:
+    """A layer's sinks as float32, one copy per s_aux tensor while its values stay (so a
+    static cache's remembered decode reads the same array at every step)."""
+    key = id(s_aux)
+    held = _SINKS.get(key)
+    if held is None or held[0] is not s_aux or held[1] != s_aux._version:
+        held = _SINKS[key] = (s_aux, s_aux._version, s_aux.reshape(-1).float())
+    return held[2]
