@@ -63,14 +63,17 @@ def _generate(model, ids, **kw):
 
 
 def _counted(monkeypatch):
+    """ferrox's decodes from here on, (function, layout) (a static cache's steps decode its
+    whole buffers with gqa_decode_async, a dynamic one's with gqa_decode)."""
     decodes = []
-    real = fd.gqa_decode
+    for name in ("gqa_decode", "gqa_decode_async"):
+        real = getattr(fd, name)
 
-    def counted(*args, **kwargs):
-        decodes.append(kwargs.get("kv_layout"))
-        return real(*args, **kwargs)
+        def counted(*args, _real=real, **kwargs):
+            decodes.append((_real.__name__, kwargs.get("kv_layout")))
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(fd, "gqa_decode", counted)
+        monkeypatch.setattr(fd, name, counted)
     return decodes
 
 
@@ -111,7 +114,11 @@ def test_ferrox_generates_the_tokens_sdpa_does(name, monkeypatch, caplog):
         got = _generate(ours, ids, disable_compile=True)
     want = _generate(theirs, ids, disable_compile=True)
     layers = config.num_hidden_layers
-    assert decodes == ["HND"] * layers * (NEW_TOKENS - 1)  # every decode step on ferrox
+    assert [layout for _, layout in decodes] == ["HND"] * layers * (NEW_TOKENS - 1)
+    # every decode step on ferrox: a static cache's whole buffers while they have room (a
+    # sliding window's layers keep a buffer of the window, full after its first tokens)
+    full = 1 if getattr(config, "sliding_window", None) else layers * (NEW_TOKENS - 2)
+    assert sum(f == "gqa_decode_async" for f, _ in decodes) >= full
     fallbacks = [r.getMessage() for r in caplog.records if r.name == fxt.__name__]
     assert len(fallbacks) == layers and all("prefill" in m for m in fallbacks), fallbacks
     assert got.sequences[0, : ids.shape[1]].tolist() == ids[0].tolist()
@@ -127,5 +134,7 @@ def test_generates_default_torch_compile_runs_ferrox_outside_the_graph(name, mon
     decodes = _counted(monkeypatch)
     ids = _ids(config)
     got, want = _generate(ours, ids), _generate(theirs, ids)
-    assert decodes == ["HND"] * config.num_hidden_layers * (NEW_TOKENS - 1)
+    assert [layout for _, layout in decodes] == ["HND"] * config.num_hidden_layers * (
+        NEW_TOKENS - 1
+    )
     print(f"{name}, compiled: {_same_until_a_near_tie(got, want, ids.shape[1])} tokens the same")
