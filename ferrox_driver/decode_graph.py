@@ -458,9 +458,10 @@ def _decode_async_pair(
         entry = _pair_checked(q_dev, pair, out_dev, n_heads, stream, sid, algorithm, seq_len,
                               kv_layout, kw, out_lse)  # fmt: skip
         if found is not None:
-            while len(_pair_calls) >= MAX_PAIR_CALLS:
-                _pair_calls.pop(next(iter(_pair_calls)), None)
-            _pair_calls[found[0]] = entry
+            with _records_lock:
+                while len(_pair_calls) >= MAX_PAIR_CALLS:
+                    _pair_calls.pop(next(iter(_pair_calls)), None)
+                _pair_calls[found[0]] = entry
     record, dev, foreign = entry
     dev.activate()  # this thread's context current before any driver call
     objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),

@@ -383,6 +383,22 @@ class ShardedDecoder:
         for d, out in zip(decoders, outs, strict=True):
             d.merge_async(out, stream=stream)
 
+    def close(self) -> None:
+        """Free the decoder's own buffers (a LocalGroup's gather buffers are the group's),
+        once no graph it was captured into runs again; idempotent."""
+        owned = [getattr(self, "_lse", None)]
+        if not isinstance(self.cache.group, LocalGroup):
+            owned += [self.recv_out, self.recv_lse]
+        for a in owned:
+            if a is not None:
+                a.close()
+
+    def __enter__(self) -> ShardedDecoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _lse_scratch(self) -> DeviceArray:
         scratch = getattr(self, "_lse", None)
         if scratch is None:

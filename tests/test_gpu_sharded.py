@@ -199,3 +199,19 @@ def test_one_nccl_rank_decodes_as_the_unsharded_decode(rng):
         got = group.all_gather_host(np.arange(3, dtype=np.int32))
         np.testing.assert_array_equal(got, [[0, 1, 2]])
         cache.close()
+
+
+def test_closing_frees_and_closed_caches_refuse_work(rng):
+    caches, decoders, outs = _shards(2, 1, 1, 64, 8, np.float32, 2)
+    k = rng.standard_normal((3, 1, 64)).astype(np.float32)
+    for c in caches:
+        c.extend(k, k)
+    for d in decoders:
+        with d:
+            pass
+    for c in caches:
+        with c:
+            pass
+        assert c.closed
+        with pytest.raises(fd.ClosedError):
+            c.extend(k, k)
