@@ -23,7 +23,7 @@ import numpy as np
 from ._driver import drv
 from .decode_graph import gqa_decode_async
 from .device import Device, resolve
-from .errors import KVCapacityError
+from .errors import ClosedError, KVCapacityError
 from .interop import array_ref
 from .memory import DeviceArray, as_dtype, empty, zeros
 from .merge import merge_states
@@ -177,7 +177,12 @@ class ShardedKVCache:
     def row_elems(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("ShardedKVCache")
+
     def _read_state(self) -> np.ndarray:
+        self._check_open()
         if not self._host_valid:
             self.device.synchronize()
             self._host = self._state.to_host()
@@ -232,6 +237,7 @@ class ShardedKVCache:
         Raises:
             ValueError: ``length`` outside ``[0, capacity]``.
         """
+        self._check_open()
         length = check_int(length, "length", 0, self.capacity)
         local = shard_count(length, self.rank, self.world, self.block)
         self._host = np.array([length, local, 0, 0], np.int32)
@@ -247,6 +253,7 @@ class ShardedKVCache:
         """Queue the next token's device rows (``n_kv_heads * head_dim`` elements each, the
         cache's dtype): the owner stores them, every rank counts the token. No host work:
         capturable. Past ``capacity`` nothing is written and ``synchronize`` raises."""
+        self._check_open()
         ptrs = []
         for obj, name in ((k_dev, "k_dev"), (v_dev, "v_dev")):
             ref = array_ref(obj, name)

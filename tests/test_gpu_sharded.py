@@ -202,7 +202,7 @@ def test_one_nccl_rank_decodes_as_the_unsharded_decode(rng):
 
 
 def test_closing_frees_and_closed_caches_refuse_work(rng):
-    caches, decoders, outs = _shards(2, 1, 1, 64, 8, np.float32, 2)
+    caches, decoders, _ = _shards(2, 1, 1, 64, 8, np.float32, 2)
     k = rng.standard_normal((3, 1, 64)).astype(np.float32)
     for c in caches:
         c.extend(k, k)
