@@ -302,19 +302,8 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                                                        seq_len, seq_len_dev, where, &feat, a_heads);
 }
 
-// Which head_dims take the swapped operands: measured against gqa_split_mma on the same
-// plans, head_dim 128 was 0.1-2.3% faster (2% at 512 tokens,
-// 0.3-0.5% at 32768-131072) and 64 and 256 0.2-2.1% slower at 512-32768: halving the
-// mmas did not speed up the small shapes, so they were not bound by the tensor cores.
-#ifndef FX_MMA_SWAPPED_D64
-#define FX_MMA_SWAPPED_D64 0
-#endif
-#ifndef FX_MMA_SWAPPED_D128
-#define FX_MMA_SWAPPED_D128 1
-#endif
-#ifndef FX_MMA_SWAPPED_D256
-#define FX_MMA_SWAPPED_D256 0
-#endif
+// Which head_dims take the swapped operands: FX_MMA_SWAPPED_D<D> (split_traits.h, from
+// ferrox_driver/kernel_traits.py, where the measurement is noted).
 template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value, int DR = D,
           bool TILED = false, int F = 0, int PAIR = 1>
 __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,

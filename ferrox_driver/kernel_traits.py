@@ -67,6 +67,14 @@ SPLIT_TRAITS: dict[str, int] = {
     # the wide cluster kernels (head_dim 128): twice the others' warps (with 4 warps the
     # same plans were 3-32% slower)
     "FX_WIDE_WARPS": 8,
+    # fp16/bf16 tensor-core kernels per head_dim: 1 = the mma's operands swapped (tokens
+    # as its rows: half the mmas). Measured against the unswapped body on the same plans:
+    # head_dim 128 was 0.1-2.3% faster (2% at 512 tokens, 0.3-0.5% at 32768-131072), 64
+    # and 256 0.2-2.1% slower at 512-32768 (halving the mmas did not speed up the small
+    # shapes: they were not bound by the tensor cores)
+    "FX_MMA_SWAPPED_D64": 0,
+    "FX_MMA_SWAPPED_D128": 1,
+    "FX_MMA_SWAPPED_D256": 0,
 }
 
 
