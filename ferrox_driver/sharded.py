@@ -351,6 +351,8 @@ class ShardedDecoder:
         slot = r * n_heads * hd * cache.dtype.itemsize
         self.part_out = self.recv_out.view((n_heads, hd), cache.dtype, offset=slot)
         self.part_lse = self.recv_lse.view((n_heads,), np.float32, offset=r * n_heads * 4)
+        # the merged LSE where the caller wants none (made here: never inside a capture)
+        self._lse = empty((n_heads,), np.float32, device=cache.device)
 
     def partial_async(self, q_dev: DeviceArrayLike, *, stream: StreamLike) -> None:
         """This rank's share: its partial output and LSE, into its slot of the gather."""
@@ -368,7 +370,7 @@ class ShardedDecoder:
     def merge_async(self, out_dev: DeviceArrayLike, *, stream: StreamLike,
                     out_lse: DeviceArrayLike = None) -> None:  # fmt: skip
         """The whole sequence's result from the gathered partials."""
-        lse = out_lse if out_lse is not None else self._lse_scratch()
+        lse = out_lse if out_lse is not None else self._lse
         merge_states(self.recv_out, self.recv_lse, stream=stream, out=out_dev, out_lse=lse)
 
     def decode_async(self, q_dev: DeviceArrayLike, out_dev: DeviceArrayLike, *,
@@ -393,21 +395,14 @@ class ShardedDecoder:
     def close(self) -> None:
         """Free the decoder's own buffers (a LocalGroup's gather buffers are the group's),
         once no graph it was captured into runs again; idempotent."""
-        owned = [getattr(self, "_lse", None)]
+        owned = [self._lse]
         if not isinstance(self.cache.group, LocalGroup):
             owned += [self.recv_out, self.recv_lse]
         for a in owned:
-            if a is not None:
-                a.close()
+            a.close()
 
     def __enter__(self) -> ShardedDecoder:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _lse_scratch(self) -> DeviceArray:
-        scratch = getattr(self, "_lse", None)
-        if scratch is None:
-            scratch = self._lse = empty((self.n_heads,), np.float32, device=self.cache.device)
-        return scratch
