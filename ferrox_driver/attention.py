@@ -329,7 +329,7 @@ class Overrides:
         padded_mma: fp16/bf16 head_dims other than 64/128/256 (multiples of 8) on the
             tensor-core kernels, padded (``FERROX_PADDED_MMA=0``: CUDA cores).
         paired: two adjacent KV heads' rows read as one row of 2 x head_dim: None (the
-            default) where the architecture's Tuning says (``paired_to``), True wherever
+            default) where the architecture's Tuning says (``paired_from``), True wherever
             the kernels can (experiments and tests, ``FERROX_PAIRED=1``), False never
             (``FERROX_PAIRED=0``).
     """
@@ -472,11 +472,18 @@ class Tuning:
             16384; 6 and 7 not measured, so 8's).
         tc32_groups: the fp32 groups that take the split-TF32 tensor-core kernels (see
             ``tc32_for``; H200).
-        paired_to: (largest head_dim, shortest sequence): fp16/bf16 head_dims up to that
-            read two KV heads' rows as one from that length (Overrides.paired). H200, 32/8/D
-            bf16 and fp16, graph-replayed, paired against not in one run (two rounds): D =
-            32, 40, 48 at 131072 tokens 20%, 23%, 19% faster, at 32768 15%, 10%, 2%; at 512
-            tokens 15-30% slower, and 40/48 at 4096 5-10% slower. 56 and up not measured.
+        paired_from: (head_dim, shortest sequence) pairs: fp16/bf16 head_dims that read two
+            KV heads' rows as one (Overrides.paired) from that length, where the pair's
+            group fits one tile of 8 query heads. H200, graph-replayed, paired against not
+            in one run (two rounds; benchmarks/paired_compare.py for 56 and up): 32/8/D
+            bf16 D = 32, 40, 48 at 131072 tokens 20%, 23%, 19% faster, at 32768 15%, 10%,
+            2%; at 512 tokens 15-30% slower, and 40/48 at 4096 5-10% slower. D = 56, 72,
+            88, 104, 120 (on the 128 and 256 kernels) at 16384 tokens 3-7% faster, at
+            131072 28%, 17%, 3%, 17%, 9% (fp16 56 and 72: 22%, 14%), 1-4% slower at 8192;
+            96 level at 16384, 2.5% faster at 32768, 9% at 131072; 64, 80 and 112 level or
+            slower (+2.5%, -0.5%, +6.5% at 131072): not paired. MHA 8/8/72 15-19% faster
+            from 32768. Groups of 8 (64/8/72, 40/8/72, 16/2/72: two tiles, each reading
+            the whole pair's row) 26-50% slower: never.
     """
 
     cluster_max_exchange: int = CLUSTER_MAX_EXCHANGE
@@ -484,7 +491,10 @@ class Tuning:
     wide_chunks: int = 8
     wide_from: tuple[tuple[int, int], ...] = ((4, 1024), (5, 2048), (8, 16384))
     tc32_groups: tuple[int, int] = (2, 8)
-    paired_to: tuple[int, int] = (48, 16384)
+    paired_from: tuple[tuple[int, int], ...] = (
+        (8, 16384), (16, 16384), (24, 16384), (32, 16384), (40, 16384), (48, 16384),
+        (56, 16384), (72, 16384), (88, 16384), (96, 32768), (104, 16384), (120, 16384),
+    )  # fmt: skip
 
 
 # Measured on the H200 (sm_90); other architectures take its values until measured.
@@ -693,8 +703,8 @@ def _plan(
     stages, step_tokens, reserve, padded_to = 0, 16, 0, 0
     mma_dim = mma_head_dim(head_dim, ov) if name != "f32" else None
     pair_dim = mma_head_dim(2 * head_dim, ov) if name != "f32" else None
-    most_dim, paired_from = tuning.paired_to
-    pays = head_dim <= most_dim and plan_seq >= paired_from
+    paired_from = dict(tuning.paired_from).get(head_dim)
+    pays = paired_from is not None and plan_seq >= paired_from and 2 * group <= 8
     if (
         (ov.paired or (ov.paired is None and pays)) and pair_dim is not None
         and head_dim % 8 == 0 and n_kv_heads % 2 == 0 and 2 * group <= 16 and aligned

@@ -491,11 +491,11 @@ def test_padded_head_dims_take_the_tensor_cores_and_stay_finite_on_huge_scores(r
     assert_close_at_any_scale(got, q, k, v, 32, 8, head_dim, TOL["bf16"])
 
 
-# Overrides.paired=True (FERROX_PAIRED=1: wherever the kernels can, not only where Tuning.paired_to
-# says): two adjacent KV heads' rows read as one
-# row of 2 x head_dim, Q block-diagonal, each query head's half of the output kept
+# Overrides.paired=True (FERROX_PAIRED=1: wherever the kernels can, not only where
+# Tuning.paired_from says): two adjacent KV heads' rows read as one row of 2 x head_dim,
+# Q block-diagonal, each query head's half of the output kept
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-@pytest.mark.parametrize("head_dim", [8, 32, 40, 48, 56, 64, 96, 128])
+@pytest.mark.parametrize("head_dim", [8, 32, 40, 48, 56, 64, 72, 88, 96, 104, 120, 128])
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(32, 8), (64, 8), (16, 2), (8, 2), (2, 2)])
 def test_paired_kv_heads_match_the_reference(rng, monkeypatch, dtype, head_dim, n_heads,
                                              n_kv_heads):  # fmt: skip

@@ -470,9 +470,10 @@ def test_features_take_the_plans_of_the_decode_without_them():
     assert attention.plan(traits, bf16, 32, 8, 128, 32768).features == 0  # none: as before
 
 
-def test_head_dims_up_to_48_pair_their_kv_heads_from_16384_tokens():
-    """Two adjacent KV heads' rows read as one row of 2 x head_dim (Tuning.paired_to, as
-    measured on the H200), merged by the combine kernel; never with features."""
+def test_head_dims_pair_their_kv_heads_where_measured_to_pay():
+    """Two adjacent KV heads' rows read as one row of 2 x head_dim (Tuning.paired_from, as
+    measured on the H200), merged by the combine kernel; never with features, never where
+    the pair's group needs two tiles."""
     traits, bf16 = _traits(), np.dtype(ml_dtypes.bfloat16)
 
     def kernel(heads, seq, dtype=bf16, overrides=None, features=0):
@@ -482,12 +483,24 @@ def test_head_dims_up_to_48_pair_their_kv_heads_from_16384_tokens():
     assert (p.kernel, p.paired, p.cluster) == ("gqa_split_mma_bf16_d128_r80_p2", True, 0)
     assert kernel((32, 8, 32), 16384) == "gqa_split_mma_bf16_d64_r64_p2"
     assert kernel((32, 8, 48), 32768) == "gqa_split_mma_bf16_d128_r96_p2"
-    assert kernel((64, 8, 48), 32768) == "gqa_split_mma_bf16_d128_r96_p2_t2"  # groups of 16
     assert kernel((32, 8, 16), 32768, np.dtype(np.float16)) == "gqa_split_mma_f16_d64_r32_p2"
-    # shorter, wider, odd KV heads, groups past 8, fp32, features, FERROX_PAIRED=0: not
+    assert kernel((32, 8, 56), 131072) == "gqa_split_mma_bf16_d128_r112_p2"
+    assert kernel((32, 8, 72), 16384) == "gqa_split_mma_bf16_d256_r144_p2"
+    assert kernel((8, 8, 72), 131072) == "gqa_split_mma_bf16_d256_r144_p2"  # MHA
+    assert kernel((32, 8, 104), 16384) == "gqa_split_mma_bf16_d256_r208_p2"
+    assert kernel((32, 8, 120), 131072) == "gqa_split_mma_bf16_d256_r240_p2"
+    assert kernel((32, 8, 96), 32768) == "gqa_split_mma_bf16_d256_r192_p2"
+    assert kernel((32, 8, 96), 16384) == "gqa_split_mma_bf16_d128_r96"  # 96 from 32768
+    # shorter, not measured to pay (64, 80, 112), two tiles (groups of 8 paired), wider,
+    # odd KV heads, fp32, features, FERROX_PAIRED=0: not
     assert kernel((32, 8, 40), 8192) == "gqa_split_mma_bf16_d64_r40"
-    assert kernel((32, 8, 56), 131072) == "gqa_split_mma_bf16_d64_r56"
+    assert kernel((32, 8, 72), 8192) == "gqa_split_mma_bf16_d128_r72"
     assert kernel((32, 8, 64), 131072) == "gqa_split_mma_bf16_d64"
+    assert kernel((32, 8, 80), 131072) == "gqa_split_mma_bf16_d128_r80"
+    assert kernel((32, 8, 112), 131072) == "gqa_split_mma_bf16_d128_r112"
+    assert kernel((64, 8, 48), 32768) == "gqa_split_mma_bf16_d64_r48"
+    assert kernel((64, 8, 72), 131072) == "gqa_split_mma_bf16_d128_r72"
+    assert kernel((16, 2, 72), 131072) == "gqa_split_mma_bf16_d128_r72"
     assert "_p2" not in kernel((12, 3, 40), 131072)
     assert "_p2" not in kernel((72, 8, 40), 131072)
     assert "_p2" not in kernel((32, 8, 40), 131072, np.dtype(np.float32))
@@ -498,6 +511,7 @@ def test_head_dims_up_to_48_pair_their_kv_heads_from_16384_tokens():
     always = attention.Overrides(paired=True)
     assert kernel((32, 8, 40), 512, overrides=always) == "gqa_split_mma_bf16_d128_r80_p2"
     assert kernel((32, 8, 128), 512, overrides=always) == "gqa_split_mma_bf16_d256_r256_p2"
+    assert kernel((64, 8, 48), 512, overrides=always) == "gqa_split_mma_bf16_d128_r96_p2_t2"
     assert attention.split_entry("gqa_split_mma_bf16_d128_r80_p2") == (
         "FX_MMA_PAIR_ENTRY(gqa_split_mma_bf16_d128_r80_p2, fx_bf16, 128, 80, false)"
     )
