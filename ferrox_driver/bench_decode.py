@@ -256,9 +256,11 @@ def torch_side_stream(torch: Any) -> Any:
 
 
 def _torch_sdpa_us(
-    shape: tuple[int, int, int], seq: int, dtype: str, iters: int
+    shape: tuple[int, int, int], seq: int, dtype: str, iters: int, token_major: bool = False
 ) -> tuple[float, float] | tuple[None, None]:
-    """PyTorch SDPA per decode: back to back in one graph, and one replay timed alone."""
+    """PyTorch SDPA per decode: back to back in one graph, and one replay timed alone; over
+    head-major K/V (PyTorch's own layout), or with ``token_major`` over the [seq][kv][d]
+    rows our decode reads, as a strided [1, kv, seq, d] view."""
     torch = import_torch()
     if torch is None:
         return None, None
@@ -268,8 +270,13 @@ def _torch_sdpa_us(
     tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
     n_sets, chain = rotation(2 * seq * n_kv * hd * torch.finfo(tdt).bits // 8)
     q = torch.rand(1, n_heads, 1, hd, device="cuda", dtype=tdt) * 2 - 1
-    pool = torch.empty(n_sets, 2, 1, n_kv, seq, hd, device="cuda", dtype=tdt).uniform_(-1, 1)
-    sets = [(pool[i, 0], pool[i, 1]) for i in range(n_sets)]  # one allocation, as ours
+    if token_major:
+        pool = torch.empty(n_sets, 2, seq, n_kv, hd, device="cuda", dtype=tdt).uniform_(-1, 1)
+        sets = [(pool[i, 0].permute(1, 0, 2)[None], pool[i, 1].permute(1, 0, 2)[None])
+                for i in range(n_sets)]  # fmt: skip
+    else:
+        pool = torch.empty(n_sets, 2, 1, n_kv, seq, hd, device="cuda", dtype=tdt).uniform_(-1, 1)
+        sets = [(pool[i, 0], pool[i, 1]) for i in range(n_sets)]  # one allocation, as ours
     side = torch_side_stream(torch)
     graphs = []
     with torch.cuda.stream(side):
@@ -654,7 +661,10 @@ def run_headdim_bench(
 ) -> dict[str, Any]:
     """``bench --only headdim``: 32/8/D for every D of ``head_dims`` at ``seq_lens``, next to
     PyTorch, and from EQUAL_BYTES_FROM tokens against D = 128 over the same number of KV
-    bytes (S * D / 128 tokens), measured in the same run. Prints the table; writes
+    bytes (S * D / 128 tokens), measured in the same run. From EQUAL_BYTES_FROM tokens
+    also each library on the other's layout: PyTorch over our token-major cache (a strided
+    view) and our decode over a head-major one (kv_layout="HND"), so each comparison can
+    be made on the same bytes in the same order. Prints the table; writes
     ``bench_headdim.json`` into ``out_dir``."""
     shapes = [(32, 8, d) for d in head_dims]
     result = run_decode_bench(None, shapes, seq_lens, dtypes, iters=iters, growing=False)
@@ -672,7 +682,8 @@ def run_headdim_bench(
     print(f"32/8/D, us per decode (graph replay) | read ceiling {ceiling:.2f} TB/s")
     print(
         f"{'dtype':<5} {'D':>4} {'seq_len':>7} {'us':>8} {'TB/s':>6} {'torch us':>9} "
-        f"{'vs torch':>8} {'vs D=128, equal bytes':>22}"
+        f"{'vs torch':>8} {'vs D=128, equal bytes':>22} | token-major: {'torch us':>9} "
+        f"{'vs':>6} | head-major: {'us':>7} {'vs torch':>8}"
     )
     for p in map(lambda d: DecodePoint(**d), result["points"]):
         d = int(p.shape.split("/")[2])
@@ -681,12 +692,23 @@ def run_headdim_bench(
         ref_us = refs.get((p.dtype, p.seq_len * d // 128)) if equal else None
         of_128 = None if ref_us is None else ref_us / p.graph_us  # TB/s over D = 128's
         speedup = p.torch_us / p.graph_us if p.torch_us else None
+        # each library on the other's layout (the same bytes as the other column)
+        torch_nhd = hnd = None
+        if equal:
+            shape = (32, 8, d)
+            torch_nhd = _torch_sdpa_us(shape, p.seq_len, p.dtype, iters, token_major=True)[0]
+            hnd = measure_features_point(shape, p.seq_len, p.dtype, {"kv_layout": "HND"},
+                                         iters, device)  # fmt: skip
         rows.append({**asdict(p), "head_dim": d, "tbs": tbs, "vs_torch": speedup,
-                     "vs_d128_equal_bytes": of_128})  # fmt: skip
+                     "vs_d128_equal_bytes": of_128, "torch_token_major_us": torch_nhd,
+                     "head_major_us": hnd})  # fmt: skip
         print(
             f"{p.dtype:<5} {d:>4} {p.seq_len:>7} {p.graph_us:8.1f} {tbs:6.2f} "
             + (f"{p.torch_us:9.1f} {speedup:7.2f}x" if speedup else f"{'-':>9} {'-':>8}")
-            + (f" {100 * of_128:21.1f}%" if of_128 else "")
+            + (f" {100 * of_128:21.1f}%" if of_128 else f" {'':>22}")
+            + (f" | {'':>12} {torch_nhd:9.1f} {torch_nhd / p.graph_us:5.2f}x" if torch_nhd else "")
+            + (f" | {'':>11} {hnd:7.1f} {p.torch_us / hnd:7.2f}x" if hnd and p.torch_us else ""),
+            flush=True,
         )
     out = {"device": device.name, "read_ceiling_tbs": ceiling, "points": rows,
            "d128_reference_us": {f"{k[0]}/{k[1]}": v for k, v in refs.items()}}  # fmt: skip
