@@ -7,11 +7,12 @@ made on demand (padded head dims, paired heads, tiles) compare too.
 
     python3 benchmarks/kernel_compare.py OLD [shape ...]
     python3 benchmarks/kernel_compare.py OLD --padded [shape ...]   # 32/8/D, D not 64/128/256
-    python3 benchmarks/kernel_compare.py OLD FX_PADDED_WARPS_D128=4 --padded
+    python3 benchmarks/kernel_compare.py new FX_STAGES_D128=3 --padded 32/8/80
 
-NAME=VALUE: the old side's kernels compiled with that trait's value (kernel_traits), and its
-plans made with it (FX_PADDED_WARPS_D<D>, the one trait a plan reads here), to compare a
-trait's two values (OLD then usually the working tree's file, "new").
+NAME=VALUE: the old side's kernels compiled with that trait's value (kernel_traits), to
+compare a trait's two values (OLD then usually the working tree's file, "new"); the plans
+stay the library's, so only traits that fit its launches compare (FX_STAGES_D<D> up to
+FX_RESERVE_STAGES_D<D>: the launch's shared memory holds that many steps).
 
 OLD: the kernel file before the change, as a git revision (e.g. HEAD~1; its parts in place) or
 a file holding the whole source.
@@ -46,8 +47,8 @@ CASES = [
     ((28, 4, 128), "bf16", [512]),
     ((64, 8, 128), "bf16", [512]),
 ]
-# head dims padded to a tensor-core kernel's (and D = 40, 48 paired from 16384 tokens)
-PADDED = [((32, 8, d), "bf16", [4096, 32768, 131072]) for d in (40, 48, 72, 80, 96, 112, 160)]
+# head dims padded to a tensor-core kernel's (paired where Tuning.paired_from says)
+PADDED = [((32, 8, d), "bf16", [4096, 32768, 131072]) for d in (40, 48, 56, 72, 80, 96, 112, 160)]
 
 
 def main() -> None:
@@ -72,15 +73,7 @@ def main() -> None:
     early = all("fx_wait_for_split" in src for src in sources.values())
     attention.OVERRIDES = attention.Overrides(early_combine=early)
     for p in points(cases, stream, only):
-        plans = {"new": p.plan()}
-        saved = dict(attention.MMA_PADDED_WARPS)
-        for name, value in defines.items():
-            if name.startswith("FX_PADDED_WARPS_D"):
-                attention.MMA_PADDED_WARPS[int(name.removeprefix("FX_PADDED_WARPS_D"))] = int(value)
-        attention._plans.clear()  # (memoised: plan again with the old side's trait)
-        plans["old"] = p.plan()
-        attention.MMA_PADDED_WARPS.update(saved)
-        attention._plans.clear()
+        plans = {"new": p.plan(), "old": p.plan()}
         plan = plans["new"]
         kernels = {}
         for k, src in sources.items():

@@ -20,7 +20,7 @@ import numpy as np
 
 from .device import Device
 from .errors import CudaError, FerroxError
-from .kernel_traits import SPLIT_TRAITS
+from .kernel_traits import SPLIT_TRAITS, padded_stages
 from .launch import Kernel, PackedLaunch
 from .memory import DeviceArray, empty
 from .module_cache import get_kernel
@@ -683,7 +683,9 @@ def _fp8_plan(
         )
     rest = found.kernel.removesuffix("_cluster")[len(prefix) :]
     kernel = f"{prefix}{fp8}_{rest}_x{features}" + ("_cluster" if found.cluster else "")
-    return dataclasses.replace(found, kernel=kernel, features=features, fp8=fp8)
+    # (an fp8 ring takes its kernel's own depth, not a padded head_dim's: FxStages)
+    own = MMA_STAGES[found.kernel_head_dim or head_dim]
+    return dataclasses.replace(found, kernel=kernel, features=features, fp8=fp8, stages=own)
 
 
 def _plan(
@@ -716,7 +718,8 @@ def _plan(
             kname, padded_to = f"{kname}_r{head_dim}", mma_dim
         if tiles > 1:
             kname = f"{kname}_t{tiles}"
-        threads, stages = 32 * MMA_WARPS[mma_dim], MMA_STAGES[mma_dim]
+        threads = 32 * MMA_WARPS[mma_dim]
+        stages = padded_stages(mma_dim, head_dim) or MMA_STAGES[mma_dim]
         reserve = MMA_RESERVE_STAGES[mma_dim]
     elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group, ov, tuning):
         kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
