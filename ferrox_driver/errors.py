@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class FerroxError(Exception):
@@ -34,6 +35,9 @@ class CudaError(FerroxError):
             text += f". {hint}"
         super().__init__(text)
 
+    def __reduce__(self) -> Any:  # (picklable: raised in a worker process, say)
+        return type(self), (self.code, self.name, self.call, self.description, self.hint)
+
 
 class CompileError(FerroxError):
     """NVRTC rejected a kernel source.
@@ -53,6 +57,9 @@ class CompileError(FerroxError):
             f"{log.strip()}"
         )
 
+    def __reduce__(self) -> Any:
+        return type(self), (self.source_name, self.log, self.options)
+
 
 class KVCapacityError(FerroxError):
     """A KV cache is full: appending would go past its capacity. Nothing was written."""
@@ -67,6 +74,9 @@ class KVCapacityError(FerroxError):
             f"or clear() it for a new sequence."
         )
 
+    def __reduce__(self) -> Any:
+        return type(self), (self.seq_len, self.capacity, self.adding)
+
 
 class ClosedError(FerroxError, ValueError):
     """An object was used after ``close()``: a DeviceArray (or a view of one), Stream,
@@ -77,5 +87,9 @@ class ClosedError(FerroxError, ValueError):
 
     def __init__(self, what: str, because: str = "") -> None:
         self.what = what
+        self.because = because
         text = f"this {what} was closed" if not because else f"this {what} {because}"
         super().__init__(text)
+
+    def __reduce__(self) -> Any:
+        return type(self), (self.what, self.because)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import ml_dtypes
@@ -10,6 +11,7 @@ import pytest
 
 import ferrox_driver as fd
 from ferrox_driver import compiler, module_cache
+from ferrox_driver.errors import ClosedError, CompileError, CudaError, KVCapacityError
 from ferrox_driver.validation import check_dtype
 
 
@@ -85,3 +87,20 @@ def test_closed_error_is_a_value_error_and_a_ferrox_error_naming_the_object():
 def test_a_layer_decode_graph_takes_a_layer_kv_cache_only():
     with pytest.raises(TypeError, match=r"layers: expected a ferrox_driver\.LayerKVCache"):
         fd.LayerDecodeGraph(object(), n_heads=8)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        CudaError(1, "CUDA_ERROR_INVALID_VALUE", "cuMemAlloc", "invalid argument", "a hint"),
+        CompileError("gqa_decode_split.cu", "line 3: error", ["-arch=sm_90"]),
+        KVCapacityError(10, 10, 2),
+        ClosedError("Stream"),
+        ClosedError("KVCache", "was closed with its stream"),
+    ],
+)
+def test_errors_survive_pickling_with_their_fields(error):
+    # raised in a worker process (a compile in a process pool), they cross back whole
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert vars(back) == vars(error)
