@@ -1,7 +1,10 @@
 """The split kernels' machine code at a git revision against the working tree's, on sm_80,
 sm_90 and sm_100 (NVRTC, no GPU): each kernel's code, its constant bank and its shared
 memory, and its ptxas report (registers, stack, spills); kernels added or removed are listed
-apart. (Not .nv.info: it names symbols by their index, which moves when a kernel is added.)
+apart. The 47 kernels of the whole file, and ON_DEMAND: kernels the host makes for a call
+(padded head dims, pairs, tiles, features, head-major rows, fp8 caches), each family at
+least once, compiled as the library compiles them (FX_SELECTED and the entry lines).
+(Not .nv.info: it names symbols by their index, which moves when a kernel is added.)
 A change that leaves the kernels of both alike needs no timing run for them; one that does
 not says where to look. Exit status 1 when any kernel of both differs.
 
@@ -19,9 +22,47 @@ from concurrent.futures import ProcessPoolExecutor
 
 from _common import source_at
 
+from ferrox_driver import attention
 from ferrox_driver.compiler import Program, compile_source, kernel_source
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
+ON_DEMAND = [
+    "gqa_split_mma_bf16_d64_r40",
+    "gqa_split_mma_f16_d128_r72_cluster",
+    "gqa_split_mma_bf16_d128_r80_cluster",  # a ring depth of its own
+    "gqa_split_mma_f16_d256_r160",
+    "gqa_split_mma_bf16_d128_t2_cluster",
+    "gqa_split_mma_bf16_d64_r40_t2",
+    "gqa_split_mma_bf16_d128_r80_p2",
+    "gqa_split_mma_f16_d256_r144_p2",
+    "gqa_split_mma_bf16_d128_r96_p2_t2",
+    "gqa_split_mma_bf16_d128_x127",
+    "gqa_split_mma_f16_d256_x127_cluster",
+    "gqa_split_mma_bf16_d64_x63_cluster",
+    "gqa_split_mma_bf16_d128_r80_t2_x63",
+    "gqa_split_mma_bf16_d128_wide_x63_cluster",
+    "gqa_split_tc32_f32_d128_x127",
+    "gqa_split_tc32_f32_d64_x63",
+    "gqa_split_bf16_g4_any_x127",
+    "gqa_split_f32_g8_vec_x63",
+    "gqa_split_combine_f32_x25",
+    "gqa_split_mma_bf16_e4m3_d128_x0_cluster",
+    "gqa_split_mma_f16_e5m2_d128_r96_x16",
+    "gqa_split_mma_bf16_e4m3_d64_t2_x127",
+    "gqa_split_mma_bf16_e4m3_d256_x63",
+    "gqa_split_mma_bf16_e4m3_d128_wide_x0_cluster",
+]
+
+
+def on_demand(src: str, arch: str) -> str:
+    """The split file ``src`` with the ON_DEMAND kernels' entry lines for ``arch`` (the fp8
+    ones from sm_89: their conversions), as the host compiles a plan's kernels."""
+    fp8 = int(arch.removeprefix("sm_")) >= 89
+    names = [n for n in ON_DEMAND if fp8 or not ("_e4m3_" in n or "_e5m2_" in n)]
+    entries = "\n".join(attention.split_entry(n) for n in names)
+    return f"#define FX_SELECTED 1\n{src}\n{entries}\n"
+
+
 KERNEL_SECTIONS = (".text.", ".nv.constant0.", ".nv.shared.")
 
 
@@ -43,13 +84,16 @@ def report(job: tuple[str, str, str]) -> tuple[str, str, dict[str, str], dict[st
 
 def main() -> None:
     rev, archs = sys.argv[1], sys.argv[2:] or ARCHS
-    sources = {rev: source_at(rev), "working tree": kernel_source("gqa_decode_split.cu")}
-    jobs = [(label, arch, src) for label, src in sources.items() for arch in archs]
-    with ProcessPoolExecutor(len(jobs)) as pool:
+    files = {rev: source_at(rev), "working tree": kernel_source("gqa_decode_split.cu")}
+    labels = [*files, *(f"{k} (on demand)" for k in files)]
+    jobs = [(label, arch, src) for label, src in files.items() for arch in archs]
+    jobs += [(f"{label} (on demand)", arch, on_demand(src, arch))
+             for label, src in files.items() for arch in archs]  # fmt: skip
+    with ProcessPoolExecutor(min(len(jobs), 4)) as pool:
         done = {(label, arch): (secs, res) for label, arch, secs, res in pool.map(report, jobs)}
     differ = 0
-    for arch in archs:
-        (old_secs, old_res), (new_secs, new_res) = (done[label, arch] for label in sources)
+    for arch, (old, new) in ((a, pair) for pair in ((0, 1), (2, 3)) for a in archs):
+        (old_secs, old_res), (new_secs, new_res) = (done[labels[i], arch] for i in (old, new))
         kernels = sorted(set(old_res) & set(new_res))
         for label, names in (
             ("only at " + rev, set(old_res) - set(new_res)),
@@ -66,7 +110,8 @@ def main() -> None:
                     f"{arch} {k}: {', '.join(changed) or 'same sections'}; "
                     f"{old_res.get(k)} -> {new_res.get(k)}"
                 )
-        print(f"{arch}: {len(kernels)} kernels in both, {differ} differ so far", flush=True)
+        what = "on-demand kernels" if old else "kernels"
+        print(f"{arch}: {len(kernels)} {what} in both, {differ} differ so far", flush=True)
     sys.exit(1 if differ else 0)
 
 
