@@ -71,6 +71,39 @@ __device__ __forceinline__ float fx_rcp(float x) {
     return y;
 }
 
+// v's max over the lanes whose index differs from this one's in the bits FIRST .. END / 2
+// (a head's lanes in a tensor-core body's fragments: 1..2 for the heads as rows, 4..16
+// for the heads as columns).
+template <int FIRST, int END>
+__device__ __forceinline__ float fx_lanes_max(float v) {
+#pragma unroll
+    for (int o = FIRST; o < END; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// One query head's online softmax in a tensor-core body: m its running max, l this lane's
+// share of its running sum (the lanes' shares are added at the end). step() takes this
+// lane's N scores of a step (-INFINITY where masked) and mx, their max over all the head's
+// lanes (fx_lanes_max), sets p = 2^(x - the new max) and returns alpha, the factor that
+// rescales what came before (0 before the first score).
+struct FxRunning {
+    float m = -INFINITY, l = 0.f;
+    template <int N>
+    __device__ __forceinline__ float step(float mx, const float (&x)[N], float (&p)[N]) {
+        static_assert(N % 2 == 0, "scores in pairs");
+        const float m_new = fmaxf(m, mx);
+        const float alpha = m == -INFINITY ? 0.f : fx_exp2(m - m_new);
+#pragma unroll
+        for (int i = 0; i < N; ++i) p[i] = x[i] == -INFINITY ? 0.f : fx_exp2(x[i] - m_new);
+        float sum = p[0] + p[1];  // pair by pair, in order
+#pragma unroll
+        for (int i = 2; i < N; i += 2) sum += p[i] + p[i + 1];
+        l = l * alpha + sum;
+        m = m_new;
+        return alpha;
+    }
+};
+
 // A score in the kernels' base-2 domain from q.k (`dot`) of token j: dot * sscale (sscale =
 // scale * log2 e), or with a soft-cap or ALiBi, in natural units first (capped, then the
 // head's slope times j - last, last = seq - 1), all folded into constants: capped,

@@ -135,7 +135,7 @@ __device__ __forceinline__ void gqa_split_mma(
 #pragma unroll
         for (int e = 0; e < 8; ++e) oacc[hb][e][0] = oacc[hb][e][1] = 0.f;
     }
-    float m_run = -INFINITY, l_run = 0.f;  // head g; l_run is this lane's partial sum
+    FxRunning run;  // head g's online softmax
 
     for (int j = 0; wr.t0(j) < end; ++j) {
         wr.issue(j + S - 1);
@@ -172,16 +172,9 @@ __device__ __forceinline__ void gqa_split_mma(
         x[1] = ta + 1 < end ? sc(s[0][1], ta + 1) : -INFINITY;
         x[2] = tc < end ? sc(s[1][0], tc) : -INFINITY;
         x[3] = tc + 1 < end ? sc(s[1][1], tc + 1) : -INFINITY;
-        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run, mx);
-        const float alpha = m_run == -INFINITY ? 0.f : fx_exp2(m_run - m_new);
         float p[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) p[i] = x[i] == -INFINITY ? 0.f : fx_exp2(x[i] - m_new);
-        l_run = l_run * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
-        m_run = m_new;
+        const float alpha =
+            run.step(fx_lanes_max<1, 4>(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]))), x, p);
         const unsigned pa0 = fx_pack2<T>(p[0], p[1]);  // P[g][tokens 2tig, 2tig+1]
         const unsigned pa2 = fx_pack2<T>(p[2], p[3]);  // P[g][tokens 8+2tig, 9+2tig]
         // ---- O = O * alpha + P V; this lane's V rows are 2tig, 2tig+1, 2tig+8, 2tig+9
@@ -218,6 +211,6 @@ __device__ __forceinline__ void gqa_split_mma(
         t = (d % 64) / 16;
     };
     fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T), DR, F, PAIR>(
-        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
+        fx_dyn_smem, run.m, run.l, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
         seq_len_dev, where, &feat, a_heads);
 }

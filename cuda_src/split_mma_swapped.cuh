@@ -163,8 +163,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     for (int hb = 0; hb < D / 64; ++hb)
 #pragma unroll
         for (int i = 0; i < 4; ++i) oacc[hb][i][0] = oacc[hb][i][1] = oacc[hb][i][2] = oacc[hb][i][3] = 0.f;
-    // heads 2tig (a) and 2tig + 1 (b): running max, and this lane's share of the sum
-    float ma = -INFINITY, mb = -INFINITY, la = 0.f, lb = 0.f;
+    FxRunning ra, rb;  // heads 2tig (a) and 2tig + 1 (b): their online softmax
 
     for (int j = 0; wr.t0(j) < end; ++j) {
         wr.issue(j + S - 1);
@@ -195,28 +194,14 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         x[1] = ta < end ? scb(s[1] + s2[1], ta) : -INFINITY;  // head b
         x[2] = tc < end ? sca(s[2] + s2[2], tc) : -INFINITY;  // head a
         x[3] = tc < end ? scb(s[3] + s2[3], tc) : -INFINITY;  // head b
-        float mxa = fmaxf(x[0], x[2]), mxb = fmaxf(x[1], x[3]);
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, o));
-            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, o));
-        }
-        const float na = fmaxf(ma, mxa), nb = fmaxf(mb, mxb);
-        const float alpha_a = ma == -INFINITY ? 0.f : fx_exp2(ma - na);
-        const float alpha_b = mb == -INFINITY ? 0.f : fx_exp2(mb - nb);
-        float p[4];
-        p[0] = x[0] == -INFINITY ? 0.f : fx_exp2(x[0] - na);
-        p[1] = x[1] == -INFINITY ? 0.f : fx_exp2(x[1] - nb);
-        p[2] = x[2] == -INFINITY ? 0.f : fx_exp2(x[2] - na);
-        p[3] = x[3] == -INFINITY ? 0.f : fx_exp2(x[3] - nb);
-        la = la * alpha_a + (p[0] + p[2]);
-        lb = lb * alpha_b + (p[1] + p[3]);
-        ma = na;
-        mb = nb;
+        const float xa[2] = {x[0], x[2]}, xb[2] = {x[1], x[3]};
+        float pa[2], pb[2];
+        const float alpha_a = ra.step(fx_lanes_max<4, 32>(fmaxf(x[0], x[2])), xa, pa);
+        const float alpha_b = rb.step(fx_lanes_max<4, 32>(fmaxf(x[1], x[3])), xb, pb);
         // P^T as the B operand: (tokens 2tig, 2tig + 1; head g) and (tokens 2tig + 8, + 9;
         // head g), each 8x8 block of P (token g; heads 2tig, 2tig + 1) transposed
-        const unsigned pb0 = fx_movmatrix_trans(fx_pack2<T>(p[0], p[1]));
-        const unsigned pb1 = fx_movmatrix_trans(fx_pack2<T>(p[2], p[3]));
+        const unsigned pb0 = fx_movmatrix_trans(fx_pack2<T>(pa[0], pb[0]));
+        const unsigned pb1 = fx_movmatrix_trans(fx_pack2<T>(pa[1], pb[1]));
         // ---- O^T = O^T * alpha + V^T P^T; this lane's V rows are 2tig, 2tig+1, 2tig+8,
         // 2tig+9, at d = hb*64 + g*8 .. +8 (rows g and g + 8 of the mma: elements 2i, 2i+1)
 #pragma unroll
@@ -265,18 +250,18 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 
     // ---- the warps' merge, as gqa_split_mma's, from this layout: the sums over the lanes
     // of a column (xor 4, 8, 16), then head 2tig's max and sum from lane tig
-    la += __shfl_xor_sync(0xffffffffu, la, 4);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 4);
-    la += __shfl_xor_sync(0xffffffffu, la, 8);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 8);
-    la += __shfl_xor_sync(0xffffffffu, la, 16);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 16);
+    ra.l += __shfl_xor_sync(0xffffffffu, ra.l, 4);
+    rb.l += __shfl_xor_sync(0xffffffffu, rb.l, 4);
+    ra.l += __shfl_xor_sync(0xffffffffu, ra.l, 8);
+    rb.l += __shfl_xor_sync(0xffffffffu, rb.l, 8);
+    ra.l += __shfl_xor_sync(0xffffffffu, ra.l, 16);
+    rb.l += __shfl_xor_sync(0xffffffffu, rb.l, 16);
     auto park_stats = [&](float (*m_s)[8], float (*l_s)[8]) {
         if (g == 0) {
-            m_s[warp][2 * tig] = ma;
-            m_s[warp][2 * tig + 1] = mb;
-            l_s[warp][2 * tig] = la;
-            l_s[warp][2 * tig + 1] = lb;
+            m_s[warp][2 * tig] = ra.m;
+            m_s[warp][2 * tig + 1] = rb.m;
+            l_s[warp][2 * tig] = ra.l;
+            l_s[warp][2 * tig + 1] = rb.l;
         }
     };
     // column d = hb*64 + g*8 + e of head h: slot hb*16 + (g >> 2)*8 + e of lane 4h + (g & 3)

@@ -111,7 +111,7 @@ __device__ __forceinline__ void gqa_split_tc32(
     for (int qq = 0; qq < D / 32; ++qq)
 #pragma unroll
         for (int j = 0; j < 4; ++j) oacc[qq][j][0] = oacc[qq][j][1] = 0.f;
-    float m_run = -INFINITY, l_run = 0.f;
+    FxRunning run;  // head g's online softmax
 
     for (int j = 0; wr.t0(j) < end; ++j) {
         wr.issue(j + S - 1);
@@ -161,18 +161,8 @@ __device__ __forceinline__ void gqa_split_tc32(
         float mx = x[0];
 #pragma unroll
         for (int i = 1; i < 2 * NB; ++i) mx = fmaxf(mx, x[i]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run, mx);
-        const float alpha = m_run == -INFINITY ? 0.f : fx_exp2(m_run - m_new);
         float p[2 * NB];
-#pragma unroll
-        for (int i = 0; i < 2 * NB; ++i) p[i] = x[i] == -INFINITY ? 0.f : fx_exp2(x[i] - m_new);
-        float psum = p[0] + p[1];
-#pragma unroll
-        for (int n = 1; n < NB; ++n) psum += p[2 * n] + p[2 * n + 1];
-        l_run = l_run * alpha + psum;
-        m_run = m_new;
+        const float alpha = run.step(fx_lanes_max<1, 4>(mx), x, p);
 #pragma unroll
         for (int qq = 0; qq < D / 32; ++qq)
 #pragma unroll
@@ -220,7 +210,7 @@ __device__ __forceinline__ void gqa_split_tc32(
         t = n >> 1;
     };
     fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(float), DR>(
-        fx_dyn_smem, m_run, l_run, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
+        fx_dyn_smem, run.m, run.l, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
         seq_len_dev, where);
 }
 
