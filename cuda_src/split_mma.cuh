@@ -115,13 +115,22 @@ __device__ __forceinline__ void gqa_split_mma(
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    FX_TC_START(T, 16, WARPS * S * 2 * STEP * sizeof(T));  // 16-token steps
+    FxTcBlock blk;  // this block's chunk, KV head and query heads
+    if (!fx_tc_block<CLUSTER, TILED, D, F>(blk, WARPS * S * 2 * STEP * sizeof(T), THREADS,
+                                           n_heads, n_kv_heads, seq_len, seq_len_dev, splits,
+                                           tile, feat.window))
+        return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;  // mma fragment coordinates: lane = 4g + tig
+    const auto wr = fx_warp_ring<T, D, 16, S, WARPS, DR, F>(
+        fx_dyn_smem, k, v, blk.g_kv, n_kv_heads, feat.head_stride, blk.start, blk.end, warp, lane);
 
     // Q as the A operand (rows = heads; rows 8..15 are zero)
-    const int a_heads = PAIR == 1 ? 0 : max(0, min(group, heads_per_kv / 2 - tile_h));
-    const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR, PAIR>(q, h0, group, g, tig, a_heads);
+    const int a_heads = PAIR == 1 ? 0 : max(0, min(blk.group, blk.heads_per_kv / 2 - blk.tile_h));
+    const FxQ<T, D> qf = fx_load_q<T, D, THREADS, DR, PAIR>(q, blk.h0, blk.group, g, tig, a_heads);
 
-    const FxScore<F> sc = fx_scorer<F>(feat, DR / PAIR, h0 + g, g < group, seq_len, seq_len_dev);
+    const FxScore<F> sc =
+        fx_scorer<F>(feat, DR / PAIR, blk.h0 + g, g < blk.group, seq_len, seq_len_dev);
 
     // O accumulators: [64-d block][e]: c0 -> d = hb*64 + (2 tig)*8 + e, c1 -> +8. The
     // padding rows' outputs (c2, c3) only ever add zero rows: a scratch pair per chain of
@@ -137,7 +146,7 @@ __device__ __forceinline__ void gqa_split_mma(
     }
     FxRunning run;  // head g's online softmax
 
-    for (int j = 0; wr.t0(j) < end; ++j) {
+    for (int j = 0; wr.t0(j) < blk.end; ++j) {
         wr.issue(j + S - 1);
         fx_cp_async_wait<S - 1>();  // step j has landed (this lane's copies) ...
         __syncwarp();               // ... and every lane's
@@ -168,10 +177,10 @@ __device__ __forceinline__ void gqa_split_mma(
         }
         // ---- online softmax for head g over this lane's 4 scores (tokens of c0, c1)
         float x[4];
-        x[0] = ta < end ? sc(s[0][0], ta) : -INFINITY;
-        x[1] = ta + 1 < end ? sc(s[0][1], ta + 1) : -INFINITY;
-        x[2] = tc < end ? sc(s[1][0], tc) : -INFINITY;
-        x[3] = tc + 1 < end ? sc(s[1][1], tc + 1) : -INFINITY;
+        x[0] = ta < blk.end ? sc(s[0][0], ta) : -INFINITY;
+        x[1] = ta + 1 < blk.end ? sc(s[0][1], ta + 1) : -INFINITY;
+        x[2] = tc < blk.end ? sc(s[1][0], tc) : -INFINITY;
+        x[3] = tc + 1 < blk.end ? sc(s[1][1], tc + 1) : -INFINITY;
         float p[4];
         const float alpha =
             run.step(fx_lanes_max<1, 4>(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]))), x, p);
@@ -211,6 +220,6 @@ __device__ __forceinline__ void gqa_split_mma(
         t = (d % 64) / 16;
     };
     fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(T), DR, F, PAIR>(
-        fx_dyn_smem, run.m, run.l, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
-        seq_len_dev, where, &feat, a_heads);
+        fx_dyn_smem, run.m, run.l, oacc, ws_o, ws_ml, out, blk.h0, blk.group, splits,
+        blk.split, seq_len, seq_len_dev, where, &feat, a_heads);
 }

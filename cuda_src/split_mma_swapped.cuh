@@ -135,25 +135,33 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(KT);
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    FX_TC_START(KT, 16, RING);  // 16-token steps
+    FxTcBlock blk;  // this block's chunk, KV head and query heads
+    if (!fx_tc_block<CLUSTER, TILED, D, F>(blk, RING, THREADS, n_heads, n_kv_heads, seq_len,
+                                           seq_len_dev, splits, tile, feat.window))
+        return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;  // mma fragment coordinates: lane = 4g + tig
+    const auto wr = fx_warp_ring<KT, D, 16, S, WARPS, DR, F>(
+        fx_dyn_smem, k, v, blk.g_kv, n_kv_heads, feat.head_stride, blk.start, blk.end, warp, lane);
 
     // Q as the B operand (n = heads), read as gqa_split_mma reads it for its A operand
-    const int a_heads = PAIR == 1 ? 0 : max(0, min(group, heads_per_kv / 2 - tile_h));
+    const int a_heads = PAIR == 1 ? 0 : max(0, min(blk.group, blk.heads_per_kv / 2 - blk.tile_h));
     float q_mul_a = 1.f, q_mul_b = 1.f;  // (Q8: the heads' power-of-two scales undone)
     const FxQ<T, D> qf = [&] {
         if constexpr (Q8 != 0)
-            return fx_load_q8<D, THREADS, DR>(q, h0, group, g, tig, q_mul_a, q_mul_b);
+            return fx_load_q8<D, THREADS, DR>(q, blk.h0, blk.group, g, tig, q_mul_a, q_mul_b);
         else
-            return fx_load_q<T, D, THREADS, DR, PAIR>(q, h0, group, g, tig, a_heads);
+            return fx_load_q<T, D, THREADS, DR, PAIR>(q, blk.h0, blk.group, g, tig, a_heads);
     }();
 
     // heads 2tig (a) and 2tig + 1 (b); Q8: the K scale and q's folded in
-    const float k_scale = Q8 ? kv_scales[g_kv] : 1.f;
+    const float k_scale = Q8 ? kv_scales[blk.g_kv] : 1.f;
     const FxScore<F> sca = fx_folded<F, Q8>(
-        fx_scorer<F>(feat, DR / PAIR, h0 + 2 * tig, 2 * tig < group, seq_len, seq_len_dev),
+        fx_scorer<F>(feat, DR / PAIR, blk.h0 + 2 * tig, 2 * tig < blk.group, seq_len, seq_len_dev),
         k_scale * q_mul_a);
     const FxScore<F> scb = fx_folded<F, Q8>(
-        fx_scorer<F>(feat, DR / PAIR, h0 + 2 * tig + 1, 2 * tig + 1 < group, seq_len, seq_len_dev),
+        fx_scorer<F>(feat, DR / PAIR, blk.h0 + 2 * tig + 1, 2 * tig + 1 < blk.group, seq_len,
+                     seq_len_dev),
         k_scale * q_mul_b);
 
     // O^T accumulators [64-d block][i][c]: d = hb*64 + g*8 + 2i + (c >> 1), head
@@ -165,7 +173,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         for (int i = 0; i < 4; ++i) oacc[hb][i][0] = oacc[hb][i][1] = oacc[hb][i][2] = oacc[hb][i][3] = 0.f;
     FxRunning ra, rb;  // heads 2tig (a) and 2tig + 1 (b): their online softmax
 
-    for (int j = 0; wr.t0(j) < end; ++j) {
+    for (int j = 0; wr.t0(j) < blk.end; ++j) {
         wr.issue(j + S - 1);
         fx_cp_async_wait<S - 1>();
         __syncwarp();
@@ -190,10 +198,10 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         }
         const int ta = t0 + g, tc = ta + 8;
         float x[4];
-        x[0] = ta < end ? sca(s[0] + s2[0], ta) : -INFINITY;  // head a
-        x[1] = ta < end ? scb(s[1] + s2[1], ta) : -INFINITY;  // head b
-        x[2] = tc < end ? sca(s[2] + s2[2], tc) : -INFINITY;  // head a
-        x[3] = tc < end ? scb(s[3] + s2[3], tc) : -INFINITY;  // head b
+        x[0] = ta < blk.end ? sca(s[0] + s2[0], ta) : -INFINITY;  // head a
+        x[1] = ta < blk.end ? scb(s[1] + s2[1], ta) : -INFINITY;  // head b
+        x[2] = tc < blk.end ? sca(s[2] + s2[2], tc) : -INFINITY;  // head a
+        x[3] = tc < blk.end ? scb(s[3] + s2[3], tc) : -INFINITY;  // head b
         const float xa[2] = {x[0], x[2]}, xb[2] = {x[1], x[3]};
         float pa[2], pb[2];
         const float alpha_a = ra.step(fx_lanes_max<4, 32>(fmaxf(x[0], x[2])), xa, pa);
@@ -239,7 +247,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     }
     fx_cp_async_wait<0>();
     if (Q8) {  // the V scale, once
-        const float v_scale = kv_scales[n_kv_heads + g_kv];
+        const float v_scale = kv_scales[n_kv_heads + blk.g_kv];
 #pragma unroll
         for (int hb = 0; hb < D / 64; ++hb)
 #pragma unroll
@@ -283,9 +291,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         slot = (d / 64) * 16 + (gg >> 2) * 8 + d % 8;
         t = gg & 3;
     };
-    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR, F, PAIR>(fx_dyn_smem, park_stats, park_o, ws_o,
-                                                       ws_ml, out, h0, group, splits, split,
-                                                       seq_len, seq_len_dev, where, &feat, a_heads);
+    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR, F, PAIR>(
+        fx_dyn_smem, park_stats, park_o, ws_o, ws_ml, out, blk.h0, blk.group, splits, blk.split,
+        seq_len, seq_len_dev, where, &feat, a_heads);
 }
 
 // Which head_dims take the swapped operands: FX_MMA_SWAPPED_D<D> (split_traits.h, from

@@ -151,34 +151,30 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
     return true;
 }
 
-// The first lines of every tensor-core kernel body: let the combine kernel start early,
-// check the launch and find the block's tokens [start, end) of its chunk `split` (leaving
-// when it has none), name the block's KV head g_kv, its query heads h0 .. h0 + group (all
-// of the KV head's, at most 8; with TILED, groups of 9-16, one of two tiles of 8), the
-// thread's lane and warp and its mma fragment coordinates (lane = 4g + tig), and queue the
-// first steps of this warp's ring `wr` of TOK-token steps of element type T (RING_BYTES:
-// the block's ring). The body must name CLUSTER, TILED, F and feat (its features), D, DR
-// (the cache's head_dim, <= D), S,
-// WARPS, THREADS, k, v, n_heads,
-// n_kv_heads, seq_len, seq_len_dev, splits, tile and fx_dyn_smem as the kernels do; with
-// FX_F_HND in F the rows are head-major (feat.head_stride).
-// A macro rather than a function: the same values from a helper function (fx_place, v18)
-// changed the register allocation of the head_dim 256 kernels on sm_100, which spilled;
-// the macro's expansion is the code the three bodies had written out.
-#define FX_TC_START(T, TOK, RING_BYTES)                                                     \
-    fx_let_combine_start<2>();                                                              \
-    const int split = blockIdx.x;                                                           \
-    int start, end;                                                                         \
-    if (!fx_block_chunk<CLUSTER, D, F>(RING_BYTES, THREADS, seq_len, seq_len_dev, splits,   \
-                                       tile, split, start, end, feat.window))               \
-        return;                                                                             \
-    /* TILED (groups of 9-16): blockIdx.y = 2 g_kv + tile, 8 query heads per tile */        \
-    const int heads_per_kv = n_heads / n_kv_heads;                                          \
-    const int g_kv = TILED ? (int)(blockIdx.y >> 1) : (int)blockIdx.y;                      \
-    const int tile_h = TILED ? (int)(blockIdx.y & 1) * 8 : 0;                               \
-    const int group = TILED ? min(8, heads_per_kv - tile_h) : heads_per_kv;                 \
-    const int h0 = g_kv * heads_per_kv + tile_h;                                            \
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;                             \
-    const int g = lane >> 2, tig = lane & 3;                                                \
-    const auto wr = fx_warp_ring<T, D, TOK, S, WARPS, DR, F>(                               \
-        fx_dyn_smem, k, v, g_kv, n_kv_heads, feat.head_stride, start, end, warp, lane)
+// Where a tensor-core block stands: its tokens [start, end) of chunk `split`, its KV head
+// g_kv and its query heads h0 .. h0 + group (all of the KV head's, at most 8; with TILED,
+// groups of 9-16, one of two tiles of 8: tile_h its first, within the KV head's).
+struct FxTcBlock {
+    int split, start, end, heads_per_kv, g_kv, tile_h, group, h0;
+};
+// The first lines of every tensor-core body: let the combine kernel start early, check the
+// launch (fx_block_chunk: `ring_bytes` of ring, `threads`) and place the block (`at`).
+// False: the block has no tokens and leaves.
+template <bool CLUSTER, bool TILED, int D, int F>
+__device__ __forceinline__ bool fx_tc_block(FxTcBlock& at, unsigned ring_bytes, unsigned threads,
+                                            int n_heads, int n_kv_heads, int seq_len,
+                                            const int* seq_len_dev, int splits, int tile,
+                                            int window) {
+    fx_let_combine_start<2>();
+    at.split = blockIdx.x;
+    if (!fx_block_chunk<CLUSTER, D, F>(ring_bytes, threads, seq_len, seq_len_dev, splits, tile,
+                                       at.split, at.start, at.end, window))
+        return false;
+    // TILED (groups of 9-16): blockIdx.y = 2 g_kv + tile, 8 query heads per tile
+    at.heads_per_kv = n_heads / n_kv_heads;
+    at.g_kv = TILED ? (int)(blockIdx.y >> 1) : (int)blockIdx.y;
+    at.tile_h = TILED ? (int)(blockIdx.y & 1) * 8 : 0;
+    at.group = TILED ? min(8, at.heads_per_kv - at.tile_h) : at.heads_per_kv;
+    at.h0 = at.g_kv * at.heads_per_kv + at.tile_h;
+    return true;
+}

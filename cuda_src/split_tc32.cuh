@@ -81,7 +81,15 @@ __device__ __forceinline__ void gqa_split_tc32(
     constexpr bool TILED = false;  // groups of at most 8
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
-    FX_TC_START(float, TOK, WARPS * S * 2 * STEP * sizeof(float));
+    FxTcBlock blk;  // this block's chunk, KV head and query heads
+    if (!fx_tc_block<CLUSTER, TILED, D, F>(blk, WARPS * S * 2 * STEP * sizeof(float), THREADS,
+                                           n_heads, n_kv_heads, seq_len, seq_len_dev, splits,
+                                           tile, feat.window))
+        return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;  // mma fragment coordinates: lane = 4g + tig
+    const auto wr = fx_warp_ring<float, D, TOK, S, WARPS, DR, F>(
+        fx_dyn_smem, k, v, blk.g_kv, n_kv_heads, feat.head_stride, blk.start, blk.end, warp, lane);
 
     // Q, pre-scaled into the base-2 domain and split into TF32 pairs, in shared memory
     // (in registers it would take 2 * D / 4 of them): rows = heads, padded by 16 bytes.
@@ -89,11 +97,13 @@ __device__ __forceinline__ void gqa_split_tc32(
     __shared__ __align__(16) unsigned ql_s[8][D + 4];
     const float sscale = fx_q_scale<F>(feat, D);
     // (with a soft-cap or ALiBi, Q is scaled in natural units and sc finishes the scores)
-    const auto sc = fx_scorer<F & ~FX_F_SCALE>(feat, 1, h0 + g, g < group, seq_len, seq_len_dev);
+    const auto sc =
+        fx_scorer<F & ~FX_F_SCALE>(feat, 1, blk.h0 + g, g < blk.group, seq_len, seq_len_dev);
     for (int i = threadIdx.x; i < 8 * NCH; i += THREADS) {
         const int j = i / NCH, c = (i % NCH) * 4;
         float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (j < group) x = __ldg(reinterpret_cast<const float4*>(q + (long long)(h0 + j) * D + c));
+        if (j < blk.group)
+            x = __ldg(reinterpret_cast<const float4*>(q + (long long)(blk.h0 + j) * D + c));
         uint4 hi, lo;
         fx_split_tf32(x.x * sscale, hi.x, lo.x);
         fx_split_tf32(x.y * sscale, hi.y, lo.y);
@@ -113,7 +123,7 @@ __device__ __forceinline__ void gqa_split_tc32(
         for (int j = 0; j < 4; ++j) oacc[qq][j][0] = oacc[qq][j][1] = 0.f;
     FxRunning run;  // head g's online softmax
 
-    for (int j = 0; wr.t0(j) < end; ++j) {
+    for (int j = 0; wr.t0(j) < blk.end; ++j) {
         wr.issue(j + S - 1);
         fx_cp_async_wait<S - 1>();
         __syncwarp();
@@ -154,7 +164,7 @@ __device__ __forceinline__ void gqa_split_tc32(
 #pragma unroll
             for (int e = 0; e < 2; ++e)
                 x[2 * n + e] =
-                    t0 + 8 * n + 2 * tig + e < end
+                    t0 + 8 * n + 2 * tig + e < blk.end
                         ? fx_prescaled<F>(sc, (s[n][e] + s[n][e + 2]) + (s2[n][e] + s2[n][e + 2]),
                                           t0 + 8 * n + 2 * tig + e)
                         : -INFINITY;
@@ -210,8 +220,8 @@ __device__ __forceinline__ void gqa_split_tc32(
         t = n >> 1;
     };
     fx_merge_warps<CLUSTER, WARPS, D, WARPS * S * 2 * STEP * (int)sizeof(float), DR>(
-        fx_dyn_smem, run.m, run.l, oacc, ws_o, ws_ml, out, h0, group, splits, split, seq_len,
-        seq_len_dev, where);
+        fx_dyn_smem, run.m, run.l, oacc, ws_o, ws_ml, out, blk.h0, blk.group, splits,
+        blk.split, seq_len, seq_len_dev, where);
 }
 
 #define FX_TC32_ENTRY(NAME, D)                                                              \
