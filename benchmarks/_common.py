@@ -134,12 +134,20 @@ def points(cases: Iterable[Case], stream: fd.Stream, only: Sequence[str] = ()) -
 
 def source_at(rev: str, filename: str = "gqa_decode_split.cu") -> str:
     """The kernel file ``filename`` as it was at git revision ``rev``, its parts in place (as
-    the package reads the working tree's)."""
+    the package reads the working tree's; the generated ones from that revision's
+    kernel_traits)."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout
 
+    # the parts the host writes, as that revision's kernel_traits wrote them (when it had one)
+    parts = None
+    traits = "ferrox_driver/kernel_traits.py"
+    if traits in git("ls-tree", "-r", "--full-tree", "--name-only", rev, traits).split():
+        namespace: dict[str, Any] = {"__name__": f"kernel_traits_at_{rev}"}
+        exec(compile(git("show", f"{rev}:{traits}"), traits, "exec"), namespace)
+        parts = namespace.get("GENERATED_PARTS")
     with tempfile.TemporaryDirectory() as tmp:
         for path in git("ls-tree", "--full-tree", "--name-only", rev, "cuda_src/").split():
             (Path(tmp) / Path(path).name).write_text(git("show", f"{rev}:{path}"))
-        return expand_includes(filename, Path(tmp))
+        return expand_includes(filename, Path(tmp), parts)

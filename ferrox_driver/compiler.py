@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -52,32 +52,36 @@ def kernel_source(filename: str) -> str:
     return expand_includes(filename, source_dir())
 
 
-def expand_includes(filename: str, directory: Path) -> str:
+def expand_includes(
+    filename: str, directory: Path, parts: Mapping[str, Callable[[], str]] | None = None
+) -> str:
     """The text of ``directory/filename`` with each ``#include "name"`` line replaced by the
     text of ``directory/name`` (expanded the same way, each file once; the parts the host
-    writes, ``kernel_traits.GENERATED_PARTS``, from there), between ``#line``
-    marks so that NVRTC's messages name the part and its line.
+    writes, ``parts`` (default: ``kernel_traits.GENERATED_PARTS``), from there), between
+    ``#line`` marks so that NVRTC's messages name the part and its line.
 
     Raises:
         FileNotFoundError: the file, or a file it includes, is not in ``directory``.
     """
-    return _expanded(filename, Path(directory), set())
+    return _expanded(filename, Path(directory), set(), GENERATED_PARTS if parts is None else parts)
 
 
-def _expanded(filename: str, directory: Path, seen: set[str]) -> str:
+def _expanded(
+    filename: str, directory: Path, seen: set[str], parts: Mapping[str, Callable[[], str]]
+) -> str:
     seen.add(filename)
     text = (directory / filename).read_text()
     pieces: list[str] = []
     at = 0
     for m in _INCLUDE_RE.finditer(text):
         name = m.group(1)
-        generated = GENERATED_PARTS.get(name)  # written by the host (kernel_traits)
+        generated = parts.get(name)  # written by the host (kernel_traits)
         if generated is None and not (directory / name).is_file():
             raise FileNotFoundError(f"{filename} includes {name!r}, which is not in {directory}")
         pieces.append(text[at : m.start()])
         if name not in seen:
             seen.add(name)
-            body = generated() if generated is not None else _expanded(name, directory, seen)
+            body = generated() if generated is not None else _expanded(name, directory, seen, parts)
             body += "" if body.endswith("\n") else "\n"
             line = text.count("\n", 0, m.end()) + 2  # the line after the #include
             pieces.append(f'#line 1 "{name}"\n{body}#line {line} "{filename}"')

@@ -123,6 +123,14 @@ def test_each_part_is_included_once(tmp_path: Path) -> None:
     assert src.index("int b;") < src.index("int a;")
 
 
+def test_the_generated_parts_come_from_the_parts_given(tmp_path: Path) -> None:
+    # the host writes split_traits.h (kernel_traits); a revision's own writer may be given
+    (tmp_path / "main.cu").write_text('#include "split_traits.h"\nint main_part;\n')
+    assert "#define FX_THREADS " in expand_includes("main.cu", tmp_path)
+    src = expand_includes("main.cu", tmp_path, {"split_traits.h": lambda: "#define OLD 1\n"})
+    assert "#define OLD 1" in src and "FX_THREADS" not in src and "int main_part;" in src
+
+
 def test_include_of_a_missing_part_names_both_files(tmp_path: Path) -> None:
     (tmp_path / "main.cu").write_text('#include "gone.cuh"\n')
     with pytest.raises(FileNotFoundError, match=r"main\.cu includes 'gone\.cuh'"):
