@@ -40,11 +40,10 @@ __device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
 // The rings' shape per head_dim (FX_WARPS_D<D>, FX_STAGES_D<D>, FX_RESERVE_STAGES_D<D>):
 // split_traits.h, written from ferrox_driver/kernel_traits.py, where the host plans with
 // the same values and their measurements are noted.
-// Rows of a padded head_dim DR (PAIR = 2: two KV heads' rows of DR / 2) may have a depth of
-// their own (FX_STAGES_D<D>_R<DR>[_P2]: FxPaddedStages).
-template <int D, int DR = D, int PAIR = 1> struct FxStages {
+// A padded head_dim DR may have a depth of its own (FX_STAGES_D<D>_R<DR>: FxPaddedStages).
+template <int D, int DR = D> struct FxStages {
     static constexpr int value =
-        FxPaddedStages<D, DR, PAIR>::value ? FxPaddedStages<D, DR, PAIR>::value
+        FxPaddedStages<D, DR>::value ? FxPaddedStages<D, DR>::value
         : D == 64                    ? FX_STAGES_D64
         : D == 128                   ? FX_STAGES_D128
                                      : FX_STAGES_D256;
@@ -111,7 +110,7 @@ __device__ __forceinline__ void gqa_split_mma(
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
     int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
     const FxFeat feat = FxFeat{}) {
-    constexpr int S = FxStages<D, DR, PAIR>::value;
+    constexpr int S = FxStages<D, PAIR == 1 ? DR : D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];

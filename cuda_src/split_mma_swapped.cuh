@@ -128,8 +128,8 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     const int* __restrict__ seq_len_dev, int splits, int tile, const FxFeat feat = FxFeat{},
     const float* __restrict__ kv_scales = nullptr) {
     using KT = typename FxStore<T, Q8>::type;  // the cache's element
-    // (an fp8 ring: twice the kernel's steps of bytes)
-    constexpr int S = Q8 ? 2 * FxStages<D>::value : FxStages<D, DR, PAIR>::value;
+    // (an fp8 ring: twice the kernel's steps of bytes; a pair's: the kernel's)
+    constexpr int S = Q8 ? 2 * FxStages<D>::value : FxStages<D, PAIR == 1 ? DR : D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;  // elements of one step's K (or V)
     constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(KT);

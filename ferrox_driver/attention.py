@@ -785,8 +785,7 @@ def _paired_plan(
     tiles = -(-group // 8)
     kname = f"gqa_split_mma_{name}_d{kernel_dim}_r{2 * head_dim}_p2" + ("_t2" if tiles > 1 else "")
     chosen = SplitPlan(
-        kname, True, tiles, 32, 1, 32 * MMA_WARPS[kernel_dim], TILE,
-        padded_stages(kernel_dim, 2 * head_dim, paired=True) or MMA_STAGES[kernel_dim], 16,
+        kname, True, tiles, 32, 1, 32 * MMA_WARPS[kernel_dim], TILE, MMA_STAGES[kernel_dim], 16,
         reserve_stages=MMA_RESERVE_STAGES[kernel_dim], kernel_head_dim=kernel_dim, paired=True,
     )  # fmt: skip
     shared = chosen.shared_bytes(head_dim, 2)

@@ -72,15 +72,12 @@ SPLIT_TRAITS: dict[str, int] = {
     "FX_TC32_RESERVE_STAGES_D128": 3,
     "FX_TC32_RESERVE_STAGES_D256": 3,
     # a head_dim padded to a tensor-core kernel's, with a ring depth of its own
-    # (FX_STAGES_D<D>_R<DR>: the kernel of D reading rows of DR; _P2: two KV heads' rows of
-    # DR / 2 read as one; never for fp8 caches): bf16 32/8/80 on the 128 kernel with 3
-    # steps against 2, in one run (benchmarks/kernel_compare.py new FX_STAGES_D128=3
-    # --padded): 26.5 vs 28.9 us at 32768 tokens, 89.0 vs 97.8 at 131072, level at 4096 (4
-    # steps: 94.1 at 131072; 112 with 3 steps 6-12% slower, so not). Pairs of 56 (rows of
-    # 112) the same way: 20.3 vs 21.1 us at 32768, 61.1 vs 66.3 at 131072 (pairs of 40 6.5%
-    # slower, of 48 mixed: not).
+    # (FX_STAGES_D<D>_R<DR>: the kernel of D reading rows of DR; single KV heads, not the
+    # pairs or fp8 caches): bf16 32/8/80 on the 128 kernel with 3 steps against 2, in one
+    # run (benchmarks/kernel_compare.py new FX_STAGES_D128=3 --padded): 26.5 vs 28.9 us at
+    # 32768 tokens, 89.0 vs 97.8 at 131072, level at 4096 (4 steps: 94.1 at 131072; 112
+    # with 3 steps 6-12% slower, so not)
     "FX_STAGES_D128_R80": 3,
-    "FX_STAGES_D128_R112_P2": 3,
     # the wide cluster kernels (head_dim 128): twice the others' warps (with 4 warps the
     # same plans were 3-32% slower)
     "FX_WIDE_WARPS": 8,
@@ -95,29 +92,27 @@ SPLIT_TRAITS: dict[str, int] = {
 }
 
 
-_PADDED_STAGES = re.compile(r"FX_STAGES_D(\d+)_R(\d+)(_P2)?")
+_PADDED_STAGES = re.compile(r"FX_STAGES_D(\d+)_R(\d+)")
 
 
-def padded_stages(kernel_dim: int, row: int, paired: bool = False) -> int | None:
+def padded_stages(kernel_dim: int, head_dim: int) -> int | None:
     """The ring depth of the fp16/bf16 tensor-core kernel of ``kernel_dim`` reading rows of
-    ``row`` elements (two KV heads' rows with ``paired``) where one of its own was measured
-    (FX_STAGES_D<D>_R<DR>[_P2]), else None."""
-    return SPLIT_TRAITS.get(f"FX_STAGES_D{kernel_dim}_R{row}" + ("_P2" if paired else ""))
+    ``head_dim`` where one of its own was measured (FX_STAGES_D<D>_R<DR>), else None."""
+    return SPLIT_TRAITS.get(f"FX_STAGES_D{kernel_dim}_R{head_dim}")
 
 
 def traits_header() -> str:
     """The ``#define`` lines of SPLIT_TRAITS, as the split file includes them, and the
-    padded head dims' ring depths as FxPaddedStages<D, DR, PAIR> (0: the kernel's own)."""
+    padded head dims' ring depths as FxPaddedStages<D, DR> (0: the kernel's own)."""
     lines = ["// generated from ferrox_driver/kernel_traits.py (SPLIT_TRAITS)"]
     lines += [f"#define {name} {value}" for name, value in SPLIT_TRAITS.items()]
     lines.append(
-        "template <int D, int DR, int PAIR> struct FxPaddedStages "
-        "{ static constexpr int value = 0; };"
+        "template <int D, int DR> struct FxPaddedStages { static constexpr int value = 0; };"
     )
     for name in SPLIT_TRAITS:
         if m := _PADDED_STAGES.fullmatch(name):
             lines.append(
-                f"template <> struct FxPaddedStages<{m[1]}, {m[2]}, {2 if m[3] else 1}> "
+                f"template <> struct FxPaddedStages<{m[1]}, {m[2]}> "
                 f"{{ static constexpr int value = {name}; }};"
             )
     return "\n".join(lines) + "\n"

@@ -523,25 +523,21 @@ def test_a_padded_head_dim_with_a_ring_depth_of_its_own_plans_with_it():
     the pairs and fp8 caches of the same rows keep the kernel's own depth."""
     traits, bf16 = _traits(), np.dtype(ml_dtypes.bfloat16)
     own = {
-        (int(m[1]), int(m[2]), 2 if m[3] else 1): value
+        (int(m[1]), int(m[2])): value
         for name, value in kernel_traits.SPLIT_TRAITS.items()
-        if (m := re.fullmatch(r"FX_STAGES_D(\d+)_R(\d+)(_P2)?", name))
+        if (m := re.fullmatch(r"FX_STAGES_D(\d+)_R(\d+)", name))
     }
-    assert own == {(128, 80, 1): 3, (128, 112, 2): 3}  # measured: kernel_traits' note
-    for (d, dr, pair), steps in own.items():
+    assert own == {(128, 80): 3}  # measured: docs/design.md
+    for (d, dr), steps in own.items():
         assert steps <= attention.MMA_RESERVE_STAGES[d]
-        assert f"struct FxPaddedStages<{d}, {dr}, {pair}> {{ static constexpr int value = " in (
+        assert f"struct FxPaddedStages<{d}, {dr}> {{ static constexpr int value = " in (
             kernel_traits.traits_header()
         )
     p = attention.plan(traits, bf16, 32, 8, 80, 131072)
     assert (p.kernel, p.stages) == ("gqa_split_mma_bf16_d128_r80", 3)
     ring = 4 * 3 * 16 * 2 * 128 * 2  # warps x steps x tokens x (K, V) x columns x bytes
     assert p.shared_bytes(80, 2) >= ring
-    p = attention.plan(traits, bf16, 32, 8, 56, 131072)  # pairs of 56: rows of 112
-    assert (p.kernel, p.stages) == ("gqa_split_mma_bf16_d128_r112_p2", 3)
-    assert p.shared_bytes(56, 2) >= ring
-    assert attention.plan(traits, bf16, 32, 8, 56, 4096).stages == 3  # unpaired: the 64 kernel's
-    assert attention.plan(traits, bf16, 32, 8, 112, 131072).stages == 2  # single rows of 112
     assert attention.plan(traits, bf16, 32, 8, 72, 4096).stages == 2
-    assert attention.plan(traits, bf16, 32, 8, 40, 131072).stages == 2  # pairs of 40: r80_p2
+    always = attention.Overrides(paired=True)
+    assert attention.plan(traits, bf16, 32, 8, 40, 131072, True, always).stages == 2  # r80_p2
     assert attention.plan(traits, bf16, 32, 8, 80, 131072, fp8="e4m3").stages == 2
