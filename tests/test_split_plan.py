@@ -541,3 +541,17 @@ def test_a_padded_head_dim_with_a_ring_depth_of_its_own_plans_with_it():
     always = attention.Overrides(paired=True)
     assert attention.plan(traits, bf16, 32, 8, 40, 131072, True, always).stages == 2  # r80_p2
     assert attention.plan(traits, bf16, 32, 8, 80, 131072, fp8="e4m3").stages == 2
+
+
+def test_no_plan_pairs_kv_heads_whose_pair_needs_two_tiles():
+    """A pair's group is twice the KV head's; past 8 it needs two tiles, each reading the
+    whole pair's row (26-50% slower on the H200): the planner never pairs those, at any
+    measured head_dim, length or group, while pairing every group of up to 4 there."""
+    traits = _traits()
+    for dtype in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
+        for head_dim, shortest in attention.DEFAULT_TUNING.paired_from:
+            for group in range(1, 17):
+                for seq in (shortest, 131072):
+                    p = attention.plan(traits, dtype, 8 * group, 8, head_dim, seq)
+                    assert p.paired == (group <= 4), (head_dim, group, seq, p.kernel)
+                    assert "_p2_t2" not in p.kernel
