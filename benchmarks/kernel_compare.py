@@ -8,6 +8,9 @@ made on demand (padded head dims, paired heads, tiles) compare too.
     python3 benchmarks/kernel_compare.py OLD [shape ...]
     python3 benchmarks/kernel_compare.py OLD --padded [shape ...]   # 32/8/D, D not 64/128/256
     python3 benchmarks/kernel_compare.py new FX_STAGES_D128=3 --padded 32/8/80
+    python3 benchmarks/kernel_compare.py OLD +try1.cu +try2.cu [shape ...]
+
++FILE: a further source (a whole kernel file) timed beside the two, labelled by its name.
 
 NAME=VALUE: the old side's kernels compiled with that trait's value (kernel_traits), to
 compare a trait's two values (OLD then usually the working tree's file, "new"); the plans
@@ -48,15 +51,17 @@ CASES = [
     ((64, 8, 128), "bf16", [512]),
 ]
 # head dims padded to a tensor-core kernel's (paired where Tuning.paired_from says)
-PADDED = [((32, 8, d), "bf16", [4096, 32768, 131072]) for d in (40, 48, 56, 72, 80, 96, 112, 160)]
+PADDED_DIMS = (40, 48, 56, 72, 80, 96, 112, 144, 160, 192)
+PADDED = [((32, 8, d), "bf16", [4096, 32768, 131072]) for d in PADDED_DIMS]
 
 
 def main() -> None:
     stream = fd.Stream()
     args = sys.argv[2:]
     cases = PADDED if "--padded" in args else CASES
-    defines = dict(a.split("=") for a in args if "=" in a)
-    only = [a for a in args if a != "--padded" and "=" not in a]
+    defines = dict(a.split("=") for a in args if "=" in a and not a.startswith("+"))
+    tries = {Path(a[1:]).stem: Path(a[1:]).read_text() for a in args if a.startswith("+")}
+    only = [a for a in args if a != "--padded" and "=" not in a and not a.startswith("+")]
     old = sys.argv[1]
     new_src = kernel_source("gqa_decode_split.cu")
     old_src = (
@@ -68,12 +73,12 @@ def main() -> None:
     )
     for name, value in defines.items():
         old_src = re.sub(rf"^#define {name} \d+$", f"#define {name} {value}", old_src, flags=re.M)
-    sources = {"old": old_src, "new": new_src}
+    sources = {"old": old_src, **tries, "new": new_src}
     # a combine kernel launched early must wait for the split kernel (fx_wait_for_split)
     early = all("fx_wait_for_split" in src for src in sources.values())
     attention.OVERRIDES = attention.Overrides(early_combine=early)
     for p in points(cases, stream, only):
-        plans = {"new": p.plan(), "old": p.plan()}
+        plans = {k: p.plan() for k in sources}
         plan = plans["new"]
         kernels = {}
         for k, src in sources.items():
@@ -89,17 +94,20 @@ def main() -> None:
             p.decode(plans[k], kern)
             stream.synchronize()
             bits.append(p.out.to_host().view(np.uint8).copy())
-        same = np.array_equal(bits[0], bits[1])
+        same = all(np.array_equal(bits[0], b) for b in bits[1:])
         times: dict[str, float] = {}
         for _ in range(2):
             for k, kern in kernels.items():
                 us = p.time(plans[k], kern)
                 times[k] = min(times.get(k, us), us)
+        rest = ", ".join(
+            f"{k} {times[k]:.2f} us ({100 * (times[k] / times['old'] - 1):+.1f}%)"
+            for k in sources
+            if k != "old"
+        )
         print(
-            f"{p.label} {plan.kernel} ({plan.splits} chunks): "
-            f"old {times['old']:.2f} us, new {times['new']:.2f} us "
-            f"({100 * (times['new'] / times['old'] - 1):+.1f}%), "
-            f"{'same bits' if same else 'BITS DIFFER'}",
+            f"{p.label} {plan.kernel} ({plan.splits} chunks): old {times['old']:.2f} us, "
+            f"{rest}, {'same bits' if same else 'BITS DIFFER'}",
             flush=True,
         )
 

@@ -40,7 +40,8 @@ __device__ __forceinline__ unsigned fx_pack2(float lo, float hi) {
 // The rings' shape per head_dim (FX_WARPS_D<D>, FX_STAGES_D<D>, FX_RESERVE_STAGES_D<D>):
 // split_traits.h, written from ferrox_driver/kernel_traits.py, where the host plans with
 // the same values and their measurements are noted.
-// A padded head_dim DR may have a depth of its own (FX_STAGES_D<D>_R<DR>: FxPaddedStages).
+// A padded head_dim DR may have a depth of its own (FX_STAGES_D<D>_R<DR>: FxPaddedStages),
+// and its loops may stop at its own columns (FX_TRIM_D<D>_R<DR>: FxPaddedTrim).
 template <int D, int DR = D> struct FxStages {
     static constexpr int value =
         FxPaddedStages<D, DR>::value ? FxPaddedStages<D, DR>::value
@@ -113,6 +114,10 @@ __device__ __forceinline__ void gqa_split_mma(
     constexpr int S = FxStages<D, PAIR == 1 ? DR : D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)
+    // a padded head_dim's columns past DR are zeros; where measured to pay (FxPaddedTrim)
+    // the loops stop at the last 32 (Q K^T) and 64 (P V) columns with any of DR
+    constexpr bool TRIM = PAIR == 1 && FxPaddedTrim<D, DR>::value;
+    constexpr int KB = TRIM ? (DR + 31) / 32 : D / 32, HB = TRIM ? (DR + 63) / 64 : D / 64;
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     FxTcBlock blk;  // this block's chunk, KV head and query heads
@@ -164,7 +169,7 @@ __device__ __forceinline__ void gqa_split_mma(
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
             s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.f;
 #pragma unroll
-            for (int kb = 0; kb < D / 32; ++kb) {
+            for (int kb = 0; kb < KB; ++kb) {
                 const int c = (kb * 4 + tig) ^ ((r & 1) << 2);
                 const uint4 kv = *reinterpret_cast<const uint4*>(ks + r * D + c * 8);
                 const uint4 qv = qf.at(kb, tig);
@@ -188,7 +193,7 @@ __device__ __forceinline__ void gqa_split_mma(
         const unsigned pa2 = fx_pack2<T>(p[2], p[3]);  // P[g][tokens 8+2tig, 9+2tig]
         // ---- O = O * alpha + P V; this lane's V rows are 2tig, 2tig+1, 2tig+8, 2tig+9
 #pragma unroll
-        for (int hb = 0; hb < D / 64; ++hb) {
+        for (int hb = 0; hb < HB; ++hb) {
             const int c = (hb * 8 + g) ^ (tig * 2);  // (r & 6) == 2 tig for all four rows
             const uint4 va = *reinterpret_cast<const uint4*>(vs + (tig * 2) * D + c * 8);
             const uint4 vb = *reinterpret_cast<const uint4*>(vs + (tig * 2 + 1) * D + c * 8);

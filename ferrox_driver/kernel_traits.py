@@ -78,6 +78,15 @@ SPLIT_TRAITS: dict[str, int] = {
     # 32768 tokens, 89.0 vs 97.8 at 131072, level at 4096 (4 steps: 94.1 at 131072; 112
     # with 3 steps 6-12% slower, so not)
     "FX_STAGES_D128_R80": 3,
+    # a padded head_dim whose loops stop at its own columns (FX_TRIM_D<D>_R<DR> = 1: Q K^T
+    # over the 32-column blocks with any of DR, P V over the 64-column ones; single KV
+    # heads on the heads-as-rows body, the 256 kernel's): bf16 32/8/160 against the full
+    # 256 columns, two runs in one process (kernel_compare --padded): 11.3 -> 10.6 us at
+    # 4096 tokens, 51.4 -> 50.0 at 32768, 3.5% faster at 131072 (188 -> 182); 192 1.0-2.2%
+    # faster. Not 144: 7% faster at 4096, but 4-9% slower at 32768-131072 (so not every
+    # padded head_dim: same bits, different times), nor the pairs of 72 (r144: 1-6% slower)
+    "FX_TRIM_D256_R160": 1,
+    "FX_TRIM_D256_R192": 1,
     # the wide cluster kernels (head_dim 128): twice the others' warps (with 4 warps the
     # same plans were 3-32% slower)
     "FX_WIDE_WARPS": 8,
@@ -92,7 +101,8 @@ SPLIT_TRAITS: dict[str, int] = {
 }
 
 
-_PADDED_STAGES = re.compile(r"FX_STAGES_D(\d+)_R(\d+)")
+# the padded head dims' own traits: FX_<TRAIT>_D<D>_R<DR> -> Fx<Trait><D, DR>
+_PADDED = re.compile(r"FX_(STAGES|TRIM)_D(\d+)_R(\d+)")
 
 
 def padded_stages(kernel_dim: int, head_dim: int) -> int | None:
@@ -103,16 +113,19 @@ def padded_stages(kernel_dim: int, head_dim: int) -> int | None:
 
 def traits_header() -> str:
     """The ``#define`` lines of SPLIT_TRAITS, as the split file includes them, and the
-    padded head dims' ring depths as FxPaddedStages<D, DR> (0: the kernel's own)."""
+    padded head dims' own traits as FxPaddedStages<D, DR> (ring depth) and FxPaddedTrim<D,
+    DR> (loops stop at DR's columns); 0 where a head_dim has none (the kernel's own)."""
     lines = ["// generated from ferrox_driver/kernel_traits.py (SPLIT_TRAITS)"]
     lines += [f"#define {name} {value}" for name, value in SPLIT_TRAITS.items()]
-    lines.append(
-        "template <int D, int DR> struct FxPaddedStages { static constexpr int value = 0; };"
-    )
+    for trait in ("Stages", "Trim"):
+        lines.append(
+            f"template <int D, int DR> struct FxPadded{trait} "
+            "{ static constexpr int value = 0; };"
+        )
     for name in SPLIT_TRAITS:
-        if m := _PADDED_STAGES.fullmatch(name):
+        if m := _PADDED.fullmatch(name):
             lines.append(
-                f"template <> struct FxPaddedStages<{m[1]}, {m[2]}> "
+                f"template <> struct FxPadded{m[1].title()}<{m[2]}, {m[3]}> "
                 f"{{ static constexpr int value = {name}; }};"
             )
     return "\n".join(lines) + "\n"

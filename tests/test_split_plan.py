@@ -517,6 +517,29 @@ def test_head_dims_pair_their_kv_heads_where_measured_to_pay():
     )
 
 
+def test_padded_head_dims_that_stop_at_their_own_columns_are_generated_as_measured():
+    """FX_TRIM_D<D>_R<DR> (kernel_traits) becomes FxPaddedTrim<D, DR>, read by the
+    heads-as-rows body only (the kernels of D with FX_MMA_SWAPPED_D<D> = 0)."""
+    trims = {
+        (int(m[1]), int(m[2])): value
+        for name, value in kernel_traits.SPLIT_TRAITS.items()
+        if (m := re.fullmatch(r"FX_TRIM_D(\d+)_R(\d+)", name))
+    }
+    assert trims == {(256, 160): 1, (256, 192): 1}  # measured: docs/design.md
+    header = kernel_traits.traits_header()
+    assert "template <int D, int DR> struct FxPaddedTrim { static constexpr int value = 0; };" in (
+        header
+    )
+    for d, dr in trims:
+        assert kernel_traits.SPLIT_TRAITS[f"FX_MMA_SWAPPED_D{d}"] == 0
+        assert dr < d and dr % 8 == 0
+        assert (
+            f"template <> struct FxPaddedTrim<{d}, {dr}> "
+            f"{{ static constexpr int value = FX_TRIM_D{d}_R{dr}; }};"
+        ) in header
+    assert "FxPaddedTrim<D, DR>::value" in (compiler.source_dir() / "split_mma.cuh").read_text()
+
+
 def test_a_padded_head_dim_with_a_ring_depth_of_its_own_plans_with_it():
     """FX_STAGES_D<D>_R<DR> (kernel_traits): the plan's steps, within the launch's shared
     memory (the kernel traps with less), and the kernel compiled with it (FxPaddedStages);
