@@ -87,9 +87,6 @@ class DecodeRecord:
 
 
 _records: OrderedDict[tuple[Any, ...], DecodeRecord] = OrderedDict()
-# the split records by plan (and device, dtype, heads, head_dim, alignment, stream): the
-# lengths of one plan share a record (LRU of MAX_RECORDS)
-_plan_records: OrderedDict[tuple[Any, ...], DecodeRecord] = OrderedDict()
 _lock = threading.RLock()  # making records and calls (the hot path only reads them)
 _captured: list[Any] = []  # what graphs captured outside ferrox use, kept for the process
 
@@ -173,13 +170,6 @@ def _make_record(
         launches = parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=None)
     else:
         plan = plan_split(dev, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned)
-        # a split record is its plan's: the length is written at each run, so the lengths
-        # of one plan (a growing cache's, past a few chunks) share one
-        pkey = (key[:5], plan, aligned, algorithm, sid, attention.OVERRIDES)
-        shared = _plan_records.get(pkey)
-        if shared is not None:
-            _plan_records.move_to_end(pkey)
-            return _keep(key, shared)
         floats = plan.workspace_floats(n_heads, head_dim)
         if floats:
             workspace = allocate_scratch(
@@ -192,16 +182,7 @@ def _make_record(
         launches = split_launches(
             plan, q, k, v, out, workspace, **dims, seq_len=seq_len, seq_len_dev=None
         )
-    record = DecodeRecord(launches, dev, stream_handle(sid), workspace)
-    if algorithm != "parity":
-        _plan_records[pkey] = record
-        while len(_plan_records) > MAX_RECORDS:
-            _plan_records.popitem(last=False)
-    return _keep(key, record)
-
-
-def _keep(key: tuple[Any, ...], record: DecodeRecord) -> DecodeRecord:
-    _records[key] = record
+    record = _records[key] = DecodeRecord(launches, dev, stream_handle(sid), workspace)
     while len(_records) > MAX_RECORDS:
         _records.popitem(last=False)  # freed once nothing (a call, a graph) holds it
     return record

@@ -245,7 +245,6 @@ def _forget_records():
     from ferrox_driver import decode
 
     decode._records.clear()
-    decode._plan_records.clear()
     decode._calls.clear()
 
 

@@ -130,28 +130,6 @@ def test_repeated_calls_reuse_their_record_and_new_pointers_are_used(rng):
     assert len(decode._records) == records  # one signature, one record
 
 
-def test_the_lengths_of_one_plan_share_a_record_and_each_decodes_its_own_length(rng):
-    """A growing cache (k[:n], n + 1 each step): a new length finds the record of its plan
-    (made once, its length written at each run) instead of making one of its own."""
-    dt = DTYPES["bf16"]
-    q, k, v = random_decode_inputs(rng, 32, 8, 128, 4200, dt)
-    qd, kd, vd = (fd.to_device(x) for x in (q, k, v))
-    lens = (64, 100, 4096, 4097, 4111, 4200, 4199)
-    plans, records = [], []
-    for n in lens:
-        kn, vn = kd.view((n, 8, 128)), vd.view((n, 8, 128))
-        out = poisoned(q.shape, dt)
-        fd.gqa_decode(qd, kn, vn, **KW, out=out)
-        got = out.to_host()
-        assert rel_err(got, fd.reference_gqa_decode(q, k[:n], v[:n], **KW)) < TOL["bf16"], n
-        plans.append(plan_split(qd.device, dt, 32, 8, 128, n))
-        records.append(decode.decode_record(qd, kn, vn, out, **KW, seq_len=n, stream=None))
-    assert len(set(plans)) < len(lens)  # some lengths share a plan
-    for i in range(len(lens)):
-        for j in range(len(lens)):
-            assert (plans[i] == plans[j]) == (records[i] is records[j]), (lens[i], lens[j])
-
-
 def test_outputs_come_back_to_the_pool_only_when_dropped(rng):
     dt = DTYPES["f16"]
     inputs = [fd.to_device(x) for x in random_decode_inputs(rng, 32, 8, 128, 300, dt)]
