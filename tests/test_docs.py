@@ -92,24 +92,67 @@ def test_api_page_documents_every_public_name():
     assert documented == set(fd.__all__)
 
 
-def test_site_builds_in_strict_mode(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built once in strict mode (a warning fails the build)."""
+    out = tmp_path_factory.mktemp("site")
     done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     assert done.returncode == 0, done.stderr
+    return out
+
+
+def page_text(site: Path, page: str) -> str:
+    """What a reader sees on a built page: the text without tags."""
+    return html.unescape(re.sub(r"<[^>]+>", " ", (site / page).read_text()))
+
+
+def test_site_builds_in_strict_mode(site):
     for page in ("index.html", "performance/index.html", "api/index.html"):
-        assert (tmp_path / "site" / page).is_file()
+        assert (site / page).is_file()
     # what a reader sees on the API page: no literal Sphinx role, no bare Any for a type
-    api = html.unescape(re.sub(r"<[^>]+>", " ", (tmp_path / "site/api/index.html").read_text()))
+    api = page_text(site, "api/index.html")
     for role in (":meth:", ":class:", ":func:", ":attr:", ":mod:"):
         assert role not in api, role
     assert not re.search(r"\bAny\b", api), " ".join(api[api.find("Any") - 200 :].split())[:300]
     # a Returns section reads as one item where the docstring means one
     assert api.count("With numpy inputs") == 1
+
+
+def test_site_loads_nothing_from_the_network(site):
+    for page in site.rglob("*.html"):
+        text = page.read_text()
+        remote = re.findall(r"<(?:script|link)\b[^>]*(?:src|href)=\"(?:https?:)?//[^\"]*\"", text)
+        assert not remote, (page, remote)
+
+
+def test_code_is_highlighted_when_the_site_is_built(site):
+    # Pygments marks tokens at build time (no highlight.js in the browser) and its style ships
+    home = (site / "index.html").read_text()
+    assert re.search(r'<div class="highlight"><pre>.*<span class="kn">import</span>', home, re.S)
+    assert "highlight.js" not in home and "hljs" not in home
+    css = (site / "css" / "pygments.css").read_text()
+    assert ".highlight .kn" in css
+    assert 'href="css/pygments.css"' in home
+
+
+def test_the_docs_extra_holds_what_the_site_is_built_with():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+
+    def names(extra: str) -> set[str]:
+        return {re.split(r"[<>=\[ ]", req, maxsplit=1)[0].lower() for req in extras[extra]}
+
+    needed = {"mkdocs", "mkdocstrings", "mkdocstrings-python", "pymdown-extensions", "pygments"}
+    assert needed <= names("docs")
+    assert names("docs") <= names("test")  # the tests build the site
 
 
 def test_docstrings_continue_their_returns_item_indented():
