@@ -155,6 +155,80 @@ def test_the_docs_extra_holds_what_the_site_is_built_with():
     assert names("docs") <= names("test")  # the tests build the site
 
 
+# The library's own plumbing: public to its other modules, left off the API page
+INTERNAL_MEMBERS = {
+    "launch_decode",
+    "decode_record",
+    "split_workspace",
+    "device_length_for",
+    "device_length",
+    "mark_device_appends",
+}
+
+
+def api_headings(site: Path) -> list[str]:
+    """The API page's object headings (their ids), in page order."""
+    return re.findall(r'<h\d id="(ferrox_driver\.[^"]+)"', (site / "api/index.html").read_text())
+
+
+def documented_members(cls: type) -> dict[str, object]:
+    """A class's members a user calls: public, with a docstring, not an alias of another."""
+    found: dict[str, object] = {}
+    for name, member in vars(cls).items():
+        if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+            continue
+        target = member.fget if isinstance(member, property) else member
+        target = getattr(target, "__func__", target)
+        if name == "__init__" or not callable(target) or not getattr(target, "__doc__", None):
+            continue
+        if any(target is seen for seen in found.values()):
+            continue  # step = __call__: one entry
+        found[name] = target
+    return found
+
+
+def test_api_page_shows_each_signature_once(site):
+    page = (site / "api/index.html").read_text()
+    sections = re.split(r'<h\d id="ferrox_driver\.', page)[1:]
+    assert len(sections) > 100
+    for section in sections:
+        name = section.split('"', 1)[0]
+        assert section.count('class="doc-signature') <= 1, name
+    (decode,) = [s for s in sections if s.startswith('gqa_decode"')]
+    assert decode.count('class="doc-signature') == 1
+    # the whole signature, to its return type, under the heading (not cut off inside it)
+    signature = html.unescape(re.sub(r"<[^>]+>", "", decode.split('class="doc-signature', 1)[1]))
+    assert "kv_layout" in signature and "->" in signature
+
+
+def test_api_page_documents_every_public_member_and_no_internal_one(site):
+    headings = set(api_headings(site))
+    for name in fd.__all__:
+        obj = getattr(fd, name)
+        if not isinstance(obj, type):
+            continue
+        for member in documented_members(obj):
+            wanted = f"ferrox_driver.{name}.{member}"
+            if member in INTERNAL_MEMBERS:
+                assert wanted not in headings, wanted
+            else:
+                assert wanted in headings, wanted
+
+
+def test_api_page_starts_with_the_main_calls_and_ends_with_the_driver_layer(site):
+    order = api_headings(site)
+    first = [h for h in order if h.count(".") == 1][:4]
+    assert first[:1] == ["ferrox_driver.gqa_decode"], first
+    where = {h: i for i, h in enumerate(order)}
+    assert where["ferrox_driver.gqa_decode"] < where["ferrox_driver.KVCache"]
+    assert where["ferrox_driver.KVCache"] < where["ferrox_driver.DecodeGraph"]
+    kv_members = [h for h in order if h.startswith("ferrox_driver.KVCache.")]
+    assert kv_members[0] == "ferrox_driver.KVCache.decode"
+    driver = ("Device", "Stream", "DeviceArray", "compile_source", "Kernel")
+    last_domain = max(where[f"ferrox_driver.{n}"] for n in ("ShardedKVCache", "KVCapacityError"))
+    assert all(where[f"ferrox_driver.{n}"] > last_domain for n in driver)
+
+
 def test_docstrings_continue_their_returns_item_indented():
     # Google style: a Returns line at the item's own indent starts a new (bogus) item
     import inspect
