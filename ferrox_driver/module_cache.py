@@ -6,6 +6,15 @@ a SHA-256 key over labelled fields (format and package version, source, prelude,
 NVRTC option, NVRTC version, arch: cache_key);
 files are written to a temporary name and renamed, and carry a checksum, so a torn or
 corrupt file is a miss that recompiles and rewrites, never an error.
+
+Every input of the key is public, so a file in the cache is run only if no other user can
+have written it: the directory is created 0700 and the files 0600, and before a read the
+opened directory and the opened file (fstat of the descriptors, the file opened with
+O_NOFOLLOW relative to the directory's descriptor) must belong to this user and be writable
+by no group or other user. Checking the opened inodes, not the path, makes the parents'
+permissions irrelevant: a directory swapped in through a writable parent is someone else's
+or one of ours, and is checked as it is. A directory that fails is neither read nor written
+(the kernel is compiled in memory) and warned about once.
 """
 
 from __future__ import annotations
@@ -14,13 +23,16 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import secrets
+import stat
 import struct
-import tempfile
 import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from ._version import __version__
 from .compiler import (
@@ -40,7 +52,9 @@ from .progress import announce
 __all__ = [
     "cache_dir",
     "cache_key",
+    "clear_disk_cache",
     "clear_memory_cache",
+    "disk_cache_state",
     "ensure_module_loaded",
     "get_kernel",
     "get_program",
@@ -139,37 +153,123 @@ def _decode(blob: bytes) -> Program | None:
         return None
 
 
-def _read_disk(directory: Path, key: str) -> Program | None:
+# The only names the cache writes: what clear_disk_cache may remove.
+_CUBIN_NAME = re.compile(r"[0-9a-f]{64}\.cubin")
+_TEMP_NAME = re.compile(r"\.[0-9a-f]{16}\.[0-9a-f]{16}\.tmp")
+
+
+def _not_private(st: os.stat_result, what: str) -> str:
+    """Why the inode ``st`` is not this user's alone ("" when it is)."""
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        return f"the {what} is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & 0o022:
+        mode = stat.S_IMODE(st.st_mode)
+        return f"the {what} is writable by its group or by others (mode {mode:04o})"
+    return ""
+
+
+def _warn_once(directory: Path, message: str) -> None:
+    with _stats_lock:
+        if str(directory) in _warned_dirs:
+            return
+        _warned_dirs.add(str(directory))
+    warnings.warn(message, RuntimeWarning, stacklevel=5)
+
+
+def _warn_untrusted(directory: Path, why: str) -> None:
+    _warn_once(
+        directory,
+        f"ferrox_driver: not using the kernel cache in {directory}: {why}, so another user "
+        f"could have planted kernels there; kernels are compiled and kept in memory only. "
+        f"Make it private (chown to this user and chmod 700 {directory}) or set "
+        f"FERROX_CACHE_DIR to a directory of your own.",
+    )
+
+
+def _open_private_dir(directory: Path) -> int | None:
+    """A descriptor of ``directory`` when it is this user's alone; None (warned once) when it
+    is not. Raises OSError when it cannot be opened."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    why = _not_private(os.fstat(fd), "directory")
+    if why:
+        os.close(fd)
+        _warn_untrusted(directory, why)
+        return None
+    return fd
+
+
+def _make_private_dir(directory: Path) -> None:
+    """Create ``directory`` 0700 (its missing parents with the umask, as mkdir -p does)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
     try:
-        blob = (directory / f"{key}.cubin").read_bytes()
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        return  # an existing directory is checked as it is, not changed
+    os.chmod(directory, 0o700)  # mkdir's mode went through the umask
+
+
+def _read_disk(directory: Path, key: str) -> Program | None:
+    """The Program cached for ``key``, or None: absent, damaged, or not trusted."""
+    try:
+        dir_fd = _open_private_dir(directory)
+    except OSError:
+        return None  # no cache directory yet (or not a directory): a miss
+    if dir_fd is None:
+        return None
+    try:
+        name = f"{key}.cubin"
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # ELOOP: a symbolic link where a file should be
+            _warn_untrusted(directory, f"{name} cannot be opened as a plain file ({exc})")
+            return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            why = "" if stat.S_ISREG(st.st_mode) else f"{name} is not a regular file"
+            why = why or _not_private(st, f"file {name}")
+            if why:
+                _warn_untrusted(directory, why)
+                return None
+            blob = f.read()
     except OSError:
         return None
+    finally:
+        os.close(dir_fd)
     return _decode(blob)
 
 
 def _write_disk(directory: Path, key: str, program: Program) -> None:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{key[:16]}.", suffix=".tmp")
+        _make_private_dir(directory)
+        dir_fd = _open_private_dir(directory)
+        if dir_fd is None:
+            return  # not ours alone: never write where others can read or replace
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_encode(program))
-            os.replace(tmp, directory / f"{key}.cubin")
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            tmp = f".{key[:16]}.{secrets.token_hex(8)}.tmp"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    os.fchmod(f.fileno(), 0o600)  # the umask may have taken bits of 0600
+                    f.write(_encode(program))
+                os.replace(tmp, f"{key}.cubin", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+                raise
+        finally:
+            os.close(dir_fd)
         _count("disk_writes")
     except OSError as exc:
-        if str(directory) not in _warned_dirs:
-            _warned_dirs.add(str(directory))
-            warnings.warn(
-                f"ferrox_driver: cannot write the kernel cache in {directory} ({exc}); "
-                f"kernels stay cached in memory only. Set FERROX_CACHE_DIR to a writable "
-                f"directory, or FERROX_DISK_CACHE=0 to silence this.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        _warn_once(
+            directory,
+            f"ferrox_driver: cannot write the kernel cache in {directory} ({exc}); "
+            f"kernels stay cached in memory only. Set FERROX_CACHE_DIR to a writable "
+            f"directory, or FERROX_DISK_CACHE=0 to silence this.",
+        )
 
 
 def _count(field: str) -> None:
@@ -271,11 +371,84 @@ def clear_memory_cache() -> None:
 
 def disk_usage() -> tuple[int, int]:
     """(files, bytes) in the disk cache."""
+    state = disk_cache_state()
+    return state["n_files"], state["bytes"]
+
+
+def _own_entries(directory: Path) -> list[os.DirEntry[str]]:
+    """The entries of ``directory`` that carry a name the cache writes."""
+    try:
+        with os.scandir(directory) as it:
+            return [e for e in it if _CUBIN_NAME.fullmatch(e.name) or _TEMP_NAME.fullmatch(e.name)]
+    except OSError:
+        return []
+
+
+class DiskCacheState(TypedDict):
+    """What disk_cache_state() reports (a plain dict at run time)."""
+
+    path: str | None
+    exists: bool
+    trusted: bool
+    why: str
+    n_files: int
+    bytes: int
+
+
+def disk_cache_state() -> DiskCacheState:
+    """Where the disk cache is and whether it is used (for ``info`` and ``cache``).
+
+    Returns:
+        ``path`` (str, None when ``FERROX_DISK_CACHE=0``), ``exists`` (bool), ``trusted``
+        (bool: the directory is this user's alone and will be read; a directory not created
+        yet is, since it will be created 0700), ``why`` (str: why it is not trusted, ""
+        when it is), ``n_files`` and ``bytes`` (the cached kernels in it).
+    """
     directory = cache_dir()
-    if directory is None or not directory.is_dir():
-        return 0, 0
-    files = list(directory.glob("*.cubin"))
-    return len(files), sum(f.stat().st_size for f in files if f.is_file())
+    if directory is None:
+        why = "disabled (FERROX_DISK_CACHE=0)"
+        return DiskCacheState(path=None, exists=False, trusted=False, why=why, n_files=0, bytes=0)
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        return DiskCacheState(
+            path=str(directory), exists=False, trusted=True, why="", n_files=0, bytes=0
+        )
+    except OSError as exc:
+        why = f"cannot be read ({exc})"
+        return DiskCacheState(
+            path=str(directory), exists=False, trusted=False, why=why, n_files=0, bytes=0
+        )
+    why = _not_private(st, "directory") if stat.S_ISDIR(st.st_mode) else "not a directory"
+    n_files = size = 0
+    for entry in _own_entries(directory):
+        with contextlib.suppress(OSError):
+            est = entry.stat(follow_symlinks=False)
+            if _CUBIN_NAME.fullmatch(entry.name) and stat.S_ISREG(est.st_mode):
+                n_files += 1
+                size += est.st_size
+    return DiskCacheState(
+        path=str(directory), exists=True, trusted=not why, why=why, n_files=n_files, bytes=size
+    )
+
+
+def clear_disk_cache() -> int:
+    """Remove the disk cache's files (only names the cache writes); returns how many.
+
+    Links and files of those names are removed whoever owns them (clearing is the remedy for
+    a directory that was not private); anything else in the directory stays.
+    """
+    directory = cache_dir()
+    if directory is None:
+        return 0
+    removed = 0
+    for entry in _own_entries(directory):
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False):
+                continue
+            os.unlink(entry.path)
+            removed += 1
+    return removed
 
 
 _kernels: dict[tuple[int, str, str], Kernel] = {}
