@@ -197,8 +197,10 @@ def test_api_page_shows_each_signature_once(site):
     (decode,) = [s for s in sections if s.startswith('gqa_decode"')]
     assert decode.count('class="doc-signature') == 1
     # the whole signature, to its return type, under the heading (not cut off inside it)
-    signature = html.unescape(re.sub(r"<[^>]+>", "", decode.split('class="doc-signature', 1)[1]))
-    assert "kv_layout" in signature and "->" in signature
+    (block,) = re.findall(r'class="doc-signature[^>]*>(.*?)</pre>', decode, re.S)
+    signature = html.unescape(re.sub(r"<[^>]+>", "", block)).strip()
+    assert signature.startswith("gqa_decode(") and signature.endswith(")"), signature
+    assert "kv_layout=" in signature
 
 
 def test_api_page_documents_every_public_member_and_no_internal_one(site):
