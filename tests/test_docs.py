@@ -21,9 +21,11 @@ CPU_EXAMPLES = [
     "compile_and_launch.py",
     "reference_on_cpu.py",
     "fp8_scales_on_cpu.py",
+    "with_pytorch.py",
 ]
 GPU_EXAMPLES = [
     "quickstart.py",
+    "with_pytorch.py",
     "compile_and_launch.py",
     "resident_cache_decode.py",
     "decode_graph_loop.py",
@@ -68,6 +70,42 @@ def test_gpu_example_runs(name):
     done = run_example(name)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip()
+
+
+@pytest.mark.gpu
+def test_gpu_quickstart_matches_the_reference():
+    done = run_example("quickstart.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = re.search(r"relative error (\S+) against the float64 reference", done.stdout)
+    assert found, done.stdout
+    assert float(found.group(1)) < 1e-5
+
+
+def test_the_quickstart_is_about_ten_lines_of_use():
+    body = (EXAMPLES / "quickstart.py").read_text().split('"""', 2)[2]
+    code = [ln for ln in body.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert len(code) <= 14, len(code)
+    assert "sys.exit" not in body and "assert" not in body  # no test scaffolding
+
+
+def test_the_home_page_opens_with_code():
+    home = (DOCS / "index.md").read_text()
+    first_screen = home.split("\n## ", 1)[0]
+    assert len(first_screen.splitlines()) <= 20
+    assert re.search(r"```bash\npip install", first_screen)
+    assert '--8<-- "docs/examples/quickstart.py"' in first_screen
+    assert "(performance.md)" in first_screen  # the speed claim, with its evidence
+
+
+def test_guides_come_in_the_order_a_user_needs_them():
+    yaml = pytest.importorskip("yaml")
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    (guides,) = [entry["Guides"] for entry in nav if "Guides" in entry]
+    pages = [next(iter(entry.values())) for entry in guides]
+    assert pages[:2] == ["guides/quickstart.md", "guides/pytorch.md"]
+    assert pages[-2:] == ["guides/compiling.md", "guides/migrating.md"]
+    # every guide is in the menu
+    assert sorted(pages) == sorted(f"guides/{p.name}" for p in (DOCS / "guides").glob("*.md"))
 
 
 def test_the_readme_example_is_the_quickstart_the_tests_run():
