@@ -44,6 +44,7 @@ from .validation import (
     _element_strides,
     check_dims,
     check_kv_layout,
+    check_tokens,
     dtype_name,
     head_major_rows,
 )
@@ -406,6 +407,7 @@ def _check_pair(pair: tuple[Any, ...], kv_layout: Any) -> _Pair:
                 f"head_dim), got shape {shape}{'' if kr[4] else ' (strided)'}"
             )
         capacity, n_kv, hd = shape
+        check_tokens(capacity, "k_cache")
         stride = stride_v = 0
     if tuple(vr[1]) != shape or vr[2] != dtype or stride_v != stride:
         raise ValueError(

@@ -107,8 +107,8 @@ def check_features(
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)):
             raise TypeError(f"sliding_window: expected an int or None, got {sliding_window!r}")
-        if sliding_window < 1:
-            raise ValueError(f"sliding_window: expected at least 1 token, got {sliding_window}")
+        if not 1 <= sliding_window <= 2**31 - 1:  # (the kernels take it as an int32)
+            raise ValueError(f"sliding_window: expected 1..2147483647 tokens, got {sliding_window}")
         window = int(sliding_window)
     cap = None if logits_soft_cap is None else _positive_float(logits_soft_cap, "logits_soft_cap")
     if scale is not None:

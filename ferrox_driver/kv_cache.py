@@ -43,9 +43,11 @@ from .stream import Event, Stream, stream_handle, stream_key
 from .types import DeviceArrayLike, DTypeLike, HostArrayLike, StreamLike
 from .validation import (
     MAX_HEAD_DIM,
+    MAX_TOKENS,
     ArrayInfo,
     check_dims,
     check_dtype,
+    check_host_extent,
     check_int,
     check_q,
     dtype_name,
@@ -182,7 +184,7 @@ class KVCache:
         staging_slots: int = STAGING_SLOTS,
     ) -> None:
         self.n_kv_heads, self.head_dim = check_kv_shape(n_kv_heads, head_dim)
-        self.capacity = check_int(capacity, "capacity", 1, 2**31 - 1)
+        self.capacity = check_int(capacity, "capacity", 1, MAX_TOKENS)
         dt = as_dtype(dtype, "dtype")
         self.fp8 = FP8_DTYPES.get(dt, "")  # "e4m3", "e5m2" or "" (attention.FP8_FORMATS)
         self.dtype = dt if self.fp8 else check_dtype(dt, "dtype")
@@ -446,6 +448,7 @@ class KVCache:
                 f"{name}: expected tokens of shape (n, {self.n_kv_heads}, {self.head_dim}), "
                 f"(n, {self.row_elems}) or (n*{self.row_elems},), got {rows.shape}"
             )
+        check_host_extent(rows, name)
         return rows
 
     def _take_slot(self) -> int:
@@ -492,6 +495,8 @@ class KVCache:
         ):  # fmt: skip
             self._check_rows(k_tok, "k_tok", one=True)
             self._check_rows(v_tok, "v_tok", one=True)
+        check_host_extent(k_tok, "k_tok")  # (views numpy made: one attribute read each)
+        check_host_extent(v_tok, "v_tok")
         with self._lock:
             if self._closed or self.stream._closed:
                 self._check_open()
@@ -532,6 +537,8 @@ class KVCache:
         ):  # fmt: skip  (the full checks only where the quick one fails, as in append)
             self._check_rows(k_tok, "k_tok", one=True)
             self._check_rows(v_tok, "v_tok", one=True)
+        check_host_extent(k_tok, "k_tok")
+        check_host_extent(v_tok, "v_tok")
         with self._lock:
             if self._closed or self.stream._closed:
                 self._check_open()
@@ -789,6 +796,7 @@ class KVCache:
             if not (type(q) is np.ndarray and q.dtype == dec.q_dtype and q.shape in dec.shapes):
                 self._check_q_dtype(q, algorithm)
                 check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
+            check_host_extent(q, "q")
             seq = self._seq_len if self._host_seq_valid else self.seq_len
             if seq == 0:
                 return np.zeros(q.shape, q.dtype)
@@ -809,6 +817,7 @@ class KVCache:
         cache's: float16 or bfloat16; the split kernels only)."""
         if not isinstance(q, np.ndarray):
             raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
+        check_host_extent(q, "q")
         if self.fp8:
             if q.dtype not in ROW_DTYPES[1:]:
                 raise TypeError(
@@ -1106,7 +1115,7 @@ class LayerKVCache:
     ) -> None:
         n_layers = check_int(n_layers, "n_layers", 1)
         check_kv_shape(n_kv_heads, head_dim)
-        check_int(capacity, "capacity", 1, 2**31 - 1)
+        check_int(capacity, "capacity", 1, MAX_TOKENS)
         dtype = check_dtype(dtype, "dtype")
         self.device = resolve(device)
         self._owns_stream = stream is None

@@ -15,7 +15,7 @@ from .decode import gqa_decode
 from .errors import KVCapacityError
 from .kv_cache import LayerKVCache
 from .types import DTypeLike
-from .validation import check_dims, check_dtype, check_int
+from .validation import MAX_TOKENS, check_dims, check_dtype, check_int
 
 __all__ = ["clear_layer_kv", "ensure_layer_kv", "gqa_decode_resident", "resident_layers"]
 
@@ -34,7 +34,7 @@ def ensure_layer_kv(
     global _layers
     n_layers = check_int(n_layers, "n_layers", 1)
     check_dims(n_kv_heads, n_kv_heads, head_dim)
-    capacity = check_int(capacity, "capacity", 1, 2**31 - 1)
+    capacity = check_int(capacity, "capacity", 1, MAX_TOKENS)
     dt = check_dtype(dtype, "dtype")
     with _lock:
         cur = _layers

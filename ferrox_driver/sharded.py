@@ -15,6 +15,7 @@ here, ``ferrox_driver.distributed.NcclGroup`` over NCCL (the ``[distributed]`` e
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from typing import Any, Protocol
 
@@ -30,7 +31,15 @@ from .merge import merge_states
 from .module_cache import get_kernel
 from .stream import stream_handle
 from .types import DeviceArrayLike, DTypeLike, StreamLike
-from .validation import SUPPORTED_DTYPES, check_dims, check_int
+from .validation import (
+    MAX_INT32,
+    MAX_KV_HEADS,
+    MAX_TOKENS,
+    SUPPORTED_DTYPES,
+    check_dims,
+    check_host_extent,
+    check_int,
+)
 
 __all__ = [
     "Group",
@@ -102,7 +111,7 @@ class LocalGroup:
     @classmethod
     def ranks(cls, world: int, device: Device | None = None) -> list[LocalGroup]:
         """The ``world`` ranks of a new group on ``device``."""
-        world = check_int(world, "world")
+        world = check_int(world, "world", 1, MAX_INT32)
         board = _Board(world, resolve(device))
         return [cls(r, world, board) for r in range(world)]
 
@@ -148,10 +157,10 @@ class ShardedKVCache:
 
     def __init__(self, n_kv_heads: int, head_dim: int, capacity: int, *, group: Group,
                  block: int = 1, dtype: DTypeLike = np.float32) -> None:  # fmt: skip
-        n_kv_heads = check_int(n_kv_heads, "n_kv_heads")
+        n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1, MAX_KV_HEADS)
         head_dim = check_int(head_dim, "head_dim", 1, 256)
-        capacity = check_int(capacity, "capacity")
-        block = check_int(block, "block")
+        capacity = check_int(capacity, "capacity", 1, MAX_TOKENS)  # (the kernels: int32)
+        block = check_int(block, "block", 1, MAX_INT32)
         dt = as_dtype(dtype, "dtype")
         if dt not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dt}")
@@ -260,7 +269,7 @@ class ShardedKVCache:
             if ref is None:
                 raise TypeError(f"{name}: expected a device array, got a host array")
             ptr, shape, dtype, ordinal, contiguous, _ = ref
-            if dtype != self.dtype or int(np.prod(shape)) != self.row_elems or not contiguous:
+            if dtype != self.dtype or math.prod(shape) != self.row_elems or not contiguous:
                 raise ValueError(f"{name}: expected {self.row_elems} contiguous {self.dtype}, "
                                  f"got {shape} {dtype}")  # fmt: skip
             if ordinal != self.device.ordinal:
@@ -285,9 +294,10 @@ class ShardedKVCache:
             raise TypeError(f"{name}: expected a numpy array, got {type(rows).__name__}")
         if rows.dtype != self.dtype:
             raise TypeError(f"{name}: expected {self.dtype}, got {rows.dtype}")
-        if rows.ndim < 2 or int(np.prod(rows.shape[1:])) != self.row_elems:
+        if rows.ndim < 2 or math.prod(rows.shape[1:]) != self.row_elems:
             raise ValueError(f"{name}: expected (n, {self.n_kv_heads}, {self.head_dim}), "
                              f"got {rows.shape}")  # fmt: skip
+        check_host_extent(rows, name)
         return rows.reshape(rows.shape[0], self.row_elems)
 
     @property

@@ -20,6 +20,15 @@ __all__ = [
 ]
 
 MAX_HEAD_DIM = 256
+# The kernels take their counts as 32-bit ints (tokens, heads, head_dim; a cache's length
+# on the device is an int32) and, past a sequence's end, reach at most one chunk of
+# tokens further in 32 bits (FX_MAX_SPLITS x (FX_TILE + 1) plus a ring's steps, under 2^17
+# tokens): MAX_TOKENS leaves 2^20 of room. Offsets in elements and bytes are 64-bit.
+MAX_TOKENS = 2**31 - 2**20
+MAX_INT32 = 2**31 - 1
+# A launch grid's y and z hold at most 65535 blocks; the split kernels put the KV heads
+# there, two blocks each for groups of 9-16 (two tiles of 8 query heads).
+MAX_KV_HEADS = 65535 // 2
 SUPPORTED_DTYPES = {
     np.dtype(np.float32): "f32",
     np.dtype(np.float16): "f16",
@@ -44,8 +53,8 @@ def check_int(value: Any, name: str, low: int = 1, high: int | None = None) -> i
 
 def check_dims(n_heads: Any, n_kv_heads: Any, head_dim: Any) -> tuple[int, int, int]:
     """Validate the attention shape (before any device work)."""
-    n_heads = check_int(n_heads, "n_heads")
-    n_kv_heads = check_int(n_kv_heads, "n_kv_heads")
+    n_heads = check_int(n_heads, "n_heads", 1, MAX_INT32)
+    n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1, MAX_KV_HEADS)
     head_dim = check_int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
     if n_heads % n_kv_heads:
         raise ValueError(
@@ -53,6 +62,52 @@ def check_dims(n_heads: Any, n_kv_heads: Any, head_dim: Any) -> tuple[int, int, 
             f"n_kv_heads={n_kv_heads} (each KV head serves a whole group of query heads)"
         )
     return n_heads, n_kv_heads, head_dim
+
+
+def check_tokens(n: int, name: str) -> int:
+    """``n`` tokens if the kernels can count them (at most MAX_TOKENS), else a ValueError
+    naming ``name``."""
+    if n > MAX_TOKENS:
+        raise ValueError(
+            f"{name}: {n} tokens, more than the {MAX_TOKENS} (2^31 - 2^20) that the kernels "
+            f"count in 32 bits"
+        )
+    return n
+
+
+def check_host_extent(arr: np.ndarray, name: str) -> None:
+    """Refuse a numpy view that reaches past the memory it views (``as_strided`` over a
+    smaller buffer, which numpy does not check): copying it, or computing with it, would
+    read memory it does not own. numpy's own views (an ndarray base) are in bounds by
+    construction; memory whose size numpy cannot see is taken as it is."""
+    base = arr.base
+    if base is None or type(base) is np.ndarray or arr.size == 0:
+        return
+    lo, hi = _byte_bounds(arr)
+    owner = base
+    while (deeper := getattr(owner, "base", None)) is not None:  # as_strided's DummyArray...
+        owner = deeper
+    try:
+        olo, ohi = _byte_bounds(
+            owner if isinstance(owner, np.ndarray) else np.frombuffer(owner, np.uint8)
+        )
+    except (TypeError, ValueError, BufferError):
+        return
+    if lo < olo or hi > ohi:
+        raise ValueError(
+            f"{name}: a view of shape {arr.shape} and strides {arr.strides} spans bytes "
+            f"{lo - olo}..{hi - olo} of a buffer of {ohi - olo} (an as_strided view past "
+            f"the memory it views)"
+        )
+
+
+def _byte_bounds(arr: np.ndarray) -> tuple[int, int]:
+    try:
+        from numpy.lib.array_utils import byte_bounds
+    except ImportError:  # numpy < 2
+        byte_bounds = np.byte_bounds  # type: ignore[attr-defined]
+    lo, hi = byte_bounds(arr)
+    return int(lo), int(hi)
 
 
 def check_dtype(dtype: Any, name: str) -> np.dtype:
@@ -80,6 +135,7 @@ def array_info(obj: Any, name: str, *, allow_device: bool = True) -> ArrayInfo:
                 f"{name}: must be C-contiguous, got strides {obj.strides} for shape "
                 f"{obj.shape} (use numpy.ascontiguousarray)"
             )
+        check_host_extent(obj, name)
         return ArrayInfo(obj.shape, obj.dtype, False)
     if not allow_device:
         raise TypeError(f"{name}: expected a numpy array, got {type(obj).__name__}")
@@ -196,6 +252,7 @@ def _check_shapes(
             f"v_cache: expected k_cache's shape {ki.shape} ({seq_k} tokens), got {vi.shape} "
             f"({seq_v} tokens)"
         )
+    check_tokens(seq_k, "k_cache")
     return DecodeSpec(n_heads, n_kv_heads, head_dim, seq_k, dtype, qi.shape, qi.on_device)
 
 
@@ -226,6 +283,8 @@ def _element_strides(obj: Any, itemsize: int) -> tuple[int, ...] | None:
             pass
     cai = getattr(obj, "__cuda_array_interface__", None)
     if isinstance(cai, dict) and cai.get("strides") is not None:
+        if any(int(s) % itemsize for s in cai["strides"]):
+            return None  # (no whole number of elements: not rows the kernels can read)
         return tuple(int(s) // itemsize for s in cai["strides"])
     return None
 
@@ -242,14 +301,16 @@ def head_major_rows(
     """
     from .interop import array_ref
 
+    ptr = 0
     if isinstance(obj, np.ndarray):  # (any strides: the host path copies it, contiguous)
+        check_host_extent(obj, name)
         info, contiguous = ArrayInfo(obj.shape, obj.dtype, False), True
     elif not allow_device:
         raise TypeError(f"{name}: expected a numpy array, got {type(obj).__name__}")
     else:
         ref = array_ref(obj, name)
         assert ref is not None
-        info, contiguous = ArrayInfo(tuple(ref[1]), ref[2], True), ref[4]
+        info, contiguous, ptr = ArrayInfo(tuple(ref[1]), ref[2], True), ref[4], ref[0]
     shape = info.shape
     expected = (
         f"{name}: expected a head-major array of shape (n_kv_heads, seq_len, head_dim) = "
@@ -259,14 +320,14 @@ def head_major_rows(
     if len(shape) == 1:
         if shape[0] % (n_kv_heads * head_dim) or not contiguous:
             raise ValueError(expected)
-        seq = shape[0] // (n_kv_heads * head_dim)
+        seq = check_tokens(shape[0] // (n_kv_heads * head_dim), name)
         return info, seq, seq * head_dim
     if not (
         (len(shape) == 3 or (len(shape) == 4 and shape[0] == 1))
         and shape[-3] == n_kv_heads and shape[-1] == head_dim
     ):  # fmt: skip
         raise ValueError(expected)
-    seq = shape[-2]
+    seq = check_tokens(shape[-2], name)
     if contiguous:
         return info, seq, seq * head_dim
     strides = _element_strides(obj, info.dtype.itemsize)
@@ -282,6 +343,14 @@ def head_major_rows(
         raise ValueError(
             f"{name}: KV heads {head_stride} elements apart overlap their {seq} tokens of "
             f"{head_dim} (strides {strides})"
+        )
+    # the kernels place a KV head's rows at head * head_stride (64-bit, signed): the last
+    # row's end must be an address they can reach (a view cannot lie past that)
+    end = ((n_kv_heads - 1) * head_stride + seq * head_dim) * info.dtype.itemsize
+    if ptr + end >= 2**63:
+        raise ValueError(
+            f"{name}: KV heads {head_stride} elements apart end {end} bytes past its start, "
+            f"beyond the 64-bit offsets the kernels compute (strides {strides})"
         )
     return info, seq, head_stride
 
