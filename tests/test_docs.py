@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import subprocess
@@ -106,6 +107,40 @@ def test_guides_come_in_the_order_a_user_needs_them():
     assert pages[-2:] == ["guides/compiling.md", "guides/migrating.md"]
     # every guide is in the menu
     assert sorted(pages) == sorted(f"guides/{p.name}" for p in (DOCS / "guides").glob("*.md"))
+
+
+def test_performance_page_opens_with_one_compact_bf16_table_from_the_benchmark():
+    page = (DOCS / "performance.md").read_text()
+    head = page.split("\n## ", 2)[1]  # the first section
+    tables = re.findall(r"((?:^\|.*\|\n)+)", head, re.M)
+    assert len(tables) == 1, "one table on the first screen"
+    rows = [r.split("|")[1:-1] for r in tables[0].strip().splitlines()[2:]]
+    data = json.loads((DOCS / "assets" / "bench_decode.json").read_text())
+    points = {
+        p["seq_len"]: p for p in data["points"] if p["shape"] == "32/8/128" and p["dtype"] == "bf16"
+    }
+    assert [int(r[0]) for r in rows] == [512, 4096, 32768, 131072]
+    for tokens, ours, theirs, speedup, ceiling in rows:
+        p = points[int(tokens)]
+        assert float(ours) == round(p["graph_us"], 1)
+        assert float(theirs) == round(p["torch_us"], 1)
+        assert float(speedup.strip(" x")) == pytest.approx(p["torch_us"] / p["graph_us"], abs=0.006)
+        percent = 100 * p["kv_bytes"] / p["graph_us"] / 1e6 / data["read_ceiling_tbs"]
+        assert float(ceiling.strip(" %")) == pytest.approx(percent, abs=0.6)
+    # the plot, and what PyTorch's fp32 path is, before the long tables
+    assert "(assets/decode_vs_pytorch.svg)" in head
+    assert "math path" in head and "FlashInfer 0.7.2.post1" in head
+
+
+def test_the_performance_plot_is_drawn_from_the_benchmark_json():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plot_decode.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    svg = (DOCS / "assets" / "decode_vs_pytorch.svg").read_text()
+    assert svg.startswith("<svg") and "PyTorch SDPA" in svg and "2026-12-03" in svg
 
 
 def test_the_readme_example_is_the_quickstart_the_tests_run():
