@@ -176,8 +176,9 @@ def drv(call: str, *args: Any) -> Any:
     fn = getattr(cu, call)
     try:
         result = fn(*args)
-    except _LibNotFound as exc:
-        raise NoDeviceError(NO_DRIVER_MESSAGE) from exc
+    except _LibNotFound:
+        # the sentence says it all; the loader's 40-line traceback would bury it
+        raise NoDeviceError(NO_DRIVER_MESSAGE) from None
     return check(result, call)
 
 
@@ -186,8 +187,8 @@ def rtc(call: str, *args: Any) -> Any:
     fn = getattr(_nvrtc, call)
     try:
         result = fn(*args)
-    except _LibNotFound as exc:
-        raise NoDeviceError(_NO_NVRTC_MESSAGE) from exc
+    except _LibNotFound:
+        raise NoDeviceError(_NO_NVRTC_MESSAGE) from None
     return check(result, call)
 
 
@@ -204,12 +205,12 @@ def rtc_raw(call: str, *args: Any) -> Any:
     """Call an NVRTC function and return its raw result tuple (status unchecked)."""
     try:
         return getattr(_nvrtc, call)(*args)
-    except _LibNotFound as exc:
-        raise NoDeviceError(_NO_NVRTC_MESSAGE) from exc
+    except _LibNotFound:
+        raise NoDeviceError(_NO_NVRTC_MESSAGE) from None
 
 
 _init_lock = threading.Lock()
-_init_error: BaseException | None = None
+_init_error: NoDeviceError | None = None
 _initialised = False
 
 
@@ -237,7 +238,15 @@ def init() -> None:
                 _init_error.__cause__ = exc
             except (RuntimeError, OSError) as exc:  # loader errors of older bindings
                 _init_error = NoDeviceError(f"{NO_DRIVER_MESSAGE} ({exc})")
-        raise _init_error
+        raise _again(_init_error)
+
+
+def _again(error: NoDeviceError) -> NoDeviceError:
+    """A fresh copy of the first failure, to raise once more: raising the stored exception
+    itself would append each call's frames to its traceback."""
+    again = NoDeviceError(*error.args)
+    again.__cause__ = error.__cause__  # cuInit's CudaError, or None (no chained traceback)
+    return again
 
 
 def _explain_init_failure(exc: CudaError) -> str:

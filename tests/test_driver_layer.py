@@ -28,9 +28,7 @@ def test_check_raises_cuda_error_with_code_name_call_and_description() -> None:
     assert "cuModuleLoadData" in str(err) and "CUDA_ERROR_INVALID_IMAGE" in str(err)
 
 
-def test_missing_driver_is_no_device_error_and_cuda_unavailable(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _no_libcuda(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_libcuda(*args: object) -> None:
         raise _driver._LibNotFound('"cuda" is an NVIDIA driver library ... not found')
 
@@ -38,11 +36,75 @@ def test_missing_driver_is_no_device_error_and_cuda_unavailable(
     monkeypatch.setattr(_driver, "_initialised", False)
     monkeypatch.setattr(_driver, "_init_error", None)
     monkeypatch.setattr(device, "_devices", {})
+
+
+def test_missing_driver_is_no_device_error_and_cuda_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _no_libcuda(monkeypatch)
     assert fd.cuda_available() is False
     with pytest.raises(fd.NoDeviceError, match="no NVIDIA driver found"):
         fd.Device(0)
     with pytest.raises(fd.NoDeviceError, match="arch"):
         fd.compile_source('extern "C" __global__ void k() {}')  # no arch, no GPU
+
+
+def test_a_missing_driver_is_one_sentence_without_the_loaders_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import traceback
+
+    _no_libcuda(monkeypatch)
+    for _ in range(2):  # the first failure, then the remembered one
+        with pytest.raises(fd.NoDeviceError) as info:
+            fd.Device(0)
+        err = info.value
+        assert str(err) == _driver.NO_DRIVER_MESSAGE
+        assert err.__cause__ is None and err.__suppress_context__
+        text = "".join(traceback.format_exception(err))
+        assert text.count("Traceback") == 1 and "NVIDIA driver library" not in text
+
+
+def test_the_remembered_failure_does_not_grow_a_traceback_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import traceback
+
+    _no_libcuda(monkeypatch)
+    lengths = []
+    for _ in range(4):
+        with pytest.raises(fd.NoDeviceError) as info:
+            fd.Device(0)
+        lengths.append(len(traceback.extract_tb(info.value.__traceback__)))
+    assert len(set(lengths[1:])) == 1
+
+
+def test_a_missing_nvrtc_is_one_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_nvrtc(*args: object) -> None:
+        raise _driver._LibNotFound("nvrtc ... not found")
+
+    monkeypatch.setattr(_driver._nvrtc, "nvrtcVersion", no_nvrtc)
+    for call in (_driver.rtc, _driver.rtc_raw):
+        with pytest.raises(fd.NoDeviceError, match="NVRTC library could not be loaded") as info:
+            call("nvrtcVersion")
+        assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+@pytest.mark.skipif(_driver.driver_version() is not None, reason="a CUDA driver is installed")
+def test_without_libcuda_a_script_prints_the_sentence_not_a_chained_traceback() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import ferrox_driver as fd; fd.Device(0)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "direct cause" not in done.stderr and "During handling" not in done.stderr
+    assert done.stderr.count("Traceback") == 1 and len(done.stderr.splitlines()) < 16
+    assert done.stderr.rstrip().endswith(f"NoDeviceError: {_driver.NO_DRIVER_MESSAGE}")
 
 
 @pytest.mark.parametrize("bad", [1, 2.5, True], ids=["int", "float", "bool"])
