@@ -1,6 +1,7 @@
-"""Ranks on several GPUs through NCCL, for `ferrox_driver.sharded` (the ``[distributed]``
-extra: ``pip install ferrox-driver[distributed]`` brings nccl4py, the cuda-python
-project's NCCL binding; nothing else in the package imports this module).
+"""Ranks on several GPUs through NCCL, for `ferrox_driver.sharded`. Needs nccl4py, the
+cuda-python project's NCCL binding (``pip install nccl4py``; from a checkout, the
+``[distributed]`` extra: ``pip install '.[distributed]'``); nothing else in the package
+imports this module.
 
 One process per GPU, started by ``python -m ferrox_driver.launcher -n N script.py`` (which
 hands every rank the NCCL id), by ``mpirun`` (the id broadcast over MPI, with mpi4py) or
@@ -27,6 +28,12 @@ from .types import StreamLike
 
 __all__ = ["ID_ENV", "NcclGroup", "new_unique_id"]
 
+INSTALL_HINT = (
+    "ferrox_driver.distributed needs nccl4py (the cuda-python project's NCCL binding): "
+    "pip install 'nccl4py>=0.6', or from a checkout of ferrox-driver: pip install "
+    "'.[distributed]'. The NCCL library itself comes with PyTorch, the nvidia-nccl-cu12/cu13 "
+    "wheels or the system."
+)
 ID_ENV = "FERROX_NCCL_ID"  # the NCCL unique id, hex, as the launcher hands it to the ranks
 _ID_BYTES = 128
 
@@ -34,10 +41,10 @@ _ID_BYTES = 128
 def _nccl() -> Any:
     try:
         from nccl.bindings import nccl
-    except ImportError as exc:
-        raise ImportError(
-            "ferrox_driver.distributed needs nccl4py: pip install 'ferrox-driver[distributed]'"
-        ) from exc
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "nccl":
+            raise  # something nccl4py itself imports is missing: that is the message
+        raise ImportError(INSTALL_HINT) from None  # the hint is the whole story
     return nccl
 
 
