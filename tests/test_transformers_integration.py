@@ -1,11 +1,15 @@
 """The transformers integration on the CPU (transformers and PyTorch, no GPU): registration,
-the fallback to SDPA and its log line, what a decode step becomes (length, window, scale,
-soft-cap, sinks) for real model classes' calls, and the calls that must not run on ferrox."""
+the fallbacks and their log lines (eager attention for gpt-oss's sinks and Gemma 2's
+soft-cap, prefill and decode logits as transformers' "eager" model's; SDPA for the rest),
+what a decode step becomes (length, window, scale, soft-cap, sinks) for real model classes'
+calls, and the calls that must not run on ferrox."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import sys
+import types
 
 import pytest
 
@@ -25,14 +29,18 @@ def tiny(config_cls, **extra):
     )  # fmt: skip
 
 
-def model_pair(config):
-    """The same random weights with attn_implementation "ferrox" and "sdpa"."""
+def model_pair(config, against="sdpa", dtype=torch.float32, setup=None):
+    """The same random weights (``setup(model)`` changes them after init) with
+    attn_implementation "ferrox" and ``against``."""
     fxt.register()
     torch.manual_seed(0)
     auto = transformers.AutoModelForCausalLM
-    ours = auto.from_config(copy.deepcopy(config), attn_implementation="ferrox")
-    theirs = auto.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ours = auto.from_config(copy.deepcopy(config), attn_implementation="ferrox", dtype=dtype)
+    theirs = auto.from_config(copy.deepcopy(config), attn_implementation=against, dtype=dtype)
     assert ours.config._attn_implementation == "ferrox"
+    if setup is not None:
+        with torch.no_grad():
+            setup(ours)
     theirs.load_state_dict(ours.state_dict())
     return ours.eval(), theirs.eval()
 
@@ -98,7 +106,7 @@ def test_a_llama_decode_step_reads_the_tokens_so_far(monkeypatch):
 def test_gemma2_maps_its_soft_cap_scale_and_local_layers_window(monkeypatch):
     config = tiny(transformers.Gemma2Config, sliding_window=6, attn_logit_softcapping=50.0,
                   query_pre_attn_scalar=32)  # fmt: skip
-    ours, _ = model_pair(config)
+    ours, _ = model_pair(config, against="eager")  # (5.24+ refuse Gemma 2 on "sdpa")
     calls = _decode_calls(ours, monkeypatch, n_new=8)
     assert all(isinstance(c, fxt.DecodeCall) for c in calls), calls
     assert {c.logits_soft_cap for c in calls} == {50.0}
@@ -162,6 +170,8 @@ Q, KV = torch.zeros(1, 8, 1, 16), torch.zeros(1, 2, 10, 16)
         ((Q, KV, KV), {"mask": _mask([1, 0, 1, 1, 0, 0, 0, 0, 0, 0])}, "not one run of tokens"),
         ((Q, KV, KV), {"mask": _mask([0] * 10)}, "hides every token"),
         ((Q, KV, KV), {"s_aux": torch.zeros(3)}, "3 sinks for 8 query heads"),
+        ((Q, KV, KV), {"position_bias": torch.zeros(1, 8, 1, 10)}, "position_bias (not a feature"),
+        ((Q, KV, KV), {"sinks": torch.zeros(8)}, "sinks (not a feature"),
         ((Q, KV, KV), {"cuda": True}, "tensors on cpu"),
     ],
 )  # fmt: skip
@@ -171,3 +181,204 @@ def test_calls_ferrox_cannot_run_say_why(args, kwargs, reason):
     require_cuda = kwargs.pop("cuda", False)
     got = fxt.decode_call(None, *args, mask, require_cuda=require_cuda, **kwargs)
     assert isinstance(got, str) and reason in got, got
+
+
+# Models whose attention SDPA cannot compute: gpt-oss's sinks (at 0, which still adds
+# exp(0) to each softmax's denominator, and at 3) and Gemma 2's soft-cap, its query and key
+# projections scaled so that the logits pass the cap. A window of 4 that a prompt of 9 and
+# 8 new tokens outgrow. Each test's expected values are transformers' "eager" model's.
+def _sinks_at(value):
+    def setup(model):
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(value)
+
+    return setup
+
+
+def _logits_past_the_cap(model):
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.weight.mul_(8.0)
+        layer.self_attn.k_proj.weight.mul_(8.0)
+
+
+def _gpt_oss():
+    return tiny(transformers.GptOssConfig, num_local_experts=4, num_experts_per_tok=2,
+                sliding_window=4)  # fmt: skip
+
+
+def _gemma2(cap=2.0):
+    return tiny(transformers.Gemma2Config, sliding_window=4, attn_logit_softcapping=cap,
+                query_pre_attn_scalar=16)  # fmt: skip
+
+
+SINKS_AND_CAPS = {
+    "gpt-oss, sinks 0": (_gpt_oss, _sinks_at(0.0)),
+    "gpt-oss, sinks 3": (_gpt_oss, _sinks_at(3.0)),
+    "gemma2, soft-cap": (_gemma2, _logits_past_the_cap),
+}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _prompt(n=9):
+    return torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(n))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(SINKS_AND_CAPS))
+def test_prefill_logits_are_the_eager_models(name, dtype, caplog):
+    config, setup = SINKS_AND_CAPS[name]
+    ours, theirs = model_pair(config(), against="eager", dtype=dtype, setup=setup)
+    ids = _prompt()
+    with caplog.at_level(logging.DEBUG, logger=LOGGER), torch.no_grad():
+        got = ours(ids).logits
+        want = theirs(ids).logits
+    torch.testing.assert_close(got, want)
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    feature = "a soft-cap of 2.0" if "gemma2" in name else "sinks"
+    assert len(lines) == 2 and all(f"eager attention instead ({feature}" in m for m in lines)
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(SINKS_AND_CAPS))
+def test_greedy_decode_tokens_and_logits_are_the_eager_models(name, dtype, cache):
+    """On the CPU each decode step falls back too: to the model's eager attention."""
+    config, setup = SINKS_AND_CAPS[name]
+    ours, theirs = model_pair(config(), against="eager", dtype=dtype, setup=setup)
+    ids = _prompt()
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
+              return_dict_in_generate=True, cache_implementation=cache)  # fmt: skip
+    with torch.no_grad():
+        got, want = ours.generate(ids, **kw), theirs.generate(ids, **kw)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    assert len(got.logits) == 8
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        torch.testing.assert_close(a, b, msg=f"step {step}")
+
+
+def test_the_sinks_change_the_tiny_gpt_oss_logits(monkeypatch):
+    """The tests above can fail: gpt-oss's eager attention without its sinks (what SDPA
+    computed for it) moves the logits by more than 0.05 (fp32)."""
+    ours, _ = model_pair(_gpt_oss(), against="eager", setup=_sinks_at(0.0))
+    ids = _prompt()
+    with torch.no_grad():
+        with_sinks = ours(ids).logits
+        modeling = sys.modules[type(ours.model.layers[0].self_attn).__module__]
+        monkeypatch.setattr(fxt, "_EAGER", {})
+        monkeypatch.setattr(modeling, "eager_attention_forward",
+                            lambda *a, s_aux=None, **kw: fxt.eager_attention(*a, **kw))  # fmt: skip
+        without = ours(ids).logits
+    assert (with_sinks - without).abs().max().item() > 0.05
+
+
+def test_the_cap_changes_the_tiny_gemma2_logits():
+    """The tests above can fail: without its cap Gemma 2's logits move by more than 0.05."""
+    capped, _ = model_pair(_gemma2(), against="eager", setup=_logits_past_the_cap)
+    plain, _ = model_pair(_gemma2(cap=None), against="eager", setup=_logits_past_the_cap)
+    ids = _prompt()
+    with torch.no_grad():
+        assert (capped(ids).logits - plain(ids).logits).abs().max().item() > 0.05
+
+
+def test_the_model_modules_own_eager_attention_runs(monkeypatch):
+    """gpt-oss's eager_attention_forward (its sinks from the module), not this module's."""
+    ours, _ = model_pair(_gpt_oss(), against="eager", setup=_sinks_at(1.0))
+    modeling = sys.modules[type(ours.model.layers[0].self_attn).__module__]
+    called = []
+    real = modeling.eager_attention_forward
+
+    def spy(module, query, key, value, mask, **kw):
+        called.append((module, mask.dtype if mask is not None else None))
+        return real(module, query, key, value, mask, **kw)
+
+    monkeypatch.setattr(fxt, "_EAGER", {})  # (the lookup is cached per class)
+    monkeypatch.setattr(modeling, "eager_attention_forward", spy)
+    monkeypatch.setattr(fxt, "eager_attention", None)  # (never called)
+    with torch.no_grad():
+        ours(_prompt())
+    layers = [layer.self_attn for layer in ours.model.layers]
+    assert [m for m, _ in called] == layers
+    assert {dtype for _, dtype in called} == {torch.float32}  # additive, not SDPA's booleans
+
+
+def _reference(q, k, v, keep, scale, cap=None, sinks=None):
+    """Attention in float64, one query head and query row at a time: ``keep[i][j]`` whether
+    query row i reads token j."""
+    q, k, v = q.double(), k.double(), v.double()
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            for i in range(q.shape[2]):
+                logits = k[b, h // group] @ q[b, h, i] * scale
+                if cap is not None:
+                    logits = cap * torch.tanh(logits / cap)
+                logits = logits[keep[i]]
+                top = logits.max() if sinks is None else max(logits.max(), sinks[h].double())
+                e = torch.exp(logits - top)
+                denominator = e.sum() + (0 if sinks is None else torch.exp(sinks[h] - top))
+                out[b, i, h] = (e / denominator) @ v[b, h // group][keep[i]]
+    return out
+
+
+@pytest.mark.parametrize("cap", [None, 0.7])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("mask", ["band", "none"])
+def test_eager_attention_with_a_boolean_mask_is_a_float64_references(cap, with_sinks, mask,
+                                                                      caplog):  # fmt: skip
+    """A layer whose module has no eager attention of its own (here: ``types``): this
+    module's eager_attention, with SDPA's boolean mask made additive, or without a mask,
+    causal as SDPA is for more than one query token."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 6, 5, 8, generator=g) * 2
+    k, v = torch.randn(2, 3, 7, 8, generator=g) * 2, torch.randn(2, 3, 7, 8, generator=g)
+    rows, cols = torch.arange(5)[:, None] + 2, torch.arange(7)[None, :]
+    keep = (cols <= rows) & (cols > rows - 3) if mask == "band" else cols <= rows - 2
+    sinks = torch.randn(6, generator=g) if with_sinks else None
+    bool_mask = keep.view(1, 1, 5, 7) if mask == "band" else None
+    kw = {"softcap": cap} if cap is not None else {}
+    if with_sinks:
+        kw["s_aux"] = sinks
+    layer = types.SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        got, weights = fxt.ferrox_attention_forward(layer, q, k, v, bool_mask, scaling=0.3, **kw)
+    want = _reference(q, k, v, keep, 0.3, cap, sinks)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    line = [r.getMessage() for r in caplog.records if r.name == LOGGER][-1]
+    assert ("eager attention instead" in line) == (cap is not None or with_sinks), line
+    assert (weights is None) == (cap is None and not with_sinks)
+
+
+def test_a_keyword_sdpa_does_not_read_runs_eager(caplog):
+    q, kv = torch.randn(1, 8, 3, 16), torch.randn(1, 2, 3, 16)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        fxt.ferrox_attention_forward(None, q, kv, kv, None, indices=torch.zeros(3))
+    line = [r.getMessage() for r in caplog.records if r.name == LOGGER][-1]
+    assert "eager attention instead (indices, which SDPA does not read)" in line, line
+
+
+def test_a_model_that_does_not_support_sdpa_runs_its_eager_attention(monkeypatch, caplog):
+    """A module whose model class says _supports_sdpa = False: its own eager function,
+    given an additive mask, though no keyword needs it."""
+    modeling = types.ModuleType("fake_modeling")
+    called = []
+
+    def eager_attention_forward(module, query, key, value, mask, **kw):
+        called.append(mask)
+        return query.transpose(1, 2), None
+
+    attention = type("FakeAttention", (torch.nn.Module,), {"__module__": "fake_modeling"})
+    model = type("FakeModel", (transformers.PreTrainedModel,),
+                 {"__module__": "fake_modeling", "_supports_sdpa": False})  # fmt: skip
+    vars(modeling).update(FakeAttention=attention, FakeModel=model,
+                          eager_attention_forward=eager_attention_forward)  # fmt: skip
+    monkeypatch.setitem(sys.modules, "fake_modeling", modeling)
+    q, kv = torch.randn(1, 8, 3, 16), torch.randn(1, 2, 3, 16)
+    keep = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool).view(1, 1, 3, 3)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        fxt.ferrox_attention_forward(attention(), q, kv, kv, keep, scaling=0.25)
+    min_ = torch.finfo(torch.float32).min
+    want = torch.tensor([[0, min_, min_], [0, 0, min_], [min_, 0, 0]]).view(1, 1, 3, 3)
+    assert len(called) == 1 and torch.equal(called[0], want)
+    line = [r.getMessage() for r in caplog.records if r.name == LOGGER][-1]
+    assert "fake_modeling does not support SDPA" in line, line
