@@ -32,13 +32,13 @@ from .attention import (
     plan_split,
     split_launches,
 )
-from .device import Device, device_for, resolve
+from .device import Device, device_for, ordinal_of, resolve
 from .features import check_features
-from .interop import ArrayRef, array_ref
+from .interop import ArrayRef, array_ref, is_torch
 from .launch import LaunchSequence
 from .memory import DeviceArray, OutputPool, empty, output_pool, to_device
-from .stream import Stream, stream_handle, stream_key
-from .types import ArrayLike, DeviceArrayLike, StreamLike
+from .stream import Stream, stream_handle, stream_key, torch_stream
+from .types import ArrayLike, DeviceArrayLike, DeviceLike, StreamLike
 from .validation import (
     ArrayInfo,
     DecodeSpec,
@@ -294,6 +294,21 @@ def _info(ref: ArrayRef, name: str) -> ArrayInfo:
     return ArrayInfo(ref[1], ref[2], True)
 
 
+def check_device(device: Any, ordinal: int | None) -> None:
+    """``device`` (None, or any form ``device.ordinal_of`` takes) checked before any device
+    work: with device arrays on device ``ordinal``, it must name theirs.
+
+    Raises:
+        TypeError, ValueError: naming ``device``.
+    """
+    if device is None:
+        return
+    given = ordinal_of(device)
+    if ordinal is not None and given != ordinal:
+        what = str(given) if isinstance(device, int) else f"{device!r} (device {given})"
+        raise ValueError(f"device: {what} given, but q is on device {ordinal}")
+
+
 def _prepare_call(
     key: tuple[Any, ...],
     refs: tuple[ArrayRef, ArrayRef, ArrayRef],
@@ -318,15 +333,7 @@ def _prepare_call(
                 f"{name}: on device {ref[3]}, but q is on device {ordinal}: pass q, k_cache, "
                 f"v_cache and out on one device"
             )
-    if device is not None:
-        if not isinstance(device, Device):
-            raise TypeError(
-                f"device: expected a ferrox_driver.Device or None, got {type(device).__name__}"
-            )
-        if device.ordinal != ordinal:
-            raise ValueError(
-                f"device: Device({device.ordinal}) given, but q is on device {ordinal}"
-            )
+    check_device(device, ordinal)
     if out is not None:
         _info(out, "out")
         if out[3] != ordinal:
@@ -357,12 +364,12 @@ def gqa_decode(
     k_cache: ArrayLike,
     v_cache: ArrayLike,
     *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
     stream: StreamLike = None,
     algorithm: str = "auto",
-    device: Device | None = None,
+    device: DeviceLike = None,
     out: DeviceArrayLike = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
@@ -378,12 +385,12 @@ def gqa_decode(
     k_cache: ArrayLike,
     v_cache: ArrayLike,
     *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
     stream: StreamLike = None,
     algorithm: str = "auto",
-    device: Device | None = None,
+    device: DeviceLike = None,
     out: DeviceArrayLike = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
@@ -398,12 +405,12 @@ def gqa_decode(
     k_cache: ArrayLike,
     v_cache: ArrayLike,
     *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
     stream: StreamLike = None,
     algorithm: str = "auto",
-    device: Device | None = None,
+    device: DeviceLike = None,
     out: DeviceArrayLike = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
@@ -417,19 +424,25 @@ def gqa_decode(
     ``launch_gqa_decode``), with the features real models use.
 
     Args:
-        q: ``(n_heads*head_dim,)`` or ``(n_heads, head_dim)``.
+        q: ``(n_heads*head_dim,)``, ``(n_heads, head_dim)`` or PyTorch SDPA's one token of
+            a batch of one, ``(1, n_heads, 1, head_dim)``; the result has q's shape.
         k_cache: ``(seq_len*n_kv_heads*head_dim,)`` or ``(seq_len, n_kv_heads, head_dim)``,
             layout ``[token][kv_head][head_dim]``.
         v_cache: like ``k_cache``.
-        n_heads: query heads, a multiple of ``n_kv_heads``.
-        n_kv_heads: KV heads.
-        head_dim: elements per head, 1 to 256.
+        n_heads: query heads, a multiple of ``n_kv_heads``. Optional where the shapes say
+            it (q shaped, or flat with head_dim known), as are ``n_kv_heads`` and
+            ``head_dim`` (K shaped); given, each is checked against the shapes.
+        n_kv_heads: KV heads (needed with a flat ``k_cache``).
+        head_dim: elements per head, 1 to 256 (needed with flat ``k_cache`` and ``q``).
         stream: where the work runs: a ferrox Stream, a PyTorch/CuPy/cuda.core stream (any
-            ``__cuda_stream__`` object), an int handle, or None (the legacy default stream).
+            ``__cuda_stream__`` object), an int handle, or None: with PyTorch tensors,
+            PyTorch's current stream on their device (``torch.cuda.current_stream``, so a
+            call inside ``with torch.cuda.stream(s)`` or a ``torch.cuda.graph`` capture
+            runs on ``s``), otherwise the legacy default stream.
         algorithm: ``"auto"``/``"split"`` (split-KV kernels; tensor cores where they pay)
             or ``"parity"`` (ferrox-cuda's algorithm, corrected; slow, the reference path).
-        device: the device for numpy inputs (default: device 0); with device arrays, it
-            must be theirs.
+        device: the device for numpy inputs (a Device, an int, a ``torch.device`` or
+            ``"cuda:N"``; default: device 0); with device arrays, it must be theirs.
         out: with device inputs, a device array of q's size and dtype to write into
             (default: a block of a per-stream pool).
         sliding_window: attend to the last ``sliding_window`` tokens only.
@@ -474,6 +487,8 @@ def gqa_decode(
         vr = array_ref(v_cache, "v_cache")
         orf = None if out is None else array_ref(out, "out")
         if kr is not None and vr is not None and (out is None or orf is not None):
+            if stream is None and is_torch(q):  # torch's current stream on q's device
+                stream = torch_stream(qr[3])
             sid = stream_key(stream)
             key = (
                 qr[1], qr[2], qr[3], qr[4], kr[1], kr[2], kr[3], kr[4], vr[1], vr[2], vr[3],
@@ -514,10 +529,7 @@ def _host_decode(
     algorithm = check_algorithm(algorithm)
     if out is not None:
         raise TypeError("out: only accepted with device inputs; numpy inputs return a new array")
-    if device is not None and not isinstance(device, Device):
-        raise TypeError(
-            f"device: expected a ferrox_driver.Device or None, got {type(device).__name__}"
-        )
+    check_device(device, None)
     stream_key(stream)  # a bad stream is refused before any copy
     if spec.seq_len == 0:
         return np.zeros(spec.q_shape, spec.dtype)
@@ -593,17 +605,24 @@ def _feature_decode(
             "algorithm: the features and head-major caches need the split kernels ('auto' or "
             "'split')"
         )
-    sid = stream_key(stream)
     on_device = spec.on_device
     if not on_device and out is not None:
         raise TypeError("out: only accepted with device inputs; numpy inputs return a new array")
-    dev = resolve(device) if not on_device else None
-    arrays: list[DeviceArray] = []  # what this call made for numpy inputs (freed at the end)
+    refs = []
     if on_device:
         refs = [array_ref(a, n) for a, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
         ordinal = refs[0][3] if refs[0] else 0
         if any(r is None or r[3] != ordinal for r in refs):
             raise ValueError("q, k_cache, v_cache: pass all three on one device")
+        check_device(device, ordinal)
+        if stream is None and is_torch(q):  # torch's current stream on q's device
+            stream = torch_stream(ordinal)
+    else:
+        check_device(device, None)
+    sid = stream_key(stream)
+    dev = resolve(device) if not on_device else None
+    arrays: list[DeviceArray] = []  # what this call made for numpy inputs (freed at the end)
+    if on_device:
         dev = device_for(ordinal)
         q_d, k_d, v_d = (DeviceArray._wrap(r[0], r[1], r[2], dev, None) for r in refs if r)
         if out is None:

@@ -37,7 +37,7 @@ from .interop import ArrayRef, array_ref
 from .kv_cache import KVCache, LayerKVCache, _feature_key, append_kernel
 from .launch import LaunchSequence, PackedLaunch
 from .memory import DeviceArray, empty, pinned_empty, to_device
-from .stream import Stream, stream_handle, stream_key
+from .stream import Stream, call_stream, stream_handle, stream_key
 from .types import ArrayLike, DeviceArrayLike, DTypeLike, StreamLike
 from .validation import (
     SUPPORTED_DTYPES,
@@ -79,6 +79,28 @@ def _operand(obj: Any, name: str, size: int, kv: KVCache, dtype: Any = None) -> 
     if not contiguous:
         raise ValueError(f"{name}: must be C-contiguous, got a strided view of shape {shape}")
     return ptr
+
+
+def _q_heads(n_heads: Any, q_dev: Any, head_dim: int) -> Any:
+    """``n_heads`` as given (checked later), or read from device array ``q_dev``'s size:
+    any shape holding whole heads of ``head_dim`` (``(n_heads, head_dim)``, SDPA's ``(1,
+    n_heads, 1, head_dim)``, flat...).
+
+    Raises:
+        TypeError, ValueError: ``q_dev`` is no device array, or holds no whole heads.
+    """
+    if n_heads is not None:
+        return n_heads
+    ref = array_ref(q_dev, "q_dev")
+    if ref is None:
+        raise TypeError("q_dev: expected a device array, got a numpy array")
+    size = math.prod(ref[1])
+    if size == 0 or size % head_dim:
+        raise ValueError(
+            f"q_dev: shape {tuple(ref[1])} holds no whole number of heads of head_dim "
+            f"{head_dim} (n_heads not given: read from q_dev's size)"
+        )
+    return size // head_dim
 
 
 def _check_cache(kv: Any) -> KVCache:
@@ -172,10 +194,12 @@ def kv_append_async(
         k_dev: device array of ``n_kv_heads*head_dim`` elements, cache dtype.
         v_dev: like ``k_dev``.
         stream: the stream (a ferrox Stream, any ``__cuda_stream__`` object, an int
-            handle) to queue on.
+            handle) to queue on; None: PyTorch's current stream for a PyTorch ``k_dev``,
+            else the legacy default stream.
     """
     kv = _check_cache(kv)
     kr, vr = array_ref(k_dev, "k_dev"), array_ref(v_dev, "v_dev")
+    stream = call_stream(stream, k_dev)
     sid = stream_key(stream)
     key = (sid, _signature(kr), _signature(vr))
     with kv._lock:
@@ -199,7 +223,7 @@ def gqa_decode_async(
     kv: KVCache | tuple[DeviceArrayLike, DeviceArrayLike],
     out_dev: DeviceArrayLike,
     *,
-    n_heads: int,
+    n_heads: int | None = None,
     stream: StreamLike,
     algorithm: str = "auto",
     out_lse: DeviceArrayLike = None,
@@ -230,11 +254,14 @@ def gqa_decode_async(
     whose scales the decode reads).
 
     Args:
-        q_dev: device array of ``n_heads*head_dim`` elements, cache dtype.
+        q_dev: device array of ``n_heads*head_dim`` elements (any shape: ``(n_heads,
+            head_dim)``, SDPA's ``(1, n_heads, 1, head_dim)``...), cache dtype.
         kv: the cache, or a pair ``(k_cache, v_cache)`` of device arrays (above).
         out_dev: device array like ``q_dev``, written with the result.
-        n_heads: query heads, a multiple of ``kv.n_kv_heads``.
-        stream: the stream to queue on.
+        n_heads: query heads, a multiple of ``kv.n_kv_heads`` (default: q_dev's size over
+            head_dim).
+        stream: the stream to queue on (None: PyTorch's current stream for a PyTorch
+            ``q_dev``, else the legacy default stream).
         algorithm: ``"auto"``/``"split"`` or ``"parity"``.
         out_lse: a float32 device array of ``n_heads``, written with the log-sum-exp.
         sliding_window: as `gqa_decode`; the window follows the device's seq_len, so a
@@ -247,6 +274,7 @@ def gqa_decode_async(
             scalar of the tokens to decode.
         kv_layout: with a pair: ``"NHD"`` or ``"HND"`` (above).
     """
+    stream = call_stream(stream, q_dev)
     if isinstance(kv, tuple):
         _decode_async_pair(
             q_dev, kv, out_dev, n_heads, stream, algorithm, seq_len, kv_layout,
@@ -279,6 +307,7 @@ def gqa_decode_async(
     with kv._lock:
         entry = kv._async_records.get(key)
         if entry is None:  # checked once per signature
+            n_heads = _q_heads(n_heads, q_dev, kv.head_dim)
             n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
             algorithm = check_algorithm(algorithm)
             size = n_heads * kv.head_dim
@@ -328,6 +357,7 @@ def _decode_async_features(
 ) -> None:  # fmt: skip
     """gqa_decode_async with features: checked (every call; the record is made once per
     signature and feature values), then queued reading the length on the device."""
+    n_heads = _q_heads(n_heads, q_dev, kv.head_dim)
     n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
     if check_algorithm(algorithm) == "parity":
         raise ValueError("algorithm: the features need the split kernels ('auto' or 'split')")
@@ -523,6 +553,7 @@ def _pair_checked(
     """A pair decode's every argument checked, and its record (made on first use, outside
     a capture), device and whether its stream is another library's."""
     kv = _check_pair(pair, kv_layout)
+    n_heads = _q_heads(n_heads, q_dev, kv.head_dim)
     n_heads, n_kv, hd = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
     if check_algorithm(algorithm) == "parity":
         raise ValueError("algorithm: a (k_cache, v_cache) pair needs the split kernels ('auto')")

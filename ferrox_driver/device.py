@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+from typing import Any
 
 from ._driver import cu, drv, finalizer, init
 from .errors import ClosedError, NoDeviceError
+from .types import DeviceLike
 
-__all__ = ["Device", "cuda_available", "default_device", "device_count", "device_for"]
+__all__ = [
+    "Device",
+    "cuda_available",
+    "default_device",
+    "device_count",
+    "device_for",
+    "ordinal_of",
+]
 
 _A = cu.CUdevice_attribute
 _tls = threading.local()
@@ -171,14 +181,49 @@ def default_device() -> Device:
     return device_for(0)
 
 
-def resolve(device: Device | None) -> Device:
-    """The given device made current, or the default one.
+def resolve(device: DeviceLike) -> Device:
+    """The given device made current, or the default one: ``device`` is a Device, an int
+    ordinal, a ``torch.device`` or a string ``"cuda[:N]"`` (see ``ordinal_of``).
 
     Raises:
         ClosedError: ``device`` was closed.
+        TypeError, ValueError: ``device`` names no CUDA device (see ``ordinal_of``).
+        NoDeviceError: no driver or no such device.
     """
     if device is None:
         return default_device()
+    if not isinstance(device, Device):
+        return device_for(ordinal_of(device))
     device._check_open()
     device.activate()
     return device
+
+
+def ordinal_of(device: Any) -> int:
+    """The ordinal of the device that ``device`` names, without a driver call: a Device's,
+    an int (>= 0), a ``torch.device("cuda", i)`` or ``"cuda:i"``; with no index (``"cuda"``),
+    PyTorch's current device where PyTorch has set up CUDA, else 0 (torch is never imported).
+
+    Raises:
+        TypeError, ValueError: naming ``device``.
+    """
+    if isinstance(device, Device):
+        return device.ordinal
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"device: expected an ordinal >= 0, got {device}")
+        return device
+    cls = type(device)
+    if isinstance(device, str) or (cls.__module__ == "torch" and cls.__name__ == "device"):
+        kind, sep, index = str(device).partition(":")
+        if kind != "cuda" or (sep and not index.isdigit()):
+            raise ValueError(f"device: expected a CUDA device ('cuda' or 'cuda:N'), got {device!r}")
+        if index:
+            return int(index)
+        torch = sys.modules.get("torch")  # (a torch.device: torch is imported)
+        cuda = getattr(torch, "cuda", None)
+        return int(cuda.current_device()) if cuda is not None and cuda.is_initialized() else 0
+    raise TypeError(
+        f"device: expected a ferrox_driver.Device, an int ordinal, a torch.device or 'cuda:N', "
+        f"got {cls.__name__}"
+    )

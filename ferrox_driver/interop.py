@@ -19,7 +19,14 @@ import numpy as np
 from . import dlpack
 from ._driver import cu, drv
 
-__all__ = ["ArrayRef", "array_ref", "pointer_ordinal", "read_dlpack", "register_reader"]
+__all__ = [
+    "ArrayRef",
+    "array_ref",
+    "is_torch",
+    "pointer_ordinal",
+    "read_dlpack",
+    "register_reader",
+]
 
 # (ptr, shape, dtype, device ordinal, C-contiguous, owner to keep alive or None)
 ArrayRef = tuple[int, tuple[int, ...], np.dtype, int, bool, Any]
@@ -145,6 +152,18 @@ def _reader_for(cls: type, obj: Any, name: str) -> Reader | None:
     if hasattr(obj, "__cuda_array_interface__"):
         return _read_cai
     raise TypeError(f"{name}: expected a numpy array or a device array, got {cls.__name__}")
+
+
+def is_torch(obj: Any) -> bool:
+    """Whether ``obj`` is a PyTorch tensor (read by the torch reader; torch is not imported).
+    One dict lookup once ``array_ref`` has met the type."""
+    reader = _readers.get(type(obj), _UNSEEN)
+    if reader is _UNSEEN:
+        return type(obj).__module__.split(".", 1)[0] == "torch" and hasattr(obj, "data_ptr")
+    return reader is _read_torch
+
+
+_UNSEEN: Any = object()  # is_torch: a type array_ref has not met yet
 
 
 def array_ref(obj: Any, name: str) -> ArrayRef | None:

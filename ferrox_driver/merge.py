@@ -13,6 +13,7 @@ from .interop import array_ref
 from .memory import DeviceArray, empty
 from .module_cache import get_kernel
 from .reference import merge_states_host
+from .stream import call_stream
 from .types import ArrayLike, DeviceArrayLike, HostArrayLike, StreamLike
 from .validation import dtype_name
 
@@ -48,7 +49,8 @@ def merge_states(
         outs: ``(parts, n_heads, head_dim)`` (or ``(parts, n_heads * head_dim)``): numpy
             (any float) or a device array (float32, float16 or bfloat16).
         lses: ``(parts, n_heads)``, natural log: numpy, or a float32 device array.
-        stream: the device form's stream (no host work: capturable).
+        stream: the device form's stream (no host work: capturable; None: PyTorch's
+            current stream for PyTorch tensors, else the legacy default stream).
         out: the device form's output, ``(n_heads, head_dim)`` elements of outs' dtype
             (default: a new device array).
         out_lse: the device form's LSE output, ``n_heads`` float32 (default: new).
@@ -82,6 +84,7 @@ def merge_states(
                          f"{parts}, n_heads = {n_heads} (lses), got {oshape}")  # fmt: skip
     if lordinal != ordinal:
         raise ValueError(f"lses: on device {lordinal}, but outs on device {ordinal}")
+    stream = call_stream(stream, outs, ordinal)
     head_dim = math.prod(oshape[1:]) // n_heads
     dev = device_for(ordinal)
     result = _output(out, "out", (n_heads, head_dim), odtype, ordinal, dev)

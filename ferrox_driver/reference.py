@@ -10,7 +10,7 @@ import numpy as np
 
 from .features import check_features
 from .types import HostArrayLike
-from .validation import check_decode_args
+from .validation import check_decode_args, check_head_major_args, check_kv_layout
 
 __all__ = ["merge_states_host", "reference_gqa_decode"]
 
@@ -21,15 +21,16 @@ def reference_gqa_decode(
     k: HostArrayLike,
     v: HostArrayLike,
     *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: HostArrayLike | None = None,
     alibi_slopes: HostArrayLike | None = None,
     scale: float | None = None,
     return_lse: Literal[False] = False,
+    kv_layout: str = "NHD",
 ) -> np.ndarray: ...
 @overload
 def reference_gqa_decode(
@@ -37,15 +38,16 @@ def reference_gqa_decode(
     k: HostArrayLike,
     v: HostArrayLike,
     *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: HostArrayLike | None = None,
     alibi_slopes: HostArrayLike | None = None,
     scale: float | None = None,
     return_lse: Literal[True],
+    kv_layout: str = "NHD",
 ) -> tuple[np.ndarray, np.ndarray]: ...
 @overload
 def reference_gqa_decode(
@@ -53,30 +55,32 @@ def reference_gqa_decode(
     k: HostArrayLike,
     v: HostArrayLike,
     *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: HostArrayLike | None = None,
     alibi_slopes: HostArrayLike | None = None,
     scale: float | None = None,
     return_lse: bool,
+    kv_layout: str = "NHD",
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]: ...
 def reference_gqa_decode(
     q: HostArrayLike,
     k: HostArrayLike,
     v: HostArrayLike,
     *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: HostArrayLike | None = None,
     alibi_slopes: HostArrayLike | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    kv_layout: str = "NHD",
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Attention of one query token over a KV cache, in float64 on the CPU: the definition
     the kernels are tested against.
@@ -89,10 +93,14 @@ def reference_gqa_decode(
     ``exp(sink_h)`` with sinks, which carry no value), and ``lse = log(denominator)``.
 
     Args:
-        q: ``(n_heads*head_dim,)`` or ``(n_heads, head_dim)``.
+        q: ``(n_heads*head_dim,)``, ``(n_heads, head_dim)`` or ``(1, n_heads, 1,
+            head_dim)`` (PyTorch SDPA's one token); any floating dtype (float8 and
+            bfloat16 read by value: an fp8 cache's scales are not applied, see
+            ``KVCache.dequantized``).
         k: ``(seq_len*n_kv_heads*head_dim,)`` or ``(seq_len, n_kv_heads, head_dim)``.
         v: like ``k``.
-        n_heads: query heads, a multiple of ``n_kv_heads``.
+        n_heads: query heads, a multiple of ``n_kv_heads``; as `gqa_decode`, optional
+            where the shapes say it, as are ``n_kv_heads`` and ``head_dim``.
         n_kv_heads: KV heads.
         head_dim: elements per head.
         sliding_window: attend to the last ``sliding_window`` tokens only.
@@ -101,6 +109,8 @@ def reference_gqa_decode(
         alibi_slopes: one ALiBi slope per query head.
         scale: the score scale (default ``1/sqrt(head_dim)``).
         return_lse: also return the log-sum-exp per query head.
+        kv_layout: ``"NHD"`` (``k`` as above) or ``"HND"``: ``(n_kv_heads, seq_len,
+            head_dim)`` or ``(1, n_kv_heads, seq_len, head_dim)``, as `gqa_decode`.
 
     Returns:
         float64 array of q's shape (zeros where a head attends to nothing: seq_len 0);
@@ -110,15 +120,27 @@ def reference_gqa_decode(
     Raises:
         ValueError, TypeError: as `ferrox_driver.gqa_decode`, naming the argument.
     """
-    spec = check_decode_args(q, k, v, n_heads, n_kv_heads, head_dim, allow_device=False)
+    names = ("q", "k", "v")
+    if check_kv_layout(kv_layout) == "HND":
+        spec, _ = check_head_major_args(
+            q, k, v, n_heads, n_kv_heads, head_dim, allow_device=False, names=names
+        )
+    else:
+        spec = check_decode_args(
+            q, k, v, n_heads, n_kv_heads, head_dim, allow_device=False, names=names
+        )
+    n_heads, n_kv_heads, head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
     feats = check_features(
         n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
         alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse, allow_device=False,
     )  # fmt: skip
     seq = spec.seq_len
     qh = np.asarray(q, dtype=np.float64).reshape(n_heads, head_dim)
-    kh = np.asarray(k, dtype=np.float64).reshape(seq, n_kv_heads, head_dim)
-    vh = np.asarray(v, dtype=np.float64).reshape(seq, n_kv_heads, head_dim)
+    kh, vh = (np.asarray(a, dtype=np.float64) for a in (k, v))
+    if kv_layout == "HND":  # [kv_head][token] -> [token][kv_head]
+        kh, vh = (a.reshape(n_kv_heads, seq, head_dim).transpose(1, 0, 2) for a in (kh, vh))
+    kh = kh.reshape(seq, n_kv_heads, head_dim)
+    vh = vh.reshape(seq, n_kv_heads, head_dim)
     first = feats.window_start(seq)
     kh, vh = kh[first:], vh[first:]
     group = n_heads // n_kv_heads

@@ -2,31 +2,35 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._driver import cu, drv, finalizer
-from .device import Device, resolve
+from .device import resolve
 from .errors import ClosedError
-from .types import StreamLike
+from .interop import is_torch
+from .types import DeviceLike, StreamLike
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from .graph import Graph
 
-__all__ = ["Event", "Stream", "stream_handle", "stream_key"]
+__all__ = ["Event", "Stream", "call_stream", "stream_handle", "stream_key", "torch_stream"]
 
 
 class Stream:
     """A CUDA stream: an ordered queue of device work.
 
     Args:
-        device: the device to create it on (default: device 0).
+        device: the device to create it on (a Device, an int, a ``torch.device`` or
+            ``"cuda:N"``; default: device 0).
         non_blocking: when True the stream does not synchronise with the legacy default
             stream (``CU_STREAM_NON_BLOCKING``).
     """
 
-    def __init__(self, device: Device | None = None, *, non_blocking: bool = False) -> None:
+    def __init__(self, device: DeviceLike = None, *, non_blocking: bool = False) -> None:
         self.device = resolve(device)
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING if non_blocking else 0
         self._handle = drv("cuStreamCreate", flags)
@@ -35,7 +39,7 @@ class Stream:
         self._finalizer = finalizer(self, "cuStreamDestroy", self._handle)
 
     @classmethod
-    def from_handle(cls, handle: int, device: Device | None = None) -> Stream:
+    def from_handle(cls, handle: int, device: DeviceLike = None) -> Stream:
         """Wrap a stream made elsewhere (e.g. ``torch.cuda.current_stream().cuda_stream``).
 
         The stream is borrowed: closing the wrapper does not destroy it.
@@ -164,6 +168,45 @@ def stream_key(stream: Any) -> int:
     )
 
 
+_torch_current: Callable[[int], int] | None = None  # torch's current-stream reader, once found
+
+
+def torch_stream(ordinal: int) -> int:
+    """The int handle of PyTorch's current stream on device ``ordinal``
+    (``torch.cuda.current_stream(ordinal).cuda_stream``): what ``stream=None`` means for
+    calls on PyTorch tensors. Only called once a tensor was passed, so torch is imported
+    already; its raw reader (the one Inductor's generated code calls) is looked up once."""
+    read = _torch_current
+    if read is None:
+        read = _find_torch_current()
+    return read(ordinal)
+
+
+def _find_torch_current() -> Callable[[int], int]:
+    global _torch_current
+    torch = sys.modules["torch"]
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def public(ordinal: int) -> int:
+        return int(torch.cuda.current_stream(ordinal).cuda_stream)
+
+    _torch_current = read = public if raw is None else raw
+    return read
+
+
+def call_stream(stream: Any, array: Any, ordinal: int | None = None) -> Any:
+    """The stream a call on device array ``array`` runs on: ``stream`` as given, or for
+    ``stream=None`` with a PyTorch CUDA tensor, the int handle of PyTorch's current stream
+    on its device (``ordinal``, default the tensor's), so that work inside ``with
+    torch.cuda.stream(s)`` or a ``torch.cuda.graph`` capture runs on ``s``. Costs one dict
+    lookup otherwise."""
+    if stream is None and is_torch(array):
+        at = array.get_device() if ordinal is None else ordinal
+        if at >= 0:  # (a CPU tensor: refused by the caller's checks)
+            return torch_stream(at)
+    return stream
+
+
 class Event:
     """A CUDA event: a marker in a stream, for ordering and timing.
 
@@ -172,7 +215,7 @@ class Event:
         device: the device (default: device 0).
     """
 
-    def __init__(self, timing: bool = True, *, device: Device | None = None) -> None:
+    def __init__(self, timing: bool = True, *, device: DeviceLike = None) -> None:
         self.device = resolve(device)
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT
         if not timing:

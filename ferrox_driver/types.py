@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Any, TypeAlias
 
-__all__ = ["ArrayLike", "DTypeLike", "DeviceArrayLike", "HostArrayLike", "KernelArg", "StreamLike"]
+__all__ = [
+    "ArrayLike",
+    "DTypeLike",
+    "DeviceArrayLike",
+    "DeviceLike",
+    "HostArrayLike",
+    "KernelArg",
+    "StreamLike",
+]
 
 DeviceArrayLike: TypeAlias = Any
 """A ferrox `DeviceArray`, a PyTorch tensor or CuPy array on the GPU, or any object with
@@ -20,7 +28,12 @@ ArrayLike: TypeAlias = Any
 
 StreamLike: TypeAlias = Any
 """A ferrox `Stream`, any object with `__cuda_stream__` (cuda.core, PyTorch, CuPy), a
-PyTorch or CuPy stream, an int handle, or None (the legacy default stream)."""
+PyTorch or CuPy stream, an int handle, or None (the legacy default stream; with PyTorch
+tensors among the arrays, PyTorch's current stream on their device)."""
+
+DeviceLike: TypeAlias = Any
+"""A ferrox `Device`, an int ordinal, a `torch.device("cuda", i)`, a string `"cuda:i"`, or
+None (the default: device 0). `"cuda"` with no index is PyTorch's current device."""
 
 DTypeLike: TypeAlias = Any
 """A numpy dtype or scalar type, `ml_dtypes.bfloat16`, a name such as `"bf16"`, `"f16"`,

@@ -160,12 +160,118 @@ class DecodeSpec:
 
 
 def check_q(info: ArrayInfo, n_heads: int, head_dim: int, name: str = "q") -> None:
+    """q of ``n_heads`` heads of ``head_dim``: flat, ``(n_heads, head_dim)`` or PyTorch
+    SDPA's one token of a batch of one, ``(1, n_heads, 1, head_dim)``."""
     flat = (n_heads * head_dim,)
-    if info.shape not in (flat, (n_heads, head_dim)):
+    if info.shape not in (flat, (n_heads, head_dim), (1, n_heads, 1, head_dim)):
         raise ValueError(
-            f"{name}: expected shape {flat} or {(n_heads, head_dim)} for n_heads={n_heads}, "
-            f"head_dim={head_dim}, got {info.shape}"
+            f"{name}: expected shape {flat}, {(n_heads, head_dim)} or "
+            f"{(1, n_heads, 1, head_dim)} for n_heads={n_heads}, head_dim={head_dim}, got "
+            f"{tuple(info.shape)}"
         )
+
+
+def q_heads(shape: tuple[int, ...], head_dim: int, n_heads: Any = None, name: str = "q") -> int:
+    """The query heads of a q of ``shape`` over heads of ``head_dim``, read from the shape
+    (flat, ``(n_heads, head_dim)`` or ``(1, n_heads, 1, head_dim)``); ``n_heads``, when
+    given, must agree.
+
+    Raises:
+        TypeError, ValueError: naming ``n_heads`` (not an int, or not what q holds) or
+            ``name`` (a shape of no whole heads).
+    """
+    if n_heads is not None:
+        n_heads = check_int(n_heads, "n_heads")
+    qs = tuple(shape)
+    found = 0
+    if len(qs) == 2 and qs[1] == head_dim:
+        found = qs[0]
+    elif len(qs) == 4 and qs[0] == 1 and qs[2] == 1 and qs[3] == head_dim:
+        found = qs[1]
+    elif len(qs) == 1 and qs[0] % head_dim == 0:
+        found = qs[0] // head_dim
+    if found < 1:
+        if n_heads is not None:
+            check_q(ArrayInfo(qs, np.dtype(np.float32), False), n_heads, head_dim, name)
+        raise ValueError(
+            f"{name}: expected shape (n_heads*{head_dim},), (n_heads, {head_dim}) or "
+            f"(1, n_heads, 1, {head_dim}) with n_heads >= 1, got {qs}"
+        )
+    if n_heads is not None and n_heads != found:
+        raise ValueError(
+            f"n_heads: {n_heads} given, but {name} of shape {qs} holds {found} heads of "
+            f"head_dim {head_dim}"
+        )
+    return found
+
+
+def read_dims(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    n_heads: Any,
+    n_kv_heads: Any,
+    head_dim: Any,
+    *,
+    layout: str = "NHD",
+    names: tuple[str, str] = ("q", "k_cache"),
+) -> tuple[int, int, int]:
+    """``(n_heads, n_kv_heads, head_dim)`` of a decode: each given one checked (an int in
+    range; the three together as `check_dims`), the others read from the shapes: K's
+    ``(seq_len, n_kv_heads, head_dim)`` (``layout`` "NHD") or ``([1,] n_kv_heads, seq_len,
+    head_dim)`` ("HND"), then q's (`q_heads`). A given value the shapes contradict is a
+    ValueError naming it; one no shape says (a flat K) and not given, a TypeError naming it.
+    """
+    q_name, k_name = names
+    n_heads = None if n_heads is None else check_int(n_heads, "n_heads")
+    n_kv_heads = None if n_kv_heads is None else check_int(n_kv_heads, "n_kv_heads")
+    head_dim = None if head_dim is None else check_int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
+    if n_heads is not None and n_kv_heads is not None and head_dim is not None:
+        check_dims(n_heads, n_kv_heads, head_dim)  # the given ones agree among themselves
+    ks, qs = tuple(k_shape), tuple(q_shape)
+    if layout == "NHD" and len(ks) == 4:
+        raise ValueError(
+            f"{k_name}: expected (seq_len, n_kv_heads, head_dim) or flat, got shape {ks}: a "
+            f"4-D cache (1, n_kv_heads, seq_len, head_dim) is PyTorch SDPA's head-major "
+            f"layout: pass kv_layout='HND'"
+        )
+    if layout == "NHD":
+        shaped = ks[1:] if len(ks) == 3 else None
+        form = "(seq_len, n_kv_heads, head_dim)"
+    else:
+        shaped = (ks[-3], ks[-1]) if len(ks) == 3 or (len(ks) == 4 and ks[0] == 1) else None
+        form = "([1,] n_kv_heads, seq_len, head_dim), kv_layout='HND'"
+    if shaped is not None:
+        for given, found, name, what in (
+            (n_kv_heads, shaped[0], "n_kv_heads", "KV heads"),
+            (head_dim, shaped[1], "head_dim", "elements per head"),
+        ):  # fmt: skip
+            if given is not None and given != found:
+                raise ValueError(
+                    f"{name}: {given} given, but {k_name} of shape {ks} holds {found} {what} "
+                    f"(read as {form})"
+                )
+        n_kv_heads, head_dim = shaped
+        where = f"read from {k_name}'s shape {ks}"
+    elif head_dim is None:
+        if len(qs) not in (2, 4):
+            raise TypeError(
+                f"head_dim: required: neither {k_name} of shape {ks} nor {q_name} of shape "
+                f"{qs} says it"
+            )
+        head_dim, where = qs[-1], f"read from {q_name}'s shape {qs}"
+    else:
+        where = "given"
+    if n_kv_heads is None:
+        raise TypeError(f"n_kv_heads: required: a flat {k_name} (shape {ks}) does not say it")
+    for value, name, high in (
+        (n_kv_heads, "n_kv_heads", None),
+        (head_dim, "head_dim", MAX_HEAD_DIM),
+    ):
+        if value < 1 or (high is not None and value > high):
+            bound = f"1..{high}" if high is not None else ">= 1"
+            raise ValueError(f"{name}: expected {bound}, got {value} ({where})")
+    n_heads = q_heads(qs, head_dim, n_heads, q_name)
+    return check_dims(n_heads, n_kv_heads, head_dim)
 
 
 def kv_rows(info: ArrayInfo, n_kv_heads: int, head_dim: int, name: str) -> int:
@@ -195,17 +301,19 @@ def check_decode_args(
     head_dim: Any,
     *,
     allow_device: bool = True,
+    names: tuple[str, str, str] = ("q", "k_cache", "v_cache"),
 ) -> DecodeSpec:
-    """Validate a decode call's arguments; raise naming the first bad one."""
-    n_heads, n_kv_heads, head_dim = check_dims(n_heads, n_kv_heads, head_dim)
-    qi = array_info(q, "q", allow_device=allow_device)
-    ki = array_info(k, "k_cache", allow_device=allow_device)
-    vi = array_info(v, "v_cache", allow_device=allow_device)
+    """Validate a decode call's arguments (``names``: how the caller calls q, K and V;
+    dims None: read from the shapes, `read_dims`); raise naming the first bad one.
+    ``allow_device=False`` (the float64 reference): numpy arrays of any floating dtype."""
+    qi, ki, vi = (
+        array_info(a, n, allow_device=allow_device) for a, n in zip((q, k, v), names, strict=True)
+    )
     if not allow_device:
-        for info, name in ((qi, "q"), (ki, "k_cache"), (vi, "v_cache")):
-            if info.dtype.kind != "f" and info.dtype != np.dtype(ml_dtypes.bfloat16):
-                raise TypeError(f"{name}: expected a floating-point array, got {info.dtype}")
-        return _check_shapes(qi, ki, vi, n_heads, n_kv_heads, head_dim, qi.dtype)
+        for info, name in zip((qi, ki, vi), names, strict=True):
+            _check_float(info, name)
+        dims = read_dims(qi.shape, ki.shape, n_heads, n_kv_heads, head_dim, names=names[:2])
+        return _check_shapes(qi, ki, vi, *dims, qi.dtype, names)
     if not qi.on_device == ki.on_device == vi.on_device:
         raise TypeError(
             "q, k_cache, v_cache: pass all three as numpy arrays or all three as device "
@@ -216,13 +324,30 @@ def check_decode_args(
     return check_decode_infos(qi, ki, vi, n_heads, n_kv_heads, head_dim)
 
 
+# ml_dtypes' floating formats, by name (numpy calls them kind "V")
+_ML_FLOATS = frozenset(
+    ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+     "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu", "float6_e2m3fn",
+     "float6_e3m2fn", "float4_e2m1fn")
+)  # fmt: skip
+
+
+def _check_float(info: ArrayInfo, name: str) -> None:
+    """A host array the float64 reference reads: any floating dtype, ml_dtypes' included."""
+    if info.dtype.kind != "f" and info.dtype.name not in _ML_FLOATS:
+        raise TypeError(
+            f"{name}: expected a floating-point array (float64, float32, float16, bfloat16, "
+            f"float8), got {info.dtype}"
+        )
+
+
 def check_decode_infos(
     qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, n_heads: Any, n_kv_heads: Any, head_dim: Any
 ) -> DecodeSpec:
-    """Validate what a decode's kernels need of q, K and V (dtypes, shapes); raise naming
-    the first bad one."""
-    n_heads, n_kv_heads, head_dim = check_dims(n_heads, n_kv_heads, head_dim)
-    return _check_shapes(qi, ki, vi, n_heads, n_kv_heads, head_dim, _check_dtypes(qi, ki, vi))
+    """Validate what a decode's kernels need of q, K and V (dtypes, shapes; dims None: read
+    from the shapes); raise naming the first bad one."""
+    dims = read_dims(qi.shape, ki.shape, n_heads, n_kv_heads, head_dim)
+    return _check_shapes(qi, ki, vi, *dims, _check_dtypes(qi, ki, vi))
 
 
 def _check_dtypes(qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> np.dtype:
@@ -243,13 +368,15 @@ def _check_shapes(
     n_kv_heads: int,
     head_dim: int,
     dtype: np.dtype,
+    names: tuple[str, str, str] = ("q", "k_cache", "v_cache"),
 ) -> DecodeSpec:
-    check_q(qi, n_heads, head_dim)
-    seq_k = kv_rows(ki, n_kv_heads, head_dim, "k_cache")
-    seq_v = kv_rows(vi, n_kv_heads, head_dim, "v_cache")
+    q_name, k_name, v_name = names
+    check_q(qi, n_heads, head_dim, q_name)
+    seq_k = kv_rows(ki, n_kv_heads, head_dim, k_name)
+    seq_v = kv_rows(vi, n_kv_heads, head_dim, v_name)
     if ki.shape != vi.shape:
         raise ValueError(
-            f"v_cache: expected k_cache's shape {ki.shape} ({seq_k} tokens), got {vi.shape} "
+            f"{v_name}: expected {k_name}'s shape {ki.shape} ({seq_k} tokens), got {vi.shape} "
             f"({seq_v} tokens)"
         )
     check_tokens(seq_k, "k_cache")
@@ -356,24 +483,56 @@ def head_major_rows(
 
 
 def check_head_major_args(
-    q: Any, k: Any, v: Any, n_heads: Any, n_kv_heads: Any, head_dim: Any
+    q: Any,
+    k: Any,
+    v: Any,
+    n_heads: Any,
+    n_kv_heads: Any,
+    head_dim: Any,
+    *,
+    allow_device: bool = True,
+    names: tuple[str, str, str] = ("q", "k_cache", "v_cache"),
 ) -> tuple[DecodeSpec, int]:
     """``check_decode_args`` for head-major K and V (``head_major_rows``): the spec, and
     the elements from one KV head's rows to the next's, which K and V share."""
-    n_heads, n_kv_heads, head_dim = check_dims(n_heads, n_kv_heads, head_dim)
-    qi = array_info(q, "q")
-    ki, seq_k, stride_k = head_major_rows(k, "k_cache", n_kv_heads, head_dim)
-    vi, _, stride_v = head_major_rows(v, "v_cache", n_kv_heads, head_dim)
+    q_name, k_name, v_name = names
+    qi = array_info(q, q_name, allow_device=allow_device)
+    n_heads, n_kv_heads, head_dim = read_dims(
+        qi.shape, _shape(k, k_name, allow_device), n_heads, n_kv_heads, head_dim,
+        layout="HND", names=(q_name, k_name),
+    )  # fmt: skip
+    ki, seq_k, stride_k = head_major_rows(
+        k, k_name, n_kv_heads, head_dim, allow_device=allow_device
+    )
+    vi, _, stride_v = head_major_rows(v, v_name, n_kv_heads, head_dim, allow_device=allow_device)
     if not qi.on_device == ki.on_device == vi.on_device:
         raise TypeError(
             "q, k_cache, v_cache: pass all three as numpy arrays or all three as device arrays"
         )
-    dtype = _check_dtypes(qi, ki, vi)
-    check_q(qi, n_heads, head_dim)
+    if allow_device:
+        dtype = _check_dtypes(qi, ki, vi)
+    else:
+        dtype = qi.dtype
+        for info, name in zip((qi, ki, vi), names, strict=True):
+            _check_float(info, name)
+    check_q(qi, n_heads, head_dim, q_name)
     if ki.shape != vi.shape or stride_k != stride_v:
         raise ValueError(
-            f"v_cache: expected k_cache's shape {ki.shape} and head stride {stride_k}, got "
+            f"{v_name}: expected {k_name}'s shape {ki.shape} and head stride {stride_k}, got "
             f"{vi.shape} and {stride_v}"
         )
     spec = DecodeSpec(n_heads, n_kv_heads, head_dim, seq_k, dtype, qi.shape, qi.on_device)
     return spec, stride_k
+
+
+def _shape(obj: Any, name: str, allow_device: bool) -> tuple[int, ...]:
+    """The shape of a numpy or device array (TypeError naming ``name`` for anything else)."""
+    if isinstance(obj, np.ndarray):
+        return obj.shape
+    if not allow_device:
+        raise TypeError(f"{name}: expected a numpy array, got {type(obj).__name__}")
+    from .interop import array_ref
+
+    ref = array_ref(obj, name)
+    assert ref is not None  # numpy arrays are handled above
+    return tuple(ref[1])

@@ -40,7 +40,11 @@ def args(**over):
             ValueError,
             "k_cache: length 163 is not a multiple of n_kv_heads\\*head_dim",
         ),
-        (dict(k_cache=np.zeros((S, KV + 1, D), np.float32)), ValueError, "k_cache: expected shape"),
+        (
+            dict(k_cache=np.zeros((S, KV + 1, D), np.float32)),
+            ValueError,
+            r"n_kv_heads: 2 given, but k_cache of shape \(5, 3, 16\) holds 3 KV heads",
+        ),
         (
             dict(v_cache=np.zeros((S + 1) * KV * D, np.float32)),
             ValueError,
@@ -114,7 +118,8 @@ HND = np.zeros((KV, S, D), np.float32)
         (dict(kv_layout="hnd"), ValueError, "kv_layout: expected 'NHD'"),
         (dict(kv_layout=None), ValueError, "kv_layout: expected 'NHD'"),
         (dict(k_cache=np.zeros((S, KV, D), np.float32), v_cache=np.zeros((S, KV, D), np.float32)),
-         ValueError, r"k_cache: expected a head-major array of shape \(n_kv_heads"),
+         ValueError, r"n_kv_heads: 2 given, but k_cache of shape \(5, 2, 16\) holds 5 KV heads "
+         r"\(read as \(\[1,\] n_kv_heads, seq_len, head_dim\), kv_layout='HND'\)"),
         (dict(k_cache=np.zeros((2, KV, S, D), np.float32)), ValueError, "k_cache: expected a head"),
         (dict(v_cache=np.zeros((KV, S + 1, D), np.float32)), ValueError,
          "v_cache: expected k_cache's"),
@@ -138,7 +143,7 @@ def test_head_major_numpy_arrays_of_any_strides_pass_the_checks_as_their_copies(
     assert (spec.seq_len, stride) == (S, S * D)  # (copied in: contiguous)
     spec, stride = check_head_major_args(np.zeros(H * D, np.float32), HND, HND, H, KV, D)
     assert (spec.seq_len, stride) == (S, S * D)
-    with pytest.raises(ValueError, match="k_cache: expected a head-major"):
+    with pytest.raises(ValueError, match="n_kv_heads: 2 given, but k_cache of shape"):
         check_head_major_args(np.zeros(H * D, np.float32), big[0, :1], big[0, :1], H, KV, D)
     nhd = np.zeros((S, KV, D), np.float32)  # numpy: any strides (copied in, contiguous)
     spec, stride = check_head_major_args(np.zeros(H * D, np.float32), nhd.transpose(1, 0, 2),

@@ -123,8 +123,10 @@ def test_bad_device_arrays_are_refused_before_device_work() -> None:
         fd.gqa_decode(q, k, FakeCudaTensor((11, 2, 16)), **KW)
     with pytest.raises(ValueError, match="out: expected 128 elements of float16"):
         fd.gqa_decode(q, k, k, out=FakeCudaTensor((8, 8)), **KW)
-    with pytest.raises(TypeError, match=r"device: expected a ferrox_driver\.Device or None"):
+    with pytest.raises(ValueError, match="device: 5 given, but q is on device 0"):
         fd.gqa_decode(q, k, k, device=5, **KW)
+    with pytest.raises(TypeError, match=r"device: expected a ferrox_driver\.Device, an int"):
+        fd.gqa_decode(q, k, k, device=0.0, **KW)
     with pytest.raises(TypeError, match="stream: expected"):
         fd.gqa_decode(q, k, k, stream="cuda", **KW)
 
@@ -135,13 +137,15 @@ def test_numpy_calls_check_out_device_and_stream_before_copying(rng) -> None:
     k = rng.standard_normal((10, 2, 16)).astype(np.float32)
     with pytest.raises(TypeError, match="out: only accepted with device inputs"):
         fd.gqa_decode(q, k, k, out=np.empty_like(q), **KW)
+    with pytest.raises(ValueError, match="device: expected a CUDA device"):
+        fd.gqa_decode(q, k, k, device="cpu", **KW)
     with pytest.raises(TypeError, match=r"device: expected a ferrox_driver\.Device"):
-        fd.gqa_decode(q, k, k, device="cuda", **KW)
+        fd.gqa_decode(q, k, k, device=[0], **KW)
     with pytest.raises(TypeError, match="stream: expected"):
         fd.gqa_decode(q, k, k, stream=2.5, **KW)
     empty = np.zeros((0, 2, 16), np.float32)
-    with pytest.raises(TypeError, match="device: expected"):
-        fd.gqa_decode(q, empty, empty, device=0, **KW)  # even with nothing to decode
+    with pytest.raises(ValueError, match="device: expected an ordinal >= 0"):
+        fd.gqa_decode(q, empty, empty, device=-1, **KW)  # even with nothing to decode
 
 
 class ProtocolStream:
