@@ -12,18 +12,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .archs import ARCHS, FP8_FROM, TENSOR_CORES_FROM, ArchLimits, arch_limits, occupancy
+from .compiler import KernelResources, Program, kernel_source
 from .device import Device
 from .errors import CudaError, FerroxError
 from .kernel_traits import SPLIT_TRAITS, padded_stages
 from .launch import Kernel, PackedLaunch
 from .memory import DeviceArray, empty
-from .module_cache import get_kernel
+from .module_cache import get_kernel, get_program
 from .validation import dtype_name
 
 __all__ = [
@@ -35,6 +37,8 @@ __all__ = [
     "Overrides",
     "SplitPlan",
     "Tuning",
+    "arch_traits",
+    "fitting",
     "parity_launches",
     "plan",
     "plan_split",
@@ -404,6 +408,16 @@ class SplitPlan:
         cluster plan, whose partials stay on chip)."""
         return 0 if self.cluster else n_heads * self.splits * (head_dim + 2)
 
+    def grid(self, n_kv_heads: int) -> tuple[int, int, int]:
+        """The split kernel's grid for a cache of ``n_kv_heads`` KV heads: the tensor-core
+        kernels' (chunks, KV heads x head tiles; a paired plan's KV heads are the pairs,
+        a cluster plan's clusters run along x), the CUDA-core ones' (head tiles, chunks,
+        KV heads: a chunk's head tiles adjacent in launch order)."""
+        if not self.tensor_cores:
+            return (self.head_tiles, self.splits, n_kv_heads)
+        launch_kv = n_kv_heads // 2 if self.paired else n_kv_heads
+        return (self.splits, launch_kv * self.head_tiles, 1)
+
     def shared_bytes(self, head_dim: int, itemsize: int) -> int:
         """Dynamic shared memory of the split kernel: the tensor-core kernels' per-warp ring
         of K/V steps (warps * stages * step tokens * (K, V) * head_dim elements; as much
@@ -428,6 +442,33 @@ def cluster_recv_bytes(head_dim: int) -> int:
     file, whose launches trap with less): maxima and sums of every block's heads, and the
     block's share of the output units from every block."""
     return 4 * (MAX_CLUSTER * 16 + (2 * head_dim + MAX_CLUSTER) * 4)
+
+
+# The tensor-core kernels' static shared memory (Q staged, the warps' merge) by head_dim, at
+# most: ptxas's numbers for sm_80 to sm_120 over every variant (features, fp8, clusters,
+# pairs, padding), rounded up (largest seen: fp16/bf16 1952, 2592, 4640 bytes; fp32 5120,
+# 9216, 17024). ``fitting`` adds them to a launch's dynamic shared memory to check it
+# against the device's limit per block; tests/test_arch_support.py checks every plan's sum.
+MMA_STATIC_SHARED = {64: 2048, 128: 3072, 256: 5120}
+TC32_STATIC_SHARED = {64: 5632, 128: 9728, 256: 17920}
+
+
+def fitting(
+    traits: DeviceTraits, head_dim: int, itemsize: int, plan: SplitPlan
+) -> SplitPlan | None:
+    """The tensor-core ``plan`` (q's ``itemsize``: 4 for the fp32 kernels) as a block of the
+    device can take it: its launch's shared memory (dynamic, with a cluster's receive area,
+    and its kernel's static) within ``traits.shared_per_block``, the reserve beyond the ring
+    given up step by step where needed (on GPUs of 99-163 KiB per block one block of the
+    ring alone fills a multiprocessor, which is what the reserve is for); None where the
+    ring itself does not fit (the planner then takes the CUDA-core kernels)."""
+    d = plan.kernel_head_dim or head_dim
+    static = (TC32_STATIC_SHARED if itemsize == 4 else MMA_STATIC_SHARED)[d]
+    while plan.shared_bytes(head_dim, itemsize) + static > traits.shared_per_block:
+        if plan.reserve_stages <= plan.stages:
+            return None
+        plan = dataclasses.replace(plan, reserve_stages=plan.reserve_stages - 1)
+    return plan
 
 
 # The tensor-core kernels' shape by head_dim: warps per block and each warp's ring of
@@ -527,6 +568,12 @@ class DeviceTraits:
             of ``cluster`` blocks resident at once on the device
             (cuOccupancyMaxActiveClusters; 0 where such a cluster cannot run).
         tuning: the thresholds (TUNING by arch, DEFAULT_TUNING elsewhere).
+        shared_per_block: the most shared memory (static + dynamic) a block may opt in to,
+            bytes (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN; default: an
+            H200's). Tensor-core plans whose ring does not fit take CUDA cores (``fitting``).
+
+    ``arch_traits(arch)`` makes the traits of a GPU of a supported architecture without
+    one (archs.ARCHS).
     """
 
     key: Any
@@ -536,6 +583,7 @@ class DeviceTraits:
     blocks_per_sm: Callable[[str, int, int], int]
     active_clusters: Callable[[str, int, int, int], int]
     tuning: Tuning = DEFAULT_TUNING
+    shared_per_block: int = ARCHS["sm_90"].shared_per_block
 
     @classmethod
     def of(cls, device: Device) -> DeviceTraits:
@@ -573,7 +621,72 @@ def _read_traits(device: Device) -> DeviceTraits:
     return DeviceTraits(
         device.context_handle, device.arch, device.compute_capability,
         device.multiprocessor_count, blocks_per_sm, active_clusters,
-        TUNING.get(device.arch, DEFAULT_TUNING),
+        TUNING.get(device.arch, DEFAULT_TUNING), device.max_shared_per_block_optin,
+    )  # fmt: skip
+
+
+def split_program(names: Sequence[str], arch: str) -> Program:
+    """The split kernels ``names`` (with their ``_cluster`` twins) compiled for ``arch`` in
+    one module, through the module cache (memory and disk); for one name, the very module
+    that ``split_kernel`` loads on a GPU of ``arch``. No GPU needed.
+
+    Raises:
+        ValueError: no split kernel has one of the names, or a bad ``arch``.
+    """
+    select = "\n".join(dict.fromkeys(split_entry(name) for name in names))
+    source = f"#define FX_SELECTED 1\n{kernel_source(SPLIT_FILE)}\n{select}\n"
+    return get_program(source, arch=arch, name=SPLIT_FILE)
+
+
+def arch_traits(
+    arch: str, resources: Callable[[str], KernelResources] | None = None
+) -> DeviceTraits:
+    """Hand-made traits of a GPU of ``arch`` (one of archs.ARCHS: its limits, its GPU's
+    multiprocessors), for planning without one: a kernel's blocks per multiprocessor from
+    the limits and its registers and static shared memory as ptxas reports them
+    (``resources``: kernel name -> KernelResources; default: the kernel compiled for
+    ``arch`` by ``split_program``), and resident clusters from a model of the GPCs (whole
+    clusters within each; a real device's driver knows better).
+
+    Raises:
+        ValueError: ``arch`` is not in archs.ARCHS.
+    """
+    limits = arch_limits(arch)
+    seen: dict[str, KernelResources] = {}
+
+    def kernel_resources(kernel: str) -> KernelResources:
+        found = seen.get(kernel)
+        if found is None:
+            found = seen[kernel] = (
+                resources(kernel) if resources else split_program([kernel], arch).resources[kernel]
+            )
+        return found
+
+    def blocks(kernel: str, threads: int, shared: int) -> int:
+        r = kernel_resources(kernel)
+        return occupancy(limits, threads, shared, r.registers, r.shared_bytes)
+
+    def blocks_per_sm(kernel: str, threads: int, shared: int) -> int:
+        return max(1, blocks(kernel, threads, shared))
+
+    def active_clusters(kernel: str, cluster: int, threads: int, shared: int) -> int:
+        if not 0 < cluster <= limits.max_cluster:
+            return 0
+        gpcs = limits.multiprocessor_count // limits.gpc_sms
+        return gpcs * (limits.gpc_sms * blocks(kernel, threads, shared) // cluster)
+
+    return _limits_traits(limits, blocks_per_sm, active_clusters)
+
+
+def _limits_traits(
+    limits: ArchLimits,
+    blocks_per_sm: Callable[[str, int, int], int],
+    active_clusters: Callable[[str, int, int, int], int],
+) -> DeviceTraits:
+    return DeviceTraits(
+        ("arch", limits.arch), limits.arch, limits.compute_capability,
+        limits.multiprocessor_count, blocks_per_sm, active_clusters,
+        TUNING.get(limits.arch, DEFAULT_TUNING), limits.shared_per_block,
     )  # fmt: skip
 
 
@@ -667,6 +780,12 @@ def _fp8_plan(
     """``plan`` for an fp8 cache (see there)."""
     if fp8 not in FP8_FORMATS:
         raise ValueError(f"fp8: expected one of {sorted(FP8_FORMATS)}, got {fp8!r}")
+    if traits.compute_capability < FP8_FROM:
+        major, minor = traits.compute_capability
+        raise ValueError(
+            f"fp8: fp8 caches need compute capability 8.9 or newer, this GPU ({traits.arch}) "
+            f"has {major}.{minor}"
+        )
     # No wide plans: their 64 blocks read an fp8 cache at 2.96 TB/s where the plans of a
     # full wave read 3.91 (H200, 32/8/128 at 131072 tokens, 90.7 vs 68.6 us; same at 64/8),
     # as the widening costs each block more work per byte. No pairs (the kernels take none).
@@ -678,8 +797,10 @@ def _fp8_plan(
     if not found.kernel.startswith(prefix) or head_dim % 8:
         raise ValueError(
             f"fp8: no kernel for q {np.dtype(dtype)}, head_dim {head_dim} and groups of "
-            f"{n_heads // n_kv_heads} (fp8 caches take fp16/bf16 q, head_dims that are "
-            f"multiples of 8 and groups up to 16)"
+            f"{n_heads // n_kv_heads} on {traits.arch} (fp8 caches take fp16/bf16 q, head_dims "
+            f"that are multiples of 8, groups up to 16, and a tensor-core ring that fits the "
+            f"GPU's {traits.shared_per_block // 1024} KiB of shared memory per block: on GPUs "
+            f"of 99 KiB, head_dims up to 128)"
         )
     rest = found.kernel.removesuffix("_cluster")[len(prefix) :]
     kernel = f"{prefix}{fp8}_{rest}_x{features}" + ("_cluster" if found.cluster else "")
@@ -702,45 +823,56 @@ def _plan(
     tuning = traits.tuning
     group = n_heads // n_kv_heads
     name = dtype_name(np.dtype(dtype))
-    stages, step_tokens, reserve, padded_to = 0, 16, 0, 0
-    mma_dim = mma_head_dim(head_dim, ov) if name != "f32" else None
-    pair_dim = mma_head_dim(2 * head_dim, ov) if name != "f32" else None
+    tensor_cores = traits.compute_capability >= TENSOR_CORES_FROM
+    mma_dim = mma_head_dim(head_dim, ov) if name != "f32" and tensor_cores else None
+    pair_dim = mma_head_dim(2 * head_dim, ov) if name != "f32" and tensor_cores else None
     paired_from = dict(tuning.paired_from).get(head_dim)
     pays = paired_from is not None and plan_seq >= paired_from and 2 * group <= 8
     if (
         (ov.paired or (ov.paired is None and pays)) and pair_dim is not None
         and head_dim % 8 == 0 and n_kv_heads % 2 == 0 and 2 * group <= 16 and aligned
     ):  # fmt: skip
-        return _paired_plan(traits, name, n_heads, n_kv_heads, head_dim, plan_seq, pair_dim)
+        paired = _paired_plan(traits, name, n_heads, n_kv_heads, head_dim, plan_seq, pair_dim)
+        if paired is not None:
+            return paired
+    chosen: SplitPlan | None = None
     if mma_dim is not None and group <= 16 and aligned:  # 9-16: two tiles of 8 heads
-        kname, tc, tiles, lpt = f"gqa_split_mma_{name}_d{mma_dim}", True, -(-group // 8), 32
+        tiles = -(-group // 8)
+        kname = f"gqa_split_mma_{name}_d{mma_dim}"
         if mma_dim != head_dim:
-            kname, padded_to = f"{kname}_r{head_dim}", mma_dim
+            kname = f"{kname}_r{head_dim}"
         if tiles > 1:
             kname = f"{kname}_t{tiles}"
-        threads = 32 * MMA_WARPS[mma_dim]
-        stages = padded_stages(mma_dim, head_dim) or MMA_STAGES[mma_dim]
-        reserve = MMA_RESERVE_STAGES[mma_dim]
-    elif name == "f32" and head_dim in TC32_HEAD_DIMS and aligned and tc32_for(group, ov, tuning):
-        kname, tc, tiles, lpt = f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32
-        threads, stages = 32 * TC32_WARPS[head_dim], TC32_STAGES[head_dim]
-        step_tokens = TC32_TOKENS[head_dim]
-        reserve = TC32_RESERVE_STAGES[head_dim]
-    else:
+        chosen = fitting(traits, head_dim, 2, SplitPlan(
+            kname, True, tiles, 32, 1, 32 * MMA_WARPS[mma_dim], TILE,
+            padded_stages(mma_dim, head_dim) or MMA_STAGES[mma_dim], 16,
+            reserve_stages=MMA_RESERVE_STAGES[mma_dim],
+            kernel_head_dim=mma_dim if mma_dim != head_dim else 0,
+        ))  # fmt: skip
+    elif (
+        name == "f32" and tensor_cores and head_dim in TC32_HEAD_DIMS and aligned
+        and tc32_for(group, ov, tuning)
+    ):  # fmt: skip
+        chosen = fitting(traits, head_dim, 4, SplitPlan(
+            f"gqa_split_tc32_f32_d{head_dim}", True, 1, 32, 1, 32 * TC32_WARPS[head_dim], TILE,
+            TC32_STAGES[head_dim], TC32_TOKENS[head_dim],
+            reserve_stages=TC32_RESERVE_STAGES[head_dim],
+        ))  # fmt: skip
+    if chosen is None:  # CUDA cores: no tensor-core kernel, or its ring does not fit here
         cap = ov.heads_per_block
         gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))
-        tiles = -(-group // gt)
         lpt = 1
         while lpt * 8 < head_dim:
             lpt *= 2
         vec = "vec" if head_dim % 8 == 0 and aligned else "any"
-        kname, tc, threads = f"gqa_split_{name}_g{gt}_{vec}", False, THREADS
-    tile = TILE if tc else cuda_core_tile(lpt)
-    chosen = SplitPlan(
-        kname, tc, tiles, lpt, 1, threads, tile, stages, step_tokens, reserve_stages=reserve,
-        kernel_head_dim=padded_to,
-    )  # fmt: skip
-    shared = chosen.shared_bytes(head_dim, np.dtype(dtype).itemsize)
+        chosen = SplitPlan(
+            f"gqa_split_{name}_g{gt}_{vec}", False, -(-group // gt), lpt, 1, THREADS,
+            cuda_core_tile(lpt),
+        )  # fmt: skip
+    kname, tc, tiles, tile = chosen.kernel, chosen.tensor_cores, chosen.head_tiles, chosen.tile
+    threads = chosen.threads
+    itemsize = np.dtype(dtype).itemsize
+    shared = chosen.shared_bytes(head_dim, itemsize)
     wave = traits.blocks_per_sm(kname, threads, shared) * traits.multiprocessor_count
     # At most one wave: a block more than the GPU holds at once doubles the time of the tail.
     most = max(1, min(wave // (n_kv_heads * tiles), MAX_SPLITS))
@@ -762,32 +894,39 @@ def _plan(
     if wide is not None:
         return wide
     splits = min(most, -(-seq // tile))
-    shared += cluster_recv_bytes(padded_to or head_dim)
+    # (the cluster entry's receive area comes past the launch's reserve: where both do not
+    # fit a block, the reserve gives way, down to the ring)
+    clustered = fitting(traits, head_dim, itemsize, dataclasses.replace(
+        chosen, kernel=f"{kname}_cluster", splits=splits, tile=tile, cluster=splits
+    ))  # fmt: skip
     exchange = splits * min(group, 8) * head_dim  # floats one cluster (a head tile) merges
-    cluster = exchange <= tuning.cluster_max_exchange and clusters_fit(
-        traits, f"{kname}_cluster", splits, n_kv_heads * tiles, threads, shared, ov
-    )
-    if cluster:
-        kname = f"{kname}_cluster"
-    return dataclasses.replace(
-        chosen, kernel=kname, splits=splits, tile=tile, cluster=splits if cluster else 0
-    )
+    if (
+        clustered is not None and exchange <= tuning.cluster_max_exchange
+        and clusters_fit(
+            traits, clustered.kernel, splits, n_kv_heads * tiles, threads,
+            clustered.shared_bytes(head_dim, itemsize), ov,
+        )
+    ):  # fmt: skip
+        return clustered
+    return dataclasses.replace(chosen, splits=splits, tile=tile)
 
 
 def _paired_plan(
     traits: DeviceTraits, name: str, n_heads: int, n_kv_heads: int, head_dim: int,
     plan_seq: int, kernel_dim: int,
-) -> SplitPlan:  # fmt: skip
+) -> SplitPlan | None:  # fmt: skip
     """The plan of two KV heads' rows read as one row of 2 x head_dim (Overrides.paired):
     the kernel of ``kernel_dim`` for n_kv_heads / 2 KV heads of groups twice the size,
-    merged by the combine kernel."""
+    merged by the combine kernel; None where its ring does not fit a block of the device."""
     pairs, group = n_kv_heads // 2, 2 * (n_heads // n_kv_heads)
     tiles = -(-group // 8)
     kname = f"gqa_split_mma_{name}_d{kernel_dim}_r{2 * head_dim}_p2" + ("_t2" if tiles > 1 else "")
-    chosen = SplitPlan(
+    chosen = fitting(traits, head_dim, 2, SplitPlan(
         kname, True, tiles, 32, 1, 32 * MMA_WARPS[kernel_dim], TILE, MMA_STAGES[kernel_dim], 16,
         reserve_stages=MMA_RESERVE_STAGES[kernel_dim], kernel_head_dim=kernel_dim, paired=True,
-    )  # fmt: skip
+    ))  # fmt: skip
+    if chosen is None:
+        return None
     shared = chosen.shared_bytes(head_dim, 2)
     wave = traits.blocks_per_sm(f"gqa_split_mma_{name}_d{kernel_dim}", chosen.threads, shared)
     most = max(1, min(wave * traits.multiprocessor_count // (pairs * tiles), MAX_SPLITS))
@@ -807,7 +946,8 @@ def wide_plan(
     """The wide plan replacing the fp16/bf16 tensor-core ``plan`` (see WIDE_WARPS), or None
     where it does not apply: another head_dim, other than WIDE_KV_HEADS KV heads, a sequence
     shorter than ``wide_from(group)``, clusters that would not all be resident, or
-    ``overrides.wide`` off (a comparison knob; ``cluster`` off turns it off too)."""
+    ``overrides.wide`` off (a comparison knob; ``cluster`` off turns it off too), or a
+    block's shared memory larger than the device allows (``fitting``)."""
     ov = OVERRIDES if overrides is None else overrides
     tuning = traits.tuning
     if not ov.wide or name == "f32" or head_dim != WIDE_HEAD_DIM:
@@ -824,7 +964,7 @@ def wide_plan(
         cluster=tuning.wide_chunks,
     )
     shared = wide.shared_bytes(head_dim, 2)
-    if not clusters_fit(
+    if fitting(traits, head_dim, 2, wide) is None or not clusters_fit(
         traits, wide.kernel, tuning.wide_chunks, n_kv_heads, wide.threads, shared, ov
     ):
         return None
@@ -983,7 +1123,7 @@ def split_launches(
         args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile, *fp8_args)
         if values is not None:
             args += values.cluster_args()
-        grid = (plan.splits, n_kv_heads * plan.head_tiles, 1)
+        grid = plan.grid(n_kv_heads)
         roles = (*_QKV, (3, "out"), *(((6, "seq"),) if seq_len_dev is None else seq_role))
         return [Launch(plan.kernel, grid, plan.threads, args, shared, plan.cluster, roles=roles)]
     if workspace is None:
@@ -996,7 +1136,7 @@ def split_launches(
         args += fp8_args
         if values is not None:
             args += values.split_args()
-        grid = (plan.splits, launch_kv * plan.head_tiles, 1)  # tiles of 8 query heads
+        grid = plan.grid(n_kv_heads)  # tiles of 8 query heads
         at = 7
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         lanes = np.int32(plan.lanes_per_token)
@@ -1004,7 +1144,7 @@ def split_launches(
                 seq_len_dev, splits, lanes, tile)  # fmt: skip
         if values is not None:
             args += values.split_args()
-        grid = (plan.head_tiles, plan.splits, n_kv_heads)
+        grid = plan.grid(n_kv_heads)
         at = 8
     combine_args: tuple[Any, ...] = (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len),
                                      seq_len_dev, splits, tile)  # fmt: skip

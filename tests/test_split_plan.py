@@ -410,10 +410,12 @@ def test_traits_read_from_a_device_ask_the_driver_once_per_kernel(monkeypatch):
 
     class FakeDevice:
         context_handle, arch, compute_capability, multiprocessor_count = -7, "sm_90", (9, 0), 132
+        max_shared_per_block_optin = 227 * 1024 - 5
 
     monkeypatch.setattr(attention, "split_kernel", lambda name, device: FakeKernel(name))
     traits = attention._read_traits(FakeDevice())
     assert traits.tuning is attention.TUNING["sm_90"] and traits.multiprocessor_count == 132
+    assert traits.shared_per_block == 227 * 1024 - 5  # the device's own limit
     assert traits.blocks_per_sm("k", 128, 0) == traits.blocks_per_sm("k", 128, 0) == 1
     assert traits.active_clusters("k", 16, 128, 0) == 0  # refused: none resident
     assert traits.active_clusters("k", 8, 128, 0) == traits.active_clusters("k", 8, 128, 0) == 15
