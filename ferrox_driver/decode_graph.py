@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -111,7 +112,7 @@ def _check_cache(kv: Any) -> KVCache:
     return kv
 
 
-def _fp8_dtype(obj: Any, name: str, allowed: tuple[np.dtype, ...]) -> np.dtype:
+def _fp8_dtype(obj: Any, name: str, allowed: Sequence[np.dtype]) -> np.dtype:
     """The dtype of device array ``obj`` for an fp8 cache: one of ``allowed``."""
     ref = array_ref(obj, name)
     if ref is None:

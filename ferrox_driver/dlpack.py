@@ -16,8 +16,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
+
+from .dtypes import DTypeTable, named
 
 __all__ = ["CPU", "CUDA", "CUDA_MANAGED", "Imported", "export", "import_capsule"]
 
@@ -27,18 +28,25 @@ _F8_E4M3FN, _F8_E5M2 = 10, 12
 VERSION = (1, 0)
 READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY
 
-_CODES = {
-    np.dtype(np.float16): (_FLOAT, 16),
-    np.dtype(np.float32): (_FLOAT, 32),
-    np.dtype(np.float64): (_FLOAT, 64),
-    np.dtype(ml_dtypes.bfloat16): (_BFLOAT, 16),
-    np.dtype(ml_dtypes.float8_e4m3fn): (_F8_E4M3FN, 8),
-    np.dtype(ml_dtypes.float8_e5m2): (_F8_E5M2, 8),
-    np.dtype(np.bool_): (_BOOL, 8),
-    **{np.dtype(f"int{b}"): (_INT, b) for b in (8, 16, 32, 64)},
-    **{np.dtype(f"uint{b}"): (_UINT, b) for b in (8, 16, 32, 64)},
+_NAMES = {
+    "float16": (_FLOAT, 16),
+    "float32": (_FLOAT, 32),
+    "float64": (_FLOAT, 64),
+    "bfloat16": (_BFLOAT, 16),
+    "float8_e4m3fn": (_F8_E4M3FN, 8),
+    "float8_e5m2": (_F8_E5M2, 8),
+    "bool": (_BOOL, 8),
+    **{f"int{b}": (_INT, b) for b in (8, 16, 32, 64)},
+    **{f"uint{b}": (_UINT, b) for b in (8, 16, 32, 64)},
 }
-_DTYPES = {code: dt for dt, code in _CODES.items()}
+_CODES = DTypeTable(_NAMES)  # by name: ml_dtypes is imported only to make one of its dtypes
+_DTYPE_NAMES = {code: name for name, code in _NAMES.items()}
+
+
+def _dtype_of(code: tuple[int, int, int]) -> np.dtype | None:
+    """The numpy dtype of a DLPack (code, bits, lanes), None where there is none."""
+    name = _DTYPE_NAMES.get(code[:2]) if code[2] == 1 else None
+    return None if name is None else named(name)
 
 
 class _Device(ctypes.Structure):
@@ -239,7 +247,7 @@ def import_capsule(capsule: Any) -> Imported:
         int(t.data or 0) + int(t.byte_offset),
         shape,
         strides,
-        _DTYPES.get(code[:2]) if code[2] == 1 else None,
+        _dtype_of(code),
         code,
         int(t.device.device_type),
         int(t.device.device_id),

@@ -9,24 +9,27 @@ bit for bit the device's (cuda_src/kv_quantize.cu), for checking and for choosin
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from .device import Device
+from .dtypes import DTypes, DTypeTable
 from .launch import Kernel
 from .module_cache import get_kernel
 from .types import DTypeLike, HostArrayLike
 
 __all__ = ["FP8_DTYPES", "check_scales", "fp8_max", "quantize_fp8"]
 
-# the fp8 cache dtypes and their kernels' names (attention.FP8_FORMATS)
-FP8_DTYPES = {np.dtype(ml_dtypes.float8_e4m3fn): "e4m3", np.dtype(ml_dtypes.float8_e5m2): "e5m2"}
-ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+# the fp8 cache dtypes and their kernels' names (attention.FP8_FORMATS); tables by name, so
+# that importing them does not import ml_dtypes (dtypes.py)
+FP8_DTYPES = DTypeTable({"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"})
+ROW_DTYPES = DTypes("float32", "float16", "bfloat16")
 MIN_COMPUTE_CAPABILITY = (8, 9)  # cvt between fp8 and fp16/fp32 (Ada, Hopper and newer)
 
 
 def fp8_max(dtype: DTypeLike) -> float:
     """The largest finite value of an fp8 dtype (448 for e4m3, 57344 for e5m2)."""
+    import ml_dtypes  # on first use (dtypes.py)
+
     return float(ml_dtypes.finfo(np.dtype(dtype)).max)
 
 
@@ -44,6 +47,8 @@ def quantize_fp8(x: HostArrayLike, dtype: DTypeLike, scale: HostArrayLike = 1.0)
     Returns:
         An array of ``dtype`` and x's shape.
     """
+    import ml_dtypes  # noqa: F401  (on first use, dtypes.py): np.dtype("float8_e4m3fn")
+
     dt = np.dtype(dtype)
     top = fp8_max(dt)
     s = np.asarray(scale, dtype=np.float32)

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from . import dlpack
 from ._driver import cu, drv
+from .dtypes import named
 
 __all__ = [
     "ArrayRef",
@@ -32,19 +32,19 @@ __all__ = [
 ArrayRef = tuple[int, tuple[int, ...], np.dtype, int, bool, Any]
 Reader = Callable[[Any, str], ArrayRef]
 
-_TORCH_DTYPE_NAMES = {
-    "torch.float32": np.float32,
-    "torch.float16": np.float16,
-    "torch.bfloat16": ml_dtypes.bfloat16,
-    "torch.float64": np.float64,
-    "torch.int8": np.int8,
-    "torch.int16": np.int16,
-    "torch.int32": np.int32,
-    "torch.int64": np.int64,
-    "torch.uint8": np.uint8,
-    "torch.bool": np.bool_,
-    "torch.float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-    "torch.float8_e5m2": ml_dtypes.float8_e5m2,
+_TORCH_DTYPE_NAMES = {  # numpy names: ml_dtypes is imported on meeting one of its own
+    "torch.float32": "float32",
+    "torch.float16": "float16",
+    "torch.bfloat16": "bfloat16",
+    "torch.float64": "float64",
+    "torch.int8": "int8",
+    "torch.int16": "int16",
+    "torch.int32": "int32",
+    "torch.int64": "int64",
+    "torch.uint8": "uint8",
+    "torch.bool": "bool",
+    "torch.float8_e4m3fn": "float8_e4m3fn",
+    "torch.float8_e5m2": "float8_e5m2",
 }
 _torch_dtypes: dict[Any, np.dtype] = {}  # torch.dtype -> numpy dtype, filled as met
 
@@ -63,7 +63,7 @@ def _torch_dtype(obj: Any, name: str) -> np.dtype:
         npdt = _TORCH_DTYPE_NAMES.get(str(dt))
         if npdt is None:
             raise TypeError(f"{name}: torch dtype {dt} has no ferrox equivalent")
-        found = _torch_dtypes[dt] = np.dtype(npdt)
+        found = _torch_dtypes[dt] = named(npdt)
     return found
 
 

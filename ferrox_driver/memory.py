@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from . import dlpack, interop
 from ._driver import capture_keep, drv, finalizer, release
 from .device import Device, device_for, resolve
+from .dtypes import ML_DTYPE_NAMES, named
 from .errors import ClosedError
 from .stream import stream_handle
 from .types import DeviceArrayLike, DTypeLike, HostArrayLike, StreamLike
@@ -42,9 +43,10 @@ def _normalize_shape(shape: Shape, name: str = "shape") -> tuple[int, ...]:
 
 
 _DTYPE_NAMES = {
-    "f32": np.float32, "float32": np.float32, "fp32": np.float32,
-    "f16": np.float16, "float16": np.float16, "fp16": np.float16, "half": np.float16,
-    "bf16": ml_dtypes.bfloat16, "bfloat16": ml_dtypes.bfloat16,
+    "f32": "float32", "float32": "float32", "fp32": "float32",
+    "f16": "float16", "float16": "float16", "fp16": "float16", "half": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    **{n: n for n in ML_DTYPE_NAMES},
 }  # fmt: skip
 
 
@@ -59,10 +61,14 @@ def as_dtype(dtype: Any, name: str) -> np.dtype:
         raise TypeError(f"{name}: expected float32, float16 or bfloat16, got None")
     key = str(dtype).removeprefix("torch.") if type(dtype).__module__ == "torch" else dtype
     if isinstance(key, str) and key.lower() in _DTYPE_NAMES:
-        return np.dtype(_DTYPE_NAMES[key.lower()])
+        return named(_DTYPE_NAMES[key.lower()])
     try:
         return np.dtype(dtype)
     except TypeError:
+        if isinstance(dtype, str) and "ml_dtypes" not in sys.modules:
+            import ml_dtypes  # noqa: F401  (registers its names: "float8_e4m3fnuz"...)
+
+            return as_dtype(dtype, name)
         raise TypeError(
             f"{name}: expected float32, float16 or bfloat16 (or 'f32', 'f16', 'bf16'), "
             f"got {dtype!r}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Literal, overload
 
-import ml_dtypes
 import numpy as np
 
 from .features import check_features
@@ -192,7 +191,7 @@ def merge_states_host(outs: HostArrayLike, lses: HostArrayLike) -> tuple[np.ndar
     oi = array_info(outs, "outs", allow_device=False)
     li = array_info(lses, "lses", allow_device=False)
     for info, name in ((oi, "outs"), (li, "lses")):
-        if info.dtype.kind != "f" and info.dtype != np.dtype(ml_dtypes.bfloat16):
+        if info.dtype.kind != "f" and info.dtype.name != "bfloat16":
             raise TypeError(f"{name}: expected a floating-point array, got {info.dtype}")
     if len(li.shape) != 2 or li.shape[0] < 1:
         raise ValueError(f"lses: expected (parts, n_heads) with at least one part, got {li.shape}")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from .dtypes import DTypeTable
 from .memory import as_dtype
 
 __all__ = [
@@ -29,11 +29,8 @@ MAX_INT32 = 2**31 - 1
 # A launch grid's y and z hold at most 65535 blocks; the split kernels put the KV heads
 # there, two blocks each for groups of 9-16 (two tiles of 8 query heads).
 MAX_KV_HEADS = 65535 // 2
-SUPPORTED_DTYPES = {
-    np.dtype(np.float32): "f32",
-    np.dtype(np.float16): "f16",
-    np.dtype(ml_dtypes.bfloat16): "bf16",
-}
+# by name: looking a dtype up does not import ml_dtypes (dtypes.py)
+SUPPORTED_DTYPES = DTypeTable({"float32": "f32", "float16": "f16", "bfloat16": "bf16"})
 
 
 def dtype_name(dtype: Any) -> str:
