@@ -635,6 +635,21 @@ def _staging(sizes: tuple[int, ...], dt: np.dtype, device: Any) -> tuple[list[in
     return starts, pinned_empty((total,), dt), empty((total,), dt, device=device)
 
 
+def _got(arr: Any) -> str:
+    """What a graph step was given instead of its numpy staging's kind of array; a device
+    array's message names the calls that take one."""
+    if isinstance(arr, np.ndarray):
+        return f"{arr.dtype} of size {arr.size}"
+    what = f"{type(arr).__module__}.{type(arr).__name__}"
+    if hasattr(arr, "__dlpack__") or hasattr(arr, "__cuda_array_interface__"):
+        return (
+            f"a device array ({what}): the graph copies numpy arrays in; device arrays go "
+            f"to fd.kv_append_async and fd.gqa_decode_async, which a graph of your own "
+            f"(torch.cuda.graph, Stream.capture) can capture"
+        )
+    return what
+
+
 class DecodeGraph:
     """One token step (copy in q/k/v, append, decode, copy out) captured once as a CUDA
     graph and replayed for every token.
@@ -851,13 +866,9 @@ class DecodeGraph:
         ):  # fmt: skip
             for arr, stage, name in ((q, fq, "q"), (k_tok, fk, "k_tok"), (v_tok, fv, "v_tok")):
                 if not isinstance(arr, np.ndarray) or arr.dtype != dt or arr.size != stage.size:
-                    got = (
-                        f"{arr.dtype} of size {arr.size}"
-                        if isinstance(arr, np.ndarray)
-                        else type(arr)
-                    )
                     raise TypeError(
-                        f"{name}: expected a numpy array of {stage.size} {dt} elements, got {got}"
+                        f"{name}: expected a numpy array of {stage.size} {dt} elements, got "
+                        f"{_got(arr)}"
                     )
         with kv._lock:  # the staging and the result are this graph's: one step at a time
             if self._closed or kv._closed or kv.stream._closed or self.stream._closed:
@@ -1042,12 +1053,9 @@ class LayerDecodeGraph:
         for arr, stage, name in ((q, self.q, "q"), (k_rows, self.k, "k_rows"),
                                  (v_rows, self.v, "v_rows")):  # fmt: skip
             if not isinstance(arr, np.ndarray) or arr.dtype != self.dtype or arr.size != stage.size:
-                got = (
-                    f"{arr.dtype} of size {arr.size}" if isinstance(arr, np.ndarray) else type(arr)
-                )
                 raise TypeError(
                     f"{name}: expected a numpy array of {stage.size} {self.dtype} elements "
-                    f"{stage.shape}, got {got}"
+                    f"{stage.shape}, got {_got(arr)}"
                 )
         with contextlib.ExitStack() as locks:
             for kv in self.caches:

@@ -8,12 +8,14 @@ captured graphs read it there, so one captured graph serves every token.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Any, Literal, overload
 
 import numpy as np
 
 from . import attention
+from ._driver import _capture as _capture_state
 from ._driver import check, cu, driver_version, drv
 from .attention import (
     allocate_scratch,
@@ -23,7 +25,7 @@ from .attention import (
     split_kernel,
     split_launches,
 )
-from .decode import DecodeRecord
+from .decode import DecodeRecord, stream_capturing
 from .device import Device, resolve
 from .errors import ClosedError, FerroxError, KVCapacityError
 from .features import check_features
@@ -36,11 +38,12 @@ from .fp8 import (
     check_scales,
     quantize_kernel,
 )
+from .interop import array_ref
 from .launch import Kernel, PackedLaunch
-from .memory import DeviceArray, as_dtype, empty, pinned_empty
+from .memory import DeviceArray, as_dtype, empty, output_pool, pinned_empty
 from .module_cache import get_kernel
-from .stream import Event, Stream, stream_handle, stream_key
-from .types import DeviceArrayLike, DTypeLike, HostArrayLike, StreamLike
+from .stream import Event, Stream, call_stream, stream_handle, stream_key
+from .types import ArrayLike, DeviceArrayLike, DeviceLike, DTypeLike, HostArrayLike, StreamLike
 from .validation import (
     MAX_HEAD_DIM,
     MAX_TOKENS,
@@ -51,6 +54,7 @@ from .validation import (
     check_int,
     check_q,
     dtype_name,
+    q_heads,
 )
 
 __all__ = ["KVCache", "LayerKVCache"]
@@ -79,7 +83,7 @@ class _HostDecoder:
         self, kv: KVCache, n_heads: int, algorithm: str, feats: Any = None, q_dtype: Any = None
     ) -> None:
         shape = (n_heads * kv.head_dim,)
-        self.shapes = {shape, (n_heads, kv.head_dim)}
+        self.shapes = {shape, (n_heads, kv.head_dim), (1, n_heads, 1, kv.head_dim)}
         self.q_dtype = qdt = kv.dtype if q_dtype is None else np.dtype(q_dtype)
         nbytes = shape[0] * qdt.itemsize
         self.q_stage = pinned_empty(shape, qdt)
@@ -133,6 +137,7 @@ class _HostDecoder:
 
 
 _OK = cu.CUresult.CUDA_SUCCESS
+_F32 = np.dtype(np.float32)
 _memcpy_htod = cu.cuMemcpyHtoDAsync
 _graph_launch = cu.cuGraphLaunch
 _stream_sync = cu.cuStreamSynchronize
@@ -154,7 +159,8 @@ class KVCache:
             1): it stores ``x / k_scale`` and the kernels read ``byte * k_scale``
             (``set_scales`` changes it; the scales apply to every token, stored ones too).
         v_scale: the same for V.
-        device: the device (default: device 0).
+        device: the device: a Device, an int, a ``torch.device`` or ``"cuda:N"``
+            (default: device 0).
         stream: the stream appends and decodes run on (default: a stream of its own).
 
     Appends stage each row in page-locked memory and queue one ``cuMemcpyHtoDAsync`` per
@@ -179,7 +185,7 @@ class KVCache:
         dtype: DTypeLike = np.float32,
         k_scale: HostArrayLike = None,
         v_scale: HostArrayLike = None,
-        device: Device | None = None,
+        device: DeviceLike = None,
         stream: Stream | None = None,
         staging_slots: int = STAGING_SLOTS,
     ) -> None:
@@ -210,7 +216,9 @@ class KVCache:
         self._h = stream_handle(self.stream)
         self.row_elems = self.n_kv_heads * self.head_dim
         self.row_bytes = self.row_elems * self.dtype.itemsize
-        self._row_shapes = ((self.row_elems,), (self.n_kv_heads, self.head_dim))
+        # one token's rows: flat, (n_kv_heads, head_dim), or SDPA's (1, n_kv_heads, 1, head_dim)
+        self._row_shapes = ((self.row_elems,), (self.n_kv_heads, self.head_dim),
+                            (1, self.n_kv_heads, 1, self.head_dim))  # fmt: skip
         shape = (self.capacity, self.n_kv_heads, self.head_dim)
         self._k = empty(shape, self.dtype, device=self.device)
         self._v = empty(shape, self.dtype, device=self.device)
@@ -253,6 +261,7 @@ class KVCache:
         self._feature_decoders: dict[tuple[Any, ...], _HostDecoder] = {}
         self._appenders: dict[tuple[Any, ...], Any] = {}  # kv_append_async's packed launches
         self._async_records: dict[tuple[Any, ...], tuple[DecodeRecord, bool]] = {}
+        self._join_events: tuple[Event, Event] | None = None  # (made at a device call's join)
         self._closed = False
         # Appends, decodes and the state they share (length, staging ring, scratch) are
         # ordered by one lock: re-entrant, as a decode may synchronize to read the length.
@@ -430,26 +439,29 @@ class KVCache:
             )
         if not self.fp8 and rows.dtype != self.dtype:
             raise TypeError(f"{name}: expected dtype {self.dtype} (the cache's), got {rows.dtype}")
+        self._check_row_shape(rows.shape, name, one)
+        check_host_extent(rows, name)
+        return rows
+
+    def _check_row_shape(self, shape: tuple[int, ...], name: str, one: bool) -> None:
+        """Rows of one token (``one``) or of n: raise naming ``name`` for other shapes."""
+        shape = tuple(shape)
         if one:
-            if rows.size != self.row_elems or rows.shape not in (
-                (self.row_elems,),
-                (self.n_kv_heads, self.head_dim),
-            ):
+            if shape not in self._row_shapes:
                 raise ValueError(
-                    f"{name}: expected one token of shape ({self.row_elems},) or "
-                    f"({self.n_kv_heads}, {self.head_dim}), got {rows.shape}"
+                    f"{name}: expected one token of shape ({self.row_elems},), "
+                    f"({self.n_kv_heads}, {self.head_dim}) or (1, {self.n_kv_heads}, 1, "
+                    f"{self.head_dim}), got {shape}"
                 )
         elif not (
-            (rows.ndim == 1 and rows.size % self.row_elems == 0)
-            or (rows.ndim == 2 and rows.shape[1] == self.row_elems)
-            or (rows.ndim == 3 and rows.shape[1:] == (self.n_kv_heads, self.head_dim))
+            (len(shape) == 1 and shape[0] % self.row_elems == 0)
+            or (len(shape) == 2 and shape[1] == self.row_elems)
+            or (len(shape) == 3 and shape[1:] == (self.n_kv_heads, self.head_dim))
         ):
             raise ValueError(
                 f"{name}: expected tokens of shape (n, {self.n_kv_heads}, {self.head_dim}), "
-                f"(n, {self.row_elems}) or (n*{self.row_elems},), got {rows.shape}"
+                f"(n, {self.row_elems}) or (n*{self.row_elems},), got {shape}"
             )
-        check_host_extent(rows, name)
-        return rows
 
     def _take_slot(self) -> int:
         """The next staging slot, waited for when the ring has come round to it while its
@@ -475,10 +487,19 @@ class KVCache:
         self._done_slot(slot)
         self._device_seq_current = True
 
-    def append(self, k_tok: np.ndarray, v_tok: np.ndarray) -> None:
-        """Append one token's K and V rows (``n_kv_heads*head_dim`` each, cache dtype).
+    def append(self, k_tok: ArrayLike, v_tok: ArrayLike, *, stream: StreamLike = None) -> None:
+        """Append one token's K and V rows (``n_kv_heads*head_dim`` each, cache dtype; shaped
+        ``(n_kv_heads, head_dim)``, flat or SDPA's ``(1, n_kv_heads, 1, head_dim)``).
 
-        Queued on the cache's stream; returns without waiting for the copies.
+        Queued on the cache's stream; returns without waiting for the copies. Rows may be
+        numpy arrays (staged in page-locked memory) or device arrays (PyTorch CUDA tensors,
+        DeviceArray, CuPy...: one device-to-device copy each, see ``extend``).
+
+        Args:
+            k_tok: the token's K rows.
+            v_tok: its V rows.
+            stream: with device rows, the stream they were written on (see ``extend``);
+                numpy rows ignore it.
 
         Raises:
             TypeError, ValueError: a row of the wrong type, dtype or size.
@@ -486,13 +507,15 @@ class KVCache:
             ClosedError: the cache or its stream was closed.
         """
         if self.fp8:
-            return self._append_fp8(k_tok, v_tok)
+            return self._append_fp8(k_tok, v_tok, stream)
         shapes = self._row_shapes
         if not (
             type(k_tok) is np.ndarray and type(v_tok) is np.ndarray
             and k_tok.dtype == self.dtype and v_tok.dtype == self.dtype
             and k_tok.shape in shapes and v_tok.shape in shapes
         ):  # fmt: skip
+            if not (isinstance(k_tok, np.ndarray) and isinstance(v_tok, np.ndarray)):
+                return self._extend_device(k_tok, v_tok, ("k_tok", "v_tok"), True, stream)
             self._check_rows(k_tok, "k_tok", one=True)
             self._check_rows(v_tok, "v_tok", one=True)
         check_host_extent(k_tok, "k_tok")  # (views numpy made: one attribute read each)
@@ -521,7 +544,7 @@ class KVCache:
                 self._device_seq_current = False
             self._done_slot(slot)
 
-    def _append_fp8(self, k_tok: np.ndarray, v_tok: np.ndarray) -> None:
+    def _append_fp8(self, k_tok: Any, v_tok: Any, stream: Any) -> None:
         """``append`` into an fp8 cache: one launch quantizing the rows into the cache,
         the rows (in their dtype; float32 when K's and V's differ) passed in its
         arguments, or, where they do not fit there, staged and copied to the device
@@ -535,6 +558,8 @@ class KVCache:
             and k_tok.shape in shapes
             and v_tok.shape in shapes
         ):  # fmt: skip  (the full checks only where the quick one fails, as in append)
+            if not (isinstance(k_tok, np.ndarray) and isinstance(v_tok, np.ndarray)):
+                return self._extend_device(k_tok, v_tok, ("k_tok", "v_tok"), True, stream)
             self._check_rows(k_tok, "k_tok", one=True)
             self._check_rows(v_tok, "v_tok", one=True)
         check_host_extent(k_tok, "k_tok")
@@ -589,24 +614,47 @@ class KVCache:
               empty(shape, dt, device=self.device) as v_dev):  # fmt: skip
             k_dev.copy_from_host(np.ascontiguousarray(k_rows, dt).reshape(shape), self.stream)
             v_dev.copy_from_host(np.ascontiguousarray(v_rows, dt).reshape(shape), self.stream)
-            blocks = min(1024, -(-n * self.row_elems // 256))
-            quantize_kernel(self.fp8, self.device, dtype_name(dt)).launch(
-                blocks, 256,
-                (k_dev, v_dev, self._k, self._v, self.kv_scales, np.int32(self.n_kv_heads),
-                 np.int32(self.head_dim), np.int32(n), np.int32(seq), self.state,
-                 np.int32(self.capacity)),
-                stream=self.stream,
-            )  # fmt: skip
+            self._quantize_rows(k_dev, v_dev, n, seq)
             self.stream.synchronize()
 
-    def extend(self, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
+    def _quantize_rows(self, k_dev: DeviceArray, v_dev: DeviceArray, n: int, seq: int) -> None:
+        """Quantize ``n`` device rows of K and V (float32, float16 or bfloat16) into tokens
+        seq .. seq + n of an fp8 cache, on the cache's stream."""
+        blocks = min(1024, -(-n * self.row_elems // 256))
+        quantize_kernel(self.fp8, self.device, dtype_name(k_dev.dtype)).launch(
+            blocks, 256,
+            (k_dev, v_dev, self._k, self._v, self.kv_scales, np.int32(self.n_kv_heads),
+             np.int32(self.head_dim), np.int32(n), np.int32(seq), self.state,
+             np.int32(self.capacity)),
+            stream=self.stream,
+        )  # fmt: skip
+
+    def extend(self, k_rows: ArrayLike, v_rows: ArrayLike, *, stream: StreamLike = None) -> None:
         """Append many tokens (a prefill): one copy for K, one for V.
+
+        Rows are numpy arrays or device arrays (PyTorch CUDA tensors, DeviceArray, CuPy, any
+        ``__dlpack__`` or ``__cuda_array_interface__`` object on the cache's device,
+        C-contiguous): device rows are copied device to device (an fp8 cache quantizes
+        them there), on the cache's stream, ordered after the work queued so far on
+        ``stream`` (None: PyTorch's current stream for PyTorch tensors, else the legacy
+        default stream), whose later work then waits for the copies: the rows may be
+        freed or overwritten on ``stream`` at once. Not capturable (the position is the
+        host's): a graph appends with `kv_append_async`.
+
+        Args:
+            k_rows: ``(n, n_kv_heads, head_dim)``, ``(n, n_kv_heads*head_dim)`` or flat.
+            v_rows: like ``k_rows``.
+            stream: with device rows, the stream they were written on; numpy rows ignore
+                it.
 
         Raises:
             TypeError, ValueError: bad arrays, or K and V with different token counts.
             KVCapacityError: they would not fit. Nothing was written in either case.
             ClosedError: the cache or its stream was closed.
+            FerroxError: device rows with ``stream`` being captured into a graph.
         """
+        if not (isinstance(k_rows, np.ndarray) and isinstance(v_rows, np.ndarray)):
+            return self._extend_device(k_rows, v_rows, ("k_rows", "v_rows"), False, stream)
         self._check_rows(k_rows, "k_rows", one=False)
         self._check_rows(v_rows, "v_rows", one=False)
         n = k_rows.size // self.row_elems
@@ -636,6 +684,103 @@ class KVCache:
             self._seq_len = seq + n
             self._device_seq_current = False
             self.device_length()  # a prefill is rare: keep the device's copy current
+
+    def _extend_device(
+        self, k: Any, v: Any, names: tuple[str, str], one: bool, stream: Any
+    ) -> None:
+        """``append`` (``one``) or ``extend`` of device rows: checked, then copied (an fp8
+        cache: quantized) device to device into tokens seq .. seq + n on the cache's
+        stream, joined to the caller's (``_join``)."""
+        kr, vr = array_ref(k, names[0]), array_ref(v, names[1])
+        if kr is None or vr is None:
+            raise TypeError(
+                f"{names[0]}, {names[1]}: pass both as numpy arrays or both as device arrays"
+            )
+        for ref, name in ((kr, names[0]), (vr, names[1])):
+            _, shape, dt, ordinal, contiguous, _ = ref
+            if self.fp8 and dt not in ROW_DTYPES:
+                raise TypeError(
+                    f"{name}: expected float32, float16 or bfloat16 rows (quantized into the "
+                    f"{self.dtype} cache), got {dt}"
+                )
+            if not self.fp8 and dt != self.dtype:
+                raise TypeError(f"{name}: expected dtype {self.dtype} (the cache's), got {dt}")
+            if ordinal != self.device.ordinal:
+                raise ValueError(
+                    f"{name}: on device {ordinal}, but the cache is on device {self.device.ordinal}"
+                )
+            if not contiguous:
+                raise ValueError(f"{name}: must be C-contiguous, got a strided view of shape "
+                                 f"{tuple(shape)}")  # fmt: skip
+            self._check_row_shape(shape, name, one)
+        n, n_v = math.prod(kr[1]) // self.row_elems, math.prod(vr[1]) // self.row_elems
+        if n_v != n:
+            raise ValueError(f"{names[1]}: expected {n} tokens like {names[0]}, got {n_v}")
+        if kr[2] != vr[2]:
+            raise TypeError(f"{names[1]}: expected {names[0]}'s dtype {kr[2]}, got {vr[2]}")
+        sid = stream_key(call_stream(stream, k, kr[3]))
+        with self._lock:
+            if self._closed or self.stream._closed:
+                self._check_open()
+            self.device.activate()
+            joined = self._join(sid, "append" if one else "extend", "kv_append_async")
+            try:
+                seq = self._seq_len if self._host_seq_valid else self.seq_len
+                if seq + n > self.capacity:
+                    raise KVCapacityError(seq, self.capacity, *(() if one else (n,)))
+                if n == 0:
+                    return
+                if self.fp8:
+                    rows = (n * self.row_elems,)
+                    self._quantize_rows(
+                        DeviceArray._wrap(kr[0], rows, kr[2], self.device, None),
+                        DeviceArray._wrap(vr[0], rows, vr[2], self.device, None), n, seq,
+                    )  # fmt: skip
+                else:
+                    offset, nbytes = seq * self.row_bytes, n * self.row_bytes
+                    drv("cuMemcpyDtoDAsync", self._k_ptr + offset, kr[0], nbytes, self._h)
+                    drv("cuMemcpyDtoDAsync", self._v_ptr + offset, vr[0], nbytes, self._h)
+                self._seq_len = seq + n
+                self._device_seq_current = False
+                if self._eager_seq or not one:  # (as host appends: see append and extend)
+                    self.device_length()
+            finally:
+                if joined:
+                    self._rejoin(sid)
+
+    def _join(self, sid: int, call: str, instead: str) -> bool:
+        """Order the cache's stream after the work queued so far on the caller's stream
+        ``sid`` (where the caller wrote the device arrays it passes); returns whether it
+        is another stream than the cache's (then ``_rejoin`` orders the caller's later
+        work after the cache's). Two events, recorded and waited on, no host waiting.
+
+        Raises:
+            FerroxError: ``sid`` (or a ferrox stream on this thread) is being captured:
+                ``KVCache.<call>`` reads the length on the host; ``instead`` reads it on
+                the device.
+        """
+        if sid == self.stream._handle_int:
+            return False
+        if getattr(_capture_state, "depth", 0) or (sid and stream_capturing(sid)):
+            raise FerroxError(
+                f"stream: KVCache.{call} with device arrays cannot be captured into a graph "
+                f"(it reads the cache's length on the host): capture fd.{instead}(kv, ...) "
+                f"instead, which reads it on the device"
+            )
+        if self._join_events is None:
+            self._join_events = (Event(timing=False, device=self.device),
+                                 Event(timing=False, device=self.device))  # fmt: skip
+        ready = self._join_events[0].handle
+        drv("cuEventRecord", ready, cu.CUstream(sid))
+        drv("cuStreamWaitEvent", self._h, ready, 0)
+        return True
+
+    def _rejoin(self, sid: int) -> None:
+        """Make the caller's stream ``sid`` wait for the work queued on the cache's."""
+        assert self._join_events is not None
+        done = self._join_events[1].handle
+        drv("cuEventRecord", done, self._h)
+        drv("cuStreamWaitEvent", cu.CUstream(sid), done, 0)
 
     def clear(self) -> None:
         """Forget every token (a new sequence); the memory stays allocated.
@@ -713,13 +858,13 @@ class KVCache:
         self,
         q: np.ndarray,
         *,
-        n_heads: int,
+        n_heads: int | None = None,
         stream: StreamLike = None,
         algorithm: str = "auto",
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
-        sinks: np.ndarray | None = None,
-        alibi_slopes: np.ndarray | None = None,
+        sinks: ArrayLike = None,
+        alibi_slopes: ArrayLike = None,
         scale: float | None = None,
         return_lse: Literal[False] = False,
     ) -> np.ndarray: ...
@@ -728,51 +873,105 @@ class KVCache:
         self,
         q: np.ndarray,
         *,
-        n_heads: int,
+        n_heads: int | None = None,
         stream: StreamLike = None,
         algorithm: str = "auto",
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
-        sinks: np.ndarray | None = None,
-        alibi_slopes: np.ndarray | None = None,
+        sinks: ArrayLike = None,
+        alibi_slopes: ArrayLike = None,
         scale: float | None = None,
         return_lse: Literal[True],
     ) -> tuple[np.ndarray, np.ndarray]: ...
+    @overload
     def decode(
         self,
-        q: np.ndarray,
+        q: DeviceArrayLike,
         *,
-        n_heads: int,
+        n_heads: int | None = None,
         stream: StreamLike = None,
         algorithm: str = "auto",
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
-        sinks: np.ndarray | None = None,
-        alibi_slopes: np.ndarray | None = None,
+        sinks: ArrayLike = None,
+        alibi_slopes: ArrayLike = None,
+        scale: float | None = None,
+        return_lse: Literal[False] = False,
+    ) -> DeviceArray: ...
+    @overload
+    def decode(
+        self,
+        q: DeviceArrayLike,
+        *,
+        n_heads: int | None = None,
+        stream: StreamLike = None,
+        algorithm: str = "auto",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: ArrayLike = None,
+        alibi_slopes: ArrayLike = None,
+        scale: float | None = None,
+        return_lse: Literal[True],
+    ) -> tuple[DeviceArray, DeviceArray]: ...
+    def decode(
+        self,
+        q: ArrayLike,
+        *,
+        n_heads: int | None = None,
+        stream: StreamLike = None,
+        algorithm: str = "auto",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: ArrayLike = None,
+        alibi_slopes: ArrayLike = None,
         scale: float | None = None,
         return_lse: bool = False,
-    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    ) -> np.ndarray | DeviceArray | tuple[np.ndarray, np.ndarray] | tuple[DeviceArray, DeviceArray]:
         """Decode one query against the resident cache.
 
+        numpy in, numpy out (copied in and back, complete: one graph launch, one wait);
+        device arrays in (a PyTorch CUDA tensor, DeviceArray, CuPy...), a DeviceArray out
+        (``torch.from_dlpack`` takes it without a copy), queued with no host round trip
+        on the cache's stream, ordered after the work queued so far on ``stream``, whose
+        later work then waits for the result. Not capturable (a graph decodes with
+        `gqa_decode_async`).
+
         Args:
-            q: ``(n_heads*head_dim,)`` or ``(n_heads, head_dim)`` numpy array, cache dtype.
-            n_heads: query heads, a multiple of ``n_kv_heads``.
-            stream: ignored unless given; the work always follows queued appends.
+            q: ``(n_heads*head_dim,)``, ``(n_heads, head_dim)`` or PyTorch SDPA's ``(1,
+                n_heads, 1, head_dim)``, cache dtype (an fp8 cache: float16 or bfloat16);
+                the result has q's shape.
+            n_heads: query heads, a multiple of ``n_kv_heads`` (default: read from q's
+                shape; given, checked against it).
+            stream: with a device q, the stream it was written on and the result is
+                wanted on (None: PyTorch's current stream for a PyTorch tensor, else the
+                legacy default stream); a numpy q ignores it.
             algorithm: ``"auto"`` or ``"parity"``.
             sliding_window: as `gqa_decode`.
             logits_soft_cap: as `gqa_decode`.
-            sinks: as `gqa_decode` (numpy: copied in with q).
-            alibi_slopes: as `gqa_decode` (numpy).
+            sinks: as `gqa_decode` (numpy: copied in with q; with a device q, a float32
+                device array too).
+            alibi_slopes: like ``sinks``.
             scale: as `gqa_decode`.
-            return_lse: also return the log-sum-exp per query head (numpy float32).
+            return_lse: also return the log-sum-exp per query head (float32, numpy or a
+                device array like the result).
 
         Returns:
-            A numpy array of q's shape and dtype; with ``return_lse``, ``(out, lse)``,
-                lse float32 of shape (n_heads,).
+            An array of q's shape and dtype (numpy or a DeviceArray, as q); with
+                ``return_lse``, ``(out, lse)``, lse float32 of shape (n_heads,).
 
         Raises:
+            TypeError, ValueError: bad q, n_heads or features, naming them.
             ClosedError: the cache or its stream was closed.
+            FerroxError: a device q with ``stream`` being captured into a graph.
         """
+        if not isinstance(q, np.ndarray):
+            return self._decode_device(
+                q, n_heads, stream, algorithm,
+                dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                     sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse),
+            )  # fmt: skip
+        if n_heads is None:
+            n_heads = q_heads(q.shape, self.head_dim)
         if not (
             sliding_window is None and logits_soft_cap is None and sinks is None
             and alibi_slopes is None and scale is None and return_lse is False
@@ -791,6 +990,7 @@ class KVCache:
                 n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
                 algorithm = check_algorithm(algorithm)
                 self._check_q_dtype(q, algorithm)
+                check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
                 dec = _HostDecoder(self, n_heads, algorithm, q_dtype=qdt)
                 self._decoders[n_heads, algorithm, qdt] = dec
             if not (type(q) is np.ndarray and q.dtype == dec.q_dtype and q.shape in dec.shapes):
@@ -818,15 +1018,70 @@ class KVCache:
         if not isinstance(q, np.ndarray):
             raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
         check_host_extent(q, "q")
+        self._check_q_dtype_of(q.dtype, algorithm)
+
+    def _check_q_dtype_of(self, dtype: np.dtype, algorithm: str) -> None:
         if self.fp8:
-            if q.dtype not in ROW_DTYPES[1:]:
+            if dtype not in ROW_DTYPES[1:]:
                 raise TypeError(
-                    f"q: expected float16 or bfloat16 for the {self.dtype} cache, got {q.dtype}"
+                    f"q: expected float16 or bfloat16 for the {self.dtype} cache, got {dtype}"
                 )
             if algorithm == "parity":
                 raise ValueError("algorithm: fp8 caches decode with the split kernels ('auto')")
-        elif q.dtype != self.dtype:
-            raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {q.dtype}")
+        elif dtype != self.dtype:
+            raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {dtype}")
+
+    def _decode_device(
+        self, q: Any, n_heads: Any, stream: Any, algorithm: Any, kw: dict[str, Any]
+    ) -> Any:
+        """KVCache.decode of a device q: checked, then `gqa_decode_async` into an output
+        block of the caller's stream's pool, on the cache's stream joined to the caller's
+        (``_join``); numpy sinks and slopes are copied into device buffers of the cache's
+        stream first."""
+        from .decode import _stream_buffer
+        from .decode_graph import gqa_decode_async
+
+        ref = array_ref(q, "q")
+        assert ref is not None  # (numpy arrays take the host path)
+        _, shape, dtype, ordinal, contiguous, _ = ref
+        if ordinal != self.device.ordinal:
+            raise ValueError(
+                f"q: on device {ordinal}, but the cache is on device {self.device.ordinal}"
+            )
+        if not contiguous:
+            raise ValueError(f"q: must be C-contiguous, got a strided view of shape {shape}")
+        self._check_q_dtype_of(dtype, check_algorithm(algorithm))
+        n_heads, _, _ = check_dims(q_heads(shape, self.head_dim, n_heads), self.n_kv_heads,
+                                   self.head_dim)  # fmt: skip
+        feats = check_features(n_heads, **kw)
+        sid = stream_key(call_stream(stream, q, ordinal))
+        with self._lock:
+            self._check_open()
+            self.device.activate()
+            joined = self._join(sid, "decode", "gqa_decode_async")
+            try:
+                nbytes = math.prod(shape) * dtype.itemsize
+                out = output_pool(self.device, sid, nbytes).take(tuple(shape), dtype)
+                lse = None
+                if feats.return_lse:
+                    lse = output_pool(self.device, sid, 4 * n_heads).take((n_heads,), _F32)
+                per_head = {}
+                for role in ("sinks", "alibi_slopes"):
+                    values = getattr(feats, role)
+                    if isinstance(values, np.ndarray):  # into this cache stream's buffer
+                        buf = _stream_buffer(self.device, self.stream._handle_int, role, n_heads)
+                        buf.copy_from_host(values.astype(np.float32), self.stream)
+                        values = buf
+                    per_head[role] = values
+                gqa_decode_async(
+                    q, self, out, n_heads=n_heads, stream=self.stream, algorithm=algorithm,
+                    out_lse=lse, sliding_window=feats.sliding_window,
+                    logits_soft_cap=feats.logits_soft_cap, scale=feats.scale, **per_head,
+                )  # fmt: skip
+            finally:
+                if joined:
+                    self._rejoin(sid)
+        return (out, lse) if lse is not None else out
 
     def _decode_features(self, q: Any, n_heads: Any, algorithm: Any, kw: dict[str, Any]) -> Any:
         """KVCache.decode with features: checked, then one launch of a graph made once per
@@ -1016,8 +1271,8 @@ class KVCache:
 
     @property
     def dtype_name(self) -> str:
-        """``f32``, ``f16`` or ``bf16``."""
-        return dtype_name(self.dtype)
+        """``f32``, ``f16`` or ``bf16``; an fp8 cache's format, ``e4m3`` or ``e5m2``."""
+        return self.fp8 or dtype_name(self.dtype)
 
     def split_workspace(self, n_heads: int, floats: int) -> DeviceArray | None:
         """Scratch for decodes of ``n_heads`` query heads (None where the plan needs none:
@@ -1069,7 +1324,7 @@ class KVCache:
         self._async_records.clear()
         self._workspaces.clear()
         self._outgrown.clear()
-        for ev in self._group_events:
+        for ev in (*self._group_events, *(self._join_events or ())):
             ev.close()
         self._stage_k = self._stage_v = self._stage_seq = np.empty(0)
         if self._owns_stream:
@@ -1110,7 +1365,7 @@ class LayerKVCache:
         capacity: int,
         *,
         dtype: DTypeLike = np.float32,
-        device: Device | None = None,
+        device: DeviceLike = None,
         stream: Stream | None = None,
     ) -> None:
         n_layers = check_int(n_layers, "n_layers", 1)

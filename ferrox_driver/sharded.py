@@ -30,7 +30,7 @@ from .memory import DeviceArray, as_dtype, empty, zeros
 from .merge import merge_states
 from .module_cache import get_kernel
 from .stream import stream_handle
-from .types import DeviceArrayLike, DTypeLike, StreamLike
+from .types import DeviceArrayLike, DeviceLike, DTypeLike, StreamLike
 from .validation import (
     MAX_INT32,
     MAX_KV_HEADS,
@@ -109,8 +109,9 @@ class LocalGroup:
         self._asked = 0
 
     @classmethod
-    def ranks(cls, world: int, device: Device | None = None) -> list[LocalGroup]:
-        """The ``world`` ranks of a new group on ``device``."""
+    def ranks(cls, world: int, device: DeviceLike = None) -> list[LocalGroup]:
+        """The ``world`` ranks of a new group on ``device`` (a Device, an int, a
+        ``torch.device`` or ``"cuda:N"``; default: device 0)."""
         world = check_int(world, "world", 1, MAX_INT32)
         board = _Board(world, resolve(device))
         return [cls(r, world, board) for r in range(world)]

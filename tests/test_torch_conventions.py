@@ -431,3 +431,81 @@ def test_the_reference_reads_float8_and_bfloat16_by_value(dtype, rng):
     k, v = (rng.standard_normal((S, KV, D)).astype(dtype) for _ in range(2))
     want = reference(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), H, KV, D)
     np.testing.assert_allclose(fd.reference_gqa_decode(q, k, v), want, rtol=1e-12, atol=1e-12)
+
+
+# -- KVCache: device rows and q (checks only; the GPU tests run them) ---------------------
+
+
+def unbuilt_cache(dtype=np.float16, fp8="", ordinal=0):
+    """A KVCache's attributes that its argument checks read, with no device behind them:
+    a call that passes the checks fails on the missing lock, never on the device."""
+    kv = fd.KVCache.__new__(fd.KVCache)
+    kv.n_kv_heads, kv.head_dim, kv.row_elems = KV, D, KV * D
+    kv.dtype, kv.fp8 = np.dtype(dtype), fp8
+    kv._row_shapes = ((KV * D,), (KV, D), (1, KV, 1, D))
+
+    class Device:
+        pass
+
+    kv.device = Device()
+    kv.device.ordinal = ordinal
+    return kv
+
+
+@pytest.mark.parametrize(
+    "k,v,exc,message",
+    [
+        (FakeTorchCuda((KV, D)), np.zeros((KV, D), np.float16), TypeError,
+         "k_tok, v_tok: pass both as numpy arrays or both as device arrays"),
+        (FakeTorchCuda((KV, D), torch.float32), FakeTorchCuda((KV, D)), TypeError,
+         r"k_tok: expected dtype float16 \(the cache's\), got float32"),
+        (FakeTorchCuda((KV, D), ordinal=1), FakeTorchCuda((KV, D), ordinal=1), ValueError,
+         "k_tok: on device 1, but the cache is on device 0"),
+        (FakeTorchCuda((KV, D)), FakeTorchCuda((KV, 2 * D)), ValueError,
+         r"v_tok: expected one token of shape \(32,\), \(2, 16\) or \(1, 2, 1, 16\), got "
+         r"\(2, 32\)"),
+        ([0.0] * (KV * D), FakeTorchCuda((KV, D)), TypeError,
+         "k_tok: expected a numpy array or a device array, got list"),
+    ],
+)  # fmt: skip
+def test_kv_cache_append_of_device_rows_is_checked_naming_the_argument(
+    k, v, exc, message, torch_streams
+):
+    with pytest.raises(exc, match=message):
+        unbuilt_cache().append(k, v)
+
+
+def test_kv_cache_extend_of_device_rows_is_checked_naming_the_argument(torch_streams):
+    kv = unbuilt_cache()
+    with pytest.raises(ValueError, match="v_rows: expected 5 tokens like k_rows, got 4"):
+        kv.extend(FakeTorchCuda((5, KV, D)), FakeTorchCuda((4, KV, D)))
+    with pytest.raises(ValueError, match=r"k_rows: expected tokens of shape \(n, 2, 16\)"):
+        kv.extend(FakeTorchCuda((5, KV, D + 1)), FakeTorchCuda((5, KV, D + 1)))
+    fp8 = unbuilt_cache(ml_dtypes.float8_e4m3fn, "e4m3")
+    with pytest.raises(TypeError, match="k_rows: expected float32, float16 or bfloat16 rows"):
+        fp8.extend(FakeTorchCuda((5, KV, D), torch.int8), FakeTorchCuda((5, KV, D)))
+    with pytest.raises(TypeError, match="v_rows: expected k_rows's dtype float16, got float32"):
+        fp8.extend(FakeTorchCuda((5, KV, D)), FakeTorchCuda((5, KV, D), torch.float32))
+
+
+def test_kv_cache_decode_of_a_device_q_is_checked_naming_the_argument(torch_streams):
+    kv = unbuilt_cache()
+    with pytest.raises(ValueError, match="q: on device 1, but the cache is on device 0"):
+        kv.decode(FakeTorchCuda((H, D), ordinal=1))
+    with pytest.raises(TypeError, match=r"q: expected dtype float16 \(the cache's\)"):
+        kv.decode(FakeTorchCuda((H, D), torch.bfloat16))
+    with pytest.raises(ValueError, match=r"n_heads: 4 given, but q of shape \(1, 8, 1, 16\)"):
+        kv.decode(FakeTorchCuda((1, H, 1, D)), n_heads=4)
+    with pytest.raises(ValueError, match=r"q: expected shape \(n_heads\*16,\)"):
+        kv.decode(FakeTorchCuda((H, D + 1)))
+    with pytest.raises(ValueError, match="n_heads: must be a multiple of n_kv_heads"):
+        kv.decode(FakeTorchCuda((3, D)))
+    with pytest.raises(TypeError, match="q: expected a numpy array or a device array"):
+        kv.decode([0.0] * (H * D))
+
+
+def test_a_kv_cache_names_every_dtype():
+    assert unbuilt_cache(np.float32).dtype_name == "f32"
+    assert unbuilt_cache(ml_dtypes.bfloat16).dtype_name == "bf16"
+    assert unbuilt_cache(ml_dtypes.float8_e4m3fn, "e4m3").dtype_name == "e4m3"
+    assert unbuilt_cache(ml_dtypes.float8_e5m2, "e5m2").dtype_name == "e5m2"
