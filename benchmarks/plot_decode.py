@@ -166,7 +166,11 @@ def svg(data: dict, flashinfer: dict | None) -> str:
     parts += line(left, [(r["tokens"], r["floor"]) for r in rows], CEIL, "4 3")
     parts += line(left, [(r["tokens"], r["torch"]) for r in rows], TORCH)
     parts += line(left, [(r["tokens"], r["ferrox"]) for r in rows], FERROX)
-    items = [("ferrox", FERROX, ""), ("PyTorch SDPA", TORCH, ""), ("at the read ceiling", CEIL, "4 3")]
+    items = [
+        ("ferrox", FERROX, ""),
+        ("PyTorch SDPA", TORCH, ""),
+        ("at the read ceiling", CEIL, "4 3"),
+    ]
     if flashinfer is not None:
         fi = flashinfer["bf16_us"].get(HEADLINE, {})
         pts = sorted((int(t), us) for t, us in fi.items())
