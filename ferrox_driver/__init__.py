@@ -19,6 +19,7 @@ from .errors import (
     FerroxError,
     KVCapacityError,
     NoDeviceError,
+    UnsupportedDeviceError,
 )
 from .fp8 import quantize_fp8
 from .graph import Graph, GraphExec
@@ -56,6 +57,7 @@ __all__ = [
     "ShardedDecoder",
     "ShardedKVCache",
     "Stream",
+    "UnsupportedDeviceError",
     "clear_layer_kv",
     "compile_source",
     "cuda_available",

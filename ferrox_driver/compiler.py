@@ -187,6 +187,33 @@ def normalize_arch(arch: str) -> str:
     return arch
 
 
+@cache
+def nvrtc_archs() -> tuple[int, ...]:
+    """The ``sm_XY`` targets (as XY) this NVRTC compiles for, e.g. (75, 80, ..., 121).
+
+    Raises:
+        NoDeviceError: NVRTC cannot be loaded.
+    """
+    return tuple(int(a) for a in rtc("nvrtcGetSupportedArchs"))
+
+
+def check_nvrtc_arch(arch: str) -> None:
+    """Refuse an architecture this NVRTC does not compile for, in one line naming those it
+    does (NVRTC's own refusal is a log about its option parser).
+
+    Raises:
+        ValueError: ``arch`` is not one of ``nvrtc_archs()``.
+    """
+    m = _ARCH_RE.match(arch)
+    known = nvrtc_archs()
+    if m is None or int(m[2]) not in known:
+        major, minor = nvrtc_version()
+        raise ValueError(
+            f"arch: NVRTC {major}.{minor} compiles for "
+            f"{', '.join(f'sm_{a}' for a in known)}; got {arch!r}"
+        )
+
+
 def nvrtc_options(arch: str, options: Sequence[str] = ()) -> tuple[str, ...]:
     """Every option NVRTC is given for ``arch``: the fixed ones, then ``options``."""
     return (
@@ -227,7 +254,7 @@ def compile_source(
 
     Raises:
         CompileError: NVRTC rejected the source; the error carries the log.
-        ValueError: bad ``arch`` or options.
+        ValueError: bad ``arch`` (or one this NVRTC does not compile for) or options.
         NoDeviceError: ``arch`` omitted and no GPU present.
     """
     if not isinstance(source, str):
@@ -239,6 +266,7 @@ def compile_source(
 
         arch = default_device().arch
     arch = normalize_arch(arch)
+    check_nvrtc_arch(arch)
     opts = nvrtc_options(arch, options)
     prelude = prelude_source().encode()
     prog = rtc(

@@ -7,7 +7,8 @@ import threading
 from typing import Any
 
 from ._driver import cu, drv, finalizer, init
-from .errors import ClosedError, NoDeviceError
+from .archs import MIN_COMPUTE_CAPABILITY
+from .errors import ClosedError, NoDeviceError, UnsupportedDeviceError
 from .types import DeviceLike
 
 __all__ = [
@@ -52,6 +53,8 @@ class Device:
 
     Raises:
         NoDeviceError: no driver or no such device.
+        UnsupportedDeviceError: a device older than Turing (compute capability below 7.5;
+            a NoDeviceError too).
 
     ``close()`` releases this object's reference only: the process keeps one of its own on
     each device it used, so memory and kernels made through a closed Device stay valid;
@@ -71,15 +74,23 @@ class Device:
             raise NoDeviceError(f"ordinal: device {ordinal} does not exist ({count} device(s))")
         self.ordinal = ordinal
         self._dev = drv("cuDeviceGet", ordinal)
+        # (name and compute capability need no context: an unsupported device is refused
+        # before its primary context is touched)
+        self.name: str = drv("cuDeviceGetName", 256, self._dev).split(b"\0", 1)[0].decode()
+        cc = (
+            _A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            _A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+        )
+        major, minor = (int(drv("cuDeviceGetAttribute", a, self._dev)) for a in cc)
+        self.compute_capability: tuple[int, int] = (major, minor)
+        if self.compute_capability < MIN_COMPUTE_CAPABILITY:
+            raise UnsupportedDeviceError(
+                ordinal, self.name, self.compute_capability, MIN_COMPUTE_CAPABILITY
+            )
         self._ctx = drv("cuDevicePrimaryCtxRetain", self._dev)
         self._ctx_int = int(self._ctx)
         self._finalizer = finalizer(self, "cuDevicePrimaryCtxRelease", self._dev)
         self.activate()
-        self.name: str = drv("cuDeviceGetName", 256, self._dev).split(b"\0", 1)[0].decode()
-        self.compute_capability: tuple[int, int] = (
-            self.attribute(_A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
-            self.attribute(_A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
-        )
         self.multiprocessor_count: int = self.attribute(_A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.l2_cache_bytes: int = self.attribute(_A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
         self.max_shared_per_block_optin: int = self.attribute(

@@ -93,3 +93,39 @@ class ClosedError(FerroxError, ValueError):
 
     def __reduce__(self) -> Any:
         return type(self), (self.what, self.because)
+
+
+class UnsupportedDeviceError(NoDeviceError):
+    """A CUDA device older than ferrox_driver supports (compute capability below 7.5, before
+    Turing): refused when a Device opens, before its context is touched. A NoDeviceError:
+    code that falls back to the CPU without a GPU does so here too.
+
+    Attributes:
+        ordinal: the device's index.
+        device_name: its name, e.g. ``Tesla V100-SXM2-16GB``.
+        compute_capability: (major, minor).
+        minimum: the oldest compute capability supported.
+    """
+
+    def __init__(
+        self,
+        ordinal: int,
+        device_name: str,
+        compute_capability: tuple[int, int],
+        minimum: tuple[int, int],
+    ) -> None:
+        self.ordinal = ordinal
+        self.device_name = device_name
+        self.compute_capability = compute_capability
+        self.minimum = minimum
+        (major, minor), (low, low_minor) = compute_capability, minimum
+        super().__init__(
+            f"device {ordinal} ({device_name}) has compute capability {major}.{minor}, and "
+            f"ferrox_driver needs {low}.{low_minor} or newer (Turing or later: T4, RTX 20xx, "
+            f"A100, RTX 30xx-50xx, L4/L40S, H100/H200, B200)"
+        )
+
+    def __reduce__(self) -> Any:
+        return type(self), (
+            self.ordinal, self.device_name, self.compute_capability, self.minimum
+        )  # fmt: skip

@@ -7,6 +7,7 @@ no spills, no stack. Turing (sm_75) takes the CUDA-core kernels only."""
 from __future__ import annotations
 
 import os
+import pickle
 import resource
 import time
 from collections.abc import Iterator
@@ -16,7 +17,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import ferrox_driver as fd
 from ferrox_driver import archs, attention
+from ferrox_driver import device as device_module
 from ferrox_driver.compiler import KernelResources, compile_source, kernel_source
 from ferrox_driver.errors import CompileError
 
@@ -274,3 +277,63 @@ def test_the_table_holds_the_documented_gpus():
     assert [a for a, t in table.items() if t.max_cluster] == ["sm_90", "sm_100", "sm_120"]
     with pytest.raises(ValueError, match="arch: expected one of sm_75, sm_80"):
         archs.arch_limits("sm_70")
+
+
+class _Retained(Exception):
+    """The fake driver was asked to retain the primary context."""
+
+
+def _fake_driver(monkeypatch, cc: tuple[int, int], calls: list[str]) -> None:
+    a = device_module.cu.CUdevice_attribute
+    values = {
+        a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: cc[0],
+        a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: cc[1],
+    }
+
+    def drv(call, *args):
+        calls.append(call)
+        if call == "cuDeviceGet":
+            return 0
+        if call == "cuDeviceGetName":
+            return b"Tesla V100-SXM2-16GB\0\0\0"
+        if call == "cuDeviceGetAttribute":
+            return values[args[0]]
+        raise _Retained(call)
+
+    monkeypatch.setattr(device_module, "drv", drv)
+    monkeypatch.setattr(device_module, "device_count", lambda: 1)
+
+
+def test_a_gpu_older_than_turing_is_refused_in_one_sentence_before_its_context(monkeypatch):
+    calls: list[str] = []
+    _fake_driver(monkeypatch, (7, 0), calls)
+    with pytest.raises(fd.UnsupportedDeviceError) as exc:
+        fd.Device(0)
+    assert str(exc.value) == (
+        "device 0 (Tesla V100-SXM2-16GB) has compute capability 7.0, and ferrox_driver needs "
+        "7.5 or newer (Turing or later: T4, RTX 20xx, A100, RTX 30xx-50xx, L4/L40S, "
+        "H100/H200, B200)"
+    )
+    assert isinstance(exc.value, fd.NoDeviceError)  # a CPU fallback catches it
+    assert "cuDevicePrimaryCtxRetain" not in calls
+    again = pickle.loads(pickle.dumps(exc.value))
+    assert (again.ordinal, again.compute_capability, again.minimum) == (0, (7, 0), (7, 5))
+    assert str(again) == str(exc.value)
+
+
+def test_turing_and_newer_open(monkeypatch):
+    for cc in ((7, 5), (8, 6), (12, 1)):
+        calls: list[str] = []
+        _fake_driver(monkeypatch, cc, calls)
+        with pytest.raises(_Retained):  # past the check: the context is next
+            fd.Device(0)
+        assert calls[-1] == "cuDevicePrimaryCtxRetain", calls
+
+
+@pytest.mark.parametrize("arch", ["sm_50", "sm_999", "sm_72"])
+def test_an_architecture_nvrtc_does_not_compile_for_is_one_line_naming_those_it_does(arch):
+    with pytest.raises(ValueError) as exc:
+        compile_source('extern "C" __global__ void k() {}', arch=arch)
+    text = str(exc.value)
+    assert text.startswith("arch: NVRTC ") and text.endswith(f"got {arch!r}"), text
+    assert "sm_75" in text and "sm_90" in text and "\n" not in text
