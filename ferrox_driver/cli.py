@@ -1,15 +1,15 @@
-"""Command line: ``python -m ferrox_driver info | demo | bench``."""
+"""Command line: ``python -m ferrox_driver info | demo | bench | cache``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 __all__ = ["main"]
 
-KERNEL_FILES = ("gqa_decode.cu", "gqa_decode_split.cu", "kv_cache.cu")
 DEFAULT_ARCH = "sm_90"
 
 
@@ -23,7 +23,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     import ferrox_driver as fd
 
-    from . import _driver, module_cache
+    from . import _driver, archs, module_cache
     from .compiler import nvrtc_version_string
 
     _print(f"ferrox_driver  {fd.__version__}")
@@ -42,7 +42,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         _print(f"driver         CUDA {ver // 1000}.{(ver % 1000) // 10}")
     if fd.cuda_available():
         for i in range(fd.device_count()):
-            dev = fd.Device(i)
+            try:
+                dev = fd.Device(i)
+            except fd.UnsupportedDeviceError as exc:
+                _print(f"device {i}       unsupported: {exc}")
+                continue
             free, total = dev.mem_info()
             _print(
                 f"device {i}       {dev.name}, {dev.arch}, {dev.multiprocessor_count} SMs, "
@@ -51,38 +55,48 @@ def cmd_info(args: argparse.Namespace) -> int:
             dev.close()
     else:
         _print("devices        none: no CUDA driver/device found")
-    directory = module_cache.cache_dir()
-    files, size = module_cache.disk_usage()
-    where = "disabled (FERROX_DISK_CACHE=0)" if directory is None else str(directory)
-    _print(f"kernel cache   {where}: {files} file(s), {size / 2**20:.1f} MiB")
+    low = ".".join(map(str, archs.MIN_COMPUTE_CAPABILITY))
+    _print(f"GPUs           compute capability {low} or newer (plans checked for "
+           f"{', '.join(archs.supported_archs())})")  # fmt: skip
+    _print(f"kernel cache   {_cache_line(module_cache.disk_cache_state())}")
     return 0
 
 
-def show_resources(arch: str) -> None:
-    """Compile every kernel file for ``arch`` and print the ptxas report."""
-    from .compiler import kernel_source
-    from .module_cache import get_program
+def _cache_line(state: Any) -> str:
+    """The disk cache's state (module_cache.disk_cache_state) in one line."""
+    if state["path"] is None:
+        return f"not used: {state['why']}"
+    if not state["exists"]:
+        return f"{state['path']} (not created yet; made private to this user on first use)"
+    kept = f"{state['path']}: {state['n_files']} file(s), {state['bytes'] / 2**20:.1f} MiB"
+    if not state["trusted"]:
+        return f"{kept}; NOT used: {state['why']} (clear it: cache --clear)"
+    return kept
 
-    _print(f"ptxas report for {arch}:")
-    _print(f"  {'kernel':<34} {'regs':>5} {'stack':>6} {'spills':>7} {'smem':>6}")
-    for filename in KERNEL_FILES:
-        program = get_program(kernel_source(filename), arch=arch, name=filename)
-        for name, r in sorted(program.resources.items()):
-            spills = r.spill_stores + r.spill_loads
-            _print(
-                f"  {name:<34} {r.registers:>5} {r.stack_bytes:>6} {spills:>7} {r.shared_bytes:>6}"
-            )
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """The disk cache of compiled kernels: where, how much, whether it is used; --clear
+    empties it."""
+    from . import module_cache
+
+    state = module_cache.disk_cache_state()
+    if not args.clear:
+        _print(f"kernel cache   {_cache_line(state)}")
+        return 0
+    if state["path"] is None:
+        _print(f"kernel cache   nothing to clear: {state['why']}")
+        return 0
+    removed = module_cache.clear_disk_cache()
+    _print(f"kernel cache   removed {removed} file(s) from {state['path']}")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The decode loop on the GPU; without one, the compiled kernels' report."""
+    """The decode loop on the GPU; without one, the reference decode, the plan a GPU of
+    ``--arch`` would run and its kernels compiled for it."""
     import ferrox_driver as fd
 
-    if not fd.cuda_available():
-        _print("no CUDA driver/device found: showing the kernels compiled for " + args.arch)
-        show_resources(args.arch)
-        return 0
-    from .demo import DemoConfig, run_demo
+    from .demo import DemoConfig, run_cpu_demo, run_demo
 
     cfg = DemoConfig(
         layers=args.layers,
@@ -94,6 +108,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         model_context=0 if args.no_model else args.model_context,
         model_shape=args.model_shape,
     )
+    if not fd.cuda_available():
+        _print(f"no CUDA driver/device found: what ferrox_driver does without one, for a GPU of "
+               f"{args.arch} (--arch)\n")  # fmt: skip
+        return run_cpu_demo(cfg, args.arch)
     return run_demo(cfg)
 
 
@@ -221,12 +239,18 @@ def _head_dim(text: str) -> int:
 
 
 def _arch(text: str) -> str:
+    from .archs import ARCHS
     from .compiler import normalize_arch
 
     try:
-        return normalize_arch(text)
+        arch = normalize_arch(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("arch: ")) from None
+    if arch not in ARCHS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a supported architecture (supported: {', '.join(ARCHS)})"
+        )
+    return arch
 
 
 class _Parser(argparse.ArgumentParser):
@@ -237,18 +261,23 @@ class _Parser(argparse.ArgumentParser):
 
 
 DESCRIPTION = (
-    "Single-sequence GQA attention decode on NVIDIA GPUs, over the CUDA driver API. "
-    "info: versions, devices and the kernel cache; demo: a multi-layer decode loop, eager "
-    "and as CUDA graphs (without a GPU: the compiled kernels); bench: decode and host-time "
-    "benchmarks against PyTorch (needs a GPU)."
+    "Single-sequence GQA attention decode on NVIDIA GPUs (compute capability 7.5 or newer), "
+    "over the CUDA driver API. info: versions, devices and the kernel cache; demo: a "
+    "multi-layer decode loop, eager and as CUDA graphs (without a GPU: the reference decode, "
+    "the plan a GPU of --arch would run and its kernels compiled); bench: decode and "
+    "host-time benchmarks against PyTorch (needs a GPU); cache: the disk cache of compiled "
+    "kernels (--clear empties it)."
 )
 
 
 def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
     """The command line's parser (``prog``: how the program is invoked)."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
+    from ._version import __version__
+
     parser = _Parser(prog=prog, description=DESCRIPTION, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench,cache}")
     sub.add_parser("info", help="versions, devices and the kernel cache", formatter_class=fmt)
     demo = sub.add_parser(
         "demo", help="multi-layer decode loop: eager vs CUDA graph", formatter_class=fmt
@@ -262,7 +291,11 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
         "--dtype", choices=("f32", "f16", "bf16"), default="bf16", help="cache and query dtype"
     )
     demo.add_argument(
-        "--arch", type=_arch, default=DEFAULT_ARCH, help="architecture to compile for without a GPU"
+        "--arch",
+        type=_arch,
+        default=DEFAULT_ARCH,
+        help="without a GPU: the architecture to plan and compile for (sm_75, sm_80, sm_86, "
+        "sm_89, sm_90, sm_100, sm_120)",
     )
     demo.add_argument(
         "--model-context",
@@ -307,6 +340,8 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
     )
     bench.add_argument("--seqs", nargs="+", type=_positive, help="sequence lengths")
     bench.add_argument("--dtypes", nargs="+", choices=("f32", "f16", "bf16"), help="dtypes")
+    cache = sub.add_parser("cache", help="the disk cache of compiled kernels", formatter_class=fmt)
+    cache.add_argument("--clear", action="store_true", help="remove the cached kernels")
     parser.set_defaults(prog=prog, demo_parser=demo)
     return parser
 
@@ -319,8 +354,22 @@ def main(argv: Sequence[str] | None = None, prog: str = "ferrox-driver") -> int:
         args.demo_parser.error(
             f"argument --heads: {args.heads} is not a multiple of --kv-heads {args.kv_heads}"
         )
-    commands = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench}
-    return commands[args.command](args)
+    commands = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench, "cache": cmd_cache}
+    from .errors import NoDeviceError
+
+    try:
+        status = commands[args.command](args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # the reader left (``| head``): stop quietly, and point stdout at devnull so that
+        # the flush at exit does not raise again (Python's documented recipe)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except NoDeviceError as exc:  # no driver, no such device, a GPU older than Turing
+        print(f"{prog} {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,7 +1,9 @@
 """``python -m ferrox_driver demo``: a multi-layer decode loop, eager, a CUDA graph per layer,
 and one CUDA graph per token (every layer in it, one sync); then, where PyTorch sees the GPU,
 a Llama-shaped model with random weights whose whole token is one PyTorch CUDA graph, its
-attention on ferrox or on SDPA (``ferrox_driver.toy_llama``)."""
+attention on ferrox or on SDPA (``ferrox_driver.toy_llama``). Without a GPU
+(``run_cpu_demo``): the float64 reference decode, the plan a GPU of the chosen architecture
+would run, and its kernels compiled for that architecture."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .attention import SplitPlan
 from .decode_graph import DecodeGraph, LayerDecodeGraph
 from .kv_cache import LayerKVCache
 from .progress import progress
 from .reference import reference_gqa_decode
 from .validation import SUPPORTED_DTYPES
 
-__all__ = ["DemoConfig", "run_demo", "run_model_demo"]
+__all__ = ["DemoConfig", "describe_plan", "run_cpu_demo", "run_demo", "run_model_demo"]
 
 TOL = {"f32": 1e-5, "f16": 1e-2, "bf16": 1e-2}
 
@@ -42,9 +45,13 @@ def _rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(out64 - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(next(d for d, n in SUPPORTED_DTYPES.items() if n == name))
+
+
 def run_demo(cfg: DemoConfig) -> int:
     """Run the loop; print latencies and checks. Returns the exit code (1 on a failed check)."""
-    dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == cfg.dtype)
+    dt = _dtype(cfg.dtype)
     rng = np.random.default_rng()
     L, T = cfg.layers, cfg.tokens
     shape_q = (cfg.n_heads, cfg.head_dim)
@@ -152,3 +159,116 @@ def run_model_demo(cfg: DemoConfig) -> bool:
     print("model check: " + ("passed" if result.ok else "FAILED (ferrox's logits further from "
                              "float32 attention's than twice SDPA's)"))  # fmt: skip
     return not result.ok
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f}".removesuffix(".0") + " KiB"
+
+
+def describe_plan(
+    plan: SplitPlan, dtype: np.dtype, n_heads: int, n_kv_heads: int, head_dim: int, seq: int
+) -> list[str]:
+    """The launches of ``plan`` (for ``seq`` tokens of this shape), in words, a line each."""
+    x, y, z = plan.grid(n_kv_heads)
+    blocks = x * y * z
+    kind = (
+        "tensor cores (mma.sync; K and V stream through each warp's cp.async ring)"
+        if plan.tensor_cores
+        else "CUDA cores"
+    )
+    group = n_heads // n_kv_heads
+    heads = "two KV heads' rows read as one (a pair), " if plan.paired else ""
+    per_block = -(-(2 * group if plan.paired else group) // plan.head_tiles)
+    per_split = -(-seq // plan.splits)
+    chunk = -(-per_split // plan.tile) * plan.tile
+    shared = plan.shared_bytes(head_dim, dtype.itemsize)
+    lines = [
+        f"{plan.kernel}: {kind}",
+        f"  grid {x} x {y} x {z} = {blocks} block(s) of {plan.threads} threads"
+        + (f", {_kib(shared)} of shared memory each" if shared else ""),
+        f"  {heads}each block: one chunk of one KV head's cache, for {per_block} query "
+        f"head(s) of its group",
+        f"  the sequence in {plan.splits} chunk(s) per KV head of up to {chunk} tokens "
+        f"(multiples of {plan.tile}, recomputed on the GPU from the length)",
+    ]
+    combine = plan.combine_kernel(dtype)
+    if combine is None:
+        lines.append(
+            f"  each KV head's chunks merged on chip, in a cluster of {plan.cluster} blocks "
+            f"(one kernel)"
+        )
+    else:
+        lines.append(
+            f"then {combine}: merges the chunks' partial results (log-sum-exp weighted), "
+            f"one block per query head"
+        )
+    return lines
+
+
+def run_cpu_demo(cfg: DemoConfig, arch: str) -> int:
+    """What the library does without a GPU: the float64 reference decode of a small problem,
+    the plan a GPU of ``arch`` would run for the demo's shape at ``cfg.tokens`` tokens, and
+    that plan's kernels compiled for ``arch`` (timed). Returns 0, or 1 where the reference
+    disagrees with its own definition."""
+    from . import attention, module_cache
+    from .archs import arch_limits
+    from .compiler import nvrtc_version_string
+
+    H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    dims = f"n_heads={H}, n_kv_heads={KV}, head_dim={D}"
+    shape = f"{H}/{KV}/{D}"
+    rng = np.random.default_rng()
+    seq = 16
+    q = rng.standard_normal((H, D), dtype=np.float32)
+    k = rng.standard_normal((seq, KV, D), dtype=np.float32)
+    v = rng.standard_normal((seq, KV, D), dtype=np.float32)
+    out = reference_gqa_decode(q, k, v, n_heads=H, n_kv_heads=KV, head_dim=D)
+    scores = k[:, 0].astype(np.float64) @ q[0] / np.sqrt(D)  # head 0 by hand: its KV head 0
+    p = np.exp(scores - scores.max())
+    by_hand = (p / p.sum()) @ v[:, 0].astype(np.float64)
+    diff = float(np.abs(by_hand - out[0]).max())
+    print(f"1. reference: the exact decode on the CPU, in float64, for any shape (q {q.shape}, "
+          f"k and v {k.shape}):", flush=True)  # fmt: skip
+    print(f"   out = fd.reference_gqa_decode(q, k, v, {dims})")
+    print(
+        f"   out {out.shape} {out.dtype}; out[0, :4] = {np.array2string(out[0, :4], precision=4)}"
+    )
+    print(f"   query head 0 by hand, softmax(q k^T / sqrt({D})) v over its KV head: max "
+          f"difference {diff:.1e}")  # fmt: skip
+    print("   (a GPU's fd.gqa_decode(q, k, v, ...) is checked against it: the tests, the demo)")
+
+    limits = arch_limits(arch)
+    dt = _dtype(cfg.dtype)
+    T = cfg.tokens
+    print(f"\n2. plan: what fd.gqa_decode runs for {shape} {cfg.dtype} at {T} tokens on a GPU "
+          f"of {arch} ({limits.gpu.split(' (')[0]}: {limits.multiprocessor_count} SMs, "
+          f"{_kib(limits.shared_per_block)} of shared memory per block):", flush=True)  # fmt: skip
+    compiles = module_cache.stats.compiles
+    started = time.perf_counter()
+    traits = attention.arch_traits(arch)  # (planning compiles the candidates: occupancy)
+    plan = attention.plan(traits, dt, H, KV, D, T)
+    kernels = [plan.kernel, *filter(None, [plan.combine_kernel(dt)])]
+    programs = [attention.split_program([name], arch) for name in kernels]
+    seconds = time.perf_counter() - started
+    fresh = module_cache.stats.compiles - compiles
+    for line in describe_plan(plan, dt, H, KV, D, T):
+        print(f"   {line}")
+
+    how = (
+        f"compiled {fresh} module(s) in {seconds:.1f} s"
+        if fresh
+        else f"loaded from the disk cache in {seconds:.2f} s (compiled on an earlier run)"
+    )
+    print(f"\n3. compile: the plan's kernels for {arch} with NVRTC {nvrtc_version_string()} "
+          f"(no GPU needed): {how}", flush=True)  # fmt: skip
+    for name, program in zip(kernels, programs, strict=True):
+        r = program.resources[name]
+        spills = r.spill_stores + r.spill_loads + r.stack_bytes
+        print(f"   {name}: {r.registers} registers a thread, "
+              f"{'no spills' if not spills else f'{spills} bytes spilled'}")  # fmt: skip
+    where = module_cache.cache_dir()
+    if where is not None:
+        print(f"   (kept in {where}: a GPU of {arch} loads them without compiling)")
+    print("\nOn a GPU, this demo runs a decode loop over layers: eager, a CUDA graph per layer, "
+          "one graph per token.")  # fmt: skip
+    return 0 if diff < 1e-9 else 1

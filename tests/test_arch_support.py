@@ -6,6 +6,7 @@ no spills, no stack. Turing (sm_75) takes the CUDA-core kernels only."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import resource
@@ -22,6 +23,8 @@ from ferrox_driver import archs, attention
 from ferrox_driver import device as device_module
 from ferrox_driver.compiler import KernelResources, compile_source, kernel_source
 from ferrox_driver.errors import CompileError
+
+from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 SHAPES = [(32, 8, 128), (28, 4, 128), (32, 4, 128), (16, 2, 64), (8, 1, 256), (64, 8, 128)]
@@ -337,3 +340,45 @@ def test_an_architecture_nvrtc_does_not_compile_for_is_one_line_naming_those_it_
     text = str(exc.value)
     assert text.startswith("arch: NVRTC ") and text.endswith(f"got {arch!r}"), text
     assert "sm_75" in text and "sm_90" in text and "\n" not in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_86", "sm_120"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,seq_len",
+    [(8, 1, 256, 5003), (32, 8, 128, 4096), (16, 2, 64, 777), (32, 8, 80, 20001),
+     (28, 4, 128, 512), (16, 1, 200, 3000)],
+)  # fmt: skip
+def test_another_architectures_plans_compute_the_decode_on_this_gpu(
+    rng, device, arch, dtype, n_heads, n_kv_heads, head_dim, seq_len
+):
+    # The plans of a GPU with that architecture's shared memory per block and compute
+    # capability (CUDA cores where a ring does not fit or below sm_80, reserves cut down,
+    # no clusters before sm_90), with this GPU's occupancy, launched here (compiled for this
+    # GPU, from the same source): each is the right decode.
+    limits = archs.ARCHS[arch]
+    real = attention.DeviceTraits.of(device)
+    cc = min(limits.compute_capability, device.compute_capability)
+    if limits.max_cluster and device.compute_capability >= (9, 0):
+        cc = device.compute_capability
+    traits = dataclasses.replace(
+        real, arch=arch, compute_capability=cc, shared_per_block=limits.shared_per_block
+    )
+    dt = np.dtype(DTYPES[dtype])
+    plan = attention.plan(traits, dt, n_heads, n_kv_heads, head_dim, seq_len)
+    if not limits.tensor_cores:
+        assert not plan.tensor_cores, plan
+    q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
+    qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
+    kw = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    floats = plan.workspace_floats(n_heads, head_dim)
+    ws = poisoned((floats,), np.float32) if floats else None
+    out = poisoned(q.shape, q.dtype)
+    for launch in attention.split_launches(
+        plan, qd, kd, vd, out, ws, seq_len=seq_len, seq_len_dev=None, **kw
+    ):
+        launch.run(None, device)
+    got = out.to_host()
+    ref = fd.reference_gqa_decode(q, k, v, **kw)
+    assert rel_err(got, ref) < TOL[dtype], (arch, plan)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -16,14 +18,7 @@ def test_info_exits_zero_and_names_versions_and_cache(capsys):
     out = capsys.readouterr().out
     for field in ("ferrox_driver", "cuda-bindings", "NVRTC", "kernel cache"):
         assert field in out
-
-
-def test_resource_report_lists_every_kernel_with_no_stack(capsys):
-    cli.show_resources("sm_90")
-    lines = capsys.readouterr().out.splitlines()
-    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
-    assert {"gqa_decode_f32", "gqa_decode_bf16", "kv_append_row"} <= set(rows)
-    assert all(cols[1] == "0" and cols[2] == "0" for cols in rows.values())
+    assert "GPUs           compute capability 7.5 or newer (plans checked for sm_75, " in out
 
 
 def test_module_entry_point_runs():
@@ -43,6 +38,10 @@ def test_module_entry_point_runs():
         (["bench", "--only", "everything"], "--only"),
         (["demo", "--arch", "foo"], "--arch"),
         (["demo", "--arch", "compute_90"], "--arch"),
+        (["demo", "--arch", "sm_50"], "supported: sm_75, sm_80, sm_86, sm_89, sm_90"),
+        (["demo", "--arch", "sm_999"], "'sm_999' is not a supported architecture"),
+        (["demo", "--arch", "sm_87"], "--arch"),
+        (["cache", "--clear", "now"], "unrecognized arguments: now"),
         (["demo", "--layers", "-5"], "--layers"),
         (["demo", "--tokens", "many"], "--tokens"),
         (["demo", "--head-dim", "999"], "--head-dim"),
@@ -68,11 +67,145 @@ def test_bench_without_a_gpu_says_so_and_fails(capsys):
     assert "need a GPU" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(fd.cuda_available(), reason="the no-GPU behaviour (CI has no GPU)")
-def test_demo_without_a_gpu_shows_the_compiled_kernels_and_succeeds(capsys):
-    assert cli.main(["demo", "--arch", "sm_80"]) == 0
+NO_GPU = pytest.mark.skipif(fd.cuda_available(), reason="the no-GPU behaviour (CI has no GPU)")
+
+
+@NO_GPU
+def test_demo_without_a_gpu_shows_the_reference_the_plan_and_its_compiled_kernels(capsys):
+    assert cli.main(["demo", "--arch", "sm_80", "--tokens", "4096"]) == 0
     out = capsys.readouterr().out
-    assert "no CUDA driver/device found" in out and "gqa_decode_f32" in out
+    assert "no CUDA driver/device found" in out
+    assert "fd.reference_gqa_decode(q, k, v, n_heads=32, n_kv_heads=8, head_dim=128)" in out
+    by_hand = next(line for line in out.splitlines() if "query head 0 by hand" in line)
+    assert float(by_hand.split()[-1]) < 1e-12
+    # an A100: 108 SMs of one 128 KiB block, 8 KV heads: 13 chunks each; no clusters
+    assert "32/8/128 bf16 at 4096 tokens on a GPU of sm_80 (A100: 108 SMs" in out
+    assert "gqa_split_mma_bf16_d128: tensor cores" in out
+    assert "grid 13 x 8 x 1 = 104 block(s) of 128 threads, 128 KiB of shared memory" in out
+    assert "13 chunk(s) per KV head of up to 320 tokens" in out
+    assert "then gqa_split_combine_bf16" in out
+    assert "for sm_80 with NVRTC" in out and "gqa_split_combine_bf16: " in out
+    assert "ptxas" not in out and "gqa_decode_f32" not in out  # not the whole file
+
+
+@NO_GPU
+def test_the_no_gpu_demo_takes_its_arch_plans_for_turing_on_cuda_cores(capsys):
+    assert cli.main(["demo", "--arch", "sm_75", "--dtype", "f16", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "on a GPU of sm_75 (Tesla T4: 40 SMs, 64 KiB" in out
+    assert "gqa_split_f16_g4_vec: CUDA cores" in out and "for sm_75 with NVRTC" in out
+
+
+@NO_GPU
+def test_the_no_gpu_demo_finishes_in_seconds_once_its_kernels_are_cached(tmp_path):
+    env = {**os.environ, "FERROX_CACHE_DIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "ferrox_driver", "demo"]
+    first = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "compiled 1 module(s) in" in first.stdout
+    started = time.perf_counter()
+    warm = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    seconds = time.perf_counter() - started
+    assert warm.returncode == 0, warm.stderr
+    for part in ("1. reference", "2. plan", "3. compile", "loaded from the disk cache"):
+        assert part in warm.stdout, warm.stdout
+    assert seconds < 10, seconds
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    # `python -m ferrox_driver demo | head -3`: the reader leaves after three lines
+    with subprocess.Popen(
+        [sys.executable, "-m", "ferrox_driver", "demo", "--layers", "1", "--tokens", "2",
+         "--no-model"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        lines = [proc.stdout.readline() for _ in range(3)]
+        proc.stdout.close()
+        err = proc.stderr.read()
+        status = proc.wait(timeout=300)
+    assert all(lines), lines  # it wrote more than the reader took ...
+    assert status == 1 and "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+@pytest.mark.parametrize("prog", ["ferrox-driver", "python -m ferrox_driver"])
+def test_version(capsys, prog):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"], prog=prog)
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"{prog} {fd.__version__}\n"
+
+
+def test_a_missing_driver_is_one_line_not_a_traceback(monkeypatch, capsys):
+    # the GPU demo where the driver cannot be used: NoDeviceError's sentence, exit status 1
+    monkeypatch.setattr(fd, "cuda_available", lambda: True)
+    boom = fd.NoDeviceError("no NVIDIA driver found (libcuda could not be loaded): install it")
+    import ferrox_driver.demo
+
+    def no_driver(cfg):
+        try:
+            raise OSError("libcuda.so.1: cannot open shared object file")
+        except OSError as cause:
+            raise boom from cause
+
+    monkeypatch.setattr(ferrox_driver.demo, "run_demo", no_driver)
+    assert cli.main(["demo", "--no-model"], prog="ferrox-driver") == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"ferrox-driver demo: {boom}\n" and captured.out == ""
+
+
+@NO_GPU
+def test_without_a_driver_the_gpu_demo_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(fd, "cuda_available", lambda: True)  # as if one were there
+    assert cli.main(["demo", "--no-model", "--layers", "1"], prog="ferrox-driver") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("ferrox-driver demo: ")] == err[-1:], err
+    assert "Traceback" not in "".join(err)
+
+
+def _kernel_in_the_cache() -> None:
+    from ferrox_driver import attention
+
+    attention.split_program(["gqa_split_combine_f32"], "sm_80")  # compiled, written to disk
+
+
+def test_the_cache_command_shows_and_clears_the_disk_cache(monkeypatch, tmp_path, capsys):
+    from ferrox_driver import module_cache
+
+    where = tmp_path / "kernels"
+    monkeypatch.setenv("FERROX_CACHE_DIR", str(where))
+    assert cli.main(["cache"]) == 0
+    assert (
+        capsys.readouterr().out
+        == f"kernel cache   {where} (not created yet; made private to this user on first use)\n"
+    )
+    module_cache.clear_memory_cache()
+    _kernel_in_the_cache()
+    assert cli.main(["cache"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith(f"kernel cache   {where}: 1 file(s), ") and "NOT" not in shown
+    assert cli.main(["info"]) == 0
+    assert f"kernel cache   {where}: 1 file(s), " in capsys.readouterr().out
+    assert cli.main(["cache", "--clear"]) == 0
+    assert capsys.readouterr().out == f"kernel cache   removed 1 file(s) from {where}\n"
+    assert not list(where.glob("*.cubin"))
+    assert cli.main(["cache"]) == 0
+    assert f"{where}: 0 file(s), 0.0 MiB" in capsys.readouterr().out
+
+
+def test_the_cache_command_says_why_a_cache_is_not_used(monkeypatch, capsys):
+    from ferrox_driver import module_cache
+
+    monkeypatch.setenv("FERROX_DISK_CACHE", "0")
+    assert cli.main(["cache", "--clear"]) == 0
+    assert "nothing to clear: disabled (FERROX_DISK_CACHE=0)" in capsys.readouterr().out
+    state = {"path": "/x", "exists": True, "trusted": False, "n_files": 2, "bytes": 2**20,
+             "why": "the directory is writable by others"}  # fmt: skip
+    monkeypatch.setattr(module_cache, "disk_cache_state", lambda: state)
+    assert cli.main(["cache"]) == 0
+    assert capsys.readouterr().out == (
+        "kernel cache   /x: 2 file(s), 1.0 MiB; NOT used: the directory is writable by others "
+        "(clear it: cache --clear)\n"
+    )
 
 
 @pytest.mark.parametrize("prog", ["ferrox-driver", "python -m ferrox_driver"])
@@ -93,7 +226,8 @@ def test_top_level_help_is_plain_text(capsys):
         cli.main(["--help"])
     out = capsys.readouterr().out
     assert "``" not in out and ":meth:" not in out
-    assert "info" in out and "demo" in out and "bench" in out
+    assert "info" in out and "demo" in out and "bench" in out and "cache" in out
+    assert "--version" in out
 
 
 def test_the_module_entry_point_names_itself_python_m():
