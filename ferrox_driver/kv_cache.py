@@ -458,10 +458,17 @@ class KVCache:
             or (len(shape) == 2 and shape[1] == self.row_elems)
             or (len(shape) == 3 and shape[1:] == (self.n_kv_heads, self.head_dim))
         ):
+            sdpa = (
+                len(shape) == 4
+                and shape[0] == 1
+                and shape[1::2] == (self.n_kv_heads, self.head_dim)
+            )
             raise ValueError(
                 f"{name}: expected tokens of shape (n, {self.n_kv_heads}, {self.head_dim}), "
                 f"(n, {self.row_elems}) or (n*{self.row_elems},), got {shape}"
-            )
+                + (": a PyTorch SDPA cache (1, n_kv_heads, n, head_dim) is head-major; "
+                   "pass rows[0].transpose(0, 1).contiguous()" if sdpa else "")
+            )  # fmt: skip
 
     def _take_slot(self) -> int:
         """The next staging slot, waited for when the ring has come round to it while its

@@ -96,6 +96,7 @@ def test_a_torch_graph_captures_kv_cache_appends_and_decodes_on_its_stream(torch
     n_heads, n_kv, hd = 16, 4, 64
     with fd.KVCache(n_kv, hd, 64, dtype="bf16") as kv:
         kv.prepare(n_heads)
+        kv.synchronize()  # (the length's update is queued on the cache's stream)
         q_t = torch.zeros(1, n_heads, 1, hd, dtype=torch.bfloat16, device="cuda")
         k_t = torch.zeros(n_kv, hd, dtype=torch.bfloat16, device="cuda")
         v_t = torch.zeros_like(k_t)

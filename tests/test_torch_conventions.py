@@ -481,6 +481,8 @@ def test_kv_cache_extend_of_device_rows_is_checked_naming_the_argument(torch_str
         kv.extend(FakeTorchCuda((5, KV, D)), FakeTorchCuda((4, KV, D)))
     with pytest.raises(ValueError, match=r"k_rows: expected tokens of shape \(n, 2, 16\)"):
         kv.extend(FakeTorchCuda((5, KV, D + 1)), FakeTorchCuda((5, KV, D + 1)))
+    with pytest.raises(ValueError, match=r"SDPA cache .* is head-major; pass rows\[0\]"):
+        kv.extend(FakeTorchCuda((1, KV, 5, D)), FakeTorchCuda((1, KV, 5, D)))
     fp8 = unbuilt_cache(ml_dtypes.float8_e4m3fn, "e4m3")
     with pytest.raises(TypeError, match="k_rows: expected float32, float16 or bfloat16 rows"):
         fp8.extend(FakeTorchCuda((5, KV, D), torch.int8), FakeTorchCuda((5, KV, D)))
