@@ -1,8 +1,12 @@
 """attn_implementation="ferrox" in real transformers model classes on the GPU: small random
 models with the real head dims, groups and features of Llama 3, Mistral, Qwen 2.5, Phi-3
-and Gemma 2 generate the same greedy tokens as with "sdpa" over 64 new tokens of a static
-cache, with logits at each step within 1e-2 (bf16), every decode step on ferrox; random
-models' logits are nearly flat, so the two may part at a near tie (checked as one)."""
+and Gemma 2 generate the same greedy tokens as with "sdpa" (Gemma 2: "eager", whose
+attention has the soft-cap) over 64 new tokens of a static cache, with logits at each step
+within 1e-2 of SDPA's (bf16; 3e-2 of eager's, which rounds the weights to bf16), every
+decode step on ferrox; random models' logits are nearly flat, so the two may part at a
+near tie (checked as one). gpt-oss (sinks at 0 and 3) and Gemma 2 (a soft-cap that the
+logits pass), fresh random weights, bf16 and fp32: prefill logits (eager attention in
+both) and every decode step's (on ferrox) those of transformers' "eager" model."""
 
 from __future__ import annotations
 
@@ -38,18 +42,26 @@ MODELS = {
                                                query_pre_attn_scalar=256)),
 }  # fmt: skip
 NEW_TOKENS = 64
+# what ferrox's model is compared with: SDPA ignores Gemma 2's soft-cap (and transformers
+# 5.24+ refuse Gemma 2 on "sdpa"); eager attention rounds its weights to bf16, so its
+# logits sit further from ferrox's than SDPA's
+REFERENCE = {"gemma2": "eager"}
+RTOL = {"sdpa": 1e-2, "eager": 3e-2}
 
 
-def _models(name):
-    cls, extra = MODELS[name]
+def _models(name, dtype=torch.bfloat16, setup=None, seed=0):
+    cls, extra = {**MODELS, **FEATURED}[name]
     config = cls(**{**SMALL, **extra})
     fxt.register()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     auto = transformers.AutoModelForCausalLM
-    ours = auto.from_config(copy.deepcopy(config), attn_implementation="ferrox",
-                            dtype=torch.bfloat16)  # fmt: skip
-    theirs = auto.from_config(copy.deepcopy(config), attn_implementation="sdpa",
-                              dtype=torch.bfloat16)  # fmt: skip
+    reference = "eager" if name in FEATURED else REFERENCE.get(name, "sdpa")
+    ours = auto.from_config(copy.deepcopy(config), attn_implementation="ferrox", dtype=dtype)
+    theirs = auto.from_config(copy.deepcopy(config), attn_implementation=reference,
+                              dtype=dtype)  # fmt: skip
+    if setup is not None:
+        with torch.no_grad():
+            setup(ours)
     theirs.load_state_dict(ours.state_dict())
     return ours.cuda().eval(), theirs.cuda().eval(), config
 
@@ -64,13 +76,16 @@ def _generate(model, ids, **kw):
 
 def _counted(monkeypatch):
     """ferrox's decodes from here on, (function, layout) (a static cache's steps decode its
-    whole buffers with gqa_decode_async, a dynamic one's with gqa_decode)."""
+    whole buffers with gqa_decode_async, a dynamic one's with gqa_decode); each one's
+    output poisoned (NaN) before it runs."""
     decodes = []
     for name in ("gqa_decode", "gqa_decode_async"):
         real = getattr(fd, name)
 
         def counted(*args, _real=real, **kwargs):
             decodes.append((_real.__name__, kwargs.get("kv_layout")))
+            out = kwargs["out"] if _real.__name__ == "gqa_decode" else args[2]
+            out.fill_(float("nan"))
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(fd, name, counted)
@@ -86,16 +101,16 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _same_until_a_near_tie(got, want, prompt):
-    """The new tokens of the two generations agree, and their logits within 1e-2 at each
-    step, until (if ever) they part at a near tie: where SDPA's logits put the token
-    ferrox chose within 5% of their rms of its own (a random model's logits are nearly
-    flat; two right attentions that round differently may pick either). Returns how many
-    agree."""
+def _same_until_a_near_tie(got, want, prompt, rtol=1e-2):
+    """The new tokens of the two generations agree, and their logits within ``rtol`` at
+    each step, until (if ever) they part at a near tie: where the reference's logits put
+    the token ferrox chose within 5% of their rms of its own (a random model's logits are
+    nearly flat; two right attentions that round differently may pick either). Returns
+    how many agree."""
     a, b = got.sequences[0, prompt:].tolist(), want.sequences[0, prompt:].tolist()
     same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
     for step in range(min(same + 1, len(a))):
-        assert _rel(got.logits[step], want.logits[step]) < 1e-2, step
+        assert _rel(got.logits[step], want.logits[step]) < rtol, step
     if same < len(a):
         logits = want.logits[same][0].float()
         margin = (logits[b[same]] - logits[a[same]]).item()
@@ -105,8 +120,9 @@ def _same_until_a_near_tie(got, want, prompt):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_ferrox_generates_the_tokens_sdpa_does(name, monkeypatch, caplog):
-    """Both eager (disable_compile): the rest of the two models rounds alike."""
+def test_ferrox_generates_the_tokens_sdpa_or_eager_does(name, monkeypatch, caplog):
+    """Both without torch.compile (disable_compile): the rest of the two models rounds
+    alike."""
     ours, theirs, config = _models(name)
     decodes = _counted(monkeypatch)
     ids = _ids(config)
@@ -122,14 +138,16 @@ def test_ferrox_generates_the_tokens_sdpa_does(name, monkeypatch, caplog):
     fallbacks = [r.getMessage() for r in caplog.records if r.name == fxt.__name__]
     assert len(fallbacks) == layers and all("prefill" in m for m in fallbacks), fallbacks
     assert got.sequences[0, : ids.shape[1]].tolist() == ids[0].tolist()
-    print(f"{name}: {_same_until_a_near_tie(got, want, ids.shape[1])} tokens the same")
+    rtol = RTOL[REFERENCE.get(name, "sdpa")]
+    print(f"{name}: {_same_until_a_near_tie(got, want, ids.shape[1], rtol)} tokens the same")
 
 
 @pytest.mark.parametrize("name", ["gemma2", "llama3"])
 def test_generates_default_torch_compile_runs_ferrox_outside_the_graph(name, monkeypatch):
     """generate's default: a static cache's decode steps compiled, ferrox a graph break.
-    Each step on ferrox; the tokens those of the compiled SDPA model, the logits within
-    1e-2, until a near tie parts them (the two graphs fuse the other ops differently)."""
+    Each step on ferrox; the tokens those of the compiled SDPA (Gemma 2: eager) model, the
+    logits within 1e-2 (3e-2), until a near tie parts them (the two graphs fuse the other
+    ops differently)."""
     ours, theirs, config = _models(name)
     decodes = _counted(monkeypatch)
     ids = _ids(config)
@@ -137,4 +155,69 @@ def test_generates_default_torch_compile_runs_ferrox_outside_the_graph(name, mon
     assert [layout for _, layout in decodes] == ["HND"] * config.num_hidden_layers * (
         NEW_TOKENS - 1
     )
-    print(f"{name}, compiled: {_same_until_a_near_tie(got, want, ids.shape[1])} tokens the same")
+    same = _same_until_a_near_tie(got, want, ids.shape[1], RTOL[REFERENCE.get(name, "sdpa")])
+    print(f"{name}, compiled: {same} tokens the same")
+
+
+# Features SDPA lacks, made to bite: gpt-oss's real group (64 query heads of 64 over 8),
+# its sinks at 0 (exp(0) in each denominator) and 3, both its experts used by every token
+# (no top-k choice for a rounding to flip); Gemma 2 with a soft-cap of 5 and its query and
+# key projections 4x, so that the logits pass the cap (without it they move by 0.2,
+# relative, in fp32 on the CPU). A sliding window of 24 that 7 + 64 tokens outgrow.
+FEATURED = {
+    "gpt-oss": (transformers.GptOssConfig, dict(num_attention_heads=64, num_key_value_heads=8,
+                                                head_dim=64, sliding_window=24,
+                                                num_local_experts=2, num_experts_per_tok=2)),
+    "gemma2-capped": (transformers.Gemma2Config, dict(num_attention_heads=16,
+                                                      num_key_value_heads=8, head_dim=256,
+                                                      sliding_window=24,
+                                                      attn_logit_softcapping=5.0,
+                                                      final_logit_softcapping=30.0,
+                                                      query_pre_attn_scalar=256)),
+}  # fmt: skip
+FEATURED_CASES = {"gpt-oss, sinks 0": 0.0, "gpt-oss, sinks 3": 3.0, "gemma2-capped": None}
+FEATURED_RTOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def _setup(case):
+    sinks = FEATURED_CASES[case]
+
+    def setup(model):
+        for layer in model.model.layers:
+            if sinks is None:
+                layer.self_attn.q_proj.weight.mul_(4.0)
+                layer.self_attn.k_proj.weight.mul_(4.0)
+            else:
+                layer.self_attn.sinks.fill_(sinks)
+
+    return setup
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", sorted(FEATURED_CASES))
+def test_prefill_and_decode_logits_are_the_eager_models(case, dtype, rng, monkeypatch, caplog):
+    """Prefill on eager attention (the model's own, in both models), then every decode
+    step on ferrox (counted, its output poisoned): the prefill's logits and each step's
+    within 1e-4 (fp32) or 3e-2 (bf16) of the eager model's, the tokens the same until a
+    near tie parts them."""
+    seed = int(rng.integers(2**31))
+    name = case.split(",")[0]
+    ours, theirs, config = _models(name, dtype, _setup(case), seed)
+    decodes = _counted(monkeypatch)
+    ids = torch.randint(0, config.vocab_size, (1, 7), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(seed))  # fmt: skip
+    rtol = FEATURED_RTOL[dtype]
+    with caplog.at_level(logging.DEBUG, logger=fxt.__name__), torch.no_grad():
+        prefill = _rel(ours(ids).logits, theirs(ids).logits)
+        assert prefill < rtol, (seed, prefill)
+        assert decodes == []
+        got = _generate(ours, ids, disable_compile=True)
+    want = _generate(theirs, ids, disable_compile=True)
+    layers = config.num_hidden_layers
+    assert [layout for _, layout in decodes] == ["HND"] * layers * (NEW_TOKENS - 1), seed
+    feature = "sinks" if "gpt-oss" in case else "soft-cap of 5.0"
+    fallbacks = [r.getMessage() for r in caplog.records if r.name == fxt.__name__]
+    assert len(fallbacks) == 2 * layers, fallbacks  # two prefills: the forward and generate's
+    assert all("eager attention instead (" in m and feature in m for m in fallbacks), fallbacks
+    same = _same_until_a_near_tie(got, want, ids.shape[1], rtol)
+    print(f"{case} {dtype} (seed {seed}): prefill {prefill:.2e}, {same} tokens the same")
