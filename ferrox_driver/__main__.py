@@ -1,4 +1,4 @@
-"""``python -m ferrox_driver info|demo|bench``."""
+"""``python -m ferrox_driver info|demo|bench|cache``."""
 
 from .cli import main
 

@@ -23,6 +23,7 @@ from ferrox_driver import archs, attention
 from ferrox_driver import device as device_module
 from ferrox_driver.compiler import KernelResources, compile_source, kernel_source
 from ferrox_driver.errors import CompileError
+from ferrox_driver.module_cache import get_program
 
 from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
 
@@ -61,6 +62,11 @@ def plans(traits: attention.DeviceTraits) -> Iterator[tuple[str, np.dtype, int, 
             for seq in (4096, 131072):
                 what = f"{dtype} 32/8/{head_dim} at {seq}"
                 yield what, dtype, head_dim, attention.plan(traits, dtype, 32, 8, head_dim, seq)
+        if traits.arch == "sm_75":  # every feature, and head-major K and V (the CUDA cores')
+            for bits in (63, 127):
+                what = f"{dtype} 32/8/128 at 4096 with features {bits}"
+                found = attention.plan(traits, dtype, 32, 8, 128, 4096, features=bits)
+                yield what, dtype, 128, found
     if traits.arch in FP8:
         dtype, fmt = FP8[traits.arch]
         for shape in SHAPES:
@@ -83,10 +89,18 @@ def _static_bound(p: attention.SplitPlan, dtype: np.dtype, head_dim: int) -> int
     return table[p.kernel_head_dim or head_dim]
 
 
+# the other kernel files a decode, a cache, a merge of states or the benchmark may load (not
+# kv_quantize.cu: fp8 caches, sm_89 and newer, planned above)
+OTHER_FILES = ("gqa_decode.cu", "kv_cache.cu", "merge_states.cu", "util.cu")
+
+
 def _compile(arch: str, names: list[str]) -> tuple[str, dict[str, KernelResources], float]:
     started = time.perf_counter()
-    program = attention.split_program(names, arch)
-    return arch, program.resources, time.perf_counter() - started
+    if names[0] in OTHER_FILES:
+        resources = get_program(kernel_source(names[0]), arch=arch, name=names[0]).resources
+    else:
+        resources = attention.split_program(names, arch).resources
+    return arch, resources, time.perf_counter() - started
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +116,7 @@ def compiled() -> dict[str, dict[str, KernelResources]]:
                     entries.setdefault(attention.split_entry(name), name)
         names = sorted(entries.values())
         jobs += [(arch, names[i : i + 6]) for i in range(0, len(names), 6)]
+        jobs += [(arch, [filename]) for filename in OTHER_FILES]
     started, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
     found: dict[str, dict[str, KernelResources]] = {arch: {} for arch in archs.ARCHS}
     with ProcessPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
@@ -150,6 +165,11 @@ def test_every_plan_fits_its_architecture(compiled, arch):
                 assert r.shared_bytes <= table[p.kernel_head_dim or head_dim], (at, r)
             checked += 1
     assert checked > 300
+    others = {n: r for n, r in resources.items() if not n.startswith("gqa_split_")}
+    assert {"gqa_decode_bf16", "kv_append_row", "merge_states_f32"} <= set(others), others
+    for name, r in others.items():  # (small blocks, at most 1024 threads)
+        assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (arch, name, r)
+        assert 0 < r.registers <= 64 and r.shared_bytes <= 48 * KiB, (arch, name, r)
 
 
 def test_turing_runs_the_cuda_core_kernels_and_the_tensor_core_ones_do_not_compile_there(
@@ -157,7 +177,7 @@ def test_turing_runs_the_cuda_core_kernels_and_the_tensor_core_ones_do_not_compi
 ):
     # the planner picks none of the tensor-core kernels for sm_75 (cp.async and the bf16
     # and TF32 mma need sm_80): they would not compile
-    names = set(compiled["sm_75"])
+    names = {n for n in compiled["sm_75"] if n.startswith("gqa_split_")}
     cuda_cores = ("gqa_split_f32_g", "gqa_split_f16_g", "gqa_split_bf16_g", "gqa_split_combine_")
     assert names and all(n.startswith(cuda_cores) for n in names), names
     source = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n"
