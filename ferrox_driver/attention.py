@@ -369,7 +369,7 @@ OVERRIDES = Overrides.from_env()
 
 
 def check_algorithm(algorithm: Any) -> str:
-    if algorithm not in ALGORITHMS:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
     return str(algorithm)
 

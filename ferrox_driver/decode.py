@@ -473,7 +473,7 @@ def gqa_decode(
     if not (
         sliding_window is None and logits_soft_cap is None and sinks is None
         and alibi_slopes is None and scale is None and return_lse is False
-        and kv_layout == "NHD"
+        and type(kv_layout) is str and kv_layout == "NHD"
     ):  # fmt: skip
         return _feature_decode(
             q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm, device, out,
@@ -496,7 +496,10 @@ def gqa_decode(
                 n_heads, n_kv_heads, head_dim, sid, algorithm, device,
                 ((qr[0] | kr[0] | vr[0]) & 15) == 0, attention.OVERRIDES,
             )  # fmt: skip
-            call = _calls.get(key)
+            try:
+                call = _calls.get(key)
+            except TypeError:  # an unhashable argument, which the checks name
+                call = None
             if call is None:
                 with _lock:
                     call = _prepare_call(
@@ -580,6 +583,18 @@ def _per_head_device(value: Any, dev: Device, sid: int, role: str, stream: Any) 
     return buf
 
 
+def _checked_out(out: Any, spec: DecodeSpec, ordinal: int) -> ArrayRef:
+    """A feature decode's ``out``: q's size and dtype, contiguous, on q's device."""
+    ref = array_ref(out, "out")
+    n = math.prod(spec.q_shape)
+    if ref is None or ref[2] != spec.dtype or math.prod(ref[1]) != n or not ref[4]:
+        got = "a numpy array" if ref is None else f"shape {ref[1]} of {ref[2]}"
+        raise ValueError(f"out: expected {n} contiguous elements of {spec.dtype}, got {got}")
+    if ref[3] != ordinal:
+        raise ValueError(f"out: on device {ref[3]}, but q is on device {ordinal}")
+    return ref
+
+
 def _feature_decode(
     q: Any, k_cache: Any, v_cache: Any, n_heads: Any, n_kv_heads: Any, head_dim: Any,
     stream: Any, algorithm: Any, device: Any, out: Any, kw: dict[str, Any],
@@ -614,6 +629,7 @@ def _feature_decode(
         ordinal = refs[0][3] if refs[0] else 0
         if any(r is None or r[3] != ordinal for r in refs):
             raise ValueError("q, k_cache, v_cache: pass all three on one device")
+        out_ref = None if out is None else _checked_out(out, spec, ordinal)
         check_device(device, ordinal)
         if stream is None and is_torch(q):  # torch's current stream on q's device
             stream = torch_stream(ordinal)
@@ -628,12 +644,8 @@ def _feature_decode(
         if out is None:
             out_d = empty(spec.q_shape, spec.dtype, device=dev)
         else:
-            ref = array_ref(out, "out")
-            if ref is None or ref[2] != spec.dtype or math.prod(ref[1]) != math.prod(spec.q_shape):
-                raise ValueError(
-                    f"out: expected {math.prod(spec.q_shape)} elements of {spec.dtype}"
-                )
-            out_d = DeviceArray._wrap(ref[0], spec.q_shape, spec.dtype, dev, out)
+            assert out_ref is not None
+            out_d = DeviceArray._wrap(out_ref[0], spec.q_shape, spec.dtype, dev, out)
     else:
         assert dev is not None
         q_d, k_d, v_d = (to_device(a, stream, device=dev) for a in (q, k_cache, v_cache))

@@ -284,7 +284,7 @@ def gqa_decode_async(
             out_lse,
         )  # fmt: skip
         return
-    if seq_len is not None or kv_layout != "NHD":
+    if seq_len is not None or type(kv_layout) is not str or kv_layout != "NHD":
         raise ValueError(
             "seq_len, kv_layout: only with a (k_cache, v_cache) pair; a KVCache keeps its "
             "own length and layout"
@@ -306,7 +306,10 @@ def gqa_decode_async(
     aligned = qr is not None and outr is not None and ((qr[0] | outr[0]) & 15) == 0
     key = (n_heads, algorithm, sid, _signature(qr), _signature(outr), aligned)
     with kv._lock:
-        entry = kv._async_records.get(key)
+        try:
+            entry = kv._async_records.get(key)
+        except TypeError:  # an unhashable argument, which the checks name
+            entry = None
         if entry is None:  # checked once per signature
             n_heads = _q_heads(n_heads, q_dev, kv.head_dim)
             n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
@@ -338,18 +341,24 @@ def _q_dtype(q_dev: Any, kv: KVCache, algorithm: str) -> np.dtype:
 
 def _feature_array(obj: Any, name: str, n: int, device: Device) -> DeviceArray | None:
     """A per-head float32 device array of a graph-safe decode (None stays None)."""
+    ptr = _feature_ptr(obj, name, n, device.ordinal)
+    return None if ptr is None else DeviceArray._wrap(ptr, (n,), np.dtype(np.float32), device, None)
+
+
+def _feature_ptr(obj: Any, name: str, n: int, ordinal: int) -> int | None:
+    """``_feature_array``'s checks, with no device work: the array's pointer."""
     if obj is None:
         return None
     ref = array_ref(obj, name)
     if ref is None:
         raise TypeError(f"{name}: expected a float32 device array (the kernel reads it), got "
                         "a numpy array")  # fmt: skip
-    ptr, shape, dtype, ordinal, contiguous, _ = ref
+    ptr, shape, dtype, at, contiguous, _ = ref
     if dtype != np.float32 or math.prod(shape) != n or not contiguous:
         raise ValueError(f"{name}: expected {n} contiguous float32, got shape {shape} of {dtype}")
-    if ordinal != device.ordinal:
-        raise ValueError(f"{name}: on device {ordinal}, the cache on {device.ordinal}")
-    return DeviceArray._wrap(ptr, (n,), np.dtype(np.float32), device, None)
+    if at != ordinal:
+        raise ValueError(f"{name}: on device {at}, the cache on {ordinal}")
+    return int(ptr)
 
 
 def _decode_async_features(
@@ -522,6 +531,8 @@ def _pair_call_key(
     sigs: list[Any] = []
     for obj, role in zip(objs, _PAIR_ROLES, strict=True):
         if obj is None:
+            if len(refs) < 4:  # (q, k, v, out missing: the checks name them)
+                return None
             refs.append(None)
             sigs.append(None)
             continue
@@ -568,6 +579,9 @@ def _pair_checked(
     q = _pair_operand(q_dev, "q_dev", size, dtype, ordinal)
     out = _pair_operand(out_dev, "out_dev", size, dtype, ordinal)
     feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
+    for obj, name in ((feats.sinks, "sinks"), (feats.alibi_slopes, "alibi_slopes"),
+                      (out_lse, "out_lse")):  # fmt: skip
+        _feature_ptr(obj, name, n_heads, ordinal)  # (checked before the device is asked)
     dev = device_for(ordinal)
     sinks = _feature_array(feats.sinks, "sinks", n_heads, dev)
     slopes = _feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, dev)

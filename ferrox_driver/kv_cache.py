@@ -46,6 +46,7 @@ from .stream import Event, Stream, call_stream, stream_handle, stream_key
 from .types import ArrayLike, DeviceArrayLike, DeviceLike, DTypeLike, HostArrayLike, StreamLike
 from .validation import (
     MAX_HEAD_DIM,
+    MAX_KV_HEADS,
     MAX_TOKENS,
     ArrayInfo,
     check_dims,
@@ -65,7 +66,8 @@ SLOT_GROUP = 8  # staging slots per event
 
 def check_kv_shape(n_kv_heads: Any, head_dim: Any) -> tuple[int, int]:
     """Validate the per-token KV shape."""
-    return check_int(n_kv_heads, "n_kv_heads"), check_int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
+    n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1, MAX_KV_HEADS)  # (as decodes take)
+    return n_kv_heads, check_int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
 
 
 def append_kernel(device: Device) -> Kernel:
@@ -992,7 +994,10 @@ class KVCache:
             if self._closed or self.stream._closed:
                 self._check_open()
             qdt = q.dtype if self.fp8 and type(q) is np.ndarray else self.dtype
-            dec = self._decoders.get((n_heads, algorithm, qdt))
+            try:
+                dec = self._decoders.get((n_heads, algorithm, qdt))
+            except TypeError:  # an unhashable argument, which the checks name
+                dec = None
             if dec is None:
                 n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
                 algorithm = check_algorithm(algorithm)

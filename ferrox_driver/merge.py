@@ -9,13 +9,13 @@ from typing import overload
 import numpy as np
 
 from .device import Device, device_for
-from .interop import array_ref
+from .interop import ArrayRef, array_ref
 from .memory import DeviceArray, empty
 from .module_cache import get_kernel
 from .reference import merge_states_host
 from .stream import call_stream
 from .types import ArrayLike, DeviceArrayLike, HostArrayLike, StreamLike
-from .validation import dtype_name
+from .validation import MAX_INT32, SUPPORTED_DTYPES, dtype_name
 
 __all__ = ["merge_states"]
 
@@ -72,23 +72,32 @@ def merge_states(
         raise TypeError("outs, lses: pass both as numpy arrays or both as device arrays")
     optr, oshape, odtype, ordinal, ocontig, _ = oref
     lptr, lshape, ldtype, lordinal, lcontig, _ = lref
-    if dtype_name(odtype) not in ("f32", "f16", "bf16"):
+    if odtype not in SUPPORTED_DTYPES:
         raise TypeError(f"outs: expected float32, float16 or bfloat16, got {odtype}")
     if ldtype != np.float32:
         raise TypeError(f"lses: expected float32, got {ldtype}")
-    if len(lshape) != 2 or lshape[0] < 1 or not lcontig:
-        raise ValueError(f"lses: expected contiguous (parts, n_heads), got {lshape}")
+    if len(lshape) != 2 or min(lshape) < 1 or not lcontig:
+        raise ValueError(f"lses: expected contiguous (parts, n_heads), at least one of each, "
+                         f"got {lshape}")  # fmt: skip
     parts, n_heads = lshape
-    if not ocontig or oshape[0] != parts or math.prod(oshape[1:]) % n_heads or len(oshape) < 2:
+    if (
+        len(oshape) not in (2, 3) or not ocontig or oshape[0] != parts
+        or (len(oshape) == 3 and oshape[1] != n_heads) or math.prod(oshape[1:]) % n_heads
+    ):  # fmt: skip
         raise ValueError(f"outs: expected contiguous (parts, n_heads, head_dim) with parts = "
                          f"{parts}, n_heads = {n_heads} (lses), got {oshape}")  # fmt: skip
     if lordinal != ordinal:
         raise ValueError(f"lses: on device {lordinal}, but outs on device {ordinal}")
     stream = call_stream(stream, outs, ordinal)
     head_dim = math.prod(oshape[1:]) // n_heads
+    if max(parts, n_heads, head_dim) > MAX_INT32:  # (the kernel's arguments are int32)
+        raise ValueError(f"outs: {parts} parts, {n_heads} heads, head_dim {head_dim}: each "
+                         f"at most {MAX_INT32}")  # fmt: skip
+    out_ref = _output_ref(out, "out", (n_heads, head_dim), odtype, ordinal)
+    lse_ref = _output_ref(out_lse, "out_lse", (n_heads,), np.dtype(np.float32), ordinal)
     dev = device_for(ordinal)
-    result = _output(out, "out", (n_heads, head_dim), odtype, ordinal, dev)
-    result_lse = _output(out_lse, "out_lse", (n_heads,), np.dtype(np.float32), ordinal, dev)
+    result = _output(out, out_ref, (n_heads, head_dim), odtype, dev)
+    result_lse = _output(out_lse, lse_ref, (n_heads,), np.dtype(np.float32), dev)
     kernel = get_kernel("merge_states.cu", f"merge_states_{dtype_name(odtype)}", dev)
     o_in = DeviceArray._wrap(optr, oshape, odtype, dev, outs)
     l_in = DeviceArray._wrap(lptr, lshape, ldtype, dev, lses)
@@ -98,18 +107,27 @@ def merge_states(
     return result, result_lse
 
 
-def _output(
-    obj: object, name: str, shape: tuple[int, ...], dtype: np.dtype, ordinal: int, dev: Device
-) -> DeviceArray:
+def _output_ref(
+    obj: object, name: str, shape: tuple[int, ...], dtype: np.dtype, ordinal: int
+) -> ArrayRef | None:
+    """An output ``obj`` checked (before any device work), or None for a new one."""
     if obj is None:
-        return empty(shape, dtype, device=dev)
+        return None
     ref = array_ref(obj, name)
     if ref is None:
         raise TypeError(f"{name}: expected a device array, got {type(obj).__name__}")
-    ptr, oshape, odtype, oordinal, contiguous, _ = ref
+    _, oshape, odtype, oordinal, contiguous, _ = ref
     if odtype != dtype or math.prod(oshape) != math.prod(shape) or not contiguous:
         raise ValueError(f"{name}: expected {math.prod(shape)} contiguous {dtype}, got shape "
                          f"{oshape} of {odtype}")  # fmt: skip
     if oordinal != ordinal:
         raise ValueError(f"{name}: on device {oordinal}, the inputs on device {ordinal}")
-    return DeviceArray._wrap(ptr, shape, dtype, dev, obj)
+    return ref
+
+
+def _output(
+    obj: object, ref: ArrayRef | None, shape: tuple[int, ...], dtype: np.dtype, dev: Device
+) -> DeviceArray:
+    if ref is None:
+        return empty(shape, dtype, device=dev)
+    return DeviceArray._wrap(ref[0], shape, dtype, dev, obj)

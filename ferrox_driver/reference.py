@@ -193,8 +193,8 @@ def merge_states_host(outs: HostArrayLike, lses: HostArrayLike) -> tuple[np.ndar
     for info, name in ((oi, "outs"), (li, "lses")):
         if info.dtype.kind != "f" and info.dtype.name != "bfloat16":
             raise TypeError(f"{name}: expected a floating-point array, got {info.dtype}")
-    if len(li.shape) != 2 or li.shape[0] < 1:
-        raise ValueError(f"lses: expected (parts, n_heads) with at least one part, got {li.shape}")
+    if len(li.shape) != 2 or min(li.shape) < 1:
+        raise ValueError(f"lses: expected (parts, n_heads), at least one of each, got {li.shape}")
     parts, n_heads = li.shape
     if len(oi.shape) not in (2, 3) or (len(oi.shape) == 3 and oi.shape[:2] != (parts, n_heads)):
         raise ValueError(f"outs: expected (parts, n_heads, head_dim) = ({parts}, {n_heads}, "

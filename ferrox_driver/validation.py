@@ -376,7 +376,7 @@ def _check_shapes(
             f"{v_name}: expected {k_name}'s shape {ki.shape} ({seq_k} tokens), got {vi.shape} "
             f"({seq_v} tokens)"
         )
-    check_tokens(seq_k, "k_cache")
+    check_tokens(seq_k, k_name)
     return DecodeSpec(n_heads, n_kv_heads, head_dim, seq_k, dtype, qi.shape, qi.on_device)
 
 
