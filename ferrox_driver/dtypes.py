@@ -85,10 +85,11 @@ class DTypes(Sequence[np.dtype]):
             self._full = tuple(named(n) for n in self.names)
         return self._full
 
-    def __contains__(self, dtype: object) -> bool:
-        if self._full is None and not _loaded():
-            return dtype in self._plain
-        return dtype in self._all()
+    def __contains__(self, dtype: object) -> bool:  # (on an fp8 cache's append path)
+        full = self._full
+        if full is not None:
+            return dtype in full
+        return dtype in (self._all() if _loaded() else self._plain)
 
     @overload
     def __getitem__(self, index: int) -> np.dtype: ...
