@@ -13,7 +13,7 @@ import numpy as np
 import ferrox_driver as fd
 
 if importlib.util.find_spec("nccl") is None:
-    print("needs nccl4py: pip install 'ferrox-driver[distributed]'")
+    print("needs nccl4py: pip install 'nccl4py>=0.6' (or '.[distributed]' from a checkout)")
     sys.exit(0)
 if "RANK" not in os.environ:  # start one rank per GPU
     launch = [sys.executable, "-m", "ferrox_driver.launcher", "-n", str(fd.device_count())]
