@@ -731,6 +731,8 @@ class KVCache:
         with self._lock:
             if self._closed or self.stream._closed:
                 self._check_open()
+            if self._host_seq_valid and self._seq_len + n > self.capacity:  # (no join)
+                raise KVCapacityError(self._seq_len, self.capacity, *(() if one else (n,)))
             self.device.activate()
             joined = self._join(sid, "append" if one else "extend", "kv_append_async")
             try:
