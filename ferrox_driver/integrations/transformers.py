@@ -21,7 +21,7 @@ Which attention computes each call:
 
 A call that does not run on ferrox says why and where it runs in a debug log line of
 logger ``ferrox_driver.integrations.transformers``: never silently wrong. Tested with
-transformers 5.17 and 5.25.
+transformers 5.17 and 5.24 (the ``[transformers]`` extra's range).
 
 Needs transformers (5.x) and PyTorch; ferrox itself imports neither.
 """
