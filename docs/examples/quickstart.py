@@ -9,9 +9,9 @@ q = rng.standard_normal((32, 128), dtype=np.float32)  # the new token: 32 query 
 k = rng.standard_normal((4096, 8, 128), dtype=np.float32)  # the cache: 4096 tokens x 8 KV heads
 v = rng.standard_normal((4096, 8, 128), dtype=np.float32)
 
-ref = fd.reference_gqa_decode(q, k, v, n_heads=32, n_kv_heads=8, head_dim=128)  # CPU, float64
+ref = fd.reference_gqa_decode(q, k, v)  # on the CPU, in float64; sizes read from the shapes
 if fd.cuda_available():
-    out = fd.gqa_decode(q, k, v, n_heads=32, n_kv_heads=8, head_dim=128)  # numpy in, numpy out
+    out = fd.gqa_decode(q, k, v)  # numpy in, numpy out (device arrays in: device arrays out)
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     print(f"GPU decode {out.shape}: relative error {err:.1e} against the float64 reference")
 else:
