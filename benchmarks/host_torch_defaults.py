@@ -1,7 +1,8 @@
 """Host time of an eager gqa_decode on PyTorch tensors, written the explicit way (sizes and
 stream given) and the short way a PyTorch user writes it (``fd.gqa_decode(q, k, v)``: sizes
 read from the shapes, torch's current stream), 32/8/128 at 512 tokens, in microseconds per
-call (2000 back-to-back calls, one synchronize), next to SDPA on the same tensors.
+call (the median of 5 rounds of 2000 back-to-back calls, one synchronize each; the best
+of 3 interleaved repeats, each printed), next to SDPA on the same tensors.
 
     python3 benchmarks/host_torch_defaults.py          # prints one line per form and dtype
 
@@ -56,8 +57,13 @@ def one_dtype(dt: Any, cur: Any) -> None:
         forms["short fd.gqa_decode(q, k, v)"] = lambda: fd.gqa_decode(q, k, v)
     except TypeError:
         pass  # a revision before sizes were read from the shapes
-    for name, fn in forms.items():
-        print(f"{dt!s:<15} {name:<32} {per_call_us(fn):7.2f} us/call")
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(3):  # the forms interleaved, so a drift of the machine hits each alike
+        for name, fn in forms.items():
+            times[name].append(per_call_us(fn))
+    for name, ts in times.items():
+        spread = " ".join(f"{t:.2f}" for t in ts)
+        print(f"{dt!s:<15} {name:<32} {min(ts):7.2f} us/call (rounds: {spread})")
 
 
 def main() -> None:

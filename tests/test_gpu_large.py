@@ -204,12 +204,22 @@ def test_fp32_decodes_past_2_31_elements_on_tensor_and_cuda_cores(torch, monkeyp
     want, _ = chunked_reference(torch, q, k, v, N)
     assert "tc32" in _kernel(np.float32, N)
     got, _ = _decode(torch, q, k, v)
-    assert rel_err(got, want) < 1e-5
+    _fp32_close(got, want)
     monkeypatch.setattr(attention, "OVERRIDES",
                         dataclasses.replace(attention.OVERRIDES, tc32=False))  # fmt: skip
     assert _kernel(np.float32, N).startswith("gqa_split_f32_g")
     got, _ = _decode(torch, q, k, v)
-    assert rel_err(got, want) < 1e-5
+    _fp32_close(got, want)
+
+
+def _fp32_close(got: np.ndarray, want: np.ndarray) -> None:
+    """fp32 over 2.3M tokens, in the rows' own units. The output averages 2.3M random rows of
+    size 1, so it is about 1/sqrt(N) = 7e-4 in size, and fp32 rounding of the rows (a few eps,
+    about 1e-7) is 1e-4 of it: the relative error 1e-5 of shorter caches measured 8.3e-5 on
+    the H200 (the split TF32 kernel). A chunk of 2^20 tokens read from the wrong place moves
+    the output by about sqrt(2^20) / N = 4e-4, so 2e-6 still sees it."""
+    assert np.abs(got - want).max() < 2e-6
+    assert rel_err(got, want) < 1e-3
 
 
 def _set_length(kv: fd.KVCache, n: int) -> None:
