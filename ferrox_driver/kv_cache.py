@@ -562,8 +562,8 @@ class KVCache:
         if not (
             type(k_tok) is np.ndarray
             and type(v_tok) is np.ndarray
-            and k_tok.dtype in ROW_DTYPES
-            and v_tok.dtype in ROW_DTYPES
+            and k_tok.dtype in self._fp8_appends  # (keyed by ROW_DTYPES: a dict lookup)
+            and v_tok.dtype in self._fp8_appends
             and k_tok.shape in shapes
             and v_tok.shape in shapes
         ):  # fmt: skip  (the full checks only where the quick one fails, as in append)
