@@ -20,8 +20,14 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.bench_decode import KVSets, captured, fill_uniform, rotated_kv_sets, time_events
-from ferrox_driver.compiler import expand_includes
+from ferrox_driver.apps.bench.decode import (
+    KVSets,
+    captured,
+    fill_uniform,
+    rotated_kv_sets,
+    time_events,
+)
+from ferrox_driver.driver.compiler import expand_includes
 from ferrox_driver.experimental import SplitPlan, plan_split, split_launches
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}

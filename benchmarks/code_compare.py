@@ -22,8 +22,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 from _common import source_at
 
-from ferrox_driver import attention
-from ferrox_driver.compiler import Program, compile_source, kernel_source
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.driver.compiler import Program, compile_source
+from ferrox_driver.kernels.catalogue import kernel_source
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
 ON_DEMAND = [

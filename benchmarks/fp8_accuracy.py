@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.fp8 import fp8_max
+from ferrox_driver.decode.fp8 import fp8_max
 
 N_HEADS, N_KV, HEAD_DIM = 32, 8, 128
 FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}

@@ -15,7 +15,7 @@ import sys
 from read_floor import floor_us  # benchmarks/ is the script's path
 
 import ferrox_driver as fd
-from ferrox_driver.bench_decode import (
+from ferrox_driver.apps.bench.decode import (
     FP8_SHAPES,
     measure_fp8_point,
     measure_point,

@@ -17,15 +17,16 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver import attention
-from ferrox_driver.bench_decode import (
+from ferrox_driver.apps.bench.decode import (
     bench_stream,
     captured,
     fill_uniform,
     rotated_kv_sets,
     time_replays,
 )
-from ferrox_driver.compiler import compile_source, kernel_source
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.driver.compiler import compile_source
+from ferrox_driver.kernels.catalogue import kernel_source
 
 SHAPES = [(32, 8, 128), (64, 8, 128), (28, 4, 128)]
 SEQS = (32768, 131072)

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import ferrox_driver as fd
-from ferrox_driver import decode_graph
-from ferrox_driver.bench_host import burst_us
+from ferrox_driver.apps.bench.host import burst_us
+from ferrox_driver.cache import graphs as decode_graph
 
 
 def main(argv: list[str]) -> int:

@@ -17,8 +17,8 @@ import numpy as np
 import torch  # first: importing it after ferrox's GPU work failed on the H200 image
 
 import ferrox_driver as fd
-from ferrox_driver._driver import cu
-from ferrox_driver.module_cache import get_kernel
+from ferrox_driver.driver._bindings import cu
+from ferrox_driver.kernels.catalogue import get_kernel
 
 N = 20000
 

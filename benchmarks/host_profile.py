@@ -18,8 +18,9 @@ import numpy as np
 import torch  # first: importing it after ferrox's GPU work failed on the H200 image
 
 import ferrox_driver as fd
-from ferrox_driver import decode, interop
-from ferrox_driver._driver import cu
+from ferrox_driver.decode import eager as decode
+from ferrox_driver.driver import interop
+from ferrox_driver.driver._bindings import cu
 
 DT = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -56,7 +57,7 @@ def main() -> None:
         lambda: fd.gqa_decode(q, k, v, **kw, stream=stream), sync
     )
     rows["  array_ref(torch tensor)"] = burst_us(lambda: interop.array_ref(q, "q"), sync)
-    rows["  stream_key(torch stream)"] = burst_us(lambda: fd.stream.stream_key(stream), sync)
+    rows["  stream_key(torch stream)"] = burst_us(lambda: fd.driver.stream.stream_key(stream), sync)
     key = next(reversed(decode._calls))
     rows["  key tuple hash + lookup"] = burst_us(lambda: decode._calls.get(tuple(key)), sync)
     rows["  pool.take"] = burst_us(lambda: call.pool.take(call.shape, call.dtype), sync)

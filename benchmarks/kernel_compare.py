@@ -32,8 +32,9 @@ import numpy as np
 from _common import points, source_at
 
 import ferrox_driver as fd
-from ferrox_driver import attention
-from ferrox_driver.compiler import compile_source, kernel_source
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.driver.compiler import compile_source
+from ferrox_driver.kernels.catalogue import kernel_source
 
 CASES = [
     ((32, 8, 128), "bf16", [512, 4096, 32768]),

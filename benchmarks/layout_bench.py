@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import ferrox_driver as fd
-from ferrox_driver.bench_decode import (
+from ferrox_driver.apps.bench.decode import (
     SHAPES,
     import_torch,
     measure_features_point,

@@ -17,7 +17,7 @@ import numpy as np
 from _common import points
 
 import ferrox_driver as fd
-from ferrox_driver import attention
+from ferrox_driver.decode import plan as attention
 
 
 def main(argv: list[str]) -> int:

@@ -14,8 +14,8 @@ import sys
 import torch  # first: importing it after ferrox's GPU work failed on the H200 image
 
 import ferrox_driver as fd
-from ferrox_driver.decode import launch_decode
-from ferrox_driver.validation import SUPPORTED_DTYPES
+from ferrox_driver.decode.checks import SUPPORTED_DTYPES
+from ferrox_driver.decode.eager import launch_decode
 
 POINTS = [
     ((32, 8, 128), "bf16", 512),

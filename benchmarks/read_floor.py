@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.bench_decode import (
+from ferrox_driver.apps.bench.decode import (
     SUPPORTED_DTYPES,
     bench_stream,
     captured,

@@ -21,9 +21,9 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.bench_decode import captured, fill_uniform, time_events
-from ferrox_driver.distributed import NcclGroup
-from ferrox_driver.merge import merge_states
+from ferrox_driver.apps.bench.decode import captured, fill_uniform, time_events
+from ferrox_driver.decode.merge import merge_states
+from ferrox_driver.parallel.distributed import NcclGroup
 
 
 def main(argv: list[str]) -> int:

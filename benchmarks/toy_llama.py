@@ -1,6 +1,6 @@
 """A Llama-shaped model with random weights, one whole token captured as one PyTorch CUDA
 graph, with its attention on ferrox (a KVCache per layer, or SDPA's static cache in place)
-or on SDPA over its static cache (``ferrox_driver.toy_llama`` says how): ms per token (the
+or on SDPA over its static cache (``ferrox_driver.apps.toy_llama`` says how): ms per token (the
 median of 5 rounds), tokens/s, and how far each one's first-step logits are from the same
 model's with its attention in float32.
 
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from ferrox_driver import toy_llama
+from ferrox_driver.apps import toy_llama
 
 
 def main(argv: list[str]) -> int:

@@ -8,10 +8,20 @@ driver API (cuda.bindings), with kernels compiled at run time by NVRTC.
 from __future__ import annotations
 
 from ._version import __version__ as __version__
-from .compiler import KernelResources, Program, compile_source
-from .decode import gqa_decode
-from .decode_graph import DecodeGraph, LayerDecodeGraph, gqa_decode_async, kv_append_async
-from .device import Device, cuda_available, device_count
+from .cache.graphs import DecodeGraph, LayerDecodeGraph, gqa_decode_async, kv_append_async
+from .cache.kv_cache import KVCache, LayerKVCache
+from .cache.resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
+from .decode.eager import gqa_decode
+from .decode.fp8 import quantize_fp8
+from .decode.merge import merge_states
+from .decode.reference import reference_gqa_decode
+from .driver.compiler import KernelResources, Program, compile_source
+from .driver.device import Device, cuda_available, device_count
+from .driver.graph import Graph, GraphExec
+from .driver.launch import Kernel, Module
+from .driver.memory import DeviceArray, empty, from_dlpack, pinned_empty, to_device, zeros
+from .driver.module_cache import ensure_module_loaded
+from .driver.stream import Event, Stream
 from .errors import (
     ClosedError,
     CompileError,
@@ -21,17 +31,7 @@ from .errors import (
     NoDeviceError,
     UnsupportedDeviceError,
 )
-from .fp8 import quantize_fp8
-from .graph import Graph, GraphExec
-from .kv_cache import KVCache, LayerKVCache
-from .launch import Kernel, Module
-from .memory import DeviceArray, empty, from_dlpack, pinned_empty, to_device, zeros
-from .merge import merge_states
-from .module_cache import ensure_module_loaded
-from .reference import reference_gqa_decode
-from .resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
-from .sharded import LocalGroup, ShardedDecoder, ShardedKVCache
-from .stream import Event, Stream
+from .parallel.sharded import LocalGroup, ShardedDecoder, ShardedKVCache
 
 __all__ = [
     "ClosedError",

@@ -1,5 +1,5 @@
 """``python -m ferrox_driver info|demo|bench|cache``."""
 
-from .cli import main
+from .apps.cli import main
 
 raise SystemExit(main(prog="python -m ferrox_driver"))

@@ -10,6 +10,6 @@ change with the kernels.
 
 from __future__ import annotations
 
-from .attention import Launch, SplitPlan, plan_split, split_launches
+from .decode.plan import Launch, SplitPlan, plan_split, split_launches
 
 __all__ = ["Launch", "SplitPlan", "plan_split", "split_launches"]

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.distributed import NcclGroup
+from ferrox_driver.parallel.distributed import NcclGroup
 
 DTYPES = {"f32": (np.float32, 1e-6, 1e-5), "bf16": (ml_dtypes.bfloat16, 1e-2, 1e-2)}
 

@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import archs, attention
-from ferrox_driver import device as device_module
-from ferrox_driver.compiler import KernelResources, compile_source, kernel_source, nvrtc_archs
+from ferrox_driver import archs
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.driver import device as device_module
+from ferrox_driver.driver.compiler import KernelResources, compile_source, nvrtc_archs
+from ferrox_driver.driver.module_cache import get_program
 from ferrox_driver.errors import CompileError
-from ferrox_driver.module_cache import get_program
+from ferrox_driver.kernels.catalogue import kernel_source
 
 from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ferrox_driver import bench_decode
-from ferrox_driver.bench_decode import DecodePoint
+from ferrox_driver.apps.bench import decode as bench_decode
+from ferrox_driver.apps.bench.decode import DecodePoint
 
 
 def test_ours_are_all_measured_before_pytorch_runs_anything(monkeypatch, capsys):

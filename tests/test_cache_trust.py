@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ferrox_driver import module_cache
-from ferrox_driver.compiler import Program, nvrtc_version_string
+from ferrox_driver.driver import module_cache
+from ferrox_driver.driver.compiler import Program, nvrtc_version_string
 
 ARCH = "sm_90"
 NOBODY = 65534

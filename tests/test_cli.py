@@ -10,7 +10,7 @@ import time
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import cli
+from ferrox_driver.apps import cli
 
 
 def test_info_exits_zero_and_names_versions_and_cache(capsys):
@@ -139,7 +139,7 @@ def test_a_missing_driver_is_one_line_not_a_traceback(monkeypatch, capsys):
     # the GPU demo where the driver cannot be used: NoDeviceError's sentence, exit status 1
     monkeypatch.setattr(fd, "cuda_available", lambda: True)
     boom = fd.NoDeviceError("no NVIDIA driver found (libcuda could not be loaded): install it")
-    import ferrox_driver.demo
+    import ferrox_driver.apps.demo
 
     def no_driver(cfg):
         try:
@@ -147,7 +147,7 @@ def test_a_missing_driver_is_one_line_not_a_traceback(monkeypatch, capsys):
         except OSError as cause:
             raise boom from cause
 
-    monkeypatch.setattr(ferrox_driver.demo, "run_demo", no_driver)
+    monkeypatch.setattr(ferrox_driver.apps.demo, "run_demo", no_driver)
     assert cli.main(["demo", "--no-model"], prog="ferrox-driver") == 1
     captured = capsys.readouterr()
     assert captured.err == f"ferrox-driver demo: {boom}\n" and captured.out == ""
@@ -163,13 +163,13 @@ def test_without_a_driver_the_gpu_demo_says_so_in_one_line(monkeypatch, capsys):
 
 
 def _kernel_in_the_cache() -> None:
-    from ferrox_driver import attention
+    from ferrox_driver.decode import plan as attention
 
     attention.split_program(["gqa_split_combine_f32"], "sm_80")  # compiled, written to disk
 
 
 def test_the_cache_command_shows_and_clears_the_disk_cache(monkeypatch, tmp_path, capsys):
-    from ferrox_driver import module_cache
+    from ferrox_driver.driver import module_cache
 
     where = tmp_path / "kernels"
     monkeypatch.setenv("FERROX_CACHE_DIR", str(where))
@@ -193,7 +193,7 @@ def test_the_cache_command_shows_and_clears_the_disk_cache(monkeypatch, tmp_path
 
 
 def test_the_cache_command_says_why_a_cache_is_not_used(monkeypatch, capsys):
-    from ferrox_driver import module_cache
+    from ferrox_driver.driver import module_cache
 
     monkeypatch.setenv("FERROX_DISK_CACHE", "0")
     assert cli.main(["cache", "--clear"]) == 0
@@ -247,10 +247,10 @@ def test_the_demo_says_why_it_skips_the_model_where_pytorch_sees_no_gpu(capsys, 
         torch = None
     if torch is not None and torch.cuda.is_available():
         pytest.skip("PyTorch sees a GPU here: the model part runs (tests/test_gpu_demo.py)")
-    from ferrox_driver import demo
+    from ferrox_driver.apps import demo
 
     assert demo.run_model_demo(demo.DemoConfig()) is False
     out = capsys.readouterr().out
     why = "is not installed" if torch is None else "sees no GPU"
     assert "model: skipped (" in out and why in out, out
-    assert "ferrox_driver.toy_llama" not in sys.modules
+    assert "ferrox_driver.apps.toy_llama" not in sys.modules

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import module_cache
-from ferrox_driver.compiler import expand_includes, kernel_source, parse_resources, source_dir
+from ferrox_driver.driver import module_cache
+from ferrox_driver.driver.compiler import expand_includes, parse_resources, source_dir
+from ferrox_driver.kernels.catalogue import kernel_source
+from ferrox_driver.kernels.traits import GENERATED_PARTS
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
 KERNEL_FILES = ["gqa_decode.cu", "gqa_decode_split.cu", "kv_cache.cu", "util.cu", "merge_states.cu"]
@@ -124,9 +126,12 @@ def test_each_part_is_included_once(tmp_path: Path) -> None:
 
 
 def test_the_generated_parts_come_from_the_parts_given(tmp_path: Path) -> None:
-    # the host writes split_traits.h (kernel_traits); a revision's own writer may be given
+    # the host writes split_traits.h (kernels.traits); the driver's expander knows no kernel
+    # parts of its own: the catalogue gives them, and a revision's own writer may be given
     (tmp_path / "main.cu").write_text('#include "split_traits.h"\nint main_part;\n')
-    assert "#define FX_THREADS " in expand_includes("main.cu", tmp_path)
+    with pytest.raises(FileNotFoundError, match="split_traits"):
+        expand_includes("main.cu", tmp_path)
+    assert "#define FX_THREADS " in expand_includes("main.cu", tmp_path, GENERATED_PARTS)
     src = expand_includes("main.cu", tmp_path, {"split_traits.h": lambda: "#define OLD 1\n"})
     assert "#define OLD 1" in src and "FX_THREADS" not in src and "int main_part;" in src
 

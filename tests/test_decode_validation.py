@@ -135,7 +135,7 @@ def test_head_major_caches_are_checked_before_any_device_work(over, exc, pattern
 
 
 def test_head_major_numpy_arrays_of_any_strides_pass_the_checks_as_their_copies():
-    from ferrox_driver.validation import check_head_major_args
+    from ferrox_driver.decode.checks import check_head_major_args
 
     big = np.zeros((1, KV, 3 * S, D), np.float32)
     spec, stride = check_head_major_args(np.zeros((H, D), np.float32), big[:, :, :S],

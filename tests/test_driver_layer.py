@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import _driver, device
-from ferrox_driver.launch import pack_args
+from ferrox_driver.driver import _bindings as _driver
+from ferrox_driver.driver import device
+from ferrox_driver.driver.launch import pack_args
 
 
 def test_check_returns_values_after_a_success_status() -> None:
@@ -117,7 +118,7 @@ def test_bare_python_number_kernel_argument_is_a_type_error(bad: object) -> None
 def test_numpy_scalars_and_null_pointers_pack_with_their_c_types(fast: bool) -> None:
     import ctypes
 
-    from ferrox_driver.launch import _pack_for_launch
+    from ferrox_driver.driver.launch import _pack_for_launch
 
     args = [
         np.int32(-3),
@@ -153,7 +154,7 @@ def test_numpy_scalars_and_null_pointers_pack_with_their_c_types(fast: bool) -> 
 def test_a_bad_argument_leaves_the_launch_slots_as_they_were() -> None:
     import ctypes
 
-    from ferrox_driver.launch import _pack_for_launch
+    from ferrox_driver.driver.launch import _pack_for_launch
 
     address = _pack_for_launch([np.int32(5), np.int32(6)])
     with pytest.raises(TypeError, match=r"args\[1\]"):
@@ -167,14 +168,14 @@ def test_a_bad_argument_leaves_the_launch_slots_as_they_were() -> None:
     [(7, (7, 1, 1)), ((3, 2, 1), (3, 2, 1)), ([4, 5], (4, 5, 1)), (np.int64(2), (2, 1, 1))],
 )
 def test_grid_and_block_dims_normalise(value: object, dims: tuple[int, int, int]) -> None:
-    from ferrox_driver.launch import _dim3
+    from ferrox_driver.driver.launch import _dim3
 
     assert _dim3(value, "grid") == dims  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, (1, 0, 1), (1, 2, 3, 4), (1.0, 1, 1), ()])
 def test_bad_grid_dims_name_the_argument(bad: object) -> None:
-    from ferrox_driver.launch import _dim3
+    from ferrox_driver.driver.launch import _dim3
 
     with pytest.raises(ValueError, match="grid: expected 1 to 3 positive ints"):
         _dim3(bad, "grid")  # type: ignore[arg-type]

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import attention
-from ferrox_driver.compiler import compile_source, kernel_source
-from ferrox_driver.fp8 import fp8_max
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.decode.fp8 import fp8_max
+from ferrox_driver.driver.compiler import compile_source
+from ferrox_driver.kernels.catalogue import kernel_source
 
 from .test_split_plan import _traits
 

@@ -31,11 +31,12 @@ from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
 
 import ferrox_driver as fd
-from ferrox_driver import dlpack, kv_cache
-from ferrox_driver._driver import cu
-from ferrox_driver.device import Device
+from ferrox_driver.cache import kv_cache
+from ferrox_driver.decode.checks import MAX_INT32, MAX_KV_HEADS, MAX_TOKENS
+from ferrox_driver.driver import dlpack
+from ferrox_driver.driver._bindings import cu
+from ferrox_driver.driver.device import Device
 from ferrox_driver.errors import KVCapacityError
-from ferrox_driver.validation import MAX_INT32, MAX_KV_HEADS, MAX_TOKENS
 
 SETTINGS = settings(
     max_examples=200, derandomize=True, deadline=None,
@@ -121,7 +122,7 @@ def no_device():
             for attr in ("init", "_memcpy_htod", "_graph_launch", "_stream_sync",
                          "_cuLaunchKernel", "_cuLaunchKernelEx"):  # fmt: skip
                 value = getattr(mod, attr, None)
-                driver_init = getattr(value, "__module__", "") == "ferrox_driver._driver"
+                driver_init = getattr(value, "__module__", "") == "ferrox_driver.driver._bindings"
                 if callable(value) and (attr != "init" or driver_init):
                     mp.setattr(mod, attr, _touch)
         yield

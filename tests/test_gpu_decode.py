@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import attention
-from ferrox_driver.compiler import kernel_source
+from ferrox_driver.decode import plan as attention
 from ferrox_driver.experimental import plan_split, split_launches
+from ferrox_driver.kernels.catalogue import kernel_source
 
 from .gpu_helpers import (
     DTYPES,
@@ -275,7 +275,7 @@ def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
     # (programmatic dependent launch): had it read the workspace (NaN before each decode)
     # before the split kernel wrote it, its output would differ from an ordinary launch's.
     # Started at the split kernels' entry, it would (a missing wait fails this test).
-    from ferrox_driver import attention
+    from ferrox_driver.decode import plan as attention
 
     dt = DTYPES[dtype]
     plan = plan_split(device, dt, n_heads, n_kv_heads, head_dim, seq_len)
@@ -417,7 +417,7 @@ def test_cluster_merge_and_combine_kernel_match_reference(
 def test_wide_cluster_plans_match_reference(
     rng, monkeypatch, device, wide, dtype, n_heads, capacity, seq_len
 ):
-    from ferrox_driver import attention
+    from ferrox_driver.decode import plan as attention
 
     monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(wide=wide != "0"))
     dt = DTYPES[dtype]

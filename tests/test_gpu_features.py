@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import attention
+from ferrox_driver.decode import plan as attention
 
 from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import _driver, module_cache
-from ferrox_driver.compiler import kernel_source
+from ferrox_driver.driver import _bindings as _driver
+from ferrox_driver.driver import module_cache
+from ferrox_driver.kernels.catalogue import kernel_source
 
 from .gpu_helpers import torch_or_cupy
 
@@ -191,7 +192,7 @@ def test_foreign_device_array_is_wrapped_without_a_copy(rng):
     kind, lib = torch_or_cupy()
     x = rng.standard_normal(10).astype(np.float32)
     t = lib.as_tensor(x, device="cuda") if kind == "torch" else lib.asarray(x)
-    wrapped = fd.memory.as_device_array(t)
+    wrapped = fd.driver.memory.as_device_array(t)
     ptr = t.data_ptr() if kind == "torch" else t.data.ptr
     assert wrapped.ptr == ptr
     np.testing.assert_array_equal(wrapped.to_host(), x)
@@ -207,7 +208,7 @@ def test_closed_resources_free_device_memory(device):
 
 
 def test_rotated_kv_sets_are_disjoint_filled_views_freed_by_close(device):
-    from ferrox_driver.bench_decode import fill_uniform, rotated_kv_sets
+    from ferrox_driver.apps.bench.decode import fill_uniform, rotated_kv_sets
 
     stream = fd.Stream()
     free_before, _ = device.mem_info()
@@ -239,7 +240,7 @@ def test_benchmark_measurements_share_one_stream(monkeypatch, device):
     # Every stream that has run work counts against the process: after about eight, each
     # kernel in a graph costs ~0.18 us more, so the
     # benchmark must not make a stream per point (it did, and timed most points so).
-    from ferrox_driver import bench_decode
+    from ferrox_driver.apps.bench import decode as bench_decode
 
     made = []
 

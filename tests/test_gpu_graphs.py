@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import attention
-from ferrox_driver.compiler import kernel_source
-from ferrox_driver.graph import graph_stats
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.driver.graph import graph_stats
+from ferrox_driver.kernels.catalogue import kernel_source
 
 from .gpu_helpers import DTYPES, TOL, rel_err, torch_or_cupy
 
@@ -242,14 +242,14 @@ def test_decode_captured_at_seq_len_one_stays_correct_as_the_cache_grows(rng, dt
 
 def _forget_records():
     """Drop every launch record and validated call, as an LRU full of other shapes would."""
-    from ferrox_driver import decode
+    from ferrox_driver.decode import eager as decode
 
     decode._records.clear()
     decode._calls.clear()
 
 
 def _record_of(qd, kd, vd, out, stream):
-    from ferrox_driver import decode
+    from ferrox_driver.decode import eager as decode
 
     return decode.decode_record(
         qd, kd, vd, out, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HD,
@@ -321,7 +321,7 @@ def test_a_dropped_record_frees_its_scratch(rng, monkeypatch):
 
 
 def test_a_decode_merged_on_chip_needs_no_scratch(rng):
-    from ferrox_driver.attention import plan_split
+    from ferrox_driver.decode.plan import plan_split
 
     dt = DTYPES["bf16"]
     kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import attention, decode
+from ferrox_driver.decode import eager as decode
+from ferrox_driver.decode import plan as attention
 from ferrox_driver.experimental import plan_split, split_launches
 
 from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err

@@ -110,7 +110,7 @@ def test_layer_cache_holds_independent_layers(rng):
 
 
 def test_resident_decode_follows_the_host_cache_through_drift(rng):
-    from ferrox_driver import resident
+    from ferrox_driver.cache import resident
 
     n_heads, n_kv, hd, cap = 8, 2, 64, 256
     fd.ensure_layer_kv(2, n_kv, hd, cap)
@@ -143,7 +143,7 @@ def test_resident_decode_follows_the_host_cache_through_drift(rng):
 
 
 def test_ensure_layer_kv_rebuilds_on_shape_change():
-    from ferrox_driver import resident
+    from ferrox_driver.cache import resident
 
     try:
         fd.ensure_layer_kv(2, 2, 16, 8)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import attention
-from ferrox_driver.device import default_device
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.driver.device import default_device
 
 from .gpu_helpers import rel_err
 
@@ -302,7 +302,7 @@ def test_a_sharded_cache_of_two_ranks_past_2_31_elements_each(torch):
     """Two ranks on one device, N tokens each (2.36e9 elements a rank): each rank's share
     decoded, exchanged and merged equals the whole sequence's reference (attention without
     positions does not depend on the tokens' order)."""
-    from ferrox_driver.sharded import LocalGroup, ShardedDecoder, ShardedKVCache
+    from ferrox_driver.parallel.sharded import LocalGroup, ShardedDecoder, ShardedKVCache
 
     groups = LocalGroup.ranks(2)
     caches = [ShardedKVCache(KV, D, 2 * N, group=g, dtype=ml_dtypes.bfloat16) for g in groups]

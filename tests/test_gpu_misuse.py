@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver._driver import cu
-from ferrox_driver.compiler import kernel_source
+from ferrox_driver.driver._bindings import cu
+from ferrox_driver.kernels.catalogue import kernel_source
 
 from .gpu_helpers import random_decode_inputs, rel_err
 

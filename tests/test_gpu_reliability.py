@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver.compiler import kernel_source
+from ferrox_driver.kernels.catalogue import kernel_source
 
 from .gpu_helpers import rel_err
 

@@ -1,4 +1,4 @@
-"""One sequence sharded across ranks (ferrox_driver.sharded): the shards as separate caches
+"""One sequence sharded across ranks (ferrox_driver.parallel.sharded): the shards as separate caches
 on one device (LocalGroup) decode to what the unsharded decode gives, eager and in a
 replayed graph; one NCCL rank where nccl4py is installed."""
 
@@ -10,7 +10,7 @@ import pytest
 
 import ferrox_driver as fd
 from ferrox_driver.errors import KVCapacityError
-from ferrox_driver.sharded import LocalGroup, ShardedDecoder, ShardedKVCache, shard_count
+from ferrox_driver.parallel.sharded import LocalGroup, ShardedDecoder, ShardedKVCache, shard_count
 
 pytestmark = pytest.mark.gpu
 
@@ -181,7 +181,7 @@ def test_bad_arguments_name_themselves_before_any_device_work(rng):
 
 def test_one_nccl_rank_decodes_as_the_unsharded_decode(rng):
     pytest.importorskip("nccl.bindings.nccl", reason="the [distributed] extra (nccl4py)")
-    from ferrox_driver.distributed import NcclGroup, new_unique_id
+    from ferrox_driver.parallel.distributed import NcclGroup, new_unique_id
 
     n_heads, n_kv, hd, dtype = 8, 2, 128, BF16
     k = rng.standard_normal((300, n_kv, hd)).astype(dtype)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ferrox_driver.dtypes import DTypes, DTypeTable, named
+from ferrox_driver.driver.dtypes import DTypes, DTypeTable, named
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,8 +43,8 @@ def test_float32_and_float16_work_without_importing_ml_dtypes() -> None:
         "import sys, json\n"
         "import numpy as np\n"
         "import ferrox_driver as fd\n"
-        "from ferrox_driver.validation import SUPPORTED_DTYPES, dtype_name, check_dtype\n"
-        "from ferrox_driver.fp8 import FP8_DTYPES, ROW_DTYPES\n"
+        "from ferrox_driver.decode.checks import SUPPORTED_DTYPES, dtype_name, check_dtype\n"
+        "from ferrox_driver.decode.fp8 import FP8_DTYPES, ROW_DTYPES\n"
         "q = np.ones((4, 8), np.float16); k = np.ones((3, 2, 8), np.float16)\n"
         "out = fd.reference_gqa_decode(q, k, k, n_heads=4, n_kv_heads=2, head_dim=8)\n"
         "print(json.dumps({\n"
@@ -56,7 +56,7 @@ def test_float32_and_float16_work_without_importing_ml_dtypes() -> None:
         "  'ref': float(out.sum()),\n"
         "  'ml_dtypes': 'ml_dtypes' in sys.modules,\n"
         "  # a name numpy learns from ml_dtypes: imported for it, then understood\n"
-        "  'fnuz': str(fd.memory.as_dtype('float8_e4m3fnuz', 'dtype'))}))\n"
+        "  'fnuz': str(fd.driver.memory.as_dtype('float8_e4m3fnuz', 'dtype'))}))\n"
     )
     assert got["names"] == ["f32", "f16"] and got["f16"] == "float16"
     assert got["in"] == [True, False, True, False]
@@ -68,9 +68,9 @@ def test_bf16_and_fp8_by_name_import_ml_dtypes_on_first_use() -> None:
     got = _run(
         "import sys, json\n"
         "import numpy as np\n"
-        "from ferrox_driver.memory import as_dtype\n"
-        "from ferrox_driver.validation import SUPPORTED_DTYPES, dtype_name\n"
-        "from ferrox_driver.fp8 import FP8_DTYPES, ROW_DTYPES, fp8_max\n"
+        "from ferrox_driver.driver.memory import as_dtype\n"
+        "from ferrox_driver.decode.checks import SUPPORTED_DTYPES, dtype_name\n"
+        "from ferrox_driver.decode.fp8 import FP8_DTYPES, ROW_DTYPES, fp8_max\n"
         "before = 'ml_dtypes' in sys.modules\n"
         "bf16, e4m3 = as_dtype('bf16', 'dtype'), as_dtype('float8_e4m3fn', 'dtype')\n"
         "import ml_dtypes\n"
@@ -104,7 +104,7 @@ def test_a_bf16_array_made_by_the_caller_is_recognised() -> None:
         "q = rng.standard_normal((4, 8)).astype(ml_dtypes.bfloat16)\n"
         "k = rng.standard_normal((5, 2, 8)).astype(ml_dtypes.bfloat16)\n"
         "out = fd.reference_gqa_decode(q, k, k, n_heads=4, n_kv_heads=2, head_dim=8)\n"
-        "from ferrox_driver.validation import dtype_name\n"
+        "from ferrox_driver.decode.checks import dtype_name\n"
         "print(json.dumps({'shape': list(out.shape), 'name': dtype_name(q.dtype)}))\n"
     )
     assert got == {"shape": [4, 8], "name": "bf16"}
@@ -139,7 +139,7 @@ def test_dtypes_index_slice_and_contain_like_a_tuple() -> None:
 def test_dlpack_type_codes_of_ml_dtypes_both_ways() -> None:
     import ml_dtypes
 
-    from ferrox_driver import dlpack
+    from ferrox_driver.driver import dlpack
 
     assert dlpack._CODES[np.dtype(ml_dtypes.bfloat16)] == (4, 16)
     assert dlpack._CODES[np.dtype(ml_dtypes.float8_e4m3fn)] == (10, 8)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import attention, dlpack
-from ferrox_driver.stream import stream_key
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.driver import dlpack
+from ferrox_driver.driver.stream import stream_key
 
 
 class HostTensor:

@@ -9,8 +9,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from ferrox_driver import attention
-from ferrox_driver.compiler import compile_source, kernel_source
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.driver.compiler import compile_source
+from ferrox_driver.kernels.catalogue import kernel_source
 
 ARCH = "sm_90"
 

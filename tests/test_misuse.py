@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import compiler, module_cache
+from ferrox_driver.decode.checks import check_dtype
+from ferrox_driver.driver import compiler, module_cache
 from ferrox_driver.errors import ClosedError, CompileError, CudaError, KVCapacityError
-from ferrox_driver.validation import check_dtype
 
 
 @pytest.mark.parametrize("name", ["bf16", "bfloat16", "BF16"])

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ferrox_driver import compiler, module_cache
-from ferrox_driver.compiler import nvrtc_version_string
+from ferrox_driver.driver import compiler, module_cache
+from ferrox_driver.driver.compiler import nvrtc_version_string
 
 ARCH = "sm_90"
 
@@ -185,8 +185,8 @@ def test_two_processes_compiling_one_module_at_once_leave_one_intact_file(tmp_pa
 
     root = Path(__file__).resolve().parents[1]
     script = (
-        "from ferrox_driver import module_cache as m\n"
-        "from ferrox_driver.compiler import kernel_source\n"
+        "from ferrox_driver.driver import module_cache as m\n"
+        "from ferrox_driver.kernels.catalogue import kernel_source\n"
         "p = m.get_program(kernel_source('kv_cache.cu'), arch='sm_90', name='kv_cache.cu')\n"
         "assert 'kv_append_row' in p.resources\n"
     )

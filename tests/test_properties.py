@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ferrox_driver as fd
-from ferrox_driver.validation import check_decode_args
+from ferrox_driver.decode.checks import check_decode_args
 
 SETTINGS = settings(
     max_examples=300,
@@ -122,7 +122,7 @@ MUTATIONS = [
 @settings(max_examples=60, derandomize=True, deadline=None)
 @given(cut=st.integers(0, 2000), junk=st.sampled_from(MUTATIONS))
 def test_mutated_kernel_sources_give_compile_errors_not_crashes(cut, junk):
-    from ferrox_driver.compiler import kernel_source
+    from ferrox_driver.kernels.catalogue import kernel_source
 
     src = kernel_source("kv_cache.cu")
     cut = min(cut, len(src))

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ferrox_driver import launcher
-from ferrox_driver.sharded import shard_count, shard_owner, shard_slot
+from ferrox_driver.parallel import launcher
+from ferrox_driver.parallel.sharded import shard_count, shard_owner, shard_slot
 
 
 @given(st.integers(1, 9), st.integers(1, 17), st.integers(0, 400))
@@ -67,15 +67,16 @@ def test_the_launcher_refuses_no_program_and_no_ranks(capsys):
 
 
 def test_importing_ferrox_imports_neither_nccl_nor_the_distributed_module():
-    code = ("import sys, ferrox_driver, ferrox_driver.sharded; "
-            "print(any(m == 'nccl' or m.startswith(('nccl.', 'ferrox_driver.distributed')) "
+    code = ("import sys, ferrox_driver, ferrox_driver.parallel.sharded; "
+            "print(any(m == 'nccl' or m.startswith(('nccl.', "
+            "'ferrox_driver.parallel.distributed')) "
             "for m in sys.modules))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr
 
 
 def test_an_nccl_group_checks_its_arguments_before_touching_nccl():
-    from ferrox_driver.distributed import NcclGroup
+    from ferrox_driver.parallel.distributed import NcclGroup
 
     with pytest.raises(ValueError, match="rank"):
         NcclGroup(2, 2, bytes(128))
@@ -84,7 +85,7 @@ def test_an_nccl_group_checks_its_arguments_before_touching_nccl():
 
 
 def test_without_nccl4py_the_error_says_how_to_install_it(monkeypatch):
-    from ferrox_driver import distributed
+    from ferrox_driver.parallel import distributed
 
     monkeypatch.setitem(sys.modules, "nccl", None)  # import nccl fails
     monkeypatch.setitem(sys.modules, "nccl.bindings", None)
@@ -103,7 +104,7 @@ def test_the_programs_own_options_pass_through_the_launcher():
 
 
 def test_the_scale_table_compares_with_one_gpu_and_says_where_it_did_not_fit():
-    from ferrox_driver.bench_scale import scale_table
+    from ferrox_driver.apps.bench.scale import scale_table
 
     rows = [{"gpus": 2, "seq_len": 1 << 20, "sharded_us": 300.0, "unsharded_us": 600.0},
             {"gpus": 8, "seq_len": 1 << 22, "sharded_us": 10.0, "unsharded_us": None}]  # fmt: skip

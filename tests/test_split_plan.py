@@ -11,9 +11,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ferrox_driver import attention, bench_decode, bench_report, compiler, kernel_traits
-from ferrox_driver.compiler import compile_source, kernel_source
+from ferrox_driver.apps.bench import decode as bench_decode
+from ferrox_driver.apps.bench import report as bench_report
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.driver import compiler
+from ferrox_driver.driver.compiler import compile_source
 from ferrox_driver.errors import CudaError
+from ferrox_driver.kernels import traits as kernel_traits
+from ferrox_driver.kernels.catalogue import kernel_source
 
 L2_BYTES = 60 * 2**20  # H200
 MAX_BLOCK_SHARED = 227 * 1024  # sm_90 opt-in limit per block

@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver import decode, decode_graph, dlpack, merge, stream
-from ferrox_driver.device import ordinal_of
-from ferrox_driver.interop import is_torch
-from ferrox_driver.validation import check_decode_args, q_heads, read_dims
+from ferrox_driver.cache import graphs as decode_graph
+from ferrox_driver.decode import eager as decode
+from ferrox_driver.decode import merge
+from ferrox_driver.decode.checks import check_decode_args, q_heads, read_dims
+from ferrox_driver.driver import dlpack, stream
+from ferrox_driver.driver.device import ordinal_of
+from ferrox_driver.driver.interop import is_torch
 
 torch = pytest.importorskip("torch")
 

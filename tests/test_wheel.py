@@ -51,13 +51,14 @@ def test_installed_wheel_compiles_the_kernels_outside_the_checkout(tmp_path: Pat
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], check=True, env=env)
     script = (
-        "import ferrox_driver as fd, ferrox_driver.compiler as c, pathlib, sys;"
+        "import ferrox_driver as fd, ferrox_driver.driver.compiler as c, pathlib, sys;"
+        "import ferrox_driver.kernels.catalogue as k;"
         "assert str(pathlib.Path(fd.__file__)).startswith(sys.prefix), fd.__file__;"
         "assert c.source_dir().is_relative_to(sys.prefix), c.source_dir();"
-        "p = fd.compile_source(c.kernel_source('gqa_decode.cu'), arch='sm_90');"
+        "p = fd.compile_source(k.kernel_source('gqa_decode.cu'), arch='sm_90');"
         "print(sorted(p.resources));"
         # the split kernels' parts ship too (kernel_source puts them in place)
-        "print(len(c.kernel_source('gqa_decode_split.cu')))"
+        "print(len(k.kernel_source('gqa_decode_split.cu')))"
     )
     done = subprocess.run(
         [python, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True

@@ -19,7 +19,7 @@ if "RANK" not in os.environ:  # start one rank per GPU
     launch = [sys.executable, "-m", "ferrox_driver.launcher", "-n", str(fd.device_count())]
     sys.exit(subprocess.run([*launch, __file__]).returncode)
 
-from ferrox_driver.distributed import NcclGroup
+from ferrox_driver.parallel.distributed import NcclGroup
 
 n_heads, n_kv, hd, tokens = 32, 8, 128, 500
 rng = np.random.default_rng(1234)  # every rank draws the same tokens

@@ -1,0 +1,1 @@
+"""The benchmark harness and its reports (`python -m ferrox_driver bench`)."""

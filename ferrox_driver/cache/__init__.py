@@ -1,0 +1,3 @@
+"""Floor 4: resident state (KV caches) and what runs against it.
+
+Appends, the length protocol, graphs over caches, the ferrox-cuda compatible API."""

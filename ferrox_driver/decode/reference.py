@@ -1,0 +1,217 @@
+"""The float64 numpy reference for GQA decode (plain softmax, not the online form), with
+every feature, and the exact merge of partial results by their log-sum-exp."""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import numpy as np
+
+from ..types import HostArrayLike
+from .checks import check_decode_args, check_head_major_args, check_kv_layout
+from .features import check_features
+
+__all__ = ["merge_states_host", "reference_gqa_decode"]
+
+
+@overload
+def reference_gqa_decode(
+    q: HostArrayLike,
+    k: HostArrayLike,
+    v: HostArrayLike,
+    *,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: HostArrayLike | None = None,
+    alibi_slopes: HostArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: Literal[False] = False,
+    kv_layout: str = "NHD",
+) -> np.ndarray: ...
+@overload
+def reference_gqa_decode(
+    q: HostArrayLike,
+    k: HostArrayLike,
+    v: HostArrayLike,
+    *,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: HostArrayLike | None = None,
+    alibi_slopes: HostArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: Literal[True],
+    kv_layout: str = "NHD",
+) -> tuple[np.ndarray, np.ndarray]: ...
+@overload
+def reference_gqa_decode(
+    q: HostArrayLike,
+    k: HostArrayLike,
+    v: HostArrayLike,
+    *,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: HostArrayLike | None = None,
+    alibi_slopes: HostArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: bool,
+    kv_layout: str = "NHD",
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]: ...
+def reference_gqa_decode(
+    q: HostArrayLike,
+    k: HostArrayLike,
+    v: HostArrayLike,
+    *,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: HostArrayLike | None = None,
+    alibi_slopes: HostArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    kv_layout: str = "NHD",
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Attention of one query token over a KV cache, in float64 on the CPU: the definition
+    the kernels are tested against.
+
+    Query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``. For the query at
+    position ``i = seq_len - 1`` and cache token ``j``: ``score_j = scale * q.k_j``; with a
+    soft-cap ``score_j = cap * tanh(score_j / cap)``; with ALiBi ``score_j += slope_h *
+    (j - i)``; a window keeps only ``j >= seq_len - sliding_window``. The output is
+    ``sum_j exp(score_j) v_j / denominator``, ``denominator = sum_j exp(score_j)`` (plus
+    ``exp(sink_h)`` with sinks, which carry no value), and ``lse = log(denominator)``.
+
+    Args:
+        q: ``(n_heads*head_dim,)``, ``(n_heads, head_dim)`` or ``(1, n_heads, 1,
+            head_dim)`` (PyTorch SDPA's one token); any floating dtype (float8 and
+            bfloat16 read by value: an fp8 cache's scales are not applied, see
+            ``KVCache.dequantized``).
+        k: ``(seq_len*n_kv_heads*head_dim,)`` or ``(seq_len, n_kv_heads, head_dim)``.
+        v: like ``k``.
+        n_heads: query heads, a multiple of ``n_kv_heads``; as `gqa_decode`, optional
+            where the shapes say it, as are ``n_kv_heads`` and ``head_dim``.
+        n_kv_heads: KV heads.
+        head_dim: elements per head.
+        sliding_window: attend to the last ``sliding_window`` tokens only.
+        logits_soft_cap: cap the scores softly at +-``logits_soft_cap``.
+        sinks: one logit per query head in the denominator (``-inf``: none).
+        alibi_slopes: one ALiBi slope per query head.
+        scale: the score scale (default ``1/sqrt(head_dim)``).
+        return_lse: also return the log-sum-exp per query head.
+        kv_layout: ``"NHD"`` (``k`` as above) or ``"HND"``: ``(n_kv_heads, seq_len,
+            head_dim)`` or ``(1, n_kv_heads, seq_len, head_dim)``, as `gqa_decode`.
+
+    Returns:
+        float64 array of q's shape (zeros where a head attends to nothing: seq_len 0);
+            with ``return_lse``, ``(out, lse)``, lse float64 of shape ``(n_heads,)``,
+            natural log (``-inf`` for a head with no token and no sink).
+
+    Raises:
+        ValueError, TypeError: as `ferrox_driver.gqa_decode`, naming the argument.
+    """
+    names = ("q", "k", "v")
+    if check_kv_layout(kv_layout) == "HND":
+        spec, _ = check_head_major_args(
+            q, k, v, n_heads, n_kv_heads, head_dim, allow_device=False, names=names
+        )
+    else:
+        spec = check_decode_args(
+            q, k, v, n_heads, n_kv_heads, head_dim, allow_device=False, names=names
+        )
+    n_heads, n_kv_heads, head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
+    feats = check_features(
+        n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse, allow_device=False,
+    )  # fmt: skip
+    seq = spec.seq_len
+    qh = np.asarray(q, dtype=np.float64).reshape(n_heads, head_dim)
+    kh, vh = (np.asarray(a, dtype=np.float64) for a in (k, v))
+    if kv_layout == "HND":  # [kv_head][token] -> [token][kv_head]
+        kh, vh = (a.reshape(n_kv_heads, seq, head_dim).transpose(1, 0, 2) for a in (kh, vh))
+    kh = kh.reshape(seq, n_kv_heads, head_dim)
+    vh = vh.reshape(seq, n_kv_heads, head_dim)
+    first = feats.window_start(seq)
+    kh, vh = kh[first:], vh[first:]
+    group = n_heads // n_kv_heads
+    # Query head h = g*group + j reads KV head g: view q as (n_kv_heads, group, head_dim).
+    qg = qh.reshape(n_kv_heads, group, head_dim)
+    scores = np.einsum("gjd,sgd->gjs", qg, kh) * feats.score_scale(head_dim)
+    if feats.logits_soft_cap is not None:
+        cap = feats.logits_soft_cap
+        scores = cap * np.tanh(scores / cap)
+    if feats.alibi_slopes is not None:
+        distance = np.arange(first, seq, dtype=np.float64) - (seq - 1)  # j - i <= 0
+        scores = scores + feats.alibi_slopes.reshape(n_kv_heads, group, 1) * distance
+    # one more column per head: the sink's logit (-inf: none), which carries no value
+    sink = np.full((n_kv_heads, group, 1), -np.inf)
+    if feats.sinks is not None:
+        sink = feats.sinks.reshape(n_kv_heads, group, 1)
+    logits = np.concatenate([scores, sink], axis=2)
+    top = logits.max(axis=2, keepdims=True)
+    top = np.where(np.isneginf(top), 0.0, top)  # a head with nothing: no NaN from -inf - -inf
+    weights = np.exp(logits - top)
+    total = weights.sum(axis=2, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(total == 0, 0.0, weights[:, :, :-1] / total)  # (NaN stays NaN)
+        lse = (top + np.log(total)).reshape(n_heads)  # log(0) = -inf: no token, no sink
+    out = np.einsum("gjs,sgd->gjd", p, vh).reshape(spec.q_shape)
+    return (out, lse) if feats.return_lse else out
+
+
+def merge_states_host(outs: HostArrayLike, lses: HostArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    """The exact combine of attention over disjoint parts of one sequence, from each part's
+    output and log-sum-exp (``return_lse=True``): ``out = sum_p w_p out_p / sum_p w_p`` and
+    ``lse = log(sum_p exp(lse_p))``, ``w_p = exp(lse_p)``. A part with ``lse = -inf`` (no
+    tokens) contributes nothing; a head every part of which is empty gets zeros and -inf.
+    Host (numpy) arrays: `merge_states` takes device arrays too.
+
+    Args:
+        outs: ``(parts, n_heads, head_dim)`` (or ``(parts, n_heads * head_dim)``), float.
+        lses: ``(parts, n_heads)``, natural log.
+
+    Returns:
+        ``(out, lse)``: out ``(n_heads, head_dim)`` (or ``(n_heads * head_dim,)``) in
+            outs' dtype, lse ``(n_heads,)`` in lses' dtype; computed in float64.
+
+    Raises:
+        ValueError, TypeError: naming the argument.
+    """
+    from .checks import array_info
+
+    oi = array_info(outs, "outs", allow_device=False)
+    li = array_info(lses, "lses", allow_device=False)
+    for info, name in ((oi, "outs"), (li, "lses")):
+        if info.dtype.kind != "f" and info.dtype.name != "bfloat16":
+            raise TypeError(f"{name}: expected a floating-point array, got {info.dtype}")
+    if len(li.shape) != 2 or min(li.shape) < 1:
+        raise ValueError(f"lses: expected (parts, n_heads), at least one of each, got {li.shape}")
+    parts, n_heads = li.shape
+    if len(oi.shape) not in (2, 3) or (len(oi.shape) == 3 and oi.shape[:2] != (parts, n_heads)):
+        raise ValueError(f"outs: expected (parts, n_heads, head_dim) = ({parts}, {n_heads}, "
+                         f"head_dim) to match lses, got {oi.shape}")  # fmt: skip
+    if len(oi.shape) == 2 and (oi.shape[0] != parts or oi.shape[1] % n_heads):
+        raise ValueError(f"outs: expected (parts, n_heads * head_dim) with parts = {parts} "
+                         f"and n_heads = {n_heads} (lses), got {oi.shape}")  # fmt: skip
+    o = np.asarray(outs, dtype=np.float64).reshape(parts, n_heads, -1)
+    lse = np.asarray(lses, dtype=np.float64)
+    if np.isnan(lse).any() or (lse == np.inf).any():
+        raise ValueError("lses: expected finite values or -inf (an empty part), got NaN or +inf")
+    top = lse.max(axis=0)
+    top = np.where(np.isfinite(top), top, 0.0)
+    w = np.exp(lse - top)  # (parts, n_heads); 0 for an empty part
+    total = w.sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        merged = np.where(total[:, None] > 0, np.einsum("ph,phd->hd", w, o) / total[:, None], 0.0)
+        merged_lse = top + np.log(total)
+    out_shape = oi.shape[1:]
+    return (merged.reshape(out_shape).astype(oi.dtype), merged_lse.astype(li.dtype))

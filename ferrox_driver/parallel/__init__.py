@@ -1,0 +1,1 @@
+"""Floor 5: sharded caches, the NCCL group, the rank launcher."""
