@@ -16,8 +16,8 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.apps.bench.decode import fill_uniform
-from ferrox_driver.decode.eager import launch_decode
+from ferrox_driver.apps.bench.harness import fill_uniform
+from ferrox_driver.decode.records import launch_decode
 
 N_HEADS, N_KV, HD, SEQ = 32, 8, 128, 512
 DT = ml_dtypes.bfloat16

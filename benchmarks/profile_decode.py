@@ -15,7 +15,7 @@ import torch  # first: importing it after ferrox's GPU work failed on the H200 i
 
 import ferrox_driver as fd
 from ferrox_driver.decode.checks import SUPPORTED_DTYPES
-from ferrox_driver.decode.eager import launch_decode
+from ferrox_driver.decode.records import launch_decode
 
 POINTS = [
     ((32, 8, 128), "bf16", 512),

@@ -243,15 +243,16 @@ def test_decode_captured_at_seq_len_one_stays_correct_as_the_cache_grows(rng, dt
 def _forget_records():
     """Drop every launch record and validated call, as an LRU full of other shapes would."""
     from ferrox_driver.decode import eager as decode
+    from ferrox_driver.decode import records
 
-    decode._records.clear()
+    records.store.clear()
     decode._calls.clear()
 
 
 def _record_of(qd, kd, vd, out, stream):
-    from ferrox_driver.decode import eager as decode
+    from ferrox_driver.decode import records
 
-    return decode.decode_record(
+    return records.decode_record(
         qd, kd, vd, out, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HD,
         seq_len=kd.shape[0], stream=stream,
     )  # fmt: skip

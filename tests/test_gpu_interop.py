@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver.decode import eager as decode
 from ferrox_driver.decode import plan as attention
+from ferrox_driver.decode import records
 from ferrox_driver.experimental import plan_split, split_launches
 
 from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
@@ -124,11 +124,11 @@ def test_repeated_calls_reuse_their_record_and_new_pointers_are_used(rng):
     dev_a = [fd.to_device(x) for x in a]
     dev_b = [fd.to_device(x) for x in b]
     fd.gqa_decode(*dev_a, **KW)
-    records = len(decode._records)
+    before = len(records.store)
     for inputs, host in ((dev_b, b), (dev_a, a), (dev_b, b)):
         got = fd.gqa_decode(*inputs, **KW).to_host()
         assert rel_err(got, fd.reference_gqa_decode(*host, **KW)) < TOL["bf16"]
-    assert len(decode._records) == records  # one signature, one record
+    assert len(records.store) == before  # one signature, one record
 
 
 def test_outputs_come_back_to_the_pool_only_when_dropped(rng):
@@ -194,7 +194,7 @@ def test_overrides_change_the_plan_of_a_repeated_call(rng, monkeypatch):
     for wide in (True, False):
         monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(wide=wide))
         assert rel_err(fd.gqa_decode(*inputs, **KW).to_host(), ref) < TOL["bf16"]
-        kernels |= {r.kernels for r in decode._records.values()}
+        kernels |= {r.kernels for r in records.store.values()}
     assert any("wide" in name for names in kernels for name in names)
     assert any(all("wide" not in name for name in names) for names in kernels)
 

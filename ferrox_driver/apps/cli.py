@@ -24,7 +24,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     import ferrox_driver as fd
 
     from .. import archs
-    from ..driver import _bindings as _driver
+    from ..driver import calls as _driver
     from ..driver import module_cache
     from ..driver.compiler import nvrtc_version_string
 

@@ -26,25 +26,20 @@ from ..decode.checks import (
     dtype_name,
     head_major_rows,
 )
-from ..decode.eager import (
-    MAX_RECORDS,
-    DecodeRecord,
-    _records,
-    _stream_buffer,
-    keep_for_capture,
-    stream_capturing,
-)
-from ..decode.eager import _lock as _records_lock
 from ..decode.features import check_features
 from ..decode.fp8 import ROW_DTYPES, quantize_kernel
 from ..decode.plan import check_algorithm
-from ..driver._bindings import _capture as _capture_state
-from ..driver._bindings import capture_keep, drv
+from ..decode.records import MAX_RECORDS, DecodeRecord
+from ..decode.records import lock as _records_lock
+from ..decode.records import store as _records
+from ..driver.calls import capture_keep, drv
+from ..driver.calls import capture_state as _capture_state
 from ..driver.device import Device, device_for
-from ..driver.graph import GraphExec
+from ..driver.graph import GraphExec, keep_for_capture, stream_capturing
 from ..driver.interop import ArrayRef, array_ref
 from ..driver.launch import LaunchSequence, PackedLaunch
 from ..driver.memory import DeviceArray, empty, pinned_empty, to_device
+from ..driver.pool import stream_buffer as _stream_buffer
 from ..driver.stream import Stream, call_stream, stream_handle, stream_key
 from ..errors import ClosedError, FerroxError, KVCapacityError
 from ..types import ArrayLike, DeviceArrayLike, DTypeLike, StreamLike

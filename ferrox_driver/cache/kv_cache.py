@@ -28,7 +28,6 @@ from ..decode.checks import (
     dtype_name,
     q_heads,
 )
-from ..decode.eager import DecodeRecord, stream_capturing
 from ..decode.features import check_features
 from ..decode.fp8 import (
     FP8_DTYPES,
@@ -47,12 +46,15 @@ from ..decode.plan import (
     split_kernel,
     split_launches,
 )
+from ..decode.records import DecodeRecord
 from ..driver._bindings import _capture as _capture_state
 from ..driver._bindings import check, cu, driver_version, drv
 from ..driver.device import Device, resolve
+from ..driver.graph import stream_capturing
 from ..driver.interop import array_ref
 from ..driver.launch import Kernel, PackedLaunch
-from ..driver.memory import DeviceArray, as_dtype, empty, output_pool, pinned_empty
+from ..driver.memory import DeviceArray, as_dtype, empty, pinned_empty
+from ..driver.pool import output_pool
 from ..driver.stream import Event, Stream, call_stream, stream_handle, stream_key
 from ..errors import ClosedError, FerroxError, KVCapacityError
 from ..kernels.catalogue import get_kernel
@@ -1052,7 +1054,7 @@ class KVCache:
         block of the caller's stream's pool, on the cache's stream joined to the caller's
         (``_join``); numpy sinks and slopes are copied into device buffers of the cache's
         stream first."""
-        from ..decode.eager import _stream_buffer
+        from ..driver.pool import stream_buffer as _stream_buffer
         from .graphs import gqa_decode_async
 
         ref = array_ref(q, "q")

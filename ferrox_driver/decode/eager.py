@@ -1,9 +1,7 @@
-"""The decode call path: ``gqa_decode`` and ``launch_decode``, with launch records.
+"""``gqa_decode``: the eager decode call path.
 
-A launch record (``DecodeRecord``) is made once per signature (device, dtype, shape, length,
-alignment, stream, overrides): the plan, the kernels, their grids and launch
-configurations, one packed argument block per kernel and the scratch the plan needs. A
-call then writes the pointers that changed and launches. ``gqa_decode`` on device arrays
+Launch records (`records.DecodeRecord`) are made once per signature (device, dtype, shape,
+length, alignment, stream, overrides). ``gqa_decode`` on device arrays
 keeps, per call signature (the arrays' shapes, dtypes and devices, the stream, ``out``),
 the validated call itself, so a repeated call does no checking, planning, allocation or
 parsing: it reads the arrays' pointers, takes an output block from a per-stream pool and
@@ -15,21 +13,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 from collections import OrderedDict
 from typing import Any, Literal, overload
 
 import numpy as np
 
-from ..driver._bindings import _capture as _capture_state
-from ..driver._bindings import capture_keep, cu
+from ..driver.calls import capture_state, stream_sync_raw
 from ..driver.device import Device, device_for, ordinal_of, resolve
+from ..driver.graph import keep_for_capture, stream_capturing
 from ..driver.interop import ArrayRef, array_ref, is_torch
-from ..driver.launch import LaunchSequence
-from ..driver.memory import DeviceArray, OutputPool, empty, output_pool, to_device
+from ..driver.memory import DeviceArray, empty, to_device
+from ..driver.pool import OutputPool, output_pool, stream_buffer
 from ..driver.stream import Stream, stream_handle, stream_key, torch_stream
 from ..types import ArrayLike, DeviceArrayLike, DeviceLike, StreamLike
 from . import plan as attention
+from . import records
 from .checks import (
     ArrayInfo,
     DecodeSpec,
@@ -39,200 +37,12 @@ from .checks import (
     check_kv_layout,
 )
 from .features import check_features
-from .plan import (
-    Launch,
-    allocate_scratch,
-    check_algorithm,
-    parity_launches,
-    plan_split,
-    split_launches,
-)
+from .plan import check_algorithm
+from .records import DecodeRecord, decode_record, launch_decode
 
-__all__ = ["DecodeRecord", "decode_record", "gqa_decode", "launch_decode"]
+__all__ = ["gqa_decode"]
 
-ROLES = ("q", "k", "v", "out", "seq")
-MAX_RECORDS = 256  # launch records kept (LRU); a record in use lives on while referenced
 MAX_CALLS = 256  # validated gqa_decode call signatures kept (LRU)
-_CAPTURING = cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
-
-
-class DecodeRecord:
-    """The launches of one decode signature, packed once; ``run(values)`` writes the
-    call's (q, k, v, out, seq_len) and launches (see ``LaunchSequence``).
-
-    Args:
-        launches: the decode's launches (``split_launches`` or ``parity_launches``).
-        device: the device.
-        stream: the stream they are packed for.
-        workspace: the scratch they write (kept alive with the record).
-    """
-
-    def __init__(
-        self,
-        launches: list[Launch],
-        device: Device,
-        stream: Any,
-        workspace: DeviceArray | None,
-    ) -> None:
-        self.sequence = LaunchSequence(
-            [launch.packed(stream, device) for launch in launches],
-            ROLES,
-            [launch.roles for launch in launches],
-            device,
-        )
-        self.run = self.sequence.run
-        self.workspace = workspace
-        self.kernels = tuple(launch.kernel for launch in launches)
-        self.captured = False  # a graph made elsewhere may use it: never dropped
-
-
-_records: OrderedDict[tuple[Any, ...], DecodeRecord] = OrderedDict()
-_lock = threading.RLock()  # making records and calls (the hot path only reads them)
-_captured: list[Any] = []  # what graphs captured outside ferrox use, kept for the process
-
-
-def stream_capturing(handle: int) -> bool:
-    """Whether the stream with int handle ``handle`` is being captured into a graph."""
-    result = cu.cuStreamIsCapturing(cu.CUstream(handle))
-    return len(result) > 1 and result[1] == _CAPTURING
-
-
-def keep_for_capture(stream_id: int, foreign: bool, *objects: Any) -> bool:
-    """When the stream is being captured, keep ``objects`` alive as long as the graph can
-    run: with the graph for ferrox's own captures, for the process for any other (a
-    PyTorch or CuPy graph, whose life ferrox cannot see). Returns whether it is captured.
-    Only ``foreign`` streams (not ferrox's, not the legacy default) are asked of the
-    driver: the legacy default stream cannot be captured, and ferrox's captures mark the
-    thread."""
-    if capture_keep(*objects):
-        return True
-    if foreign and stream_capturing(stream_id):
-        _captured.extend(objects)
-        return True
-    return False
-
-
-def decode_record(
-    q: DeviceArray,
-    k: DeviceArray,
-    v: DeviceArray,
-    out: DeviceArray,
-    *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    seq_len: int,
-    stream: Any,
-    algorithm: str = "auto",
-    plan_seq: int | None = None,
-) -> DecodeRecord:
-    """The launch record for decodes of this signature on ``stream`` (made on first use,
-    kept in an LRU of MAX_RECORDS). The arrays only give the signature (device, dtype,
-    alignment): their pointers are the call's to write."""
-    aligned = ((q.ptr | k.ptr | v.ptr) & 15) == 0
-    sid = stream_key(stream)
-    plan_for = seq_len if plan_seq is None else plan_seq
-    dev = q.device
-    key = (dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, seq_len, plan_for,
-           aligned, algorithm, sid, attention.OVERRIDES)  # fmt: skip
-    record = _records.get(key)
-    if record is not None:
-        with contextlib.suppress(KeyError):  # another thread may have dropped it
-            _records.move_to_end(key)
-        return record
-    with _lock:
-        record = _records.get(key)
-        if record is None:
-            record = _make_record(key, q, k, v, out, n_heads, n_kv_heads, head_dim, seq_len,
-                                  plan_for, aligned, algorithm, sid)  # fmt: skip
-    return record
-
-
-def _make_record(
-    key: tuple[Any, ...],
-    q: DeviceArray,
-    k: DeviceArray,
-    v: DeviceArray,
-    out: DeviceArray,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    seq_len: int,
-    plan_for: int,
-    aligned: bool,
-    algorithm: str,
-    sid: int,
-) -> DecodeRecord:
-    dev = q.device
-    dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
-    workspace = None
-    if algorithm == "parity":
-        launches = parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=None)
-    else:
-        plan = plan_split(dev, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned)
-        floats = plan.workspace_floats(n_heads, head_dim)
-        if floats:
-            workspace = allocate_scratch(
-                floats,
-                dev,
-                "stream: the first decode of this shape on this stream cannot allocate its "
-                "scratch inside a capture: run it once before capturing (or use a KVCache "
-                "with gqa_decode_async)",
-            )
-        launches = split_launches(
-            plan, q, k, v, out, workspace, **dims, seq_len=seq_len, seq_len_dev=None
-        )
-    record = _records[key] = DecodeRecord(launches, dev, stream_handle(sid), workspace)
-    while len(_records) > MAX_RECORDS:
-        _records.popitem(last=False)  # freed once nothing (a call, a graph) holds it
-    return record
-
-
-def launch_decode(
-    q: DeviceArray,
-    k: DeviceArray,
-    v: DeviceArray,
-    out: DeviceArray,
-    *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    seq_len: int,
-    seq_len_dev: DeviceArray | None = None,
-    stream: Any = None,
-    algorithm: str = "auto",
-    workspace: DeviceArray | None = None,
-    plan_seq: int | None = None,
-) -> None:
-    """Queue a decode on device arrays already validated (no checks, no host work).
-
-    ``seq_len_dev``, when given, is an int32 device scalar the kernels read instead of
-    ``seq_len``, which then only sizes the launch (the most tokens it may see); that form
-    needs ``workspace`` for plans with a combine kernel. ``plan_seq`` sizes the split grid
-    (default ``seq_len``); decodes planned for the same length chunk the sequence
-    identically, so their results agree bit for bit.
-    """
-    dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
-    if seq_len_dev is None and workspace is None:
-        record = decode_record(
-            q, k, v, out, **dims, seq_len=seq_len, stream=stream, algorithm=algorithm,
-            plan_seq=plan_seq,
-        )  # fmt: skip
-        sid = stream_key(stream)
-        keep_for_capture(sid, sid != 0 and not isinstance(stream, Stream), record)
-        record.run((q.ptr, k.ptr, v.ptr, out.ptr, seq_len))
-        return
-    if algorithm == "parity":
-        launches = parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev)
-    else:
-        plan_for = seq_len if plan_seq is None else plan_seq
-        aligned = ((q.ptr | k.ptr | v.ptr) & 15) == 0
-        plan = plan_split(q.device, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned)
-        launches = split_launches(
-            plan, q, k, v, out, workspace, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev
-        )
-    for launch in launches:
-        launch.run(stream, q.device)
 
 
 class _Call:
@@ -266,7 +76,7 @@ class _Call:
     ) -> DeviceArray:
         record = self.record
         self.device.activate()  # this thread's context current before any driver call
-        ours = getattr(_capture_state, "depth", 0)  # a ferrox capture on this thread
+        ours = getattr(capture_state, "depth", 0)  # a ferrox capture on this thread
         theirs = not ours and self.foreign and stream_capturing(self.sid)
         if out is None:  # a block a foreign graph writes must never be handed out again
             arr = self.pool.take(self.shape, self.dtype, keep=not theirs)
@@ -501,7 +311,7 @@ def gqa_decode(
             except TypeError:  # an unhashable argument, which the checks name
                 call = None
             if call is None:
-                with _lock:
+                with records.lock:
                     call = _prepare_call(
                         key, (qr, kr, vr), orf, n_heads, n_kv_heads, head_dim, stream, sid,
                         algorithm, device,
@@ -549,24 +359,11 @@ def _host_decode(
         return out_d.to_host(stream)  # waits for the work
     except BaseException:
         with contextlib.suppress(Exception):  # what was queued must end before the frees
-            cu.cuStreamSynchronize(stream_handle(stream))
+            stream_sync_raw(stream_handle(stream))
         raise
     finally:
         for a in (q_d, k_d, v_d, out_d):
             a.close()
-
-
-# Per (context, stream, role, elements): a device buffer the feature decodes on that stream
-# reuse (their work is ordered on it), so no free waits for queued work.
-_feature_scratch: dict[tuple[int, int, str, int], DeviceArray] = {}
-
-
-def _stream_buffer(dev: Device, sid: int, role: str, n: int) -> DeviceArray:
-    key = (dev.context_handle, sid, role, n)
-    buf = _feature_scratch.get(key)
-    if buf is None or buf.closed:
-        buf = _feature_scratch[key] = empty((n,), np.float32, device=dev)
-    return buf
 
 
 def _per_head_device(value: Any, dev: Device, sid: int, role: str, stream: Any) -> Any:
@@ -578,7 +375,7 @@ def _per_head_device(value: Any, dev: Device, sid: int, role: str, stream: Any) 
         ref = array_ref(value, role)
         assert ref is not None
         return DeviceArray._wrap(ref[0], ref[1], ref[2], dev, None)
-    buf = _stream_buffer(dev, sid, role, value.size)
+    buf = stream_buffer(dev, sid, role, value.size)
     buf.copy_from_host(np.ascontiguousarray(value, np.float32).reshape(-1), stream)
     return buf
 
@@ -668,7 +465,7 @@ def _feature_decode(
             sinks=_per_head_device(feats.sinks, dev, sid, "sinks", stream),
         )  # fmt: skip
         args = dataclasses.replace(args, head_stride=head_stride)
-        ws = _stream_buffer(
+        ws = stream_buffer(
             dev, sid, "workspace", plan.workspace_floats(spec.n_heads, spec.head_dim)
         )
         launches = attention.split_launches(
@@ -683,7 +480,7 @@ def _feature_decode(
         return (host, lse_d.to_host(stream)) if lse_d is not None else host
     except BaseException:
         with contextlib.suppress(Exception):  # what was queued must end before the frees
-            cu.cuStreamSynchronize(stream_handle(stream))
+            stream_sync_raw(stream_handle(stream))
         raise
     finally:
         for a in arrays:

@@ -9,11 +9,42 @@ from typing import Any
 
 from ..errors import ClosedError, CudaError
 from ..types import StreamLike
-from ._bindings import capturing, cu, drv, finalizer, release
+from ._bindings import capture_keep, capturing, cu, drv, finalizer, release
 from .device import Device
 from .stream import Stream, stream_handle
 
-__all__ = ["Graph", "GraphExec", "capture", "graph_stats"]
+__all__ = [
+    "Graph",
+    "GraphExec",
+    "capture",
+    "graph_stats",
+    "keep_for_capture",
+    "stream_capturing",
+]
+
+_CAPTURING = cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+_captured: list[Any] = []  # what graphs captured outside ferrox use, kept for the process
+
+
+def stream_capturing(handle: int) -> bool:
+    """Whether the stream with int handle ``handle`` is being captured into a graph."""
+    result = cu.cuStreamIsCapturing(cu.CUstream(handle))
+    return len(result) > 1 and result[1] == _CAPTURING
+
+
+def keep_for_capture(stream_id: int, foreign: bool, *objects: Any) -> bool:
+    """When the stream is being captured, keep ``objects`` alive as long as the graph can
+    run: with the graph for ferrox's own captures, for the process for any other (a
+    PyTorch or CuPy graph, whose life ferrox cannot see). Returns whether it is captured.
+    Only ``foreign`` streams (not ferrox's, not the legacy default) are asked of the
+    driver: the legacy default stream cannot be captured, and ferrox's captures mark the
+    thread."""
+    if capture_keep(*objects):
+        return True
+    if foreign and stream_capturing(stream_id):
+        _captured.extend(objects)
+        return True
+    return False
 
 
 @dataclass

@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import ClosedError
 from ..types import DeviceArrayLike, DTypeLike, HostArrayLike, StreamLike
 from . import dlpack, interop
-from ._bindings import capture_keep, drv, finalizer, release
+from ._bindings import capture_keep, drv, finalizer
 from .device import Device, device_for, resolve
 from .dtypes import ML_DTYPE_NAMES, named
 from .stream import stream_handle
@@ -466,81 +466,3 @@ def from_dlpack(obj: DeviceArrayLike) -> DeviceArray:
 interop.register_reader(
     DeviceArray, lambda a, name: (a.ptr, a.shape, a.dtype, a.device.ordinal, True, None)
 )
-
-
-POOL_KEEP = 8  # free blocks kept per (context, stream, size); more are freed
-
-
-class _PoolBlock:
-    """A block of a pool's memory, lent to the DeviceArrays that view it: when the last of
-    them goes, the block goes back to its free list (or is freed when the list is full).
-    ``free`` None: never returned (a graph captured elsewhere may still write it)."""
-
-    __slots__ = ("__weakref__", "free", "ptr")
-
-    def __init__(self, ptr: int, free: list[int] | None) -> None:
-        self.ptr, self.free = ptr, free
-
-    def __del__(self) -> None:
-        try:
-            free = self.free
-            if free is None:
-                return
-            if len(free) < POOL_KEEP:
-                free.append(self.ptr)
-            else:
-                release("cuMemFree", self.ptr)
-        except Exception:  # at interpreter shutdown, say
-            pass
-
-
-class OutputPool:
-    """Device memory for results, reused in stream order: blocks of one size that come
-    back when their arrays are collected, handed out again for work on the same stream
-    (which runs after whatever used them before). An array handed to work on another
-    stream must stay referenced until that work is done, as with PyTorch's allocator.
-
-    Args:
-        device: where the memory lives.
-        nbytes: the size of every block.
-    """
-
-    def __init__(self, device: Device, nbytes: int) -> None:
-        self.device, self.nbytes = device, nbytes
-        self.free: list[int] = []
-
-    def take(self, shape: tuple[int, ...], dtype: np.dtype, *, keep: bool = True) -> DeviceArray:
-        """A DeviceArray over a block of the pool (a new one when none is free).
-        ``keep=False``: the block never comes back (a foreign capture may write it).
-
-        Raises:
-            CudaError: the allocation failed (e.g. inside a stream capture).
-        """
-        free = self.free
-        if not free:
-            self.device.activate()
-        ptr = free.pop() if free else int(drv("cuMemAlloc", max(self.nbytes, 1)))
-        arr = DeviceArray.__new__(DeviceArray)  # _wrap's work, with the size known
-        arr.shape, arr.dtype, arr.device, arr.nbytes = shape, dtype, self.device, self.nbytes
-        arr._ptr, arr._base, arr._parent, arr._closed = (
-            ptr, _PoolBlock(ptr, free if keep else None), None, False,
-        )  # fmt: skip
-        return arr
-
-    def close(self) -> None:
-        """Free the blocks not in use."""
-        free, self.free = self.free, []
-        for ptr in free:
-            release("cuMemFree", ptr)
-
-
-_pools: dict[tuple[int, int, int], OutputPool] = {}
-
-
-def output_pool(device: Device, stream: int, nbytes: int) -> OutputPool:
-    """The pool of ``nbytes`` blocks for work on ``stream`` (an int handle) on ``device``."""
-    key = (device.context_handle, stream, nbytes)
-    pool = _pools.get(key)
-    if pool is None:
-        pool = _pools[key] = OutputPool(device, nbytes)
-    return pool

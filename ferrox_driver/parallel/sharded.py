@@ -32,7 +32,7 @@ from ..decode.checks import (
     check_int,
 )
 from ..decode.merge import merge_states
-from ..driver._bindings import drv
+from ..driver.calls import drv
 from ..driver.device import Device, resolve
 from ..driver.interop import array_ref
 from ..driver.memory import DeviceArray, as_dtype, empty, zeros

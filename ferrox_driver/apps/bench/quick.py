@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from ...decode.checks import check_dims
-from ...decode.eager import launch_decode
+from ...decode.records import launch_decode
 from ...driver.device import default_device
 from ...driver.memory import DeviceArray, empty
 from ...driver.stream import Stream
-from .decode import bench_stream, time_events
+from .harness import bench_stream, time_events
 
 __all__ = ["READ_CEILING_TBS", "AppendTiming", "Timing", "time_appends", "time_decode"]
 
