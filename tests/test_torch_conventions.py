@@ -8,8 +8,6 @@ given and stops."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -17,7 +15,7 @@ import pytest
 import ferrox_driver as fd
 from ferrox_driver.cache import graphs as decode_graph
 from ferrox_driver.decode import eager as decode
-from ferrox_driver.decode import merge
+from ferrox_driver.decode import merge, records
 from ferrox_driver.decode.checks import check_decode_args, q_heads, read_dims
 from ferrox_driver.driver import dlpack, stream
 from ferrox_driver.driver.device import ordinal_of
@@ -85,7 +83,7 @@ def reference(q, k, v, n_heads, n_kv_heads, head_dim):
 def torch_streams(monkeypatch):
     """PyTorch's current stream on device d reads as 0x7000 + d."""
     monkeypatch.setattr(stream, "_torch_current", lambda ordinal: 0x7000 + ordinal)
-    monkeypatch.setattr(decode, "_calls", OrderedDict())
+    monkeypatch.setattr(decode, "_calls", records.Kept(decode.MAX_CALLS))
 
 
 # -- device= -------------------------------------------------------------------------------

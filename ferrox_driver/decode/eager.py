@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections import OrderedDict
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -38,7 +37,7 @@ from .checks import (
 )
 from .features import check_features
 from .plan import check_algorithm
-from .records import DecodeRecord, decode_record, launch_decode
+from .records import DecodeRecord, decode_record, launch_decode, launches_for
 
 __all__ = ["gqa_decode"]
 
@@ -95,7 +94,7 @@ class _Call:
         return arr
 
 
-_calls: OrderedDict[tuple[Any, ...], _Call] = OrderedDict()
+_calls = records.Kept(MAX_CALLS)  # validated calls, by signature
 
 
 def _info(ref: ArrayRef, name: str) -> ArrayInfo:
@@ -162,9 +161,7 @@ def _prepare_call(
     )  # fmt: skip
     nbytes = math.prod(spec.q_shape) * spec.dtype.itemsize
     foreign = sid != 0 and not isinstance(stream, Stream)
-    call = _calls[key] = _Call(record, spec, dev, sid, foreign, output_pool(dev, sid, nbytes))
-    while len(_calls) > MAX_CALLS:
-        _calls.popitem(last=False)
+    call = _calls.keep(key, _Call(record, spec, dev, sid, foreign, output_pool(dev, sid, nbytes)))
     return call
 
 
@@ -317,8 +314,7 @@ def gqa_decode(
                         algorithm, device,
                     )  # fmt: skip
             else:
-                with contextlib.suppress(KeyError):  # another thread may have dropped it
-                    _calls.move_to_end(key)
+                _calls.touch(key)
             return call(qr, kr, vr, orf, out, (q, k_cache, v_cache))
     return _host_decode(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm,
                         device, out)  # fmt: skip
@@ -455,22 +451,16 @@ def _feature_decode(
     heads_at = head_stride * spec.dtype.itemsize  # (16-byte loads need whole heads aligned)
     aligned = ((q_d.ptr | k_d.ptr | v_d.ptr | heads_at) & 15) == 0
     try:
-        plan = attention.plan_split(
-            dev, spec.dtype, spec.n_heads, spec.n_kv_heads, spec.head_dim, max(plan_seq, 1),
-            aligned, bits,
-        )  # fmt: skip
         _, args = attention.feature_args(
             feats, spec.head_dim, lse=lse_d,
             slopes=_per_head_device(feats.alibi_slopes, dev, sid, "alibi_slopes", stream),
             sinks=_per_head_device(feats.sinks, dev, sid, "sinks", stream),
         )  # fmt: skip
-        args = dataclasses.replace(args, head_stride=head_stride)
-        ws = stream_buffer(
-            dev, sid, "workspace", plan.workspace_floats(spec.n_heads, spec.head_dim)
-        )
-        launches = attention.split_launches(
-            plan, q_d, k_d, v_d, out_d, ws, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
-            head_dim=spec.head_dim, seq_len=seq, seq_len_dev=None, features=args,
+        launches, _ = launches_for(
+            q_d, k_d, v_d, out_d, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+            head_dim=spec.head_dim, seq_len=seq, plan_seq=max(plan_seq, 1), aligned=aligned,
+            bits=bits, features=dataclasses.replace(args, head_stride=head_stride),
+            workspace=lambda floats: stream_buffer(dev, sid, "workspace", floats),
         )  # fmt: skip
         for launch in launches:
             launch.run(stream, dev)

@@ -4,10 +4,12 @@ launches."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from ..driver.device import Device
 from ..driver.graph import keep_for_capture
@@ -15,12 +17,22 @@ from ..driver.launch import LaunchSequence
 from ..driver.memory import DeviceArray
 from ..driver.stream import Stream, stream_handle, stream_key
 from . import plan as attention
-from .plan import Launch, allocate_scratch, parity_launches, plan_split, split_launches
+from .plan import (
+    FeatureArgs,
+    Launch,
+    allocate_scratch,
+    parity_launches,
+    plan_split,
+    split_launches,
+)
 
 __all__ = [
     "MAX_RECORDS",
     "ROLES",
     "DecodeRecord",
+    "Kept",
+    "assemble",
+    "launches_for",
     "decode_record",
     "launch_decode",
     "lock",
@@ -29,6 +41,32 @@ __all__ = [
 
 ROLES = ("q", "k", "v", "out", "seq")
 MAX_RECORDS = 256  # launch records kept (LRU); a record in use lives on while referenced
+
+
+class Kept(OrderedDict[Any, Any]):
+    """The one store of things made once per signature: launch records (the process's, and
+    each cache's own) and validated calls (eager, pair, async). Reads are plain dict
+    lookups on the hot path; ``keep`` adds and, past ``limit``, drops the least recently
+    kept (an entry still in use lives on while referenced)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key: Any, value: Any) -> Any:
+        """Store ``value`` under ``key`` and return it."""
+        self[key] = value
+        if self.limit is not None:
+            while len(self) > self.limit:
+                self.popitem(last=False)
+        return value
+
+    def touch(self, key: Any) -> None:
+        """Mark ``key`` as recently used (another thread may have dropped it: no error)."""
+        try:  # noqa: SIM105 (a hot path: try costs nothing when it holds, suppress does)
+            self.move_to_end(key)
+        except KeyError:
+            pass
 
 
 class DecodeRecord:
@@ -61,7 +99,7 @@ class DecodeRecord:
         self.captured = False  # a graph made elsewhere may use it: never dropped
 
 
-store: OrderedDict[tuple[Any, ...], DecodeRecord] = OrderedDict()
+store = Kept(MAX_RECORDS)  # the process's launch records, by signature
 lock = threading.RLock()  # making records and calls (the hot path only reads them)
 
 
@@ -90,8 +128,7 @@ def decode_record(
            aligned, algorithm, sid, attention.OVERRIDES)  # fmt: skip
     record = store.get(key)
     if record is not None:
-        with contextlib.suppress(KeyError):  # another thread may have dropped it
-            store.move_to_end(key)
+        store.touch(key)
         return record
     with lock:
         record = store.get(key)
@@ -116,29 +153,81 @@ def make_record(
     algorithm: str,
     sid: int,
 ) -> DecodeRecord:
-    dev = q.device
+    scratch_needed = (
+        "stream: the first decode of this shape on this stream cannot allocate its "
+        "scratch inside a capture: run it once before capturing (or use a KVCache "
+        "with gqa_decode_async)"
+    )
+    return store.keep(key, assemble(
+        q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        seq_len=seq_len, plan_seq=plan_for, aligned=aligned, algorithm=algorithm,
+        workspace=lambda floats: allocate_scratch(floats, q.device, scratch_needed),
+        stream=stream_handle(sid),
+    ))  # fmt: skip
+
+
+def launches_for(
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    plan_seq: int,
+    aligned: bool,
+    algorithm: str = "auto",
+    seq_len_dev: DeviceArray | None = None,
+    workspace: Callable[[int], DeviceArray | None] | DeviceArray | None = None,
+    dtype: np.dtype | None = None,
+    bits: int = 0,
+    fp8: str = "",
+    features: FeatureArgs | None = None,
+    kv_scales: DeviceArray | None = None,
+) -> tuple[list[Launch], DeviceArray | None]:
+    """THE plan -> workspace -> launches assembly that every decode entry point uses.
+
+    Plans the split (or takes the parity kernel) for ``plan_seq`` tokens of ``dtype`` q
+    (default q's; an fp8 cache plans for its q), sizes the workspace and gets it from
+    ``workspace`` (a function of the float count, so each caller keeps its own lifetime
+    policy: per record, per cache, per stream; or a buffer already made), and returns the
+    launches with the workspace they write. ``seq_len_dev``: an int32 device scalar the
+    kernels read instead of ``seq_len``, which then bounds the tokens a launch may see.
+    """
     dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
-    workspace = None
     if algorithm == "parity":
-        launches = parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=None)
-    else:
-        plan = plan_split(dev, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned)
-        floats = plan.workspace_floats(n_heads, head_dim)
-        if floats:
-            workspace = allocate_scratch(
-                floats,
-                dev,
-                "stream: the first decode of this shape on this stream cannot allocate its "
-                "scratch inside a capture: run it once before capturing (or use a KVCache "
-                "with gqa_decode_async)",
-            )
-        launches = split_launches(
-            plan, q, k, v, out, workspace, **dims, seq_len=seq_len, seq_len_dev=None
-        )
-    record = store[key] = DecodeRecord(launches, dev, stream_handle(sid), workspace)
-    while len(store) > MAX_RECORDS:
-        store.popitem(last=False)  # freed once nothing (a call, a graph) holds it
-    return record
+        return parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev), None
+    plan = plan_split(
+        q.device, q.dtype if dtype is None else dtype, n_heads, n_kv_heads, head_dim,
+        plan_seq, aligned, bits, fp8,
+    )  # fmt: skip
+    floats = plan.workspace_floats(n_heads, head_dim)
+    # a workspace policy is asked only by plans that write a workspace
+    made = (workspace(floats) if floats else None) if callable(workspace) else workspace
+    launches = split_launches(
+        plan, q, k, v, out, made, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev,
+        features=features, kv_scales=kv_scales,
+    )  # fmt: skip
+    return launches, made
+
+
+def assemble(
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    *,
+    stream: Any,
+    keep_workspace: bool = True,
+    **how: Any,
+) -> DecodeRecord:
+    """A launch record of `launches_for`'s launches, packed for ``stream`` (``how``: its
+    arguments). ``keep_workspace``: the record holds the workspace (False where its owner,
+    a cache or a stream's buffer, outlives the record anyway)."""
+    launches, ws = launches_for(q, k, v, out, **how)
+    return DecodeRecord(launches, q.device, stream, ws if keep_workspace else None)
 
 
 def launch_decode(
@@ -175,14 +264,10 @@ def launch_decode(
         keep_for_capture(sid, sid != 0 and not isinstance(stream, Stream), record)
         record.run((q.ptr, k.ptr, v.ptr, out.ptr, seq_len))
         return
-    if algorithm == "parity":
-        launches = parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev)
-    else:
-        plan_for = seq_len if plan_seq is None else plan_seq
-        aligned = ((q.ptr | k.ptr | v.ptr) & 15) == 0
-        plan = plan_split(q.device, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned)
-        launches = split_launches(
-            plan, q, k, v, out, workspace, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev
-        )
+    launches, _ = launches_for(
+        q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev, algorithm=algorithm,
+        plan_seq=seq_len if plan_seq is None else plan_seq, workspace=workspace,
+        aligned=((q.ptr | k.ptr | v.ptr) & 15) == 0,
+    )  # fmt: skip
     for launch in launches:
         launch.run(stream, q.device)
