@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.apps.bench.decode import (
+from ferrox_driver.apps.bench.harness import (
     KVSets,
     captured,
     fill_uniform,

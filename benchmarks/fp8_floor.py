@@ -15,12 +15,8 @@ import sys
 from read_floor import floor_us  # benchmarks/ is the script's path
 
 import ferrox_driver as fd
-from ferrox_driver.apps.bench.decode import (
-    FP8_SHAPES,
-    measure_fp8_point,
-    measure_point,
-    with_torch,
-)
+from ferrox_driver.apps.bench.decode import FP8_SHAPES, measure_fp8_point, measure_point
+from ferrox_driver.apps.bench.torch_baseline import with_torch
 
 SPLITS = (16, 32, 64, 128)  # chunks per KV head
 

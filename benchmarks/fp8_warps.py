@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.apps.bench.decode import (
+from ferrox_driver.apps.bench.harness import (
     bench_stream,
     captured,
     fill_uniform,

@@ -14,13 +14,8 @@ from __future__ import annotations
 import sys
 
 import ferrox_driver as fd
-from ferrox_driver.apps.bench.decode import (
-    SHAPES,
-    import_torch,
-    measure_features_point,
-    measure_point,
-    with_torch,
-)
+from ferrox_driver.apps.bench.decode import SHAPES, measure_features_point, measure_point
+from ferrox_driver.apps.bench.torch_baseline import import_torch, with_torch
 
 
 def main(argv: list[str]) -> int:

@@ -18,11 +18,10 @@ import sys
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.apps.bench.decode import (
-    SUPPORTED_DTYPES,
+from ferrox_driver.apps.bench.decode import SUPPORTED_DTYPES, measure_point
+from ferrox_driver.apps.bench.harness import (
     bench_stream,
     captured,
-    measure_point,
     rotated_kv_sets,
     time_replays,
 )

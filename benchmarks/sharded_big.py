@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.apps.bench.decode import captured, fill_uniform, time_events
+from ferrox_driver.apps.bench.harness import captured, fill_uniform, time_events
 from ferrox_driver.decode.merge import merge_states
 from ferrox_driver.parallel.distributed import NcclGroup
 

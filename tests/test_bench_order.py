@@ -5,7 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ferrox_driver.apps.bench import decode as bench_decode
-from ferrox_driver.apps.bench.decode import DecodePoint
+from ferrox_driver.apps.bench import torch_baseline
+from ferrox_driver.apps.bench.report import DecodePoint
 
 
 def test_ours_are_all_measured_before_pytorch_runs_anything(monkeypatch, capsys):
@@ -31,7 +32,7 @@ def test_ours_are_all_measured_before_pytorch_runs_anything(monkeypatch, capsys)
     monkeypatch.setattr(bench_decode, "measure_point", ours)
     monkeypatch.setattr(bench_decode, "measure_growing_graph", grown)
     monkeypatch.setattr(bench_decode, "import_torch", lambda: object())
-    monkeypatch.setattr(bench_decode, "_torch_sdpa_us", torch_sdpa)
+    monkeypatch.setattr(torch_baseline, "torch_sdpa_us", torch_sdpa)
     result = bench_decode.run_decode_bench(
         None, shapes=[(8, 1, 64), (16, 2, 64)], seq_lens=[512, 4096], dtypes=["bf16", "f32"]
     )

@@ -208,7 +208,7 @@ def test_closed_resources_free_device_memory(device):
 
 
 def test_rotated_kv_sets_are_disjoint_filled_views_freed_by_close(device):
-    from ferrox_driver.apps.bench.decode import fill_uniform, rotated_kv_sets
+    from ferrox_driver.apps.bench.harness import fill_uniform, rotated_kv_sets
 
     stream = fd.Stream()
     free_before, _ = device.mem_info()
@@ -241,6 +241,7 @@ def test_benchmark_measurements_share_one_stream(monkeypatch, device):
     # kernel in a graph costs ~0.18 us more, so the
     # benchmark must not make a stream per point (it did, and timed most points so).
     from ferrox_driver.apps.bench import decode as bench_decode
+    from ferrox_driver.apps.bench import harness, torch_baseline
 
     made = []
 
@@ -249,14 +250,14 @@ def test_benchmark_measurements_share_one_stream(monkeypatch, device):
             made.append(self)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(bench_decode, "Stream", CountedStream)
-    monkeypatch.setattr(bench_decode, "_streams", {})
-    monkeypatch.setattr(bench_decode, "_torch", None)  # ours alone
+    monkeypatch.setattr(harness, "Stream", CountedStream)
+    monkeypatch.setattr(harness, "_streams", {})
+    monkeypatch.setattr(torch_baseline, "_torch", None)  # ours alone
     points = [
         bench_decode.measure_point((32, 8, 128), seq, dtype, 3, device)
         for seq, dtype in ((32768, "bf16"), (32768, "f32"))
     ]
     grown = bench_decode.measure_growing_graph(seq_lens=(32768,), iters=3)
-    assert len(made) == 1 and bench_decode.bench_stream(device) is made[0]
+    assert len(made) == 1 and harness.bench_stream(device) is made[0]
     assert all(p.graph_us > 0 and p.eager_us > 0 for p in points)
     assert grown[32768][0] > 0

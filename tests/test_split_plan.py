@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ferrox_driver.apps.bench import decode as bench_decode
+from ferrox_driver.apps.bench import harness as bench_harness
 from ferrox_driver.apps.bench import report as bench_report
 from ferrox_driver.decode import plan as attention
 from ferrox_driver.driver import compiler
@@ -314,9 +315,9 @@ def test_benchmark_rotation_keeps_every_point_out_of_l2(shape):
     for seq in bench_decode.SEQ_LENS:
         for itemsize in (2, 4):
             kv_bytes = 2 * seq * n_kv * head_dim * itemsize
-            n_sets, chain = bench_decode.rotation(kv_bytes)
+            n_sets, chain = bench_harness.rotation(kv_bytes)
             assert 1 <= n_sets <= chain
-            assert chain >= bench_decode.CHAIN_MIN
+            assert chain >= bench_harness.CHAIN_MIN
             # between two reads of one set, the other sets' bytes flush the L2
             assert n_sets == 1 or (n_sets - 1) * kv_bytes > 2 * L2_BYTES, (seq, n_sets)
             assert n_sets > 1 or kv_bytes > 2 * L2_BYTES

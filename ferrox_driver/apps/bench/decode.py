@@ -1,320 +1,51 @@
 """``python -m ferrox_driver bench``: decode speed against the read ceiling and PyTorch.
 
-Method: inputs filled on the device with pseudo-random values (never zeros); KV sets
-rotated so more than 400 MB separate two reads of one set (the H200's L2 is 60 MB); CUDA
-events after warm-up; medians of >= 30. Each point is timed three ways: decodes back to
-back in one captured graph (one per KV set, at least 8: how a model's layers run; the
-headline number), one decode per graph replay timed alone, and eager launches. PyTorch's
-scaled_dot_product_attention(enable_gqa=True) is timed the same two graph ways, on the same
-shapes in the same process, when importable.
+Each point is timed three ways (harness.py says how inputs are filled and KV sets rotated):
+decodes back to back in one captured graph (one per KV set, at least CHAIN_MIN: how a
+model's layers run; the headline number), one decode per graph replay timed alone, and eager
+launches. PyTorch's scaled_dot_product_attention(enable_gqa=True) is timed the same two graph
+ways, on the same shapes in the same process, when importable (torch_baseline.py).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
-import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from ...decode.checks import SUPPORTED_DTYPES, dtype_name
-from ...decode.eager import launch_decode
+from ...decode.checks import SUPPORTED_DTYPES
+from ...decode.records import launch_decode
 from ...driver.device import Device, default_device
-from ...driver.graph import GraphExec
-from ...driver.memory import DeviceArray, empty, zeros
-from ...driver.stream import Event, Stream
+from ...driver.memory import empty, zeros
 from ...kernels.catalogue import get_kernel
 from ..progress import progress
-from .report import print_table, write_results
+from .harness import (
+    bench_stream,
+    captured,
+    fill_uniform,
+    measure_read_ceiling,
+    rotated_graph_us,
+    rotated_kv_sets,
+    rotation,
+    time_events,
+    time_graph_body,
+    time_replays,
+)
+from .report import DecodePoint, print_table, write_results
+from .torch_baseline import import_torch, torch_sdpa_us, torch_step_us, with_torch
 
 __all__ = ["DecodePoint", "SHAPES", "SEQ_LENS", "measure_read_ceiling", "run_decode_bench"]
 
 READ_CEILING_TBS = 4.26
-ROTATE_BYTES = 400 * 2**20
-MAX_SETS = 512
-CHAIN_MIN = 8
 SHAPES = [(32, 8, 128), (64, 8, 128), (28, 4, 128), (32, 32, 128), (16, 2, 64), (8, 1, 256)]
 SEQ_LENS = [512, 4096, 32768, 131072]
 DTYPES = ["f32", "f16", "bf16"]
-
-
-@dataclass
-class DecodePoint:
-    """One benchmark point. ``graph_us``/``torch_us``: per decode, in one graph replaying
-    decodes back to back over rotated KV sets (a model's layers); ``*_single_us``: one
-    decode per graph replay, each timed alone (adds the launch and event round trip)."""
-
-    shape: str
-    dtype: str
-    seq_len: int
-    kv_bytes: int
-    graph_us: float
-    single_us: float
-    eager_us: float
-    torch_us: float | None
-    torch_single_us: float | None
-
-    def tbs(self, us: float | None) -> float | None:
-        return None if not us else self.kv_bytes / (us * 1e-6) / 1e12
-
-
-def rotation(kv_bytes: int) -> tuple[int, int]:
-    """KV sets to rotate among (together past ROTATE_BYTES, so no read hits L2) and the
-    decodes in one back-to-back graph (every set, and at least CHAIN_MIN)."""
-    n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / kv_bytes)))
-    return n_sets, max(n_sets, CHAIN_MIN)
-
-
-def fill_uniform(arr: DeviceArray, seed: int, stream: Stream) -> None:
-    """Fill a float32/float16/bfloat16 device array with values uniform in [-1, 1) (an fp8
-    one: its bytes as float16 ones, values within +-1.0 and a few NaN: for timing only)."""
-    if arr.dtype.itemsize == 1 and arr.size % 2 == 0:
-        arr = arr.view((arr.size // 2,), np.float16)
-    kernel = get_kernel("util.cu", f"ferrox_fill_uniform_{dtype_name(arr.dtype)}", arr.device)
-    kernel.launch(1024, 256, (arr, np.int64(arr.size), np.uint32(seed)), stream=stream)
-
-
-KVSets = list[tuple[DeviceArray, DeviceArray]]
-
-
-@dataclass
-class RotatedKV:
-    """The K/V sets one benchmark point rotates among (views into ``pool``) and the decodes
-    in one back-to-back graph; ``close()`` frees them."""
-
-    sets: KVSets
-    chain: int
-    pool: DeviceArray
-
-    def close(self) -> None:
-        self.sets.clear()
-        self.pool.close()
-
-
-def rotated_kv_sets(
-    seq: int, n_kv_heads: int, head_dim: int, dtype: Any, stream: Stream, device: Device
-) -> RotatedKV:
-    """The K/V sets one benchmark point rotates among, filled on the device (set i with
-    seeds 100 + 2i and 101 + 2i), and the decodes in one back-to-back graph (``rotation``).
-
-    The sets are carved out of one allocation, as a model's caches allocated at once would
-    be and as PyTorch's sets are: one allocation and free per point instead of up to 1024,
-    laid out alike for both libraries. (The two speeds short decodes showed within a
-    process are not layout: every kernel in a graph costs ~0.18 us more once a process has
-    run work on about eight streams; docs/design.md and bench_stream.)"""
-    dt = np.dtype(dtype)
-    shape = (seq, n_kv_heads, head_dim)
-    one = seq * n_kv_heads * head_dim * dt.itemsize  # bytes of one K or V
-    n_sets, chain = rotation(2 * one)
-    pool = empty((2 * n_sets * one,), np.uint8, device=device)
-    sets = []
-    for i in range(n_sets):
-        k = pool.view(shape, dt, offset=2 * i * one)
-        v = pool.view(shape, dt, offset=(2 * i + 1) * one)
-        fill_uniform(k, 100 + 2 * i, stream)
-        fill_uniform(v, 101 + 2 * i, stream)
-        sets.append((k, v))
-    return RotatedKV(sets, chain, pool)
-
-
-def time_events(
-    run: Callable[[int], None], stream: Stream, iters: int, warmup: int, per_run: int = 1
-) -> float:
-    """Median microseconds of ``run(i)`` on ``stream`` between two events, divided by
-    ``per_run`` (the decodes one run queues)."""
-    for i in range(warmup):
-        run(i)
-    start, end = Event(), Event()
-    times = []
-    for i in range(iters):
-        start.record(stream)
-        run(i)
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_ms(end) * 1e3 / per_run)
-    return statistics.median(times)
-
-
-def captured(stream: Stream, body: Callable[[], None], repeat: int = 1) -> GraphExec:
-    """``body`` called ``repeat`` times under capture on ``stream``, instantiated."""
-    with stream.capture() as graph:
-        for _ in range(repeat):
-            body()
-    exe = graph.instantiate()
-    graph.close()
-    return exe
-
-
-def time_replays(
-    chained: GraphExec, chain: int, singles: Sequence[GraphExec], stream: Stream, iters: int
-) -> tuple[float, float]:
-    """Microseconds per decode: ``chained`` (``chain`` decodes back to back) and the
-    ``singles`` (one decode each, replayed in turn, each timed alone)."""
-    back_to_back = time_events(lambda i: chained.launch(stream), stream, iters, 3, chain)
-    single = time_events(lambda i: singles[i % len(singles)].launch(stream), stream, iters, 5)
-    return back_to_back, single
-
-
-def rotated_graph_us(
-    eager: Callable[[int], None], rotated: RotatedKV, stream: Stream, iters: int
-) -> float:
-    """Graph-replayed us per decode of ``eager(i)`` (a decode over set i of ``rotated``): run
-    once, then ``rotated.chain`` decodes over the sets in turn in one graph, timed."""
-    eager(0)
-    stream.synchronize()
-    execs = [captured(stream, functools.partial(eager, i)) for i in range(len(rotated.sets))]
-
-    def all_sets() -> None:
-        for i in range(rotated.chain):
-            eager(i)
-
-    chained = captured(stream, all_sets)
-    graph_us, _ = time_replays(chained, rotated.chain, execs, stream, iters)
-    for e in [*execs, chained]:
-        e.close()
-    return graph_us
-
-
-def time_graph_body(
-    stream: Stream, body: Callable[[], None], iters: int = 50, chain: int = 20
-) -> tuple[float, float]:
-    """Microseconds of what ``body`` queues on ``stream``: ``chain`` of it back to back in
-    one graph (per item), and one graph replay of it timed alone (same inputs every time:
-    for fixed costs, the KV in L2)."""
-    body()
-    stream.synchronize()
-    chained, single = captured(stream, body, chain), captured(stream, body)
-    times = time_replays(chained, chain, [single], stream, iters)
-    chained.close()
-    single.close()
-    return times
-
-
-def measure_read_ceiling(device: Device, gib: float = 4.0) -> float:
-    """TB/s of reading ``gib`` GiB once (a sum over 16-byte loads), on bench_stream."""
-    stream = bench_stream(device)
-    n = int(gib * 2**30) // 4
-    data = empty((n,), np.float32, device=device)
-    fill_uniform(data, 1, stream)
-    total = zeros((1,), np.float32, device=device)
-    kernel = get_kernel("util.cu", "ferrox_read_sum", device)
-    blocks = device.multiprocessor_count * 8
-
-    def run(_: int) -> None:
-        kernel.launch(blocks, 256, (data, np.int64(n // 4), total), stream=stream)
-
-    us = time_events(run, stream, 20, 3)
-    data.close()
-    return n * 4 / (us * 1e-6) / 1e12
-
-
-_streams: dict[int, Stream] = {}
-
-
-def bench_stream(device: Device) -> Stream:
-    """The one stream every measurement of this process runs on, per device, as a decode
-    loop would use. Every stream that has run work counts: after about eight, each kernel
-    in a graph costs ~0.18 us more for the rest of the process, so a
-    stream per point would time most points in that state."""
-    stream = _streams.get(device.context_handle)
-    if stream is None:
-        stream = _streams[device.context_handle] = Stream(device)
-    return stream
-
-
-def import_torch() -> Any:
-    """PyTorch for the side-by-side comparison, or None (it is optional). Imported before
-    any CUDA work of ours: seen on the H200 image, importing it later can fail."""
-    global _torch
-    if _torch is False:
-        try:
-            import torch
-
-            _torch = torch if torch.cuda.is_available() else None
-        except Exception as exc:  # any failure just drops the comparison
-            print(f"PyTorch unavailable for the comparison: {exc!r}")
-            _torch = None
-    return _torch
-
-
-_torch: Any = False
-_torch_side: Any = None
-
-
-def torch_side_stream(torch: Any) -> Any:
-    """PyTorch's stream for every measurement (one, as ours: bench_stream)."""
-    global _torch_side
-    if _torch_side is None:
-        _torch_side = torch.cuda.Stream()
-    return _torch_side
-
-
-def _torch_sdpa_us(
-    shape: tuple[int, int, int], seq: int, dtype: str, iters: int, token_major: bool = False
-) -> tuple[float, float] | tuple[None, None]:
-    """PyTorch SDPA per decode: back to back in one graph, and one replay timed alone; over
-    head-major K/V (PyTorch's own layout), or with ``token_major`` over the [seq][kv][d]
-    rows our decode reads, as a strided [1, kv, seq, d] view."""
-    torch = import_torch()
-    if torch is None:
-        return None, None
-    import torch.nn.functional as F
-
-    n_heads, n_kv, hd = shape
-    tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    n_sets, chain = rotation(2 * seq * n_kv * hd * torch.finfo(tdt).bits // 8)
-    q = torch.rand(1, n_heads, 1, hd, device="cuda", dtype=tdt) * 2 - 1
-    if token_major:
-        pool = torch.empty(n_sets, 2, seq, n_kv, hd, device="cuda", dtype=tdt).uniform_(-1, 1)
-        sets = [(pool[i, 0].permute(1, 0, 2)[None], pool[i, 1].permute(1, 0, 2)[None])
-                for i in range(n_sets)]  # fmt: skip
-    else:
-        pool = torch.empty(n_sets, 2, 1, n_kv, seq, hd, device="cuda", dtype=tdt).uniform_(-1, 1)
-        sets = [(pool[i, 0], pool[i, 1]) for i in range(n_sets)]  # one allocation, as ours
-    side = torch_side_stream(torch)
-    graphs = []
-    with torch.cuda.stream(side):
-        for k, v in sets:  # warm-up outside capture
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        torch.cuda.synchronize()
-        for k, v in sets:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=side):
-                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            graphs.append(g)
-        chained = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(chained, stream=side):
-            for i in range(chain):
-                k, v = sets[i % n_sets]
-                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def timed(replay: Callable[[int], None], per_run: int) -> float:
-        times = []
-        for i in range(iters + 5):
-            start.record()
-            replay(i)
-            end.record()
-            end.synchronize()
-            if i >= 5:
-                times.append(start.elapsed_time(end) * 1e3 / per_run)
-        return statistics.median(times)
-
-    single = timed(lambda i: graphs[i % n_sets].replay(), 1)
-    back_to_back = timed(lambda i: chained.replay(), chain)
-    for g in [*graphs, chained]:
-        g.reset()
-    graphs.clear()
-    sets.clear()
-    del pool
-    torch.cuda.empty_cache()
-    return back_to_back, single
 
 
 def measure_point(
@@ -356,13 +87,6 @@ def measure_point(
     out.close()
     shape_name = f"{n_heads}/{n_kv}/{hd}"
     return DecodePoint(shape_name, dtype, seq, kv_bytes, graph_us, single_us, eager_us, None, None)
-
-
-def with_torch(point: DecodePoint, shape: tuple[int, int, int], iters: int) -> DecodePoint:
-    """``point`` (of ``shape``) with PyTorch SDPA's timings at its length and dtype (None
-    where PyTorch is unavailable)."""
-    torch_us, single_us = _torch_sdpa_us(shape, point.seq_len, point.dtype, iters)
-    return replace(point, torch_us=torch_us, torch_single_us=single_us)
 
 
 def run_decode_bench(
@@ -507,82 +231,10 @@ def measure_step_latency(
         result["ferrox DecodeGraph"] = (time.perf_counter() - t0) / tokens * 1e6
     torch = import_torch()
     if torch is not None:
-        result["torch graph (copy + SDPA)"] = _torch_step_us(
+        result["torch graph (copy + SDPA)"] = torch_step_us(
             torch, shape, cap, seq_len, dt, qs, ks, vs
         )
     return result
-
-
-def _torch_step_us(
-    torch: Any,
-    shape: tuple[int, int, int],
-    cap: int,
-    seq_len: int,
-    dt: np.dtype,
-    qs: np.ndarray,
-    ks: np.ndarray,
-    vs: np.ndarray,
-) -> float:
-    import time
-
-    import torch.nn.functional as F
-
-    n_heads, n_kv, hd = shape
-    tdt = {"float32": torch.float32, "float16": torch.float16}.get(dt.name, torch.bfloat16)
-    dev = "cuda"
-    k_cache = torch.rand(1, n_kv, cap, hd, device=dev, dtype=tdt)
-    v_cache = torch.rand(1, n_kv, cap, hd, device=dev, dtype=tdt)
-    pos = torch.tensor([seq_len - 1], device=dev, dtype=torch.long)
-    ar = torch.arange(cap, device=dev)
-    host = {
-        n: torch.empty(s, dtype=tdt).pin_memory()
-        for n, s in (
-            ("q", (n_heads, hd)),
-            ("k", (n_kv, hd)),
-            ("v", (n_kv, hd)),
-            ("out", (n_heads, hd)),
-        )
-    }
-    q_d = torch.empty(1, n_heads, 1, hd, device=dev, dtype=tdt)
-    k_d = torch.empty(1, n_kv, 1, hd, device=dev, dtype=tdt)
-    v_d = torch.empty(1, n_kv, 1, hd, device=dev, dtype=tdt)
-
-    def body() -> None:
-        q_d.copy_(host["q"].view(1, n_heads, 1, hd), non_blocking=True)
-        k_d.copy_(host["k"].view(1, n_kv, 1, hd), non_blocking=True)
-        v_d.copy_(host["v"].view(1, n_kv, 1, hd), non_blocking=True)
-        k_cache.index_copy_(2, pos, k_d)
-        v_cache.index_copy_(2, pos, v_d)
-        mask = (ar <= pos).view(1, 1, 1, cap)
-        out = F.scaled_dot_product_attention(q_d, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
-        host["out"].copy_(out.view(n_heads, hd), non_blocking=True)
-        pos.add_(1)
-
-    side = torch_side_stream(torch)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()  # warm-up
-    torch.cuda.synchronize()
-    pos.fill_(seq_len - 1)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    pos.fill_(seq_len - 1)
-    torch.cuda.synchronize()
-    # Host inputs converted to torch tensors before timing (ferrox takes the numpy arrays).
-    as_t = {
-        n: torch.from_numpy(a.astype(np.float32)).to(tdt)
-        for n, a in (("q", qs), ("k", ks), ("v", vs))
-    }
-    tokens = len(qs)
-    t0 = time.perf_counter()
-    for t in range(tokens):
-        for n in ("q", "k", "v"):
-            host[n].copy_(as_t[n][t])
-        graph.replay()
-        torch.cuda.synchronize()
-        host["out"].clone()
-    return (time.perf_counter() - t0) / tokens * 1e6
 
 
 def measure_fixed_costs(
@@ -696,7 +348,7 @@ def run_headdim_bench(
         torch_nhd = hnd = None
         if equal:
             shape = (32, 8, d)
-            torch_nhd = _torch_sdpa_us(shape, p.seq_len, p.dtype, iters, token_major=True)[0]
+            torch_nhd = torch_sdpa_us(shape, p.seq_len, p.dtype, iters, token_major=True)[0]
             hnd = measure_features_point(shape, p.seq_len, p.dtype, {"kv_layout": "HND"},
                                          iters, device)  # fmt: skip
         rows.append({**asdict(p), "head_dim": d, "tbs": tbs, "vs_torch": speedup,

@@ -6,13 +6,14 @@ are timed in bursts (10 bursts of 200 back-to-back calls, a synchronize between 
 counted), so the time is the host's even where the GPU is slower; calls that wait for their
 result (``KVCache.decode``, a ``DecodeGraph`` step) are timed whole, host to host.
 
-Only the public API (and ``bench_decode``'s PyTorch token step, which older releases have
-too) is used, so the same file times an older release:
-``python bench_host.py`` with this file copied out and that release installed.
+Only the public API (and the PyTorch token step, ``torch_baseline.torch_step_us``, which
+older releases have as ``bench_decode._torch_step_us``) is used, so the same file times an
+older release: ``python bench_host.py`` with this file copied out and that release installed.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from collections.abc import Callable
@@ -23,7 +24,11 @@ import ml_dtypes
 import numpy as np
 
 import ferrox_driver as fd
-from ferrox_driver.apps.bench.decode import _torch_step_us
+
+try:
+    from ferrox_driver.apps.bench.torch_baseline import torch_step_us
+except ImportError:  # an older release (this file copied out): its flat bench_decode module
+    torch_step_us = importlib.import_module("ferrox_driver.bench_decode")._torch_step_us
 
 __all__ = ["run_host_bench"]
 
@@ -279,7 +284,7 @@ def _cache_rows(
         steps = 4 * BURST  # PyTorch's token step as a graph, as bench --only step times it
         qs, rows = (np.repeat(a[None], steps, 0) for a in (q_np, row_np))
         theirs = _attempt(
-            lambda: _torch_step_us(torch, shape, cap, seq_len, np.dtype(npdt), qs, rows, rows)
+            lambda: torch_step_us(torch, shape, cap, seq_len, np.dtype(npdt), qs, rows, rows)
         )
         row("DecodeGraph step, host to host", name, ours, theirs)
 

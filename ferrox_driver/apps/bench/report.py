@@ -1,17 +1,36 @@
-"""The decode benchmark's report: console table, Markdown table, JSON and plot."""
+"""The decode benchmark's report: its points, and them as a console table, a Markdown table,
+JSON and a plot."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .decode import DecodePoint
+__all__ = ["DecodePoint", "markdown_table", "plot", "print_table", "write_results"]
 
-__all__ = ["markdown_table", "plot", "print_table", "write_results"]
+
+@dataclass
+class DecodePoint:
+    """One benchmark point. ``graph_us``/``torch_us``: per decode, in one graph replaying
+    decodes back to back over rotated KV sets (a model's layers); ``*_single_us``: one
+    decode per graph replay, each timed alone (adds the launch and event round trip)."""
+
+    shape: str
+    dtype: str
+    seq_len: int
+    kv_bytes: int
+    graph_us: float
+    single_us: float
+    eager_us: float
+    torch_us: float | None
+    torch_single_us: float | None
+
+    def tbs(self, us: float | None) -> float | None:
+        return None if not us else self.kv_bytes / (us * 1e-6) / 1e12
 
 
 def print_table(points: Sequence[DecodePoint], ceiling: float) -> None:

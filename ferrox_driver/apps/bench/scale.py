@@ -26,7 +26,7 @@ import numpy as np
 from ...driver.memory import empty, zeros
 from ...driver.stream import Stream
 from ...parallel.sharded import ShardedDecoder, ShardedKVCache
-from .decode import captured, fill_uniform, time_events
+from .harness import captured, fill_uniform, time_events
 
 __all__ = ["SCALE_SEQS", "run_scale_bench", "scale_table"]
 
