@@ -24,18 +24,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     import ferrox_driver as fd
 
     from .. import archs
-    from ..driver import calls as _driver
-    from ..driver import module_cache
+    from ..driver import calls, module_cache
     from ..driver.compiler import nvrtc_version_string
 
     _print(f"ferrox_driver  {fd.__version__}")
-    _print(f"cuda-bindings  {_driver.bindings_version()}")
+    _print(f"cuda-bindings  {calls.bindings_version()}")
     try:
         _print(f"NVRTC          {nvrtc_version_string()}")
     except fd.FerroxError as exc:
         _print(f"NVRTC          unavailable: {exc}")
     _print(f"numpy          {np.__version__}")
-    ver = _driver.driver_version()
+    ver = calls.driver_version()
     if ver is None:
         _print(
             "driver         none: no CUDA driver/device found (CPU-only use: compile, reference)"

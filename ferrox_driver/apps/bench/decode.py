@@ -102,8 +102,7 @@ def run_decode_bench(
     grows (measure_growing_graph; the result's "growing_graph").
 
     Ours are measured first, every point and the growing graph, then PyTorch's: PyTorch's
-    first SDPA turns on, for the whole process, a mode in which every kernel in a graph
-    costs ~0.18 us more (ours and PyTorch's alike), which our
+    first SDPA slows every kernel of the process from then on (docs/design.md), which our
     own work on one stream never does. So each library is timed in the state its own use
     leaves a process in; PyTorch has always been timed after its own first SDPA."""
     device = default_device()

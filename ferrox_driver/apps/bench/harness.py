@@ -88,9 +88,7 @@ def rotated_kv_sets(
 
     The sets are carved out of one allocation, as a model's caches allocated at once would
     be and as PyTorch's sets are: one allocation and free per point instead of up to 1024,
-    laid out alike for both libraries. (The two speeds short decodes showed within a
-    process are not layout: every kernel in a graph costs ~0.18 us more once a process has
-    run work on about eight streams; docs/design.md and bench_stream.)"""
+    laid out alike for both libraries."""
     dt = np.dtype(dtype)
     shape = (seq, n_kv_heads, head_dim)
     one = seq * n_kv_heads * head_dim * dt.itemsize  # bytes of one K or V
@@ -202,9 +200,8 @@ _streams: dict[int, Stream] = {}
 
 def bench_stream(device: Device) -> Stream:
     """The one stream every measurement of this process runs on, per device, as a decode
-    loop would use. Every stream that has run work counts: after about eight, each kernel
-    in a graph costs ~0.18 us more for the rest of the process, so a
-    stream per point would time most points in that state."""
+    loop would use: after work on a few streams, every kernel of the process runs slower
+    (docs/design.md, "A process state to know about when measuring")."""
     stream = _streams.get(device.context_handle)
     if stream is None:
         stream = _streams[device.context_handle] = Stream(device)

@@ -17,7 +17,7 @@ from .harness import bench_stream, time_events
 
 __all__ = ["READ_CEILING_TBS", "AppendTiming", "Timing", "time_appends", "time_decode"]
 
-READ_CEILING_TBS = 4.26  # measured H200 read ceiling (a 4 GiB sum), see BASELINE.md
+READ_CEILING_TBS = 4.26  # the H200's read ceiling (a 4 GiB sum), the % column's 100
 ROTATE_BYTES = 400 * 2**20  # > 6x the H200's 60 MB L2
 
 
