@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import ferrox_driver as fd
 from ferrox_driver.apps.bench.host import burst_us
-from ferrox_driver.cache import graphs as decode_graph
+from ferrox_driver.decode import pair as decode_pair
 
 
 def main(argv: list[str]) -> int:
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     sid = stream.cuda_stream
 
     def pair_checked() -> None:  # every argument checked, the record found (before)
-        record, _, _ = decode_graph._pair_checked(q, (k, v), out, n_heads, stream, sid, "auto",
+        record, _, _ = decode_pair._pair_checked(q, (k, v), out, n_heads, stream, sid, "auto",
                                                   length, "HND", kw, None)  # fmt: skip
         record.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0))
 

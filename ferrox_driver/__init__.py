@@ -8,7 +8,8 @@ driver API (cuda.bindings), with kernels compiled at run time by NVRTC.
 from __future__ import annotations
 
 from ._version import __version__ as __version__
-from .cache.graphs import DecodeGraph, LayerDecodeGraph, gqa_decode_async, kv_append_async
+from .cache.device_ops import gqa_decode_async, kv_append_async
+from .cache.graphs import DecodeGraph, LayerDecodeGraph
 from .cache.kv_cache import KVCache, LayerKVCache
 from .cache.resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
 from .decode.eager import gqa_decode

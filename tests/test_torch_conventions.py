@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver.cache import graphs as decode_graph
 from ferrox_driver.decode import eager as decode
 from ferrox_driver.decode import merge, records
+from ferrox_driver.decode import pair as decode_pair
 from ferrox_driver.decode.checks import check_decode_args, q_heads, read_dims
 from ferrox_driver.driver import dlpack, stream
 from ferrox_driver.driver.device import ordinal_of
@@ -268,8 +268,8 @@ def test_gqa_decode_async_on_a_pair_of_torch_tensors_runs_on_torchs_current_stre
         seen.append((sid, n_heads))
         raise Reached
 
-    monkeypatch.setattr(decode_graph, "_pair_checked", checked)
-    monkeypatch.setattr(decode_graph, "_pair_calls", {})
+    monkeypatch.setattr(decode_pair, "_pair_checked", checked)
+    monkeypatch.setattr(decode_pair, "_pair_calls", {})
     q, out = FakeTorchCuda((1, H, 1, D)), FakeTorchCuda((1, H, 1, D))
     kc, seq = FakeTorchCuda((1, KV, 64, D)), FakeTorchCuda((1,), torch.int32)
     with pytest.raises(Reached):
@@ -358,12 +358,12 @@ def test_q_heads_reads_any_of_qs_shapes_and_checks_a_given_count():
 
 def test_gqa_decode_async_reads_n_heads_from_q_devs_size():
     q = FakeTorchCuda((1, H, 1, D))
-    assert decode_graph._q_heads(None, q, D) == H
-    assert decode_graph._q_heads(6, q, D) == 6  # given: checked with the operands later
+    assert decode_pair.q_heads_of(None, q, D) == H
+    assert decode_pair.q_heads_of(6, q, D) == 6  # given: checked with the operands later
     with pytest.raises(ValueError, match=r"q_dev: shape .* holds no whole number of heads"):
-        decode_graph._q_heads(None, FakeTorchCuda((H * D + 1,)), D)
+        decode_pair.q_heads_of(None, FakeTorchCuda((H * D + 1,)), D)
     with pytest.raises(TypeError, match="q_dev: expected a device array"):
-        decode_graph._q_heads(None, np.zeros((H, D), np.float16), D)
+        decode_pair.q_heads_of(None, np.zeros((H, D), np.float16), D)
 
 
 def test_gqa_decode_reads_the_dims_and_returns_qs_shape_sdpas_included():

@@ -38,17 +38,21 @@ from ..decode.fp8 import (
     check_scales,
     quantize_kernel,
 )
-from ..decode.plan import (
-    allocate_scratch,
-    check_algorithm,
-    parity_launches,
-    plan_split,
-    split_kernel,
-    split_launches,
-)
+from ..decode.pair import feature_key
+from ..decode.launches import allocate_scratch, parity_launches, plan_split, split_launches
+from ..decode.plan import check_algorithm
 from ..decode.records import DecodeRecord
-from ..driver._bindings import _capture as _capture_state
-from ..driver._bindings import check, cu, driver_version, drv
+from ..driver.calls import (
+    SUCCESS,
+    check,
+    driver_version,
+    drv,
+    graph_launch_raw,
+    memcpy_htod_raw,
+    stream_of,
+    stream_sync_raw,
+)
+from ..driver.calls import capture_state as _capture_state
 from ..driver.device import Device, resolve
 from ..driver.graph import stream_capturing
 from ..driver.interop import array_ref
@@ -57,7 +61,8 @@ from ..driver.memory import DeviceArray, as_dtype, empty, pinned_empty
 from ..driver.pool import output_pool
 from ..driver.stream import Event, Stream, call_stream, stream_handle, stream_key
 from ..errors import ClosedError, FerroxError, KVCapacityError
-from ..kernels.catalogue import get_kernel
+from ..kernels import abi
+from ..kernels.catalogue import get_kernel, split_kernel
 from ..types import ArrayLike, DeviceArrayLike, DeviceLike, DTypeLike, HostArrayLike, StreamLike
 
 __all__ = ["KVCache", "LayerKVCache"]
@@ -106,7 +111,7 @@ class _HostDecoder:
                     host = pinned_empty((n_heads,), np.float32)
                     self.stages[role] = (host, empty((n_heads,), np.float32, device=kv.device))
             dev = {role: pair[1] for role, pair in self.stages.items()}
-            features = attention.feature_args(
+            features = abi.feature_args(
                 feats, kv.head_dim, slopes=dev.get("alibi_slopes"), sinks=dev.get("sinks"),
                 lse=dev.get("lse"),
             )  # fmt: skip
@@ -140,11 +145,11 @@ class _HostDecoder:
             dev_arr.close()
 
 
-_OK = cu.CUresult.CUDA_SUCCESS
+_OK = SUCCESS
 _F32 = np.dtype(np.float32)
-_memcpy_htod = cu.cuMemcpyHtoDAsync
-_graph_launch = cu.cuGraphLaunch
-_stream_sync = cu.cuStreamSynchronize
+_memcpy_htod = memcpy_htod_raw
+_graph_launch = graph_launch_raw
+_stream_sync = stream_sync_raw
 
 
 class KVCache:
@@ -784,7 +789,7 @@ class KVCache:
             self._join_events = (Event(timing=False, device=self.device),
                                  Event(timing=False, device=self.device))  # fmt: skip
         ready = self._join_events[0].handle
-        drv("cuEventRecord", ready, cu.CUstream(sid))
+        drv("cuEventRecord", ready, stream_of(sid))
         drv("cuStreamWaitEvent", self._h, ready, 0)
         return True
 
@@ -793,7 +798,7 @@ class KVCache:
         assert self._join_events is not None
         done = self._join_events[1].handle
         drv("cuEventRecord", done, self._h)
-        drv("cuStreamWaitEvent", cu.CUstream(sid), done, 0)
+        drv("cuStreamWaitEvent", stream_of(sid), done, 0)
 
     def clear(self) -> None:
         """Forget every token (a new sequence); the memory stays allocated.
@@ -1055,7 +1060,7 @@ class KVCache:
         (``_join``); numpy sinks and slopes are copied into device buffers of the cache's
         stream first."""
         from ..driver.pool import stream_buffer as _stream_buffer
-        from .graphs import gqa_decode_async
+        from .device_ops import gqa_decode_async
 
         ref = array_ref(q, "q")
         assert ref is not None  # (numpy arrays take the host path)
@@ -1110,7 +1115,7 @@ class KVCache:
         feats = check_features(n_heads, **kw, allow_device=False)
         self._check_q_dtype(q, algorithm)
         check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
-        key = (n_heads, algorithm, attention.feature_bits_of(feats), feats.sliding_window,
+        key = (n_heads, algorithm, abi.feature_bits_of(feats), feats.sliding_window,
                feats.logits_soft_cap, feats.scale, q.dtype)  # fmt: skip
         with self._lock:
             self._check_open()
@@ -1147,13 +1152,13 @@ class KVCache:
 
         Every decode of a cache is planned for its capacity (with a window, for at most the
         window), so the eager path and graphs captured once chunk the sequence identically
-        and agree bit for bit. ``features``: (F_* bits, attention.FeatureArgs), whose values
+        and agree bit for bit. ``features``: (F_* bits, abi.FeatureArgs), whose values
         the record keeps (a key of their own)."""
         self._check_open()
         aligned = ((q_dev.ptr | out_dev.ptr) & 15) == 0
         sid = stream_key(stream)
         bits, fargs = features if features is not None else (0, None)
-        fkey = None if fargs is None else _feature_key(fargs)
+        fkey = None if fargs is None else feature_key(fargs)
         key = (n_heads, algorithm, aligned, sid, length_on_device, attention.OVERRIDES, bits, fkey,
                q_dev.dtype)  # fmt: skip
         record = self._records.get(key)
@@ -1232,7 +1237,7 @@ class KVCache:
             n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
         )  # fmt: skip
-        bits = attention.feature_bits_of(feats)
+        bits = abi.feature_bits_of(feats)
         qdt = self._q_dtype_for(q_dtype, algorithm)
         with self._lock:
             self._prepare(n_heads, algorithm, bits, feats.sliding_window, qdt)
@@ -1281,7 +1286,7 @@ class KVCache:
                 plan_seq, aligned, bits, self.fp8,
             )  # fmt: skip
             self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
-            combine = plan.combine_kernel(qdt)
+            combine = plan.combine_spec(qdt)
             if combine is not None:  # a cluster plan has none
                 split_kernel(combine, self.device)
 
@@ -1453,15 +1458,3 @@ class LayerKVCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _feature_key(fargs: Any) -> tuple[Any, ...]:
-    """What identifies a decode's feature values in a record's key: the scalars and the
-    per-head arrays' addresses (the kernels read the arrays, so new values in the same
-    arrays need no new record)."""
-
-    def ptr(a: Any) -> int:
-        return 0 if a is None else int(a.ptr)
-
-    return (fargs.scale, fargs.cap, fargs.window, ptr(fargs.slopes), ptr(fargs.sinks),
-            ptr(fargs.lse))  # fmt: skip

@@ -1,0 +1,334 @@
+"""Appends and decodes of a KVCache as device-only operations, capturable in any graph.
+
+``kv_append_async`` and ``gqa_decode_async`` take device inputs, do no host work and read
+the cache's sequence length on the device, so they can sit inside any captured graph
+(ours, PyTorch's or CuPy's); each packs its launches once per signature and a call writes
+the pointers and launches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..kernels import abi
+from ..decode.checks import check_dims, dtype_name
+from ..decode.features import check_features
+from ..decode.fp8 import ROW_DTYPES, quantize_kernel
+from ..decode.pair import decode_async_pair, feature_array, q_heads_of
+from ..decode.plan import check_algorithm
+from ..driver.calls import capture_keep
+from ..driver.calls import capture_state as _capture_state
+from ..driver.graph import keep_for_capture, stream_capturing
+from ..driver.interop import ArrayRef, array_ref
+from ..driver.launch import LaunchSequence, PackedLaunch
+from ..driver.memory import DeviceArray
+from ..driver.stream import Stream, call_stream, stream_handle, stream_key
+from ..types import DeviceArrayLike, StreamLike
+from .kv_cache import KVCache, append_kernel
+
+__all__ = ["gqa_decode_async", "kv_append_async"]
+
+APPEND_THREADS = 256
+
+
+def _operand(obj: Any, name: str, size: int, kv: KVCache, dtype: Any = None) -> int:
+    """The device pointer of ``obj``, checked to hold ``size`` elements of ``dtype`` (default:
+    the cache's; an fp8 cache's q, out and rows: ``_fp8_dtype``) on the cache's device,
+    C-contiguous.
+
+    Raises:
+        TypeError, ValueError: it does not.
+    """
+    ref = array_ref(obj, name)
+    if ref is None:
+        raise TypeError(f"{name}: expected a device array, got a numpy array")
+    ptr, shape, got, ordinal, contiguous, _ = ref
+    want = kv.dtype if dtype is None else np.dtype(dtype)
+    if got != want:
+        whose = "the cache's" if dtype is None else f"as for this {kv.dtype} cache"
+        raise TypeError(f"{name}: expected dtype {want} ({whose}), got {got}")
+    if math.prod(shape) != size:
+        raise ValueError(f"{name}: expected {size} elements, got shape {shape}")
+    if ordinal != kv.device.ordinal:
+        raise ValueError(
+            f"{name}: on device {ordinal}, but the cache is on device {kv.device.ordinal}"
+        )
+    if not contiguous:
+        raise ValueError(f"{name}: must be C-contiguous, got a strided view of shape {shape}")
+    return ptr
+
+
+def _check_cache(kv: Any) -> KVCache:
+    if not isinstance(kv, KVCache):
+        raise TypeError(f"kv: expected a ferrox_driver.KVCache, got {type(kv).__name__}")
+    if kv._closed or kv.stream._closed:
+        kv._check_open()
+    return kv
+
+
+def _fp8_dtype(obj: Any, name: str, allowed: Sequence[np.dtype]) -> np.dtype:
+    """The dtype of device array ``obj`` for an fp8 cache: one of ``allowed``."""
+    ref = array_ref(obj, name)
+    if ref is None:
+        raise TypeError(f"{name}: expected a device array, got a numpy array")
+    if ref[2] not in allowed:
+        names = " or ".join(str(d) for d in allowed)
+        raise TypeError(f"{name}: expected {names} for an fp8 cache, got {ref[2]}")
+    return np.dtype(ref[2])
+
+
+class _Appender:
+    """The append kernel packed once for one cache, stream and operand signature: a call
+    writes the two row pointers and launches."""
+
+    def __init__(self, kv: KVCache, stream: Any, foreign: bool, rows: Any = None) -> None:
+        args: tuple[Any, ...]
+        if kv.fp8:  # quantized on the way in, at the device's length (first = -1)
+            args = (None, None, kv.k_buffer, kv.v_buffer, kv.kv_scales,
+                    np.int32(kv.n_kv_heads), np.int32(kv.head_dim), np.int32(1), np.int32(-1),
+                    kv.state, np.int32(kv.capacity))  # fmt: skip
+            kernel = quantize_kernel(kv.fp8, kv.device, dtype_name(rows))
+        else:
+            args = (None, None, kv.k_buffer, kv.v_buffer, kv.state, np.int64(kv.row_bytes),
+                    np.int32(kv.capacity))  # fmt: skip
+            kernel = append_kernel(kv.device)
+        launch = PackedLaunch(kernel, 1, APPEND_THREADS, args, stream=stream)
+        self.sequence = LaunchSequence([launch], ("k", "v"), [((0, "k"), (1, "v"))], kv.device)
+        self.foreign = foreign
+
+
+def _signature(ref: ArrayRef | None) -> tuple[Any, ...] | None:
+    return None if ref is None else (ref[1], ref[2], ref[3], ref[4])
+
+
+def _length_for_device_work(
+    kv: KVCache, sid: int, foreign: bool, a: ArrayRef, b: ArrayRef, objs: tuple[Any, Any]
+) -> bool:
+    """Bring the device's length up to date for work queued now on stream ``sid``; inside a
+    capture, keep the cache and the operands ``a``, ``b`` (read from ``objs``) with the
+    graph (see KVCache.device_length_for). Returns whether the work is captured."""
+    kv.device.activate()  # this thread's context current before any driver call
+    ours = getattr(_capture_state, "depth", 0)
+    if ours or (foreign and stream_capturing(sid)):
+        owners = (objs[0] if a[5] is None else a[5], objs[1] if b[5] is None else b[5])
+        keep_for_capture(sid, foreign, kv, *owners)
+        kv.device_length_for(True)
+        return True
+    if not kv._device_seq_current:
+        kv.device_length()
+    return False
+
+
+class _AppendsTo:
+    """Kept by a ferrox graph that appends to ``kv``: each launch of it tells the cache
+    that its length changed on the device (see GraphExec.launch)."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+
+    def _on_graph_launch(self) -> None:
+        self.kv.mark_device_appends()
+
+
+def kv_append_async(
+    kv: KVCache, k_dev: DeviceArrayLike, v_dev: DeviceArrayLike, *, stream: StreamLike
+) -> None:
+    """Queue a device-side append of one token: rows ``k_dev``/``v_dev`` go to position
+    ``seq_len`` (read on the device), which is then bumped. Capturable in a graph.
+
+    A full cache is not written: the device sets an overflow flag and the host raises
+    KVCapacityError at ``kv.synchronize()``.
+
+    Captured into a ferrox graph, each ``GraphExec.launch`` tells the cache its length
+    changed; captured into a graph of PyTorch or CuPy, whose replays ferrox cannot see,
+    the cache reads its length from the device before every later host append or decode,
+    so no token a replay appended is ever overwritten.
+
+    Args:
+        kv: the cache.
+        k_dev: device array of ``n_kv_heads*head_dim`` elements, cache dtype.
+        v_dev: like ``k_dev``.
+        stream: the stream (a ferrox Stream, any ``__cuda_stream__`` object, an int
+            handle) to queue on; None: PyTorch's current stream for a PyTorch ``k_dev``,
+            else the legacy default stream.
+    """
+    kv = _check_cache(kv)
+    kr, vr = array_ref(k_dev, "k_dev"), array_ref(v_dev, "v_dev")
+    stream = call_stream(stream, k_dev)
+    sid = stream_key(stream)
+    key = (sid, _signature(kr), _signature(vr))
+    with kv._lock:
+        appender = kv._appenders.get(key)
+        if appender is None:  # checked once per signature
+            rows = _fp8_dtype(k_dev, "k_dev", ROW_DTYPES) if kv.fp8 else None
+            _operand(k_dev, "k_dev", kv.row_elems, kv, rows)
+            _operand(v_dev, "v_dev", kv.row_elems, kv, rows)
+            foreign = sid != 0 and not isinstance(stream, Stream)
+            appender = kv._appenders[key] = _Appender(kv, stream_handle(sid), foreign, rows)
+        assert kr is not None and vr is not None  # _operand refused host arrays
+        captured = _length_for_device_work(kv, sid, appender.foreign, kr, vr, (k_dev, v_dev))
+        if captured and not capture_keep(_AppendsTo(kv)):  # a graph ferrox cannot see run
+            kv._graph_appends = True
+        appender.sequence.run((kr[0], vr[0]))
+        kv._host_seq_valid = False
+
+
+def gqa_decode_async(
+    q_dev: DeviceArrayLike,
+    kv: KVCache | tuple[DeviceArrayLike, DeviceArrayLike],
+    out_dev: DeviceArrayLike,
+    *,
+    n_heads: int | None = None,
+    stream: StreamLike,
+    algorithm: str = "auto",
+    out_lse: DeviceArrayLike = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: DeviceArrayLike = None,
+    alibi_slopes: DeviceArrayLike = None,
+    scale: float | None = None,
+    seq_len: DeviceArrayLike = None,
+    kv_layout: str = "NHD",
+) -> None:
+    """Queue a decode of ``q_dev`` against the cache, reading seq_len on the device.
+    No host work: capturable in a graph, valid for every sequence length. Before the
+    first capture call ``kv.prepare(n_heads)`` (with the same features) or run it once
+    eagerly: loading kernels and allocating its scratch cannot happen inside a capture.
+
+    ``kv`` may also be a pair ``(k_cache, v_cache)`` of the caller's device arrays, read in
+    place: a static cache of ``capacity`` tokens, of which the first ``seq_len`` (an int32
+    device scalar, read by the kernels at each run) are decoded. ``kv_layout="NHD"``:
+    ``(capacity, n_kv_heads, head_dim)``, C-contiguous; ``"HND"``: ``(n_kv_heads,
+    capacity, head_dim)`` or ``(1, n_kv_heads, capacity, head_dim)`` (a transformers
+    StaticCache layer's or an SDPA cache's buffers), rows contiguous, heads any whole
+    number of rows apart. The decode is planned for the capacity, as a KVCache's is; the
+    first call of each signature (shapes, dtypes, stream, features, the ``seq_len``
+    array) makes its launches and must come before a capture, the later ones only write
+    the pointers. ``seq_len`` must stay within ``[0, capacity]``: it is the kernels' to
+    read, not checked on the host. float32/float16/bfloat16 (an fp8 cache is a KVCache,
+    whose scales the decode reads).
+
+    Args:
+        q_dev: device array of ``n_heads*head_dim`` elements (any shape: ``(n_heads,
+            head_dim)``, SDPA's ``(1, n_heads, 1, head_dim)``...), cache dtype.
+        kv: the cache, or a pair ``(k_cache, v_cache)`` of device arrays (above).
+        out_dev: device array like ``q_dev``, written with the result.
+        n_heads: query heads, a multiple of ``kv.n_kv_heads`` (default: q_dev's size over
+            head_dim).
+        stream: the stream to queue on (None: PyTorch's current stream for a PyTorch
+            ``q_dev``, else the legacy default stream).
+        algorithm: ``"auto"``/``"split"`` or ``"parity"``.
+        out_lse: a float32 device array of ``n_heads``, written with the log-sum-exp.
+        sliding_window: as `gqa_decode`; the window follows the device's seq_len, so a
+            graph captured once keeps it as the cache grows.
+        logits_soft_cap: as `gqa_decode`.
+        sinks: as `gqa_decode`, a float32 device array (read by the kernel at each run).
+        alibi_slopes: as `gqa_decode`, a float32 device array.
+        scale: as `gqa_decode`.
+        seq_len: with a ``(k_cache, v_cache)`` pair (and only then): the int32 device
+            scalar of the tokens to decode.
+        kv_layout: with a pair: ``"NHD"`` or ``"HND"`` (above).
+    """
+    stream = call_stream(stream, q_dev)
+    if isinstance(kv, tuple):
+        decode_async_pair(
+            q_dev, kv, out_dev, n_heads, stream, algorithm, seq_len, kv_layout,
+            dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 alibi_slopes=alibi_slopes, scale=scale),
+            out_lse,
+        )  # fmt: skip
+        return
+    if seq_len is not None or type(kv_layout) is not str or kv_layout != "NHD":
+        raise ValueError(
+            "seq_len, kv_layout: only with a (k_cache, v_cache) pair; a KVCache keeps its "
+            "own length and layout"
+        )
+    kv = _check_cache(kv)
+    if not (
+        out_lse is None and sliding_window is None and logits_soft_cap is None
+        and sinks is None and alibi_slopes is None and scale is None
+    ):  # fmt: skip
+        _decode_async_features(
+            q_dev, kv, out_dev, n_heads, stream, algorithm,
+            dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 alibi_slopes=alibi_slopes, scale=scale),
+            out_lse,
+        )  # fmt: skip
+        return
+    qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
+    sid = stream_key(stream)
+    aligned = qr is not None and outr is not None and ((qr[0] | outr[0]) & 15) == 0
+    key = (n_heads, algorithm, sid, _signature(qr), _signature(outr), aligned)
+    with kv._lock:
+        try:
+            entry = kv._async_records.get(key)
+        except TypeError:  # an unhashable argument, which the checks name
+            entry = None
+        if entry is None:  # checked once per signature
+            n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
+            n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
+            algorithm = check_algorithm(algorithm)
+            size = n_heads * kv.head_dim
+            qdt = _q_dtype(q_dev, kv, algorithm)
+            q = _operand(q_dev, "q_dev", size, kv, qdt)
+            out = _operand(out_dev, "out_dev", size, kv, qdt)
+            q_view = DeviceArray._wrap(q, (size,), qdt, kv.device, None)
+            out_view = DeviceArray._wrap(out, (size,), qdt, kv.device, None)
+            record = kv.decode_record(
+                q_view, out_view, n_heads, algorithm, stream, length_on_device=True
+            )
+            foreign = sid != 0 and not isinstance(stream, Stream)
+            entry = kv._async_records[key] = (record, foreign)
+        assert qr is not None and outr is not None  # _operand refused host arrays
+        record, foreign = entry
+        _length_for_device_work(kv, sid, foreign, qr, outr, (q_dev, out_dev))
+        record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
+
+
+def _q_dtype(q_dev: Any, kv: KVCache, algorithm: str) -> np.dtype:
+    """q's dtype for a decode of ``kv``: the cache's, or an fp8 cache's float16/bfloat16."""
+    if not kv.fp8:
+        return kv.dtype
+    qdt = _fp8_dtype(q_dev, "q_dev", ROW_DTYPES[1:])
+    return kv._q_dtype_for(qdt, algorithm)
+
+
+def _decode_async_features(
+    q_dev: Any, kv: KVCache, out_dev: Any, n_heads: Any, stream: Any, algorithm: Any,
+    kw: dict[str, Any], out_lse: Any,
+) -> None:  # fmt: skip
+    """gqa_decode_async with features: checked (every call; the record is made once per
+    signature and feature values), then queued reading the length on the device."""
+    n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
+    n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
+    if check_algorithm(algorithm) == "parity":
+        raise ValueError("algorithm: the features need the split kernels ('auto' or 'split')")
+    feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
+    size = n_heads * kv.head_dim
+    qdt = _q_dtype(q_dev, kv, algorithm)
+    q = _operand(q_dev, "q_dev", size, kv, qdt)
+    out = _operand(out_dev, "out_dev", size, kv, qdt)
+    sinks = feature_array(feats.sinks, "sinks", n_heads, kv.device)
+    slopes = feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, kv.device)
+    lse = feature_array(out_lse, "out_lse", n_heads, kv.device)
+    bits, fargs = abi.feature_args(feats, kv.head_dim, slopes=slopes, sinks=sinks, lse=lse)
+    sid = stream_key(stream)
+    qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
+    assert qr is not None and outr is not None
+    with kv._lock:
+        q_view = DeviceArray._wrap(q, (size,), qdt, kv.device, None)
+        out_view = DeviceArray._wrap(out, (size,), qdt, kv.device, None)
+        record = kv.decode_record(
+            q_view, out_view, n_heads, algorithm, stream, length_on_device=True,
+            features=(bits, fargs),
+        )  # fmt: skip
+        foreign = sid != 0 and not isinstance(stream, Stream)
+        kept = tuple(x for x in (feats.sinks, feats.alibi_slopes, out_lse) if x is not None)
+        captured = _length_for_device_work(kv, sid, foreign, qr, outr, (q_dev, out_dev))
+        if captured and kept:
+            keep_for_capture(sid, foreign, *kept)
+        record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))

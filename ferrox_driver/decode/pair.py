@@ -1,0 +1,338 @@
+"""gqa_decode_async over a caller's (k_cache, v_cache) pair of device arrays, read in place.
+
+A pair is a static cache of ``capacity`` tokens whose length is an int32 device scalar of
+the caller's (a transformers StaticCache layer, an SDPA cache's buffers): the decode is
+planned for the capacity and reads the length on the device, so it can be captured. A call
+seen before (same shapes, strides, dtypes, features, length array and stream) skips the
+checks and only writes the pointers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from ..driver.calls import capture_state as _capture_state
+from ..driver.device import Device, device_for
+from ..driver.graph import keep_for_capture, stream_capturing
+from ..driver.interop import ArrayRef, array_ref
+from ..driver.memory import DeviceArray
+from ..driver.pool import stream_buffer as _stream_buffer
+from ..driver.stream import Stream, stream_handle, stream_key
+from ..errors import FerroxError
+from ..kernels import abi
+from . import launches
+from . import plan as attention
+from .checks import (
+    SUPPORTED_DTYPES,
+    _element_strides,
+    check_dims,
+    check_kv_layout,
+    check_tokens,
+    head_major_rows,
+)
+from .features import check_features
+from .plan import check_algorithm
+from .records import MAX_RECORDS, DecodeRecord
+from .records import lock as _records_lock
+from .records import store as _records
+
+__all__ = ["decode_async_pair", "feature_array", "feature_key", "feature_ptr", "q_heads_of"]
+
+
+def q_heads_of(n_heads: Any, q_dev: Any, head_dim: int) -> Any:
+    """``n_heads`` as given (checked later), or read from device array ``q_dev``'s size:
+    any shape holding whole heads of ``head_dim`` (``(n_heads, head_dim)``, SDPA's ``(1,
+    n_heads, 1, head_dim)``, flat...).
+
+    Raises:
+        TypeError, ValueError: ``q_dev`` is no device array, or holds no whole heads.
+    """
+    if n_heads is not None:
+        return n_heads
+    ref = array_ref(q_dev, "q_dev")
+    if ref is None:
+        raise TypeError("q_dev: expected a device array, got a numpy array")
+    size = math.prod(ref[1])
+    if size == 0 or size % head_dim:
+        raise ValueError(
+            f"q_dev: shape {tuple(ref[1])} holds no whole number of heads of head_dim "
+            f"{head_dim} (n_heads not given: read from q_dev's size)"
+        )
+    return size // head_dim
+
+
+def feature_array(obj: Any, name: str, n: int, device: Device) -> DeviceArray | None:
+    """A per-head float32 device array of a graph-safe decode (None stays None)."""
+    ptr = feature_ptr(obj, name, n, device.ordinal)
+    return None if ptr is None else DeviceArray._wrap(ptr, (n,), np.dtype(np.float32), device, None)
+
+
+def feature_ptr(obj: Any, name: str, n: int, ordinal: int) -> int | None:
+    """``feature_array``'s checks, with no device work: the array's pointer."""
+    if obj is None:
+        return None
+    ref = array_ref(obj, name)
+    if ref is None:
+        raise TypeError(f"{name}: expected a float32 device array (the kernel reads it), got "
+                        "a numpy array")  # fmt: skip
+    ptr, shape, dtype, at, contiguous, _ = ref
+    if dtype != np.float32 or math.prod(shape) != n or not contiguous:
+        raise ValueError(f"{name}: expected {n} contiguous float32, got shape {shape} of {dtype}")
+    if at != ordinal:
+        raise ValueError(f"{name}: on device {at}, the cache on {ordinal}")
+    return int(ptr)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+    """A caller's (k_cache, v_cache) pair, checked: the refs, its shape and layout."""
+
+    k: ArrayRef
+    v: ArrayRef
+    n_kv_heads: int
+    head_dim: int
+    capacity: int
+    head_stride: int  # elements from one KV head's rows to the next's (HND), else 0
+    layout: str
+
+
+def _check_pair(pair: tuple[Any, ...], kv_layout: Any) -> _Pair:
+    """A ``(k_cache, v_cache)`` pair of device arrays in layout ``kv_layout``, checked."""
+    layout = check_kv_layout(kv_layout)
+    if len(pair) != 2:
+        raise TypeError(
+            f"kv: expected a KVCache or a pair (k_cache, v_cache), got {len(pair)} items"
+        )
+    k, v = pair
+    kr, vr = array_ref(k, "k_cache"), array_ref(v, "v_cache")
+    if kr is None or vr is None:
+        raise TypeError(
+            "k_cache, v_cache: expected device arrays (a pair is read in place on the "
+            "device), got a numpy array"
+        )
+    shape, dtype = tuple(kr[1]), kr[2]
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"k_cache: expected float32, float16 or bfloat16, got {dtype} (an fp8 cache is "
+            "a KVCache: the decode reads its scales)"
+        )
+    if layout == "HND":
+        if len(shape) not in (3, 4) or (len(shape) == 4 and shape[0] != 1):
+            raise ValueError(
+                "k_cache: expected a head-major array (n_kv_heads, capacity, head_dim) or "
+                f"(1, n_kv_heads, capacity, head_dim), got shape {shape}"
+            )
+        n_kv, hd = shape[-3], shape[-1]
+        _, capacity, stride = head_major_rows(k, "k_cache", n_kv, hd)
+        _, _, stride_v = head_major_rows(v, "v_cache", n_kv, hd)
+    else:
+        if len(shape) != 3 or not kr[4]:
+            raise ValueError(
+                "k_cache: expected a C-contiguous token-major array (capacity, n_kv_heads, "
+                f"head_dim), got shape {shape}{'' if kr[4] else ' (strided)'}"
+            )
+        capacity, n_kv, hd = shape
+        check_tokens(capacity, "k_cache")
+        stride = stride_v = 0
+    if tuple(vr[1]) != shape or vr[2] != dtype or stride_v != stride:
+        raise ValueError(
+            f"v_cache: expected k_cache's shape {shape}, dtype {dtype} and layout, got "
+            f"{tuple(vr[1])} of {vr[2]}"
+        )
+    if layout == "NHD" and not vr[4]:
+        raise ValueError(f"v_cache: must be C-contiguous, got a strided view of shape {shape}")
+    if kr[3] != vr[3]:
+        raise ValueError(f"v_cache: on device {vr[3]}, k_cache on device {kr[3]}")
+    return _Pair(kr, vr, n_kv, hd, capacity, stride, layout)
+
+
+def _pair_operand(obj: Any, name: str, size: int, dtype: np.dtype, ordinal: int) -> ArrayRef:
+    """A device array of ``size`` contiguous elements of ``dtype`` on device ``ordinal``."""
+    ref = array_ref(obj, name)
+    if ref is None:
+        raise TypeError(f"{name}: expected a device array, got a numpy array")
+    _, shape, got, at, contiguous, _ = ref
+    if got != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {got}")
+    if math.prod(shape) != size or not contiguous:
+        raise ValueError(f"{name}: expected {size} contiguous elements, got shape {shape}")
+    if at != ordinal:
+        raise ValueError(f"{name}: on device {at}, the cache on device {ordinal}")
+    return ref
+
+
+# The eager pair decode's calls, by everything its checks read: a repeated call (the same
+# shapes, strides, dtypes, features, seq_len array and stream; new q/k/v/out pointers)
+# skips the checks and the record lookup and only writes the pointers. The oldest go first
+# past MAX_PAIR_CALLS; the records themselves live in decode's LRU too.
+_pair_calls: dict[tuple[Any, ...], tuple[Any, Device, bool]] = {}
+MAX_PAIR_CALLS = 256
+_PAIR_ROLES = ("q_dev", "k_cache", "v_cache", "out_dev", "seq_len", "sinks", "alibi_slopes",
+               "out_lse")  # fmt: skip
+
+
+def decode_async_pair(
+    q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any,
+    algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
+) -> None:  # fmt: skip
+    """gqa_decode_async over a caller's (k_cache, v_cache): a call seen before (`_pair_calls`)
+    queued with its pointers; a new one checked (`_pair_checked`) and remembered."""
+    sid = stream_key(stream)
+    found = _pair_call_key(q_dev, pair, out_dev, n_heads, sid, algorithm, seq_len, kv_layout,
+                           kw, out_lse)  # fmt: skip
+    entry = None if found is None else _pair_calls.get(found[0])
+    if entry is None:
+        entry = _pair_checked(q_dev, pair, out_dev, n_heads, stream, sid, algorithm, seq_len,
+                              kv_layout, kw, out_lse)  # fmt: skip
+        if found is not None:
+            with _records_lock:
+                while len(_pair_calls) >= MAX_PAIR_CALLS:
+                    _pair_calls.pop(next(iter(_pair_calls)), None)
+                _pair_calls[found[0]] = entry
+    record, dev, foreign = entry
+    dev.activate()  # this thread's context current before any driver call
+    objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
+            out_lse)  # fmt: skip
+    refs: list[Any] = found[1] if found is not None else [
+        None if o is None else array_ref(o, n) for o, n in zip(objs, _PAIR_ROLES, strict=True)
+    ]  # fmt: skip
+    if bool(getattr(_capture_state, "depth", 0)) or (foreign and stream_capturing(sid)):
+        owners = [o if r[5] is None else r[5] for r, o in zip(refs, objs, strict=True) if r]
+        keep_for_capture(sid, foreign, record, *owners)
+    record.run((refs[0][0], refs[1][0], refs[2][0], refs[3][0], 0))
+
+
+def _pair_call_key(
+    q_dev: Any, pair: Any, out_dev: Any, n_heads: Any, sid: int, algorithm: Any, seq_len: Any,
+    kv_layout: Any, kw: dict[str, Any], out_lse: Any,
+) -> tuple[tuple[Any, ...], list[Any]] | None:  # fmt: skip
+    """The key of a pair decode's call in `_pair_calls` and its arrays' refs, or None where
+    the call is not one to remember (anything the checks would refuse goes to them)."""
+    if not isinstance(pair, tuple) or len(pair) != 2:
+        return None
+    objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
+            out_lse)  # fmt: skip
+    refs: list[Any] = []
+    sigs: list[Any] = []
+    for obj, role in zip(objs, _PAIR_ROLES, strict=True):
+        if obj is None:
+            if len(refs) < 4:  # (q, k, v, out missing: the checks name them)
+                return None
+            refs.append(None)
+            sigs.append(None)
+            continue
+        ref = array_ref(obj, role)
+        if ref is None:
+            return None
+        sig: tuple[Any, ...] = (ref[1], ref[2], ref[3], ref[4])
+        if not ref[4]:  # (a head-major view: its strides place the heads)
+            sig += (_element_strides(obj, ref[2].itemsize),)
+        refs.append(ref)
+        sigs.append(sig)
+    # q, k, v and out change pointers from call to call (their 16-byte alignment matters);
+    # seq_len's and the features' arrays are the record's own
+    aligned = ((refs[0][0] | refs[1][0] | refs[2][0] | refs[3][0]) & 15) == 0
+    held = tuple(0 if r is None else r[0] for r in refs[4:])
+    key = (sid, n_heads, algorithm, kv_layout, kw.get("sliding_window"),
+           kw.get("logits_soft_cap"), kw.get("scale"), aligned, held, *sigs,
+           attention.OVERRIDES)  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key, refs
+
+
+def _pair_checked(
+    q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any, sid: int,
+    algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
+) -> tuple[Any, Device, bool]:  # fmt: skip
+    """A pair decode's every argument checked, and its record (made on first use, outside
+    a capture), device and whether its stream is another library's."""
+    kv = _check_pair(pair, kv_layout)
+    n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
+    n_heads, n_kv, hd = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
+    if check_algorithm(algorithm) == "parity":
+        raise ValueError("algorithm: a (k_cache, v_cache) pair needs the split kernels ('auto')")
+    if seq_len is None:
+        raise TypeError(
+            "seq_len: a (k_cache, v_cache) pair needs its length, an int32 device scalar"
+        )
+    ordinal, dtype = kv.k[3], np.dtype(kv.k[2])
+    seq = _pair_operand(seq_len, "seq_len", 1, np.dtype(np.int32), ordinal)
+    size = n_heads * hd
+    q = _pair_operand(q_dev, "q_dev", size, dtype, ordinal)
+    out = _pair_operand(out_dev, "out_dev", size, dtype, ordinal)
+    feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
+    for obj, name in ((feats.sinks, "sinks"), (feats.alibi_slopes, "alibi_slopes"),
+                      (out_lse, "out_lse")):  # fmt: skip
+        feature_ptr(obj, name, n_heads, ordinal)  # (checked before the device is asked)
+    dev = device_for(ordinal)
+    sinks = feature_array(feats.sinks, "sinks", n_heads, dev)
+    slopes = feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, dev)
+    lse = feature_array(out_lse, "out_lse", n_heads, dev)
+    bits, fargs = abi.feature_args(feats, hd, slopes=slopes, sinks=sinks, lse=lse)
+    if kv.layout == "HND":
+        bits |= abi.F_HND
+        fargs = dataclasses.replace(fargs, head_stride=kv.head_stride)
+    heads_at = kv.head_stride * dtype.itemsize  # (16-byte loads need whole heads aligned)
+    aligned = ((q[0] | kv.k[0] | kv.v[0] | out[0] | heads_at) & 15) == 0
+    foreign = sid != 0 and not isinstance(stream, Stream)
+    dev.activate()  # this thread's context current before any driver call
+    key = ("pair", dev.context_handle, dtype, n_heads, n_kv, hd, kv.capacity, kv.head_stride,
+           aligned, sid, seq[0], bits, feature_key(fargs), attention.OVERRIDES)  # fmt: skip
+    captured = bool(getattr(_capture_state, "depth", 0)) or (foreign and stream_capturing(sid))
+    record = _records.get(key)
+    if record is None:
+        if captured:
+            raise FerroxError(
+                "stream: the first decode of this (k_cache, v_cache) signature cannot load "
+                "its kernels or allocate its scratch inside a capture: run it once before "
+                "capturing"
+            )
+        with _records_lock:
+            record = _pair_record(key, dev, kv, q, out, seq, n_heads, dtype, aligned, bits,
+                                  fargs, feats.sliding_window, sid)  # fmt: skip
+    return record, dev, foreign
+
+
+def _pair_record(
+    key: tuple[Any, ...], dev: Device, kv: _Pair, q: ArrayRef, out: ArrayRef, seq: ArrayRef,
+    n_heads: int, dtype: np.dtype, aligned: bool, bits: int, fargs: Any,
+    window: int | None, sid: int,
+) -> DecodeRecord:  # fmt: skip
+    """The launches of a pair's decode, planned for its capacity (at most the window)."""
+    record = _records.get(key)
+    if record is not None:
+        return record
+    plan_seq = kv.capacity if window is None else min(kv.capacity, window)
+    n_kv, hd = kv.n_kv_heads, kv.head_dim
+    plan = launches.plan_split(dev, dtype, n_heads, n_kv, hd, max(plan_seq, 1), aligned, bits)
+    ws = _stream_buffer(dev, sid, "workspace", plan.workspace_floats(n_heads, hd))
+    q_d, out_d = (DeviceArray._wrap(r[0], (n_heads * hd,), dtype, dev, None) for r in (q, out))
+    k_d, v_d = (DeviceArray._wrap(r[0], tuple(r[1]), dtype, dev, None) for r in (kv.k, kv.v))
+    seq_d = DeviceArray._wrap(seq[0], (1,), np.dtype(np.int32), dev, None)
+    launches = launches.split_launches(
+        plan, q_d, k_d, v_d, out_d, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
+        seq_len=kv.capacity, seq_len_dev=seq_d, features=fargs,
+    )  # fmt: skip
+    record = _records[key] = DecodeRecord(launches, dev, stream_handle(sid), None)
+    while len(_records) > MAX_RECORDS:
+        _records.popitem(last=False)
+    return record
+
+
+def feature_key(fargs: Any) -> tuple[Any, ...]:
+    """What identifies a decode's feature values in a record's key: the scalars and the
+    per-head arrays' addresses (the kernels read the arrays, so new values in the same
+    arrays need no new record)."""
+
+    def ptr(a: Any) -> int:
+        return 0 if a is None else int(a.ptr)
+
+    return (fargs.scale, fargs.cap, fargs.window, ptr(fargs.slopes), ptr(fargs.sinks),
+            ptr(fargs.lse))  # fmt: skip
