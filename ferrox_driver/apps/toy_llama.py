@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cache.graphs import gqa_decode_async, kv_append_async
+from ..cache.device_ops import gqa_decode_async, kv_append_async
 from ..cache.kv_cache import KVCache
 
 __all__ = ["LLAMA_3_8B", "SMALL", "ToyLlama", "ToyResult", "compare", "fits"]

@@ -63,7 +63,7 @@ def _time_sharded(group: Any, seq: int, stream: Stream) -> float:
 
 
 def _time_unsharded(device: Any, seq: int, stream: Stream) -> float | None:
-    from ...cache.graphs import gqa_decode_async
+    from ...cache.device_ops import gqa_decode_async
 
     n_heads, n_kv, hd = SHAPE
     dt = ml_dtypes.bfloat16
