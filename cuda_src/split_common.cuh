@@ -3,7 +3,7 @@
 // launch, exp2.
 
 // FX_THREADS, FX_TILE, FX_MAX_SPLITS and the other launch constants: split_traits.h, which
-// the host writes from ferrox_driver/kernel_traits.py (its SPLIT_TRAITS)
+// the host writes from ferrox_driver/kernels/traits.py (its SPLIT_TRAITS)
 #define FX_WARPS (FX_THREADS / 32)
 #define FX_LOG2E 1.4426950408889634f
 
@@ -19,16 +19,9 @@ __device__ __forceinline__ int fx_chunk(int seq, int splits, int tile) {
     return (c + tile - 1) / tile * tile;
 }
 
-// ---- Features (features.py; each a compile-time switch, bits of the kernels' F): a decode
-// without one compiles to the kernel it has without features.
-#define FX_F_WINDOW 1  // attend to the last `window` tokens
-#define FX_F_CAP 2     // scores become cap * tanh(score / cap)
-#define FX_F_ALIBI 4   // score_j += slope_h * (j - (seq - 1))
-#define FX_F_SINKS 8   // exp(sink_h) in the softmax's denominator
-#define FX_F_LSE 16    // the log-sum-exp per head (natural log) to `lse`
-#define FX_F_SCALE 32  // the score scale `scale` instead of 1/sqrt(head_dim)
-#define FX_F_HND 64    // K and V head-major, [kv_head][token][head_dim]: heads `head_stride`
-                       // elements apart (a layout, not a feature: one bit of F all the same)
+// ---- Features (decode/checks.py; each a compile-time switch, bits of the kernels' F): a
+// decode without one compiles to the kernel it has without features. The bits, FX_F_WINDOW
+// to FX_F_HND: split_traits.h, written from ferrox_driver/kernels/traits.py (its FEATURES).
 // The run-time values of a decode's features (the kernels' last arguments).
 struct FxFeat {
     float scale, cap;

@@ -1,8 +1,8 @@
 """The GPU architectures ferrox_driver supports: the minimum compute capability, and each
 checked architecture's limits as a planner and an occupancy calculator need them.
 
-A real device's numbers come from its driver (``attention.DeviceTraits.of``); this table is
-for planning without one (``attention.arch_traits``: the CPU demo, and the CPU test that
+A real device's numbers come from its driver (``decode.launches.device_traits``); this table is
+for planning without one (``decode.launches.arch_traits``: the CPU demo, and the CPU test that
 plans the benchmark shapes for every architecture here and compiles what the plans pick,
 tests/test_arch_support.py). Per-architecture limits as the CUDA programming guide's
 "Technical Specifications per Compute Capability" table and CCCL's ``cuda::arch_traits``

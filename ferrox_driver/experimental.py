@@ -10,6 +10,8 @@ change with the kernels.
 
 from __future__ import annotations
 
-from .decode.plan import Launch, SplitPlan, plan_split, split_launches
+from .decode.launches import plan_split, split_launches
+from .decode.plan import SplitPlan
+from .kernels.abi import Launch
 
 __all__ = ["Launch", "SplitPlan", "plan_split", "split_launches"]

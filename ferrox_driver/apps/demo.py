@@ -211,6 +211,7 @@ def run_cpu_demo(cfg: DemoConfig, arch: str) -> int:
     that plan's kernels compiled for ``arch`` (timed). Returns 0, or 1 where the reference
     disagrees with its own definition."""
     from ..archs import arch_limits
+    from ..decode import launches
     from ..decode import plan as attention
     from ..driver import module_cache
     from ..driver.compiler import nvrtc_version_string
@@ -246,10 +247,10 @@ def run_cpu_demo(cfg: DemoConfig, arch: str) -> int:
           f"{_kib(limits.shared_per_block)} of shared memory per block):", flush=True)  # fmt: skip
     compiles = module_cache.stats.compiles
     started = time.perf_counter()
-    traits = attention.arch_traits(arch)  # (planning compiles the candidates: occupancy)
+    traits = launches.arch_traits(arch)  # (planning compiles the candidates: occupancy)
     plan = attention.plan(traits, dt, H, KV, D, T)
-    kernels = [plan.kernel, *filter(None, [plan.combine_kernel(dt)])]
-    programs = [attention.split_program([name], arch) for name in kernels]
+    kernels = [plan.spec, *filter(None, [plan.combine_spec(dt)])]
+    programs = [launches.split_program([spec], arch) for spec in kernels]
     seconds = time.perf_counter() - started
     fresh = module_cache.stats.compiles - compiles
     for line in describe_plan(plan, dt, H, KV, D, T):
@@ -262,7 +263,7 @@ def run_cpu_demo(cfg: DemoConfig, arch: str) -> int:
     )
     print(f"\n3. compile: the plan's kernels for {arch} with NVRTC {nvrtc_version_string()} "
           f"(no GPU needed): {how}", flush=True)  # fmt: skip
-    for name, program in zip(kernels, programs, strict=True):
+    for name, program in zip((s.name for s in kernels), programs, strict=True):
         r = program.resources[name]
         spills = r.spill_stores + r.spill_loads + r.stack_bytes
         print(f"   {name}: {r.registers} registers a thread, "

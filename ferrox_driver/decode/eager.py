@@ -24,6 +24,7 @@ from ..driver.interop import ArrayRef, array_ref, is_torch
 from ..driver.memory import DeviceArray, empty, to_device
 from ..driver.pool import OutputPool, output_pool, stream_buffer
 from ..driver.stream import Stream, stream_handle, stream_key, torch_stream
+from ..kernels import abi
 from ..types import ArrayLike, DeviceArrayLike, DeviceLike, StreamLike
 from . import plan as attention
 from . import records
@@ -446,12 +447,12 @@ def _feature_decode(
         arrays += [q_d, k_d, v_d, out_d]
     lse_d = empty((spec.n_heads,), np.float32, device=dev) if feats.return_lse else None
     seq = spec.seq_len
-    bits = attention.feature_bits_of(feats) | (attention.F_HND if kv_layout == "HND" else 0)
+    bits = abi.feature_bits_of(feats) | (abi.F_HND if kv_layout == "HND" else 0)
     plan_seq = seq if feats.sliding_window is None else min(seq, feats.sliding_window)
     heads_at = head_stride * spec.dtype.itemsize  # (16-byte loads need whole heads aligned)
     aligned = ((q_d.ptr | k_d.ptr | v_d.ptr | heads_at) & 15) == 0
     try:
-        _, args = attention.feature_args(
+        _, args = abi.feature_args(
             feats, spec.head_dim, lse=lse_d,
             slopes=_per_head_device(feats.alibi_slopes, dev, sid, "alibi_slopes", stream),
             sinks=_per_head_device(feats.sinks, dev, sid, "sinks", stream),

@@ -24,7 +24,6 @@ from ..driver.pool import stream_buffer as _stream_buffer
 from ..driver.stream import Stream, stream_handle, stream_key
 from ..errors import FerroxError
 from ..kernels import abi
-from . import launches
 from . import plan as attention
 from .checks import (
     SUPPORTED_DTYPES,
@@ -35,6 +34,7 @@ from .checks import (
     head_major_rows,
 )
 from .features import check_features
+from .launches import plan_split, split_launches
 from .plan import check_algorithm
 from .records import MAX_RECORDS, DecodeRecord
 from .records import lock as _records_lock
@@ -311,12 +311,12 @@ def _pair_record(
         return record
     plan_seq = kv.capacity if window is None else min(kv.capacity, window)
     n_kv, hd = kv.n_kv_heads, kv.head_dim
-    plan = launches.plan_split(dev, dtype, n_heads, n_kv, hd, max(plan_seq, 1), aligned, bits)
+    plan = plan_split(dev, dtype, n_heads, n_kv, hd, max(plan_seq, 1), aligned, bits)
     ws = _stream_buffer(dev, sid, "workspace", plan.workspace_floats(n_heads, hd))
     q_d, out_d = (DeviceArray._wrap(r[0], (n_heads * hd,), dtype, dev, None) for r in (q, out))
     k_d, v_d = (DeviceArray._wrap(r[0], tuple(r[1]), dtype, dev, None) for r in (kv.k, kv.v))
     seq_d = DeviceArray._wrap(seq[0], (1,), np.dtype(np.int32), dev, None)
-    launches = launches.split_launches(
+    launches = split_launches(
         plan, q_d, k_d, v_d, out_d, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
         seq_len=kv.capacity, seq_len_dev=seq_d, features=fargs,
     )  # fmt: skip

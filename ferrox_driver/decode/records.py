@@ -16,15 +16,9 @@ from ..driver.graph import keep_for_capture
 from ..driver.launch import LaunchSequence
 from ..driver.memory import DeviceArray
 from ..driver.stream import Stream, stream_handle, stream_key
+from ..kernels.abi import FeatureArgs, Launch
 from . import plan as attention
-from .plan import (
-    FeatureArgs,
-    Launch,
-    allocate_scratch,
-    parity_launches,
-    plan_split,
-    split_launches,
-)
+from .launches import allocate_scratch, parity_launches, plan_split, split_launches
 
 __all__ = [
     "MAX_RECORDS",

@@ -9,9 +9,10 @@ from ..driver.compiler import expand_includes, source_dir
 from ..driver.device import Device, resolve
 from ..driver.launch import Kernel
 from ..driver.module_cache import ensure_module_loaded
+from .spec import KernelSpec
 from .traits import GENERATED_PARTS
 
-__all__ = ["get_kernel", "kernel_source"]
+__all__ = ["get_kernel", "kernel_source", "split_kernel"]
 
 
 @cache
@@ -47,3 +48,9 @@ def get_kernel(
         module = ensure_module_loaded(source, filename, function_name, device=dev)
         kernel = _kernels[key] = module.get_function(function_name)
     return kernel
+
+
+def split_kernel(spec: KernelSpec, device: Device | None = None) -> Kernel:
+    """The kernel ``spec`` names, compiled (on first use) in a module of its own (its entry
+    line alone; the parity kernel's file whole)."""
+    return get_kernel(spec.file, spec.name, device, select=spec.select)

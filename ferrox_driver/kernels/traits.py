@@ -1,5 +1,5 @@
 """The split kernels' compile-time constants, in one table: the host plans its launches with
-them (attention.py: grids, threads, shared memory) and the kernels are compiled with them
+them (decode/plan.py: grids, threads, shared memory) and the kernels are compiled with them
 (``catalogue.kernel_source`` puts them in place of the split file's
 ``#include "split_traits.h"``), so the two cannot drift apart and nothing is read back
 from the source.
@@ -14,6 +14,16 @@ import re
 from collections.abc import Callable
 
 __all__ = [
+    "COMBINE_FEATURES",
+    "FEATURES",
+    "F_ALIBI",
+    "F_CAP",
+    "F_HND",
+    "F_LIMIT",
+    "F_LSE",
+    "F_SCALE",
+    "F_SINKS",
+    "F_WINDOW",
     "GENERATED_PARTS",
     "SPLIT_TRAITS",
     "SPLIT_TRAITS_INCLUDE",
@@ -101,6 +111,27 @@ SPLIT_TRAITS: dict[str, int] = {
 }
 
 
+# The bits of the kernels' F, each a compile-time switch (a decode without one compiles to the
+# kernel it has without features), as FX_F_<NAME> in the header: (name, bit, what it does).
+# HND is a layout, not a feature, one bit all the same, so the kernels without it keep their
+# code.
+FEATURES: tuple[tuple[str, int, str], ...] = (
+    ("WINDOW", 1, "attend to the last `window` tokens"),
+    ("CAP", 2, "scores become cap * tanh(score / cap)"),
+    ("ALIBI", 4, "score_j += slope_h * (j - (seq - 1))"),
+    ("SINKS", 8, "exp(sink_h) in the softmax's denominator"),
+    ("LSE", 16, "the log-sum-exp per head (natural log) to `lse`"),
+    ("SCALE", 32, "the score scale `scale` instead of 1/sqrt(head_dim)"),
+    ("HND", 64, "K and V head-major, [kv_head][token][head_dim], `head_stride` apart"),
+)
+_BITS = {name: bit for name, bit, _ in FEATURES}
+F_WINDOW, F_CAP, F_ALIBI, F_SINKS = _BITS["WINDOW"], _BITS["CAP"], _BITS["ALIBI"], _BITS["SINKS"]
+F_LSE, F_SCALE, F_HND = _BITS["LSE"], _BITS["SCALE"], _BITS["HND"]
+F_LIMIT = 2 * max(_BITS.values())  # every F is below this
+# those the combine kernel applies (the rest end in the split kernel)
+COMBINE_FEATURES = F_WINDOW | F_SINKS | F_LSE
+
+
 # the padded head dims' own traits: FX_<TRAIT>_D<D>_R<DR> -> Fx<Trait><D, DR>
 _PADDED = re.compile(r"FX_(STAGES|TRIM)_D(\d+)_R(\d+)")
 
@@ -112,11 +143,13 @@ def padded_stages(kernel_dim: int, head_dim: int) -> int | None:
 
 
 def traits_header() -> str:
-    """The ``#define`` lines of SPLIT_TRAITS, as the split file includes them, and the
+    """The ``#define`` lines of SPLIT_TRAITS and the feature bits (FX_F_*), as the split
+    file includes them, and the
     padded head dims' own traits as FxPaddedStages<D, DR> (ring depth) and FxPaddedTrim<D,
     DR> (loops stop at DR's columns); 0 where a head_dim has none (the kernel's own)."""
-    lines = ["// generated from ferrox_driver/kernel_traits.py (SPLIT_TRAITS)"]
+    lines = ["// generated from ferrox_driver/kernels/traits.py (SPLIT_TRAITS, FEATURES)"]
     lines += [f"#define {name} {value}" for name, value in SPLIT_TRAITS.items()]
+    lines += [f"#define FX_F_{name} {bit}  // {what}" for name, bit, what in FEATURES]
     for trait in ("Stages", "Trim"):
         lines.append(
             f"template <int D, int DR> struct FxPadded{trait} "

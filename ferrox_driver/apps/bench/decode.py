@@ -144,7 +144,7 @@ def measure_growing_graph(
         Per length, median microseconds per decode: back to back in one graph over the
         rotated caches, and one replay timed alone (the two columns of the decode table).
     """
-    from ...cache.graphs import gqa_decode_async
+    from ...cache.device_ops import gqa_decode_async
     from ...cache.kv_cache import KVCache
 
     n_heads, n_kv, hd = shape
@@ -245,7 +245,8 @@ def measure_fixed_costs(
     Returns:
         Per item, microseconds: back to back (20 in one graph, per item) and one replay
         timed alone."""
-    from ...decode.plan import Launch, is_aligned, plan_split, split_launches
+    from ...decode.launches import plan_split, split_launches
+    from ...kernels.abi import Launch, is_aligned
 
     n_heads, n_kv, hd = shape
     dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
@@ -389,7 +390,8 @@ def measure_features_point(
     """Graph-replayed us of a decode with ``features`` (sinks/alibi_slopes True: random
     device arrays; sliding_window as given; kv_layout "HND": the sets read head-major),
     over the benchmark's rotated KV sets."""
-    from ...decode import plan as attention
+    from ...decode import launches
+    from ...kernels import abi, catalogue
 
     n_heads, n_kv, hd = shape
     dt = next(d for d, name in SUPPORTED_DTYPES.items() if name == dtype)
@@ -402,32 +404,32 @@ def measure_features_point(
     for i, arr in enumerate(per_head.values()):
         fill_uniform(arr, 11 + i, stream)
     window = features.get("sliding_window")
-    bits = attention.feature_bits(
+    bits = abi.feature_bits(
         window is not None, "logits_soft_cap" in features, "alibi_slopes" in features,
         "sinks" in features, bool(features.get("return_lse")), False,
     )  # fmt: skip
     hnd = features.get("kv_layout") == "HND"
-    bits |= attention.F_HND if hnd else 0
-    args = attention.FeatureArgs(
+    bits |= abi.F_HND if hnd else 0
+    args = abi.FeatureArgs(
         scale=hd**-0.5, cap=features.get("logits_soft_cap", 1.0), window=window or 0,
         slopes=per_head["alibi_slopes"] if "alibi_slopes" in features else None,
         sinks=per_head["sinks"] if "sinks" in features else None,
         lse=per_head["lse"] if features.get("return_lse") else None,
         head_stride=seq * hd if hnd else 0,
     )  # fmt: skip
-    plan = attention.plan_split(
+    plan = launches.plan_split(
         device, np.dtype(dt), n_heads, n_kv, hd, min(seq, window or seq), True, bits
     )
-    combine = plan.combine_kernel(dt)
+    combine = plan.combine_spec(dt)
     if combine is not None:
-        attention.split_kernel(combine, device)
+        catalogue.split_kernel(combine, device)
     ws = zeros((max(plan.workspace_floats(n_heads, hd), 1),), np.float32, device=device)
     rotated = rotated_kv_sets(seq, n_kv, hd, dt, stream, device)
     sets = rotated.sets
 
     def eager(i: int) -> None:
         k, v = sets[i % len(sets)]
-        for launch in attention.split_launches(
+        for launch in launches.split_launches(
             plan, q, k, v, out, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
             seq_len=seq, seq_len_dev=None, features=args,
         ):  # fmt: skip
@@ -479,8 +481,9 @@ def measure_fp8_point(
 ) -> float:
     """Graph-replayed us of a bf16-q decode of an fp8 cache of format ``fmt`` (e4m3,
     e5m2), over the benchmark's rotated KV sets (their bytes; scales 1)."""
-    from ...decode import plan as attention
+    from ...decode import launches
     from ...decode.fp8 import FP8_DTYPES
+    from ...kernels import catalogue
 
     n_heads, n_kv, hd = shape
     q_dt = np.dtype(ml_dtypes.bfloat16)
@@ -491,17 +494,17 @@ def measure_fp8_point(
     fill_uniform(q, 7, stream)
     scales = zeros((2 * n_kv,), np.float32, device=device)
     scales.copy_from_host(np.ones(2 * n_kv, np.float32), stream)
-    plan = attention.plan_split(device, q_dt, n_heads, n_kv, hd, seq, True, 0, fmt)
-    combine = plan.combine_kernel(q_dt)
+    plan = launches.plan_split(device, q_dt, n_heads, n_kv, hd, seq, True, 0, fmt)
+    combine = plan.combine_spec(q_dt)
     if combine is not None:
-        attention.split_kernel(combine, device)
+        catalogue.split_kernel(combine, device)
     ws = zeros((max(plan.workspace_floats(n_heads, hd), 1),), np.float32, device=device)
     rotated = rotated_kv_sets(seq, n_kv, hd, kv_dt, stream, device)
     sets = rotated.sets
 
     def eager(i: int) -> None:
         k, v = sets[i % len(sets)]
-        for launch in attention.split_launches(
+        for launch in launches.split_launches(
             plan, q, k, v, out, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
             seq_len=seq, seq_len_dev=None, kv_scales=scales,
         ):  # fmt: skip

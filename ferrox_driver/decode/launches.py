@@ -1,0 +1,297 @@
+"""The planner's driver half: a device's traits read from the driver (or modelled for an
+architecture without one), the plans remembered per device, and the launches that make a
+decode (the split kernel of a plan and its combine kernel, or the parity kernel)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..archs import ArchLimits, arch_limits, occupancy
+from ..driver.compiler import KernelResources, Program
+from ..driver.device import Device
+from ..driver.memory import DeviceArray, empty
+from ..driver.module_cache import get_program
+from ..errors import CudaError, FerroxError
+from ..kernels.abi import QKV, SEQ_SLOT, FeatureArgs, Launch, Roles
+from ..kernels.catalogue import kernel_source, split_kernel
+from ..kernels.spec import SPLIT_FILE, KernelSpec, kernel_dtype
+from ..kernels.traits import COMBINE_FEATURES
+from . import plan as planner
+from .plan import COMBINE_THREADS, DEFAULT_TUNING, TUNING, DeviceTraits, SplitPlan
+
+__all__ = [
+    "allocate_scratch",
+    "arch_traits",
+    "device_traits",
+    "parity_launches",
+    "plan_split",
+    "split_launches",
+    "split_program",
+]
+
+
+def device_traits(device: Device) -> DeviceTraits:
+    """The traits of ``device`` (made once per context)."""
+    traits = _traits.get(device.context_handle)
+    if traits is None:
+        traits = _traits[device.context_handle] = _read_traits(device)
+    return traits
+
+
+_traits: dict[int, DeviceTraits] = {}
+
+
+def _read_traits(device: Device) -> DeviceTraits:
+    blocks: dict[KernelSpec, int] = {}
+    clusters: dict[tuple[KernelSpec, int], int] = {}
+
+    def blocks_per_sm(kernel: KernelSpec, threads: int, shared: int) -> int:
+        n = blocks.get(kernel)
+        if n is None:
+            found = split_kernel(kernel, device).max_active_blocks(threads, shared)
+            n = blocks[kernel] = max(found, 1)
+        return n
+
+    def active_clusters(kernel: KernelSpec, cluster: int, threads: int, shared: int) -> int:
+        n = clusters.get((kernel, cluster))
+        if n is None:
+            try:
+                n = split_kernel(kernel, device).max_active_clusters(cluster, threads, shared)
+            except CudaError:  # e.g. a cluster larger than this device (or MIG slice) holds
+                n = 0
+            clusters[kernel, cluster] = n
+        return n
+
+    return DeviceTraits(
+        device.context_handle, device.arch, device.compute_capability,
+        device.multiprocessor_count, blocks_per_sm, active_clusters,
+        TUNING.get(device.arch, DEFAULT_TUNING), device.max_shared_per_block_optin,
+    )  # fmt: skip
+
+
+def split_program(specs: Sequence[KernelSpec], arch: str) -> Program:
+    """The split kernels ``specs`` (with their ``_cluster`` twins) compiled for ``arch`` in
+    one module, through the module cache (memory and disk); for one spec, the very module
+    that ``split_kernel`` loads on a GPU of ``arch``. No GPU needed.
+
+    Raises:
+        ValueError: a bad ``arch``.
+    """
+    select = "\n".join(dict.fromkeys(spec.entry for spec in specs))
+    source = f"#define FX_SELECTED 1\n{kernel_source(SPLIT_FILE)}\n{select}\n"
+    return get_program(source, arch=arch, name=SPLIT_FILE)
+
+
+def arch_traits(
+    arch: str, resources: Callable[[str], KernelResources] | None = None
+) -> DeviceTraits:
+    """Hand-made traits of a GPU of ``arch`` (one of archs.ARCHS: its limits, its GPU's
+    multiprocessors), for planning without one: a kernel's blocks per multiprocessor from
+    the limits and its registers and static shared memory as ptxas reports them
+    (``resources``: kernel name -> KernelResources; default: the kernel compiled for
+    ``arch`` by ``split_program``), and resident clusters from a model of the GPCs (whole
+    clusters within each; a real device's driver knows better).
+
+    Raises:
+        ValueError: ``arch`` is not in archs.ARCHS.
+    """
+    limits = arch_limits(arch)
+    seen: dict[KernelSpec, KernelResources] = {}
+
+    def kernel_resources(kernel: KernelSpec) -> KernelResources:
+        found = seen.get(kernel)
+        if found is None:
+            found = seen[kernel] = (
+                resources(kernel.name)
+                if resources
+                else split_program([kernel], arch).resources[kernel.name]
+            )
+        return found
+
+    def blocks(kernel: KernelSpec, threads: int, shared: int) -> int:
+        r = kernel_resources(kernel)
+        return occupancy(limits, threads, shared, r.registers, r.shared_bytes)
+
+    def blocks_per_sm(kernel: KernelSpec, threads: int, shared: int) -> int:
+        return max(1, blocks(kernel, threads, shared))
+
+    def active_clusters(kernel: KernelSpec, cluster: int, threads: int, shared: int) -> int:
+        if not 0 < cluster <= limits.max_cluster:
+            return 0
+        gpcs = limits.multiprocessor_count // limits.gpc_sms
+        return gpcs * (limits.gpc_sms * blocks(kernel, threads, shared) // cluster)
+
+    return _limits_traits(limits, blocks_per_sm, active_clusters)
+
+
+def _limits_traits(
+    limits: ArchLimits,
+    blocks_per_sm: Callable[[KernelSpec, int, int], int],
+    active_clusters: Callable[[KernelSpec, int, int, int], int],
+) -> DeviceTraits:
+    return DeviceTraits(
+        ("arch", limits.arch), limits.arch, limits.compute_capability,
+        limits.multiprocessor_count, blocks_per_sm, active_clusters,
+        TUNING.get(limits.arch, DEFAULT_TUNING), limits.shared_per_block,
+    )  # fmt: skip
+
+
+_plans: dict[tuple[Any, ...], SplitPlan] = {}
+_MAX_PLANS = 4096  # distinct (shape, length) plans kept; eager decodes plan per length
+
+
+def plan_split(
+    device: Device,
+    dtype: np.dtype,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    plan_seq: int,
+    aligned: bool = True,
+    features: int = 0,
+    fp8: str = "",
+) -> SplitPlan:
+    """The split plan (``plan.plan``) for up to ``plan_seq`` tokens on ``device``, its
+    kernel loaded (captures need it), memoised: every decode asks, once; ``OVERRIDES`` is
+    part of the key."""
+    overrides = planner.OVERRIDES
+    key = (device.context_handle, np.dtype(dtype), n_heads, n_kv_heads, head_dim, plan_seq,
+           aligned, overrides, features, fp8)  # fmt: skip
+    found = _plans.get(key)
+    if found is None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        found = _plans[key] = planner.plan(
+            device_traits(device), dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
+            overrides, features, fp8,
+        )  # fmt: skip
+    split_kernel(found.spec, device)  # loaded (after a first plan, a lookup)
+    return found
+
+
+def allocate_scratch(floats: int, device: Device, in_capture: str) -> DeviceArray:
+    """``floats`` float32 of decode scratch.
+
+    Raises:
+        FerroxError: with the message ``in_capture`` when a stream capture is open
+            (allocation is not capturable).
+    """
+    try:
+        return empty((floats,), np.float32, device=device)
+    except CudaError as exc:
+        if exc.name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED":
+            raise FerroxError(in_capture) from exc
+        raise
+
+
+def split_launches(
+    plan: SplitPlan,
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    workspace: DeviceArray | None,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    seq_len_dev: DeviceArray | None,
+    features: FeatureArgs | None = None,
+    kv_scales: DeviceArray | None = None,
+) -> list[Launch]:
+    """The launches of a split decode in order: the split kernel of ``plan``, then (unless
+    it is a cluster plan, whose split kernel writes ``out``) the kernel combining its
+    chunks, launched early. A plan with features takes their values from ``features``.
+
+    Raises:
+        ValueError: a combine plan without ``workspace``, or with features and no
+            ``features``.
+    """
+    if plan.features and features is None:
+        raise ValueError("features: the plan has features compiled in; pass their values")
+    if plan.fp8 and kv_scales is None:
+        raise ValueError("kv_scales: an fp8 plan reads the cache's scales")
+    # the split kernel's last arguments: an fp8 plan's scales, and with features (an fp8
+    # plan's kernels take every feature's value, its own or not) their values
+    values = (features or FeatureArgs(scale=head_dim**-0.5)) if plan.features or plan.fp8 else None
+    fp8_args: tuple[Any, ...] = (kv_scales,) if plan.fp8 else ()
+    launch_kv = n_kv_heads // 2 if plan.paired else n_kv_heads  # paired: KV heads of 2 rows
+    heads = (np.int32(n_heads), np.int32(launch_kv))
+    splits, tile = np.int32(plan.splits), np.int32(plan.tile)
+    args: tuple[Any, ...]
+    shared = plan.shared_bytes(head_dim, q.dtype.itemsize)
+    # seq_len (the launch's bound when the kernels read the length on the device) is a
+    # role only when it is the length itself
+    on_host = seq_len_dev is None
+    if plan.cluster:
+        args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile, *fp8_args)
+        if values is not None:
+            args += values.cluster_args()
+        grid = plan.grid(n_kv_heads)
+        roles: Roles = (*QKV, (3, "out"), *(((SEQ_SLOT["cluster"], "seq"),) if on_host else ()))
+        return [Launch(plan.spec, grid, plan.threads, args, shared, plan.cluster, roles=roles)]
+    if workspace is None:
+        raise ValueError("workspace: the combine kernel's plans need one (workspace_floats)")
+    n_partial = n_heads * plan.splits
+    ws_o = workspace
+    ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
+    if plan.tensor_cores:
+        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
+        args += fp8_args
+        if values is not None:
+            args += values.split_args()
+        grid = plan.grid(n_kv_heads)  # tiles of 8 query heads
+        at = SEQ_SLOT["tensor_cores"]
+    else:  # head tiles of one chunk adjacent in launch order (see the kernel)
+        lanes = np.int32(plan.lanes_per_token)
+        args = (q, k, v, ws_o, ws_ml, *heads, np.int32(head_dim), np.int32(seq_len),
+                seq_len_dev, splits, lanes, tile)  # fmt: skip
+        if values is not None:
+            args += values.split_args()
+        grid = plan.grid(n_kv_heads)
+        at = SEQ_SLOT["cuda_cores"]
+    combine_args: tuple[Any, ...] = (out, ws_o, ws_ml, np.int32(head_dim), np.int32(seq_len),
+                                     seq_len_dev, splits, tile)  # fmt: skip
+    combine = plan.combine_spec(q.dtype)
+    assert combine is not None
+    if plan.features & COMBINE_FEATURES and values is not None:
+        combine_args += values.combine_args()
+    return [
+        Launch(
+            plan.spec, grid, plan.threads, args, shared,
+            roles=(*QKV, *(((at, "seq"),) if on_host else ())),
+        ),
+        Launch(
+            combine,
+            (n_heads, -(-head_dim // 32), 1),
+            COMBINE_THREADS,
+            combine_args,
+            early=planner.OVERRIDES.early_combine,  # it waits for the split kernel itself
+            roles=((0, "out"), *(((SEQ_SLOT["combine"], "seq"),) if on_host else ())),
+        ),
+    ]  # fmt: skip
+
+
+def parity_launches(
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    seq_len_dev: DeviceArray | None,
+) -> list[Launch]:
+    """The one launch of the parity kernel (ferrox-cuda's algorithm, corrected)."""
+    args = (q, k, v, out, np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim),
+            np.int32(seq_len), seq_len_dev)  # fmt: skip
+    on_host = seq_len_dev is None
+    roles = (*QKV, (3, "out"), *(((SEQ_SLOT["parity"], "seq"),) if on_host else ()))
+    spec = KernelSpec.parity(kernel_dtype(q.dtype))
+    return [Launch(spec, (n_heads, 1, 1), 32, args, roles=roles)]

@@ -1,0 +1,267 @@
+"""A decode kernel's identity as a typed value: ``KernelSpec``. Its ``name`` (the symbol the
+module exports, and what the module caches key on) and its ``entry`` (the line of the split
+file's own macros that instantiates it for a module of its own) are rendered from its fields;
+nothing in the package parses a name back (flash-attention's ``generate_kernels.py`` does the
+same: a kernel is a dataclass, its name an output).
+
+The names, as they have been since the kernels were first cached on disk:
+
+    gqa_split_<dt>_g<G>_<vec|any>[_x<F>]                          CUDA cores ("generic")
+    gqa_split_tc32_f32_d<D>[_x<F>][_cluster]                      fp32 on tensor cores
+    gqa_split_mma_<dt>[_<fp8>]_d<D>[_r<DR>][_wide][_p2][_t2][_x<F>][_cluster]
+                                                                  fp16/bf16 on tensor cores
+    gqa_split_combine_<dt>[_x<F>]                                 merges the chunks
+    gqa_decode_<dt>                                               the parity kernel
+
+(an fp8 cache's kernels always carry ``_x<F>``, F = 0 included). No driver import: the
+planner and its tests build specs on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from .traits import COMBINE_FEATURES, F_LIMIT
+
+__all__ = [
+    "ENTRY_TYPES",
+    "FP8_FORMATS",
+    "KERNEL_DTYPE_NAMES",
+    "KernelSpec",
+    "MMA_HEAD_DIMS",
+    "PARITY_FILE",
+    "SPLIT_FILE",
+    "TC32_HEAD_DIMS",
+    "WIDE_HEAD_DIM",
+    "kernel_dtype",
+]
+
+SPLIT_FILE = "gqa_decode_split.cu"
+PARITY_FILE = "gqa_decode.cu"
+
+# numpy dtype names -> the kernels' suffix (decode/checks.py's SUPPORTED_DTYPES is this table)
+KERNEL_DTYPE_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+# the kernels' suffix -> the C type their macros take
+ENTRY_TYPES = {"f32": "float", "f16": "fx_half", "bf16": "fx_bf16"}
+# fp8 caches (KVCache dtype float8_e4m3fn / float8_e5m2): the kernels' Q8 (FX_E4M3, FX_E5M2)
+FP8_FORMATS = {"e4m3": 1, "e5m2": 2}
+MMA_HEAD_DIMS = (64, 128, 256)  # the fp16/bf16 tensor-core kernels' own head_dims
+TC32_HEAD_DIMS = (64, 128, 256)  # the fp32 tensor-core (split TF32) kernels'
+WIDE_HEAD_DIM = 128  # the wide cluster kernels'
+
+FAMILIES = ("generic", "tc32", "mma", "combine", "parity")
+
+
+def kernel_dtype(dtype: Any) -> str:
+    """The kernels' suffix for a (validated) numpy dtype: ``f32``, ``f16`` or ``bf16``.
+
+    Raises:
+        KeyError: a dtype the kernels do not take.
+    """
+    return KERNEL_DTYPE_NAMES[np.dtype(dtype).name]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One decode kernel, by what makes it: the family, q's dtype and the compile-time
+    choices its name encodes.
+
+    Attributes:
+        family: ``generic`` (CUDA cores), ``tc32`` (fp32 on tensor cores), ``mma``
+            (fp16/bf16 on tensor cores), ``combine`` (merges a split plan's chunks) or
+            ``parity`` (ferrox-cuda's algorithm, corrected; a file of its own).
+        dtype: q's and the output's kernel dtype, ``f32``, ``f16`` or ``bf16``.
+        head_dim: tc32/mma: the head_dim D the kernel is built for (its ring and tiles).
+        row_dim: mma: the cache rows' elements DR the kernel reads, where they are fewer
+            than D (a padded head_dim: columns past DR are zeros never read) or a pair's
+            2 x head_dim; 0 (the default) means D.
+        heads_per_block: generic: query heads per block (G).
+        vec: generic: 16-byte vector loads (head_dim a multiple of 8, rows aligned).
+        tiles: mma: tiles of 8 query heads per KV head (2: groups of 9-16).
+        paired: mma: two adjacent KV heads' rows read as one row of ``row_dim``.
+        wide: mma: the wide cluster kernel (head_dim 128, twice the warps).
+        fp8: mma: an fp8 cache's format (FP8_FORMATS), or "" for a cache of q's dtype.
+        features: the F_* bits compiled in (kernels.traits).
+        cluster: the twin whose blocks merge a KV head's chunks on chip.
+
+    Raises:
+        ValueError: no kernel of the split file is made of these fields.
+    """
+
+    family: str
+    dtype: str
+    head_dim: int = 0
+    row_dim: int = 0
+    heads_per_block: int = 0
+    vec: bool = False
+    tiles: int = 1
+    paired: bool = False
+    wide: bool = False
+    fp8: str = ""
+    features: int = 0
+    cluster: bool = False
+
+    def __post_init__(self) -> None:
+        if self.family == "mma" and self.row_dim == 0:
+            object.__setattr__(self, "row_dim", self.head_dim)  # one value for one kernel
+        problem = self._problem()
+        if problem:
+            raise ValueError(f"kernel: {SPLIT_FILE} has no kernel of {self!r} ({problem})")
+
+    def _problem(self) -> str:
+        """Why no kernel has these fields ("" when one does): the split file's macros."""
+        if self.family not in FAMILIES:
+            return f"family not one of {FAMILIES}"
+        if self.dtype not in ENTRY_TYPES:
+            return f"dtype not one of {tuple(ENTRY_TYPES)}"
+        if not 0 <= self.features < F_LIMIT:
+            return f"features not in [0, {F_LIMIT})"
+        mma = self.family == "mma"
+        if not mma and (self.row_dim or self.tiles != 1 or self.paired or self.wide or self.fp8):
+            return "row_dim, tiles, paired, wide and fp8 are the fp16/bf16 tensor-core kernels'"
+        if self.family != "generic" and (self.heads_per_block or self.vec):
+            return "heads_per_block and vec are the CUDA-core kernels'"
+        if self.family in ("generic", "combine", "parity"):
+            if self.head_dim or self.cluster:
+                return "no head_dim or cluster twin"
+            if self.family == "generic" and self.heads_per_block < 1:
+                return "heads_per_block at least 1"
+            if self.family == "combine" and self.features & ~COMBINE_FEATURES:
+                return "the combine kernel takes window, sinks and the LSE only"
+            if self.family == "parity" and self.features:
+                return "the parity kernel takes no features"
+            return ""
+        if self.family == "tc32":
+            if self.dtype != "f32" or self.head_dim not in TC32_HEAD_DIMS:
+                return f"fp32, head_dim one of {TC32_HEAD_DIMS}"
+            if self.features and self.cluster:
+                return "its cluster twins take no features"
+            return ""
+        d, dr = self.head_dim, self.row_dim
+        if self.dtype == "f32" or d not in MMA_HEAD_DIMS:
+            return f"fp16/bf16, head_dim one of {MMA_HEAD_DIMS}"
+        if self.fp8 and self.fp8 not in FP8_FORMATS:
+            return f"fp8 not one of {tuple(FP8_FORMATS)}"
+        if self.tiles not in (1, 2):
+            return "tiles 1 or 2"
+        if self.wide:
+            if d != WIDE_HEAD_DIM or dr != d or self.tiles != 1 or self.paired:
+                return f"the wide kernel: head_dim {WIDE_HEAD_DIM}, one tile, not paired"
+            return "" if self.cluster else "the wide kernel is a cluster kernel"
+        if self.paired:
+            if self.fp8 or self.features or self.cluster:
+                return "the paired kernels take no fp8, features or clusters"
+            return "" if 0 < dr <= d and dr % 16 == 0 else "a pair's row_dim a multiple of 16"
+        return "" if 0 < dr <= d and dr % 8 == 0 else "row_dim a multiple of 8 up to head_dim"
+
+    @property
+    def tensor_cores(self) -> bool:
+        return self.family in ("tc32", "mma")
+
+    @property
+    def file(self) -> str:
+        """The kernel file it lives in."""
+        return PARITY_FILE if self.family == "parity" else SPLIT_FILE
+
+    @cached_property
+    def name(self) -> str:
+        """The kernel's symbol (see the module's grammar)."""
+        dt, d, dr = self.dtype, self.head_dim, self.row_dim
+        family = self.family
+        if family == "parity":
+            return f"gqa_decode_{dt}"
+        if family == "generic":
+            stem = f"gqa_split_{dt}_g{self.heads_per_block}_{'vec' if self.vec else 'any'}"
+        elif family == "combine":
+            stem = f"gqa_split_combine_{dt}"
+        elif family == "tc32":
+            stem = f"gqa_split_tc32_f32_d{d}"
+        else:
+            stem = f"gqa_split_mma_{dt}" + (f"_{self.fp8}" if self.fp8 else "") + f"_d{d}"
+            stem += f"_r{dr}" if dr != d or self.paired else ""
+            stem += "_wide" if self.wide else ""
+            stem += "_p2" if self.paired else ""
+            stem += "_t2" if self.tiles == 2 else ""
+        stem += f"_x{self.features}" if self.features or self.fp8 else ""
+        return stem + ("_cluster" if self.cluster else "")
+
+    @cached_property
+    def entry(self) -> str:
+        """The line of the split file's macros that instantiates this kernel in a module of
+        its own (FX_SELECTED), with its ``_cluster`` twin where the macro makes both (the
+        twins' entries are the same line).
+
+        Raises:
+            ValueError: the parity kernel (its file is compiled whole).
+        """
+        name, t, d, dr, f = (
+            self.name,
+            ENTRY_TYPES[self.dtype],
+            self.head_dim,
+            self.row_dim,
+            self.features,
+        )
+        base = name.removesuffix("_cluster")  # the macro names the twin itself
+        tiled = "true" if self.tiles == 2 else "false"
+        family = self.family
+        if family == "parity":
+            raise ValueError(f"kernel: {name} is in {PARITY_FILE}, compiled whole (no entry)")
+        if family == "generic":
+            vec = "true" if self.vec else "false"
+            g = self.heads_per_block
+            if f:
+                return f"FX_GENERIC_FEAT_ENTRY({name}, {t}, {g}, {vec}, {f})"
+            return f"FX_GENERIC_ENTRY({name}, {t}, {g}, {vec})"
+        if family == "combine":
+            return (
+                f"FX_COMBINE_FEAT_ENTRY({name}, {t}, {f})"
+                if f
+                else f"FX_COMBINE_ENTRY({name}, {t})"
+            )
+        if family == "tc32":
+            return f"FX_TC32_FEAT_ENTRY({name}, {d}, {f})" if f else f"FX_TC32_ENTRY({base}, {d})"
+        if self.fp8:
+            q8 = FP8_FORMATS[self.fp8]
+            if self.wide:
+                return f"FX_MMA8_WIDE_KERNEL({name}, {t}, {q8}, {f})"
+            return f"FX_MMA8_KERNELS({base}, {t}, {q8}, {d}, {dr}, {tiled}, {f})"
+        if self.wide:
+            return (
+                f"FX_MMA_WIDE_FEAT_ENTRY({name}, {t}, {f})"
+                if f
+                else f"FX_MMA_WIDE_ENTRY({name}, {t})"
+            )
+        if self.paired:
+            return f"FX_MMA_PAIR_ENTRY({name}, {t}, {d}, {dr}, {tiled})"
+        if f:
+            return f"FX_MMA_FEAT_ENTRY({base}, {t}, {d}, {dr}, {tiled}, {f})"
+        if self.tiles == 2:
+            return f"FX_MMA_TILED_ENTRY({base}, {t}, {d}, {dr})"
+        if dr != d:
+            return f"FX_MMA_PAD_ENTRY({base}, {t}, {d}, {dr})"
+        return f"FX_MMA_ENTRY({base}, {t}, {d})"
+
+    @property
+    def select(self) -> str | None:
+        """What ``catalogue.get_kernel`` compiles for it: its entry, or None (the whole file)."""
+        return None if self.family == "parity" else self.entry
+
+    def but(self, **changes: Any) -> KernelSpec:
+        """This spec with ``changes`` (``dataclasses.replace``; checked the same way)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def combine(cls, dtype: str, features: int = 0) -> KernelSpec:
+        """The kernel merging a split plan's chunks into a ``dtype`` output, applying the
+        ``features`` that reach it (COMBINE_FEATURES of them)."""
+        return cls("combine", dtype, features=features & COMBINE_FEATURES)
+
+    @classmethod
+    def parity(cls, dtype: str) -> KernelSpec:
+        """The parity kernel for ``dtype``."""
+        return cls("parity", dtype)
