@@ -2,8 +2,9 @@
 sm_90 and sm_100 (NVRTC, no GPU): each kernel's code, its constant bank and its shared
 memory, and its ptxas report (registers, stack, spills); kernels added or removed are listed
 apart. The 47 kernels of the whole file, and ON_DEMAND: kernels the host makes for a call
-(padded head dims, pairs, tiles, features, head-major rows, fp8 caches), each family at
-least once, compiled as the library compiles them (FX_SELECTED and the entry lines).
+(padded head dims, pairs, tiles, features, head-major rows, fp8 caches) as KernelSpec values,
+each family at least once, compiled as the library compiles them (FX_SELECTED and their
+entry lines).
 (Not .nv.info: it names symbols by their index, which moves when a kernel is added.)
 A change that leaves the kernels of both alike needs no timing run for them; one that does
 not says where to look. Exit status 1 when any kernel of both differs.
@@ -22,36 +23,37 @@ from concurrent.futures import ProcessPoolExecutor
 
 from _common import source_at
 
-from ferrox_driver.decode import plan as attention
 from ferrox_driver.driver.compiler import Program, compile_source
 from ferrox_driver.kernels.catalogue import kernel_source
+from ferrox_driver.kernels.spec import KernelSpec
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
+M, G, T, C = "mma", "generic", "tc32", "combine"
 ON_DEMAND = [
-    "gqa_split_mma_bf16_d64_r40",
-    "gqa_split_mma_f16_d128_r72_cluster",
-    "gqa_split_mma_bf16_d128_r80_cluster",  # a ring depth of its own
-    "gqa_split_mma_f16_d256_r160",
-    "gqa_split_mma_bf16_d128_t2_cluster",
-    "gqa_split_mma_bf16_d64_r40_t2",
-    "gqa_split_mma_bf16_d128_r80_p2",
-    "gqa_split_mma_f16_d256_r144_p2",
-    "gqa_split_mma_bf16_d128_r96_p2_t2",
-    "gqa_split_mma_bf16_d128_x127",
-    "gqa_split_mma_f16_d256_x127_cluster",
-    "gqa_split_mma_bf16_d64_x63_cluster",
-    "gqa_split_mma_bf16_d128_r80_t2_x63",
-    "gqa_split_mma_bf16_d128_wide_x63_cluster",
-    "gqa_split_tc32_f32_d128_x127",
-    "gqa_split_tc32_f32_d64_x63",
-    "gqa_split_bf16_g4_any_x127",
-    "gqa_split_f32_g8_vec_x63",
-    "gqa_split_combine_f32_x25",
-    "gqa_split_mma_bf16_e4m3_d128_x0_cluster",
-    "gqa_split_mma_f16_e5m2_d128_r96_x16",
-    "gqa_split_mma_bf16_e4m3_d64_t2_x127",
-    "gqa_split_mma_bf16_e4m3_d256_x63",
-    "gqa_split_mma_bf16_e4m3_d128_wide_x0_cluster",
+    KernelSpec(M, "bf16", 64, 40),  # gqa_split_mma_bf16_d64_r40
+    KernelSpec(M, "f16", 128, 72, cluster=True),
+    KernelSpec(M, "bf16", 128, 80, cluster=True),  # a ring depth of its own
+    KernelSpec(M, "f16", 256, 160),
+    KernelSpec(M, "bf16", 128, tiles=2, cluster=True),
+    KernelSpec(M, "bf16", 64, 40, tiles=2),
+    KernelSpec(M, "bf16", 128, 80, paired=True),  # gqa_split_mma_bf16_d128_r80_p2
+    KernelSpec(M, "f16", 256, 144, paired=True),
+    KernelSpec(M, "bf16", 128, 96, paired=True, tiles=2),
+    KernelSpec(M, "bf16", 128, features=127),  # gqa_split_mma_bf16_d128_x127
+    KernelSpec(M, "f16", 256, features=127, cluster=True),
+    KernelSpec(M, "bf16", 64, features=63, cluster=True),
+    KernelSpec(M, "bf16", 128, 80, tiles=2, features=63),
+    KernelSpec(M, "bf16", 128, wide=True, features=63, cluster=True),
+    KernelSpec(T, "f32", 128, features=127),  # gqa_split_tc32_f32_d128_x127
+    KernelSpec(T, "f32", 64, features=63),
+    KernelSpec(G, "bf16", heads_per_block=4, features=127),  # gqa_split_bf16_g4_any_x127
+    KernelSpec(G, "f32", heads_per_block=8, vec=True, features=63),
+    KernelSpec(C, "f32", features=25),  # gqa_split_combine_f32_x25
+    KernelSpec(M, "bf16", 128, fp8="e4m3", cluster=True),  # ..._bf16_e4m3_d128_x0_cluster
+    KernelSpec(M, "f16", 128, 96, fp8="e5m2", features=16),
+    KernelSpec(M, "bf16", 64, tiles=2, fp8="e4m3", features=127),
+    KernelSpec(M, "bf16", 256, fp8="e4m3", features=63),
+    KernelSpec(M, "bf16", 128, wide=True, fp8="e4m3", cluster=True),
 ]
 
 
@@ -59,8 +61,7 @@ def on_demand(src: str, arch: str) -> str:
     """The split file ``src`` with the ON_DEMAND kernels' entry lines for ``arch`` (the fp8
     ones from sm_89: their conversions), as the host compiles a plan's kernels."""
     fp8 = int(arch.removeprefix("sm_")) >= 89
-    names = [n for n in ON_DEMAND if fp8 or not ("_e4m3_" in n or "_e5m2_" in n)]
-    entries = "\n".join(attention.split_entry(n) for n in names)
+    entries = "\n".join(spec.entry for spec in ON_DEMAND if fp8 or not spec.fp8)
     return f"#define FX_SELECTED 1\n{src}\n{entries}\n"
 
 
