@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import inspect
 import json
 import os
 import re
@@ -165,6 +166,24 @@ def test_api_page_documents_every_public_name():
     assert documented == set(fd.__all__)
 
 
+def test_api_page_says_which_module_defines_each_public_name():
+    # "| `ferrox_driver.cache.kv_cache` | `KVCache`, `LayerKVCache` |": the table of where
+    # each name lives must name the module that defines it, for every name of fd.__all__
+    api = (DOCS / "api.md").read_text()
+    rows = re.findall(r"^\| `(ferrox_driver(?:\.\w+)+)` \| (.+?) \|$", api, re.M)
+    assert rows
+    listed: dict[str, str] = {}
+    for module, names in rows:
+        for name in re.findall(r"`(\w+)`", names):
+            assert name not in listed, name
+            listed[name] = module
+    assert set(listed) == set(fd.__all__)
+    for name, module in listed.items():
+        obj = getattr(fd, name)
+        defined = obj.__name__ if inspect.ismodule(obj) else obj.__module__
+        assert defined == module, (name, defined, module)
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The site, built once in strict mode (a warning fails the build)."""
@@ -236,6 +255,16 @@ INTERNAL_MEMBERS = {
     "device_length_for",
     "device_length",
     "mark_device_appends",
+    "check_open",
+    "q_dtype_for",
+    "join",
+    "rejoin",
+    "queue_append",
+    "queue_decode",
+    "length_for_step",
+    "appending_on_device",
+    "replay_appended",
+    "replays_update_length",
 }
 
 
