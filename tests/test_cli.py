@@ -163,9 +163,10 @@ def test_without_a_driver_the_gpu_demo_says_so_in_one_line(monkeypatch, capsys):
 
 
 def _kernel_in_the_cache() -> None:
-    from ferrox_driver.decode import plan as attention
+    from ferrox_driver.decode.launches import split_program
+    from ferrox_driver.kernels.spec import KernelSpec
 
-    attention.split_program(["gqa_split_combine_f32"], "sm_80")  # compiled, written to disk
+    split_program([KernelSpec.combine("f32")], "sm_80")  # compiled, written to disk
 
 
 def test_the_cache_command_shows_and_clears_the_disk_cache(monkeypatch, tmp_path, capsys):
