@@ -8,7 +8,7 @@ result (``KVCache.decode``, a ``DecodeGraph`` step) are timed whole, host to hos
 
 Only the public API (and the PyTorch token step, ``torch_baseline.torch_step_us``, which
 older releases have as ``bench_decode._torch_step_us``) is used, so the same file times an
-older release: ``python bench_host.py`` with this file copied out and that release installed.
+older release: ``python host.py`` with this file copied out and that release installed.
 """
 
 from __future__ import annotations
