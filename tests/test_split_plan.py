@@ -14,12 +14,14 @@ import pytest
 from ferrox_driver.apps.bench import decode as bench_decode
 from ferrox_driver.apps.bench import harness as bench_harness
 from ferrox_driver.apps.bench import report as bench_report
+from ferrox_driver.decode import launches
 from ferrox_driver.decode import plan as attention
 from ferrox_driver.driver import compiler
 from ferrox_driver.driver.compiler import compile_source
 from ferrox_driver.errors import CudaError
 from ferrox_driver.kernels import traits as kernel_traits
 from ferrox_driver.kernels.catalogue import kernel_source
+from ferrox_driver.kernels.spec import MMA_HEAD_DIMS, SPLIT_FILE, KernelSpec
 
 L2_BYTES = 60 * 2**20  # H200
 MAX_BLOCK_SHARED = 227 * 1024  # sm_90 opt-in limit per block
@@ -66,28 +68,29 @@ def test_tensor_core_kernels_fit_one_block_per_multiprocessor():
     program = compile_source(kernel_source("gqa_decode_split.cu"), arch="sm_90")
     a = attention
     kernels = [
-        (f"gqa_split_mma_f16_d{d}", d, 2, a.MMA_WARPS[d], a.MMA_RESERVE_STAGES[d], 16)
-        for d in a.MMA_HEAD_DIMS
+        (KernelSpec("mma", "f16", d), d, 2, a.MMA_WARPS[d], a.MMA_RESERVE_STAGES[d], 16)
+        for d in MMA_HEAD_DIMS
     ] + [
-        (f"gqa_split_tc32_f32_d{d}", d, 4, a.TC32_WARPS[d], reserve, a.TC32_TOKENS[d])
+        (KernelSpec("tc32", "f32", d), d, 4, a.TC32_WARPS[d], reserve, a.TC32_TOKENS[d])
         for d, reserve in a.TC32_RESERVE_STAGES.items()
     ]
     # the wide cluster entries: 8 warps, their ring's own steps (no reserve beyond it)
     kernels += [
-        (f"gqa_split_mma_{t}_d128_wide", 128, 2, a.WIDE_WARPS, a.MMA_STAGES[128], 16)
+        (KernelSpec("mma", t, 128, wide=True, cluster=True), 128, 2, a.WIDE_WARPS,
+         a.MMA_STAGES[128], 16)
         for t in ("f16", "bf16")
-    ]
-    for name, head_dim, itemsize, warps, reserve, tokens in kernels:
+    ]  # fmt: skip
+    for spec, head_dim, itemsize, warps, reserve, tokens in kernels:
         # the launch's shared memory: the reserve (at least the ring's steps)
-        plan = a.SplitPlan(name, True, 1, 32, 1, 32 * warps, stages=reserve, step_tokens=tokens)
+        plan = a.SplitPlan(spec, 1, 32, 1, 32 * warps, stages=reserve, step_tokens=tokens)
         # and the cluster entry, whose receive area comes on top of the ring
-        clustered = dataclasses.replace(plan, kernel=f"{name}_cluster", splits=16, cluster=16)
+        clustered = dataclasses.replace(plan, spec=spec.but(cluster=True), splits=16, cluster=16)
         recv = a.cluster_recv_bytes(head_dim)
         assert (
             clustered.shared_bytes(head_dim, itemsize)
             == plan.shared_bytes(head_dim, itemsize) + recv
         )
-        wide = name.endswith("_wide")  # only a cluster entry
+        wide = spec.wide  # only a cluster entry
         for p in (clustered,) if wide else (plan, clustered):
             dynamic = p.shared_bytes(head_dim, itemsize)
             static = program.resources[p.kernel].shared_bytes
@@ -112,9 +115,7 @@ def test_the_cluster_receive_area_holds_every_blocks_share_of_the_output():
 def test_the_hosts_receive_area_is_the_kernels():
     """cluster_recv_bytes repeats FX_RECV_FLOATS (a macro of head_dim, which kernel_define
     cannot read); a kernel given less traps, so the two must not drift apart."""
-    match = re.search(
-        r"^#define FX_RECV_FLOATS\(D\) (.+)$", kernel_source(attention.SPLIT_FILE), re.M
-    )
+    match = re.search(r"^#define FX_RECV_FLOATS\(D\) (.+)$", kernel_source(SPLIT_FILE), re.M)
     assert match, "FX_RECV_FLOATS(D) is not defined on one line"
     for head_dim in attention.MMA_HEAD_DIMS:
         expr = match[1].replace("FX_MAX_CLUSTER", str(attention.MAX_CLUSTER))
@@ -274,7 +275,7 @@ def test_the_head_dim_128_launch_reserves_more_shared_memory_than_its_ring():
     a = attention
     assert a.MMA_STAGES[128] < a.MMA_RESERVE_STAGES[128]
     plan = a.SplitPlan(
-        "gqa_split_mma_bf16_d128", True, 1, 32, 16, 32 * a.MMA_WARPS[128],
+        KernelSpec("mma", "bf16", 128), 1, 32, 16, 32 * a.MMA_WARPS[128],
         stages=a.MMA_STAGES[128], reserve_stages=a.MMA_RESERVE_STAGES[128],
     )  # fmt: skip
     ring = a.MMA_WARPS[128] * a.MMA_STAGES[128] * 16 * 2 * 128 * 2
@@ -282,7 +283,7 @@ def test_the_head_dim_128_launch_reserves_more_shared_memory_than_its_ring():
     assert 2 * (plan.shared_bytes(128, 2) + 1024) > 228 * 1024
     # the cluster entry's receive area comes past the reserve (the kernel finds it past its
     # ring, inside what is reserved)
-    clustered = dataclasses.replace(plan, kernel=f"{plan.kernel}_cluster", cluster=8)
+    clustered = dataclasses.replace(plan, spec=plan.spec.but(cluster=True), cluster=8)
     assert clustered.shared_bytes(128, 2) == plan.shared_bytes(128, 2) + a.cluster_recv_bytes(128)
     # a deeper ring than the reserve takes what the ring needs
     deep = dataclasses.replace(plan, stages=a.MMA_RESERVE_STAGES[128] + 2)
@@ -290,22 +291,22 @@ def test_the_head_dim_128_launch_reserves_more_shared_memory_than_its_ring():
 
 
 def test_cuda_core_plans_need_no_dynamic_shared_memory():
-    plan = attention.SplitPlan("gqa_split_f32_g4_vec", False, 2, 16, 8)
+    plan = attention.SplitPlan(KernelSpec("generic", "f32", heads_per_block=4, vec=True), 2, 16, 8)
     assert plan.shared_bytes(128, 4) == 0
 
 
 def test_only_plans_with_a_combine_kernel_need_scratch():
-    plan = attention.SplitPlan("gqa_split_mma_bf16_d128", True, 1, 32, 16, stages=4)
+    plan = attention.SplitPlan(KernelSpec("mma", "bf16", 128), 1, 32, 16, stages=4)
     assert plan.workspace_floats(32, 128) == 32 * 16 * (128 + 2)  # partials, maxima, sums
-    clustered = dataclasses.replace(plan, kernel=f"{plan.kernel}_cluster", splits=8, cluster=8)
+    clustered = dataclasses.replace(plan, spec=plan.spec.but(cluster=True), splits=8, cluster=8)
     assert clustered.workspace_floats(32, 128) == 0  # the partials stay on chip
 
 
 def test_only_plans_with_a_combine_kernel_name_one():
-    plan = attention.SplitPlan("gqa_split_mma_bf16_d128", True, 1, 32, 16, stages=4)
+    plan = attention.SplitPlan(KernelSpec("mma", "bf16", 128), 1, 32, 16, stages=4)
     assert plan.combine_kernel(ml_dtypes.bfloat16) == "gqa_split_combine_bf16"
     assert plan.combine_kernel(np.float32) == "gqa_split_combine_f32"
-    clustered = dataclasses.replace(plan, kernel=f"{plan.kernel}_cluster", splits=8, cluster=8)
+    clustered = dataclasses.replace(plan, spec=plan.spec.but(cluster=True), splits=8, cluster=8)
     assert clustered.combine_kernel(ml_dtypes.bfloat16) is None
 
 
@@ -418,62 +419,56 @@ def test_traits_read_from_a_device_ask_the_driver_once_per_kernel(monkeypatch):
         context_handle, arch, compute_capability, multiprocessor_count = -7, "sm_90", (9, 0), 132
         max_shared_per_block_optin = 227 * 1024 - 5
 
-    monkeypatch.setattr(attention, "split_kernel", lambda name, device: FakeKernel(name))
-    traits = attention._read_traits(FakeDevice())
+    monkeypatch.setattr(launches, "split_kernel", lambda spec, device: FakeKernel(spec.name))
+    traits = launches.device_traits(FakeDevice())
     assert traits.tuning is attention.TUNING["sm_90"] and traits.multiprocessor_count == 132
     assert traits.shared_per_block == 227 * 1024 - 5  # the device's own limit
-    assert traits.blocks_per_sm("k", 128, 0) == traits.blocks_per_sm("k", 128, 0) == 1
-    assert traits.active_clusters("k", 16, 128, 0) == 0  # refused: none resident
-    assert traits.active_clusters("k", 8, 128, 0) == traits.active_clusters("k", 8, 128, 0) == 15
-    assert asked == [("blocks", "k"), ("clusters", "k", 16), ("clusters", "k", 8)]
+    k = KernelSpec("mma", "bf16", 128)
+    assert traits.blocks_per_sm(k, 128, 0) == traits.blocks_per_sm(k, 128, 0) == 1
+    assert traits.active_clusters(k, 16, 128, 0) == 0  # refused: none resident
+    assert traits.active_clusters(k, 8, 128, 0) == traits.active_clusters(k, 8, 128, 0) == 15
+    n = k.name
+    assert asked == [("blocks", n), ("clusters", n, 16), ("clusters", n, 8)]
+    assert launches.device_traits(FakeDevice()) is traits  # once per context
 
 
 def test_features_take_the_plans_of_the_decode_without_them():
     traits, bf16 = _traits(), np.dtype(ml_dtypes.bfloat16)
-    bits = attention.F_WINDOW | attention.F_SINKS | attention.F_CAP
+    bits = kernel_traits.F_WINDOW | kernel_traits.F_SINKS | kernel_traits.F_CAP
     # the wide plan and the clusters, with the features compiled in (the cluster's merge
     # applies the sinks and the LSE)
     p = attention.plan(traits, bf16, 32, 8, 128, 32768, features=bits)
     wide = f"gqa_split_mma_bf16_d128_wide_x{bits}_cluster"
     assert (p.kernel, p.cluster, p.features) == (wide, 8, bits)
-    assert attention.split_entry(wide) == f"FX_MMA_WIDE_FEAT_ENTRY({wide}, fx_bf16, {bits})"
-    clustered = attention.plan(traits, bf16, 64, 8, 128, 512, features=attention.F_LSE)
+    assert p.spec.entry == f"FX_MMA_WIDE_FEAT_ENTRY({wide}, fx_bf16, {bits})"
+    clustered = attention.plan(traits, bf16, 64, 8, 128, 512, features=kernel_traits.F_LSE)
     assert clustered.kernel == "gqa_split_mma_bf16_d128_x16_cluster" and clustered.cluster == 8
     # where the chunks do not fit clusters: the combine kernel applies window, sinks, LSE
     p = attention.plan(traits, bf16, 28, 4, 128, 4096, features=bits)
     assert (p.kernel, p.cluster) == (f"gqa_split_mma_bf16_d128_x{bits}", 0)
     assert p.combine_kernel(bf16) == "gqa_split_combine_bf16_x9"  # window + sinks
-    cap_only = attention.plan(traits, bf16, 28, 4, 128, 4096, features=attention.F_CAP)
+    cap_only = attention.plan(traits, bf16, 28, 4, 128, 4096, features=kernel_traits.F_CAP)
     assert cap_only.combine_kernel(bf16) == "gqa_split_combine_bf16"
     # fp32 with features: no clusters (its cluster kernels take none)
-    f32 = attention.plan(traits, np.float32, 64, 8, 128, 512, features=attention.F_LSE)
+    f32 = attention.plan(traits, np.float32, 64, 8, 128, 512, features=kernel_traits.F_LSE)
     assert (f32.kernel, f32.cluster) == ("gqa_split_tc32_f32_d128_x16", 0)
-    tiled = attention.plan(traits, bf16, 16, 1, 96, 4096, features=attention.F_LSE)
+    tiled = attention.plan(traits, bf16, 16, 1, 96, 4096, features=kernel_traits.F_LSE)
     assert tiled.kernel == "gqa_split_mma_bf16_d128_r96_t2_x16"
-    assert attention.split_entry(tiled.kernel) == (
+    assert tiled.spec.entry == (
         "FX_MMA_FEAT_ENTRY(gqa_split_mma_bf16_d128_r96_t2_x16, fx_bf16, 128, 96, true, 16)"
     )
-    assert attention.split_entry("gqa_split_combine_f16_x25") == (
-        "FX_COMBINE_FEAT_ENTRY(gqa_split_combine_f16_x25, fx_half, 25)"
+    assert p.combine_spec(bf16).entry == (
+        "FX_COMBINE_FEAT_ENTRY(gqa_split_combine_bf16_x9, fx_bf16, 9)"
     )
-    for bad in ("gqa_split_combine_f16_x2", "gqa_split_mma_bf16_d128_cluster_x1",
-                "gqa_split_mma_bf16_d128_wide_cluster_x1", "gqa_split_mma_bf16_d128_x128",
-                "gqa_split_tc32_f32_d128_cluster_x1", "gqa_split_tc32_f32_d128_x1_cluster",
-                "gqa_split_mma_bf16_d128_wide_x1", "gqa_split_combine_f16_x8_cluster"):  # fmt: skip
-        with pytest.raises(ValueError, match="has no kernel"):
-            attention.split_entry(bad)
     # every kernel family takes them: fp32 on tensor cores, other head_dims on CUDA cores
-    lse = attention.F_LSE
+    lse = kernel_traits.F_LSE
     assert attention.plan(traits, np.float32, 32, 8, 128, 4096, features=lse).kernel == (
         "gqa_split_tc32_f32_d128_x16"
     )
     odd = attention.plan(traits, bf16, 32, 8, 100, 4096, features=lse)
     assert odd.kernel == "gqa_split_bf16_g4_any_x16"
-    assert attention.split_entry(odd.kernel) == (
+    assert odd.spec.entry == (
         "FX_GENERIC_FEAT_ENTRY(gqa_split_bf16_g4_any_x16, fx_bf16, 4, false, 16)"
-    )
-    assert attention.split_entry("gqa_split_tc32_f32_d256_x63") == (
-        "FX_TC32_FEAT_ENTRY(gqa_split_tc32_f32_d256_x63, 256, 63)"
     )
     assert attention.plan(traits, bf16, 32, 8, 128, 32768).features == 0  # none: as before
 
@@ -512,7 +507,10 @@ def test_head_dims_pair_their_kv_heads_where_measured_to_pay():
     assert "_p2" not in kernel((12, 3, 40), 131072)
     assert "_p2" not in kernel((72, 8, 40), 131072)
     assert "_p2" not in kernel((32, 8, 40), 131072, np.dtype(np.float32))
-    assert kernel((32, 8, 40), 131072, features=attention.F_LSE) == "gqa_split_mma_bf16_d64_r40_x16"
+    assert (
+        kernel((32, 8, 40), 131072, features=kernel_traits.F_LSE)
+        == "gqa_split_mma_bf16_d64_r40_x16"
+    )
     never = attention.Overrides(paired=False)
     assert kernel((32, 8, 40), 131072, overrides=never) == "gqa_split_mma_bf16_d64_r40"
     # paired=True (FERROX_PAIRED=1): wherever the kernels can
@@ -520,7 +518,7 @@ def test_head_dims_pair_their_kv_heads_where_measured_to_pay():
     assert kernel((32, 8, 40), 512, overrides=always) == "gqa_split_mma_bf16_d128_r80_p2"
     assert kernel((32, 8, 128), 512, overrides=always) == "gqa_split_mma_bf16_d256_r256_p2"
     assert kernel((64, 8, 48), 512, overrides=always) == "gqa_split_mma_bf16_d128_r96_p2_t2"
-    assert attention.split_entry("gqa_split_mma_bf16_d128_r80_p2") == (
+    assert p.spec.entry == (
         "FX_MMA_PAIR_ENTRY(gqa_split_mma_bf16_d128_r80_p2, fx_bf16, 128, 80, false)"
     )
 
