@@ -10,7 +10,8 @@ from __future__ import annotations
 from ._version import __version__ as __version__
 from .cache.device_ops import gqa_decode_async, kv_append_async
 from .cache.graphs import DecodeGraph, LayerDecodeGraph
-from .cache.kv_cache import KVCache, LayerKVCache
+from .cache.kv_cache import KVCache
+from .cache.layers import LayerKVCache
 from .cache.resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
 from .decode.eager import gqa_decode
 from .decode.fp8 import quantize_fp8

@@ -94,7 +94,7 @@ def _decode_checked(kv, q, n_heads, **features):
     """kv.decode(q) with the decoder's device output poisoned (NaN) before the kernels run,
     against the float64 reference of the dequantized cache."""
     kv.decode(q, n_heads=n_heads, **features)  # makes the decoder
-    decoders = [*kv._decoders.values(), *kv._feature_decoders.values()]
+    decoders = [*kv._decoders.values(), *kv.feature_decoders.values()]
     for dec in decoders:
         dec.out_dev.fill_bytes(0xFF, kv.stream)
     got = kv.decode(q, n_heads=n_heads, **features)

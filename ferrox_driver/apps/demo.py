@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cache.graphs import DecodeGraph, LayerDecodeGraph
-from ..cache.kv_cache import LayerKVCache
+from ..cache.layers import LayerKVCache
 from ..decode.checks import SUPPORTED_DTYPES
 from ..decode.plan import SplitPlan
 from ..decode.reference import reference_gqa_decode

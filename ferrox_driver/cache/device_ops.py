@@ -14,23 +14,25 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels import abi
-from ..decode.checks import check_dims, dtype_name
+from ..decode.checks import check_dims, dtype_name, q_heads
 from ..decode.features import check_features
 from ..decode.fp8 import ROW_DTYPES, quantize_kernel
 from ..decode.pair import decode_async_pair, feature_array, q_heads_of
 from ..decode.plan import check_algorithm
-from ..driver.calls import capture_keep
-from ..driver.calls import capture_state as _capture_state
-from ..driver.graph import keep_for_capture, stream_capturing
 from ..driver.interop import ArrayRef, array_ref
 from ..driver.launch import LaunchSequence, PackedLaunch
 from ..driver.memory import DeviceArray
+from ..driver.pool import output_pool
+from ..driver.pool import stream_buffer as _stream_buffer
 from ..driver.stream import Stream, call_stream, stream_handle, stream_key
+from ..kernels import abi
 from ..types import DeviceArrayLike, StreamLike
-from .kv_cache import KVCache, append_kernel
+from .host_decode import check_q_dtype_of
+from .kv_cache import KVCache, append_kernel, check_cache
 
-__all__ = ["gqa_decode_async", "kv_append_async"]
+__all__ = ["decode_device", "gqa_decode_async", "kv_append_async"]
+
+_F32 = np.dtype(np.float32)
 
 APPEND_THREADS = 256
 
@@ -60,14 +62,6 @@ def _operand(obj: Any, name: str, size: int, kv: KVCache, dtype: Any = None) -> 
     if not contiguous:
         raise ValueError(f"{name}: must be C-contiguous, got a strided view of shape {shape}")
     return ptr
-
-
-def _check_cache(kv: Any) -> KVCache:
-    if not isinstance(kv, KVCache):
-        raise TypeError(f"kv: expected a ferrox_driver.KVCache, got {type(kv).__name__}")
-    if kv._closed or kv.stream._closed:
-        kv._check_open()
-    return kv
 
 
 def _fp8_dtype(obj: Any, name: str, allowed: Sequence[np.dtype]) -> np.dtype:
@@ -105,35 +99,6 @@ def _signature(ref: ArrayRef | None) -> tuple[Any, ...] | None:
     return None if ref is None else (ref[1], ref[2], ref[3], ref[4])
 
 
-def _length_for_device_work(
-    kv: KVCache, sid: int, foreign: bool, a: ArrayRef, b: ArrayRef, objs: tuple[Any, Any]
-) -> bool:
-    """Bring the device's length up to date for work queued now on stream ``sid``; inside a
-    capture, keep the cache and the operands ``a``, ``b`` (read from ``objs``) with the
-    graph (see KVCache.device_length_for). Returns whether the work is captured."""
-    kv.device.activate()  # this thread's context current before any driver call
-    ours = getattr(_capture_state, "depth", 0)
-    if ours or (foreign and stream_capturing(sid)):
-        owners = (objs[0] if a[5] is None else a[5], objs[1] if b[5] is None else b[5])
-        keep_for_capture(sid, foreign, kv, *owners)
-        kv.device_length_for(True)
-        return True
-    if not kv._device_seq_current:
-        kv.device_length()
-    return False
-
-
-class _AppendsTo:
-    """Kept by a ferrox graph that appends to ``kv``: each launch of it tells the cache
-    that its length changed on the device (see GraphExec.launch)."""
-
-    def __init__(self, kv: KVCache) -> None:
-        self.kv = kv
-
-    def _on_graph_launch(self) -> None:
-        self.kv.mark_device_appends()
-
-
 def kv_append_async(
     kv: KVCache, k_dev: DeviceArrayLike, v_dev: DeviceArrayLike, *, stream: StreamLike
 ) -> None:
@@ -156,25 +121,22 @@ def kv_append_async(
             handle) to queue on; None: PyTorch's current stream for a PyTorch ``k_dev``,
             else the legacy default stream.
     """
-    kv = _check_cache(kv)
+    kv = check_cache(kv)
     kr, vr = array_ref(k_dev, "k_dev"), array_ref(v_dev, "v_dev")
     stream = call_stream(stream, k_dev)
     sid = stream_key(stream)
     key = (sid, _signature(kr), _signature(vr))
-    with kv._lock:
-        appender = kv._appenders.get(key)
+    with kv.lock:
+        appender = kv.appenders.get(key)
         if appender is None:  # checked once per signature
             rows = _fp8_dtype(k_dev, "k_dev", ROW_DTYPES) if kv.fp8 else None
             _operand(k_dev, "k_dev", kv.row_elems, kv, rows)
             _operand(v_dev, "v_dev", kv.row_elems, kv, rows)
             foreign = sid != 0 and not isinstance(stream, Stream)
-            appender = kv._appenders[key] = _Appender(kv, stream_handle(sid), foreign, rows)
+            appender = kv.appenders[key] = _Appender(kv, stream_handle(sid), foreign, rows)
         assert kr is not None and vr is not None  # _operand refused host arrays
-        captured = _length_for_device_work(kv, sid, appender.foreign, kr, vr, (k_dev, v_dev))
-        if captured and not capture_keep(_AppendsTo(kv)):  # a graph ferrox cannot see run
-            kv._graph_appends = True
-        appender.sequence.run((kr[0], vr[0]))
-        kv._host_seq_valid = False
+        kv.queue_append(appender.sequence.run, kr[0], vr[0], sid, appender.foreign, kr, vr,
+                        (k_dev, v_dev))  # fmt: skip
 
 
 def gqa_decode_async(
@@ -247,7 +209,7 @@ def gqa_decode_async(
             "seq_len, kv_layout: only with a (k_cache, v_cache) pair; a KVCache keeps its "
             "own length and layout"
         )
-    kv = _check_cache(kv)
+    kv = check_cache(kv)
     if not (
         out_lse is None and sliding_window is None and logits_soft_cap is None
         and sinks is None and alibi_slopes is None and scale is None
@@ -263,9 +225,9 @@ def gqa_decode_async(
     sid = stream_key(stream)
     aligned = qr is not None and outr is not None and ((qr[0] | outr[0]) & 15) == 0
     key = (n_heads, algorithm, sid, _signature(qr), _signature(outr), aligned)
-    with kv._lock:
+    with kv.lock:
         try:
-            entry = kv._async_records.get(key)
+            entry = kv.async_records.get(key)
         except TypeError:  # an unhashable argument, which the checks name
             entry = None
         if entry is None:  # checked once per signature
@@ -282,11 +244,10 @@ def gqa_decode_async(
                 q_view, out_view, n_heads, algorithm, stream, length_on_device=True
             )
             foreign = sid != 0 and not isinstance(stream, Stream)
-            entry = kv._async_records[key] = (record, foreign)
+            entry = kv.async_records[key] = (record, foreign)
         assert qr is not None and outr is not None  # _operand refused host arrays
         record, foreign = entry
-        _length_for_device_work(kv, sid, foreign, qr, outr, (q_dev, out_dev))
-        record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
+        kv.queue_decode(record.run, qr[0], outr[0], sid, foreign, qr, outr, (q_dev, out_dev))
 
 
 def _q_dtype(q_dev: Any, kv: KVCache, algorithm: str) -> np.dtype:
@@ -294,7 +255,7 @@ def _q_dtype(q_dev: Any, kv: KVCache, algorithm: str) -> np.dtype:
     if not kv.fp8:
         return kv.dtype
     qdt = _fp8_dtype(q_dev, "q_dev", ROW_DTYPES[1:])
-    return kv._q_dtype_for(qdt, algorithm)
+    return kv.q_dtype_for(qdt, algorithm)
 
 
 def _decode_async_features(
@@ -319,7 +280,7 @@ def _decode_async_features(
     sid = stream_key(stream)
     qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
     assert qr is not None and outr is not None
-    with kv._lock:
+    with kv.lock:
         q_view = DeviceArray._wrap(q, (size,), qdt, kv.device, None)
         out_view = DeviceArray._wrap(out, (size,), qdt, kv.device, None)
         record = kv.decode_record(
@@ -328,7 +289,53 @@ def _decode_async_features(
         )  # fmt: skip
         foreign = sid != 0 and not isinstance(stream, Stream)
         kept = tuple(x for x in (feats.sinks, feats.alibi_slopes, out_lse) if x is not None)
-        captured = _length_for_device_work(kv, sid, foreign, qr, outr, (q_dev, out_dev))
-        if captured and kept:
-            keep_for_capture(sid, foreign, *kept)
-        record.run((qr[0], kv._k_ptr, kv._v_ptr, outr[0], 0))
+        kv.queue_decode(record.run, qr[0], outr[0], sid, foreign, qr, outr, (q_dev, out_dev),
+                        kept)  # fmt: skip
+
+
+def decode_device(
+    kv: KVCache, q: Any, n_heads: Any, stream: Any, algorithm: Any, kw: dict[str, Any]
+) -> Any:
+    """KVCache.decode of a device q: checked, then `gqa_decode_async` into an output
+    block of the caller's stream's pool, on the cache's stream joined to the caller's
+    (``KVCache.join``); numpy sinks and slopes are copied into device buffers of the cache's
+    stream first."""
+    ref = array_ref(q, "q")
+    assert ref is not None  # (numpy arrays take the host path)
+    _, shape, dtype, ordinal, contiguous, _ = ref
+    if ordinal != kv.device.ordinal:
+        raise ValueError(f"q: on device {ordinal}, but the cache is on device {kv.device.ordinal}")
+    if not contiguous:
+        raise ValueError(f"q: must be C-contiguous, got a strided view of shape {shape}")
+    check_q_dtype_of(kv, dtype, check_algorithm(algorithm))
+    n_heads, _, _ = check_dims(q_heads(shape, kv.head_dim, n_heads), kv.n_kv_heads,
+                               kv.head_dim)  # fmt: skip
+    feats = check_features(n_heads, **kw)
+    sid = stream_key(call_stream(stream, q, ordinal))
+    with kv.lock:
+        kv.check_open()
+        kv.device.activate()
+        joined = kv.join(sid, "decode", "gqa_decode_async")
+        try:
+            nbytes = math.prod(shape) * dtype.itemsize
+            out = output_pool(kv.device, sid, nbytes).take(tuple(shape), dtype)
+            lse = None
+            if feats.return_lse:
+                lse = output_pool(kv.device, sid, 4 * n_heads).take((n_heads,), _F32)
+            per_head = {}
+            for role in ("sinks", "alibi_slopes"):
+                values = getattr(feats, role)
+                if isinstance(values, np.ndarray):  # into this cache stream's buffer
+                    buf = _stream_buffer(kv.device, kv.stream._handle_int, role, n_heads)
+                    buf.copy_from_host(values.astype(np.float32), kv.stream)
+                    values = buf
+                per_head[role] = values
+            gqa_decode_async(
+                q, kv, out, n_heads=n_heads, stream=kv.stream, algorithm=algorithm,
+                out_lse=lse, sliding_window=feats.sliding_window,
+                logits_soft_cap=feats.logits_soft_cap, scale=feats.scale, **per_head,
+            )  # fmt: skip
+        finally:
+            if joined:
+                kv.rejoin(sid)
+    return (out, lse) if lse is not None else out

@@ -19,10 +19,11 @@ from ..driver.calls import drv
 from ..driver.graph import GraphExec
 from ..driver.memory import DeviceArray, empty, pinned_empty, to_device
 from ..driver.stream import Stream, stream_handle
-from ..errors import ClosedError, KVCapacityError
+from ..errors import ClosedError
 from ..types import ArrayLike, DTypeLike
-from .device_ops import _check_cache, gqa_decode_async, kv_append_async
-from .kv_cache import KVCache, LayerKVCache
+from .device_ops import gqa_decode_async, kv_append_async
+from .kv_cache import KVCache, check_cache
+from .layers import LayerKVCache
 
 __all__ = ["DecodeGraph", "LayerDecodeGraph"]
 
@@ -109,12 +110,12 @@ class DecodeGraph:
         q_dtype: DTypeLike = None,
     ) -> None:
         self._closed = True  # until built
-        self.kv = _check_cache(kv)
+        self.kv = check_cache(kv)
         self.n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
         algorithm = check_algorithm(algorithm)
         # q, the rows and the result: the cache's dtype, or an fp8 cache's q_dtype (its rows
         # quantized on the device by the graph's append)
-        self.dtype = kv._q_dtype_for(q_dtype, algorithm)
+        self.dtype = kv.q_dtype_for(q_dtype, algorithm)
         feats = check_features(
             self.n_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
@@ -158,7 +159,7 @@ class DecodeGraph:
             "sliding_window": feats.sliding_window, "logits_soft_cap": feats.logits_soft_cap,
             "scale": feats.scale,
         }  # fmt: skip
-        with kv._lock:
+        with kv.lock:
             kv.synchronize()  # earlier eager work is done; the host seq_len is exact
             self._exec = self._capture(algorithm)
         self._exec_handle = self._exec.handle
@@ -173,10 +174,8 @@ class DecodeGraph:
         """Raise ClosedError when this graph, its cache or its stream was closed."""
         if self._closed:
             raise ClosedError("DecodeGraph")
-        kv = self.kv
-        if kv._closed:
-            raise ClosedError("DecodeGraph", "uses a KVCache that was closed")
-        if kv.stream._closed or self.stream._closed:
+        self.kv.check_open("DecodeGraph")
+        if self.stream._closed:
             raise ClosedError("DecodeGraph", "runs on a Stream that was closed")
 
     def _per_head(self, values: Any) -> Any:
@@ -189,26 +188,28 @@ class DecodeGraph:
 
     def _capture(self, algorithm: str) -> GraphExec:
         kv, s, h = self.kv, self.stream, self._h
-        eager_seq = kv._eager_seq  # this graph's launches bring the length up to date
         feats: dict[str, Any] = {k: v for k, v in self._features.items() if v is not None}
         for name, arr in (("sinks", self.sinks), ("alibi_slopes", self.alibi_slopes)):
             if arr is not None:
                 feats[name] = arr
-        # Load kernels and allocate scratch first: neither is capturable.
-        kv.prepare(self.n_heads, algorithm, return_lse=self._lse_d is not None,
-                   q_dtype=self.dtype if kv.fp8 else None, **feats)  # fmt: skip
-        with s.capture() as graph:
-            drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data, self._in_d.nbytes, h)
-            kv_append_async(kv, self._k_d, self._v_d, stream=s)
-            gqa_decode_async(
-                self._q_d, kv, self._out_d, n_heads=self.n_heads, stream=s, algorithm=algorithm,
-                out_lse=self._lse_d, **feats,
-            )  # fmt: skip
-            drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr, self._out_d.nbytes, h)
-            if self._lse_d is not None and self.lse is not None:
-                drv("cuMemcpyDtoHAsync", self.lse.ctypes.data, self._lse_d.ptr,
-                    self._lse_d.nbytes, h)  # fmt: skip
-        kv._eager_seq = eager_seq
+        # Load kernels and allocate scratch first: neither is capturable. Each launch brings
+        # the length up to date itself (appending_on_device).
+        with kv.replays_update_length():
+            kv.prepare(self.n_heads, algorithm, return_lse=self._lse_d is not None,
+                       q_dtype=self.dtype if kv.fp8 else None, **feats)  # fmt: skip
+            with s.capture() as graph:
+                drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data,
+                    self._in_d.nbytes, h)  # fmt: skip
+                kv_append_async(kv, self._k_d, self._v_d, stream=s)
+                gqa_decode_async(
+                    self._q_d, kv, self._out_d, n_heads=self.n_heads, stream=s,
+                    algorithm=algorithm, out_lse=self._lse_d, **feats,
+                )  # fmt: skip
+                drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr,
+                    self._out_d.nbytes, h)  # fmt: skip
+                if self._lse_d is not None and self.lse is not None:
+                    drv("cuMemcpyDtoHAsync", self.lse.ctypes.data, self._lse_d.ptr,
+                        self._lse_d.nbytes, h)  # fmt: skip
         graph.keep_alive(self._stage, self.out, self._in_d, self._out_d, kv, *self._owned,
                          *((self.lse,) if self.lse is not None else ()))  # fmt: skip
         exec_ = graph.instantiate()
@@ -222,10 +223,9 @@ class DecodeGraph:
             ClosedError: this graph, its cache or its stream was closed.
         """
         kv = self.kv
-        with kv._lock:
+        with kv.lock:
             self._check_open()
-            kv.device_length()
-            kv.mark_device_appends()
+            kv.appending_on_device()
             kv.device.activate()
             drv("cuGraphLaunch", self._exec_handle, self._h)
 
@@ -241,12 +241,6 @@ class DecodeGraph:
         if self.stream is not self.kv.stream:
             drv("cuStreamSynchronize", self._h)
         self.kv.synchronize()  # reads the device's length (and its overflow flag)
-
-    def _step_done(self, seq_len: int) -> None:
-        """After a replay ``__call__`` started at ``seq_len`` tokens, below the capacity: its
-        append cannot have overflowed, so the length is known without reading it."""
-        drv("cuStreamSynchronize", self._h)
-        self.kv._seq_len, self.kv._host_seq_valid = seq_len + 1, not self.kv._graph_appends
 
     def __call__(self, q: np.ndarray, k_tok: np.ndarray, v_tok: np.ndarray) -> np.ndarray:
         """Append ``k_tok``/``v_tok`` and decode ``q``: one graph launch, one sync.
@@ -274,17 +268,18 @@ class DecodeGraph:
                         f"{name}: expected a numpy array of {stage.size} {dt} elements, got "
                         f"{_got(arr)}"
                     )
-        with kv._lock:  # the staging and the result are this graph's: one step at a time
-            if self._closed or kv._closed or kv.stream._closed or self.stream._closed:
+        with kv.lock:  # the staging and the result are this graph's: one step at a time
+            if self._closed or self.stream._closed:
                 self._check_open()
-            seq = kv._seq_len if kv._host_seq_valid else kv.seq_len
-            if seq >= kv.capacity:
-                raise KVCapacityError(seq, kv.capacity)
+            seq = kv.length_for_step("DecodeGraph")  # (checks the cache open, not full)
             np.copyto(fq, q.reshape(-1))
             np.copyto(fk, k_tok.reshape(-1))
             np.copyto(fv, v_tok.reshape(-1))
-            self.launch()
-            self._step_done(seq)
+            kv.appending_on_device()  # (launch's body: the checks above are its own)
+            kv.device.activate()
+            drv("cuGraphLaunch", self._exec_handle, self._h)
+            drv("cuStreamSynchronize", self._h)
+            kv.replay_appended(seq)  # below the capacity: no overflow, the length is known
             return self.out.copy()
 
     step = __call__
@@ -293,7 +288,7 @@ class DecodeGraph:
         """Free the executable graph and the staging buffers; closing again does nothing."""
         if self._closed:
             return
-        with self.kv._lock:  # not while another thread runs a step
+        with self.kv.lock:  # not while another thread runs a step
             self._closed = True
             self._exec.close()
             for arr in (self._in_d, self._out_d, *self._owned):
@@ -389,7 +384,7 @@ class LayerDecodeGraph:
         }  # fmt: skip
         with contextlib.ExitStack() as locks:
             for kv in self.caches:
-                locks.enter_context(kv._lock)
+                locks.enter_context(kv.lock)
             for kv in self.caches:
                 kv.synchronize()  # earlier eager work is done; the host lengths are exact
             self._exec = self._capture()
@@ -405,18 +400,21 @@ class LayerDecodeGraph:
 
     def _capture(self) -> GraphExec:
         s, h = self.stream, self._h
-        eager = [kv._eager_seq for kv in self.caches]
-        for kv in self.caches:  # kernels and scratch first: neither is capturable
-            kv.prepare(self.n_heads, **self._features)
-        with s.capture() as graph:
-            drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data, self._in_d.nbytes, h)
-            for kv, (q_d, k_d, v_d, out_d) in zip(self.caches, self._layer_views, strict=True):
-                kv_append_async(kv, k_d, v_d, stream=s)
-                gqa_decode_async(q_d, kv, out_d, n_heads=self.n_heads, stream=s,
-                                 **self._features)  # fmt: skip
-            drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr, self._out_d.nbytes, h)
-        for kv, was in zip(self.caches, eager, strict=True):
-            kv._eager_seq = was
+        with contextlib.ExitStack() as modes:  # each replay brings the lengths up to date
+            for kv in self.caches:
+                modes.enter_context(kv.replays_update_length())
+            for kv in self.caches:  # kernels and scratch first: neither is capturable
+                kv.prepare(self.n_heads, **self._features)
+            with s.capture() as graph:
+                drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data,
+                    self._in_d.nbytes, h)  # fmt: skip
+                for kv, (q_d, k_d, v_d, out_d) in zip(self.caches, self._layer_views,
+                                                      strict=True):  # fmt: skip
+                    kv_append_async(kv, k_d, v_d, stream=s)
+                    gqa_decode_async(q_d, kv, out_d, n_heads=self.n_heads, stream=s,
+                                     **self._features)  # fmt: skip
+                drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr,
+                    self._out_d.nbytes, h)  # fmt: skip
         graph.keep_alive(self._stage, self.out, self._in_d, self._out_d, *self.caches,
                          *self._owned)  # fmt: skip
         exec_ = graph.instantiate()
@@ -432,10 +430,7 @@ class LayerDecodeGraph:
         if self._closed:
             raise ClosedError("LayerDecodeGraph")
         for kv in self.caches:
-            if kv._closed:
-                raise ClosedError("LayerDecodeGraph", "uses a KVCache that was closed")
-            if kv.stream._closed:
-                raise ClosedError("LayerDecodeGraph", "runs on a Stream that was closed")
+            kv.check_open("LayerDecodeGraph")
 
     def __call__(self, q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray) -> np.ndarray:
         """Append every layer's ``k_rows[i]``/``v_rows[i]`` and decode its ``q[i]``: one
@@ -463,23 +458,19 @@ class LayerDecodeGraph:
                 )
         with contextlib.ExitStack() as locks:
             for kv in self.caches:
-                locks.enter_context(kv._lock)
+                locks.enter_context(kv.lock)
             self._check_open()
-            seqs = [kv._seq_len if kv._host_seq_valid else kv.seq_len for kv in self.caches]
-            for kv, seq in zip(self.caches, seqs, strict=True):
-                if seq >= kv.capacity:
-                    raise KVCapacityError(seq, kv.capacity)
+            seqs = [kv.length_for_step("LayerDecodeGraph") for kv in self.caches]
             np.copyto(self.q, q.reshape(self.q.shape))
             np.copyto(self.k, k_rows.reshape(self.k.shape))
             np.copyto(self.v, v_rows.reshape(self.v.shape))
             for kv in self.caches:
-                kv.device_length()
-                kv.mark_device_appends()
+                kv.appending_on_device()
             self.caches[0].device.activate()
             drv("cuGraphLaunch", self._exec_handle, self._h)
             drv("cuStreamSynchronize", self._h)
             for kv, seq in zip(self.caches, seqs, strict=True):  # below capacity: no overflow
-                kv._seq_len, kv._host_seq_valid = seq + 1, not kv._graph_appends
+                kv.replay_appended(seq)
             return self.out.copy()
 
     step = __call__
@@ -490,7 +481,7 @@ class LayerDecodeGraph:
             return
         with contextlib.ExitStack() as locks:
             for kv in self.caches:
-                locks.enter_context(kv._lock)
+                locks.enter_context(kv.lock)
             self._closed = True
             self._exec.close()
             for arr in (self._in_d, self._out_d, *self._owned):

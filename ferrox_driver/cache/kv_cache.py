@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+from collections.abc import Iterator
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -38,12 +39,13 @@ from ..decode.fp8 import (
     check_scales,
     quantize_kernel,
 )
-from ..decode.pair import feature_key
 from ..decode.launches import allocate_scratch, parity_launches, plan_split, split_launches
+from ..decode.pair import feature_key
 from ..decode.plan import check_algorithm
 from ..decode.records import DecodeRecord
 from ..driver.calls import (
     SUCCESS,
+    capture_keep,
     check,
     driver_version,
     drv,
@@ -54,21 +56,19 @@ from ..driver.calls import (
 )
 from ..driver.calls import capture_state as _capture_state
 from ..driver.device import Device, resolve
-from ..driver.graph import stream_capturing
+from ..driver.graph import keep_for_capture, stream_capturing
 from ..driver.interop import array_ref
 from ..driver.launch import Kernel, PackedLaunch
-from ..driver.memory import DeviceArray, as_dtype, empty, pinned_empty
-from ..driver.pool import output_pool
+from ..driver.memory import DeviceArray, as_dtype, empty
 from ..driver.stream import Event, Stream, call_stream, stream_handle, stream_key
 from ..errors import ClosedError, FerroxError, KVCapacityError
 from ..kernels import abi
 from ..kernels.catalogue import get_kernel, split_kernel
 from ..types import ArrayLike, DeviceArrayLike, DeviceLike, DTypeLike, HostArrayLike, StreamLike
+from .host_decode import HostDecoder, check_q_dtype, decode_features
+from .staging import STAGING_SLOTS, StagingRing
 
-__all__ = ["KVCache", "LayerKVCache"]
-
-STAGING_SLOTS = 64
-SLOT_GROUP = 8  # staging slots per event
+__all__ = ["KVCache", "append_kernel", "check_cache", "check_kv_shape"]
 
 
 def check_kv_shape(n_kv_heads: Any, head_dim: Any) -> tuple[int, int]:
@@ -80,69 +80,6 @@ def check_kv_shape(n_kv_heads: Any, head_dim: Any) -> tuple[int, int]:
 def append_kernel(device: Device) -> Kernel:
     """The device-side append kernel (reads and bumps the device sequence length)."""
     return get_kernel("kv_cache.cu", "kv_append_row", device)
-
-
-class _HostDecoder:
-    """What ``KVCache.decode`` needs for one (n_heads, algorithm), made once: page-locked
-    staging for q and the result, their device copies, and the step (copy q in, decode
-    reading the length on the device, copy the result out) captured as one graph, so a
-    decode is one launch and one wait."""
-
-    def __init__(
-        self, kv: KVCache, n_heads: int, algorithm: str, feats: Any = None, q_dtype: Any = None
-    ) -> None:
-        shape = (n_heads * kv.head_dim,)
-        self.shapes = {shape, (n_heads, kv.head_dim), (1, n_heads, 1, kv.head_dim)}
-        self.q_dtype = qdt = kv.dtype if q_dtype is None else np.dtype(q_dtype)
-        nbytes = shape[0] * qdt.itemsize
-        self.q_stage = pinned_empty(shape, qdt)
-        self.out_stage = pinned_empty(shape, qdt)
-        self.q_dev = empty(shape, qdt, device=kv.device)
-        self.out_dev = empty(shape, qdt, device=kv.device)
-        # with features: page-locked staging and device copies of the per-head arrays (the
-        # call's sinks, slopes in; the LSE out), copied by the graph too
-        self.stages: dict[str, tuple[np.ndarray, DeviceArray]] = {}
-        features = None
-        if feats is not None:
-            for role, wanted in (("sinks", feats.sinks is not None),
-                                 ("alibi_slopes", feats.alibi_slopes is not None),
-                                 ("lse", feats.return_lse)):  # fmt: skip
-                if wanted:
-                    host = pinned_empty((n_heads,), np.float32)
-                    self.stages[role] = (host, empty((n_heads,), np.float32, device=kv.device))
-            dev = {role: pair[1] for role, pair in self.stages.items()}
-            features = abi.feature_args(
-                feats, kv.head_dim, slopes=dev.get("alibi_slopes"), sinks=dev.get("sinks"),
-                lse=dev.get("lse"),
-            )  # fmt: skip
-        record = kv.decode_record(
-            self.q_dev, self.out_dev, n_heads, algorithm, kv.stream, length_on_device=True,
-            features=features,
-        )  # fmt: skip
-        h = kv._h
-        with kv.stream.capture() as graph:
-            drv("cuMemcpyHtoDAsync", self.q_dev.ptr, self.q_stage.ctypes.data, nbytes, h)
-            for role in ("sinks", "alibi_slopes"):
-                if role in self.stages:
-                    host, dev_arr = self.stages[role]
-                    drv("cuMemcpyHtoDAsync", dev_arr.ptr, host.ctypes.data, host.nbytes, h)
-            record.run((self.q_dev.ptr, kv._k_ptr, kv._v_ptr, self.out_dev.ptr, 0))
-            drv("cuMemcpyDtoHAsync", self.out_stage.ctypes.data, self.out_dev.ptr, nbytes, h)
-            if "lse" in self.stages:
-                host, dev_arr = self.stages["lse"]
-                drv("cuMemcpyDtoHAsync", host.ctypes.data, dev_arr.ptr, host.nbytes, h)
-        graph.keep_alive(self.q_stage, self.out_stage, self.q_dev, self.out_dev, record,
-                         *(x for pair in self.stages.values() for x in pair))  # fmt: skip
-        self.exec = graph.instantiate()
-        graph.close()
-        self.launch_args = (self.exec.handle, h)
-
-    def close(self) -> None:
-        self.exec.close()
-        self.q_dev.close()
-        self.out_dev.close()
-        for _, dev_arr in self.stages.values():
-            dev_arr.close()
 
 
 _OK = SUCCESS
@@ -237,25 +174,16 @@ class KVCache:
         self.state.fill_bytes(0, self.stream)
         self._scales = scales  # the host's copy of kv_scales
         self.kv_scales: DeviceArray | None = None  # fp8: n_kv K scales, then n_kv V ones
-        if self.fp8:  # K and V of a slot side by side in the rows' dtype: one copy (_init_fp8)
-            self._stage_kv = pinned_empty((slots, 2 * self.row_elems * 4), np.uint8)
-            self._stage_k = self._stage_v = self._stage_kv
-        else:
-            self._stage_k = pinned_empty((slots, self.row_elems), self.dtype)
-            self._stage_v = pinned_empty((slots, self.row_elems), self.dtype)
-        self._stage_seq = pinned_empty((slots,), np.int32)
-        # Addresses computed once: numpy's .ctypes costs microseconds on every access.
-        self._stage_k_addr = self._stage_k.ctypes.data
-        self._stage_v_addr = self._stage_v.ctypes.data
-        self._stage_seq_addr = self._stage_seq.ctypes.data
-        # One event per group of slots, recorded after the group's last slot: a slot is
-        # reused only after every other slot was, so its group's event covers it.
-        self._group = min(SLOT_GROUP, slots)
-        n_groups = -(-slots // self._group)
-        self._group_events = [Event(timing=False, device=self.device) for _ in range(n_groups)]
-        self._group_busy = [False] * n_groups
-        self._slots = slots
-        self._next_slot = 0
+        # page-locked staging for host rows (an fp8 cache's K and V of a slot side by side,
+        # in the rows' dtype: one copy, see _init_fp8); bound once for the per-token path
+        ring = self._ring = StagingRing(slots, self.row_elems, None if self.fp8 else self.dtype,
+                                        self.device, self._h)  # fmt: skip
+        self._stage_k, self._stage_v, self._stage_seq = ring.k, ring.v, ring.seq
+        self._stage_k_addr, self._stage_v_addr = ring.k_addr, ring.v_addr
+        self._stage_seq_addr = ring.seq_addr
+        self._take_slot, self._done_slot = ring.take, ring.done
+        if self.fp8:
+            self._stage_kv = ring.kv
         self._seq_len = 0
         self._host_seq_valid = True
         self._device_seq_current = True  # state[0] == seq_len once queued work has run
@@ -266,15 +194,15 @@ class KVCache:
         self._workspaces: dict[int, DeviceArray] = {}
         self._outgrown: list[DeviceArray] = []  # graphs captured earlier may still write them
         self._records: dict[tuple[Any, ...], DecodeRecord] = {}
-        self._decoders: dict[tuple[int, str, np.dtype], _HostDecoder] = {}
-        self._feature_decoders: dict[tuple[Any, ...], _HostDecoder] = {}
-        self._appenders: dict[tuple[Any, ...], Any] = {}  # kv_append_async's packed launches
-        self._async_records: dict[tuple[Any, ...], tuple[DecodeRecord, bool]] = {}
+        self._decoders: dict[tuple[int, str, np.dtype], HostDecoder] = {}
+        self.feature_decoders: dict[tuple[Any, ...], HostDecoder] = {}  # (host_decode's)
+        self.appenders: dict[tuple[Any, ...], Any] = {}  # kv_append_async's packed launches
+        self.async_records: dict[tuple[Any, ...], tuple[DecodeRecord, bool]] = {}
         self._join_events: tuple[Event, Event] | None = None  # (made at a device call's join)
         self._closed = False
         # Appends, decodes and the state they share (length, staging ring, scratch) are
         # ordered by one lock: re-entrant, as a decode may synchronize to read the length.
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()  # (public: the device ops and graphs take it too)
         if self.fp8:
             self._init_fp8(slots)
         self.stream.synchronize()
@@ -331,16 +259,19 @@ class KVCache:
         """Whether ``close()`` was called (or the cache's stream was closed)."""
         return self._closed or self.stream._closed
 
-    def _check_open(self) -> None:
-        """Raise ClosedError when the cache, or the stream it runs on, was closed."""
+    def check_open(self, user: str = "") -> None:
+        """Raise ClosedError when the cache, or the stream it runs on, was closed; naming
+        ``user`` (``"DecodeGraph"``...), the object that uses the cache, where given."""
+        if self._closed and user:
+            raise ClosedError(user, "uses a KVCache that was closed")
         if self._closed:
             raise ClosedError("KVCache")
         if self.stream._closed:
-            raise ClosedError("KVCache", "runs on a Stream that was closed")
+            raise ClosedError(user or "KVCache", "runs on a Stream that was closed")
 
     def _resources(self) -> tuple[Any, ...]:
         """The device memory a graph that uses this cache must hold (see Graph)."""
-        self._check_open()
+        self.check_open()
         scales = () if self.kv_scales is None else (self.kv_scales,)
         arrays = (self._k, self._v, self.state, *scales, *self._workspaces.values(),
                   *self._outgrown)  # fmt: skip
@@ -352,7 +283,7 @@ class KVCache:
         """Tokens in the cache. After device-side appends (graphs, ``kv_append_async``)
         this waits for the cache's stream and reads the device counter."""
         if self._closed or self.stream._closed:
-            self._check_open()
+            self.check_open()
         if not self._host_seq_valid:
             self.synchronize()
         return self._seq_len
@@ -365,8 +296,8 @@ class KVCache:
                 written); the flag is cleared once reported.
             ClosedError: the cache or its stream was closed.
         """
-        with self._lock:
-            self._check_open()
+        with self.lock:
+            self.check_open()
             self.device_length()
             self.stream.synchronize()
             state = self.state.to_host(self.stream)
@@ -386,9 +317,9 @@ class KVCache:
     def device_length(self) -> DeviceArray:
         """The device copy of the length (``state``: [seq_len, overflow flag]), brought up
         to date on the cache's stream first; device work that reads it calls this."""
-        self._check_open()
+        self.check_open()
         if not self._device_seq_current:
-            with self._lock:
+            with self.lock:
                 if not self._device_seq_current:
                     self.device.activate()
                     self._queue_seq(self._take_slot(), self._seq_len)
@@ -405,7 +336,7 @@ class KVCache:
         """
         if not captured:
             return self.device_length()
-        self._check_open()
+        self.check_open()
         if not self._device_seq_current:
             raise FerroxError(
                 f"kv: {self._seq_len} tokens were appended on the host since the device's "
@@ -414,6 +345,91 @@ class KVCache:
             )
         self._eager_seq = True
         return self.state
+
+    # The work queued against the cache by others (device ops, graphs) keeps the length
+    # protocol through these methods; each does in one call what the per-token paths need.
+    def queue_append(
+        self, run: Any, k_ptr: int, v_ptr: int, sid: int, foreign: bool, kr: Any, vr: Any,
+        objs: tuple[Any, Any],
+    ) -> None:  # fmt: skip
+        """Queue ``run((k_ptr, v_ptr))``, a device-side append on stream ``sid`` (``foreign``:
+        another library's), after bringing the device's length up to date; inside a capture
+        keep the cache and the rows (refs ``kr``, ``vr`` of ``objs``) with the graph, and
+        from then on learn of the graph's replays (``_AppendsTo``) or, for a graph ferrox
+        cannot see run, never trust the host's length again. Called under ``lock``."""
+        self.device.activate()  # this thread's context current before any driver call
+        if getattr(_capture_state, "depth", 0) or (foreign and stream_capturing(sid)):
+            self._captured(sid, foreign, kr, vr, objs, ())
+            if not capture_keep(_AppendsTo(self)):  # a graph ferrox cannot see run
+                self._graph_appends = True
+        elif not self._device_seq_current:
+            self.device_length()
+        run((k_ptr, v_ptr))
+        self._host_seq_valid = False
+
+    def queue_decode(
+        self, run: Any, q_ptr: int, out_ptr: int, sid: int, foreign: bool, qr: Any, outr: Any,
+        objs: tuple[Any, Any], keep: tuple[Any, ...] = (),
+    ) -> None:  # fmt: skip
+        """Queue ``run`` of a decode record reading the length on the device (q at
+        ``q_ptr``, the result to ``out_ptr``) on stream ``sid``, after bringing the
+        device's length up to date; inside a capture keep the cache, q and out (refs
+        ``qr``, ``outr`` of ``objs``) and ``keep`` with the graph. Called under ``lock``."""
+        self.device.activate()  # this thread's context current before any driver call
+        if getattr(_capture_state, "depth", 0) or (foreign and stream_capturing(sid)):
+            self._captured(sid, foreign, qr, outr, objs, keep)
+        elif not self._device_seq_current:
+            self.device_length()
+        run((q_ptr, self._k_ptr, self._v_ptr, out_ptr, 0))
+
+    def _captured(
+        self, sid: int, foreign: bool, a: Any, b: Any, objs: tuple[Any, Any], keep: tuple[Any, ...]
+    ) -> None:
+        """Work on ``sid`` is being captured: the cache and the operands (refs ``a``, ``b``
+        of ``objs``: their owners where the refs name one) kept with the graph, and the
+        device's length kept current from now on (see ``device_length_for``)."""
+        owners = (objs[0] if a[5] is None else a[5], objs[1] if b[5] is None else b[5])
+        keep_for_capture(sid, foreign, self, *owners, *keep)
+        self.device_length_for(True)
+
+    def length_for_step(self, user: str) -> int:
+        """The length a host-ordered step that appends one token (a graph's replay) starts
+        at: the host's, or the device's where device work changed it.
+
+        Raises:
+            ClosedError: the cache or its stream was closed, naming ``user``.
+            KVCapacityError: the cache is full.
+        """
+        if self._closed or self.stream._closed:
+            self.check_open(user)
+        seq = self._seq_len if self._host_seq_valid else self.seq_len
+        if seq >= self.capacity:
+            raise KVCapacityError(seq, self.capacity)
+        return seq
+
+    def appending_on_device(self) -> None:
+        """Before a replay of a graph that appends on the device: the device's length
+        brought up to date, and the host's no longer trusted until known again."""
+        if not self._device_seq_current:
+            self.device_length()
+        self._host_seq_valid = False
+
+    def replay_appended(self, seq: int) -> None:
+        """After a synchronized replay that appended one token at ``seq`` (below the
+        capacity, so it cannot have overflowed): the length is ``seq + 1``, known without
+        reading the device (unless a graph ferrox cannot see appends too)."""
+        self._seq_len, self._host_seq_valid = seq + 1, not self._graph_appends
+
+    @contextlib.contextmanager
+    def replays_update_length(self) -> Iterator[None]:
+        """Around the capture of a graph whose every replay first brings the device's
+        length up to date itself (``appending_on_device``): the capture keeps it current at
+        every host append (``prepare``); after it, host appends defer that again as before."""
+        eager_seq = self._eager_seq
+        try:
+            yield
+        finally:
+            self._eager_seq = eager_seq
 
     @property
     def k(self) -> DeviceArray:
@@ -428,13 +444,13 @@ class KVCache:
     @property
     def k_buffer(self) -> DeviceArray:
         """The whole K buffer, (capacity, n_kv_heads, head_dim)."""
-        self._check_open()
+        self.check_open()
         return self._k
 
     @property
     def v_buffer(self) -> DeviceArray:
         """The whole V buffer, (capacity, n_kv_heads, head_dim)."""
-        self._check_open()
+        self.check_open()
         return self._v
 
     # -- writing -------------------------------------------------------------------
@@ -479,24 +495,6 @@ class KVCache:
                    "pass rows[0].transpose(0, 1).contiguous()" if sdpa else "")
             )  # fmt: skip
 
-    def _take_slot(self) -> int:
-        """The next staging slot, waited for when the ring has come round to it while its
-        copies may still be in flight; the group's event is recorded after its last slot
-        (by ``_done_slot``)."""
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % self._slots
-        group = slot // self._group
-        if slot % self._group == 0 and self._group_busy[group]:
-            self._group_events[group].synchronize()  # only when every slot is in flight
-            self._group_busy[group] = False
-        return slot
-
-    def _done_slot(self, slot: int) -> None:
-        if slot % self._group == self._group - 1 or slot == self._slots - 1:
-            group = slot // self._group
-            drv("cuEventRecord", self._group_events[group].handle, self._h)
-            self._group_busy[group] = True
-
     def _queue_seq(self, slot: int, seq_len: int) -> None:
         self._stage_seq[slot] = seq_len
         drv("cuMemcpyHtoDAsync", self.state.ptr, self._stage_seq_addr + 4 * slot, 4, self._h)
@@ -536,9 +534,9 @@ class KVCache:
             self._check_rows(v_tok, "v_tok", one=True)
         check_host_extent(k_tok, "k_tok")  # (views numpy made: one attribute read each)
         check_host_extent(v_tok, "v_tok")
-        with self._lock:
+        with self.lock:
             if self._closed or self.stream._closed:
-                self._check_open()
+                self.check_open()
             seq = self._seq_len if self._host_seq_valid else self.seq_len
             if seq >= self.capacity:
                 raise KVCapacityError(seq, self.capacity)
@@ -580,9 +578,9 @@ class KVCache:
             self._check_rows(v_tok, "v_tok", one=True)
         check_host_extent(k_tok, "k_tok")
         check_host_extent(v_tok, "v_tok")
-        with self._lock:
+        with self.lock:
             if self._closed or self.stream._closed:
-                self._check_open()
+                self.check_open()
             seq = self._seq_len if self._host_seq_valid else self.seq_len
             if seq >= self.capacity:
                 raise KVCapacityError(seq, self.capacity)
@@ -678,7 +676,7 @@ class KVCache:
             raise ValueError(
                 f"v_rows: expected {n} tokens like k_rows, got {v_rows.size // self.row_elems}"
             )
-        with self._lock:
+        with self.lock:
             seq = self.seq_len
             if seq + n > self.capacity:
                 raise KVCapacityError(seq, self.capacity, n)
@@ -706,7 +704,7 @@ class KVCache:
     ) -> None:
         """``append`` (``one``) or ``extend`` of device rows: checked, then copied (an fp8
         cache: quantized) device to device into tokens seq .. seq + n on the cache's
-        stream, joined to the caller's (``_join``)."""
+        stream, joined to the caller's (``join``)."""
         kr, vr = array_ref(k, names[0]), array_ref(v, names[1])
         if kr is None or vr is None:
             raise TypeError(
@@ -735,13 +733,13 @@ class KVCache:
         if kr[2] != vr[2]:
             raise TypeError(f"{names[1]}: expected {names[0]}'s dtype {kr[2]}, got {vr[2]}")
         sid = stream_key(call_stream(stream, k, kr[3]))
-        with self._lock:
+        with self.lock:
             if self._closed or self.stream._closed:
-                self._check_open()
+                self.check_open()
             if self._host_seq_valid and self._seq_len + n > self.capacity:  # (no join)
                 raise KVCapacityError(self._seq_len, self.capacity, *(() if one else (n,)))
             self.device.activate()
-            joined = self._join(sid, "append" if one else "extend", "kv_append_async")
+            joined = self.join(sid, "append" if one else "extend", "kv_append_async")
             try:
                 seq = self._seq_len if self._host_seq_valid else self.seq_len
                 if seq + n > self.capacity:
@@ -764,12 +762,12 @@ class KVCache:
                     self.device_length()
             finally:
                 if joined:
-                    self._rejoin(sid)
+                    self.rejoin(sid)
 
-    def _join(self, sid: int, call: str, instead: str) -> bool:
+    def join(self, sid: int, call: str, instead: str) -> bool:
         """Order the cache's stream after the work queued so far on the caller's stream
         ``sid`` (where the caller wrote the device arrays it passes); returns whether it
-        is another stream than the cache's (then ``_rejoin`` orders the caller's later
+        is another stream than the cache's (then ``rejoin`` orders the caller's later
         work after the cache's). Two events, recorded and waited on, no host waiting.
 
         Raises:
@@ -793,7 +791,7 @@ class KVCache:
         drv("cuStreamWaitEvent", self._h, ready, 0)
         return True
 
-    def _rejoin(self, sid: int) -> None:
+    def rejoin(self, sid: int) -> None:
         """Make the caller's stream ``sid`` wait for the work queued on the cache's."""
         assert self._join_events is not None
         done = self._join_events[1].handle
@@ -806,8 +804,8 @@ class KVCache:
         Raises:
             ClosedError: the cache or its stream was closed.
         """
-        with self._lock:
-            self._check_open()
+        with self.lock:
+            self.check_open()
             self.device.activate()
             self._seq_len = 0
             self._host_seq_valid = not self._graph_appends
@@ -819,7 +817,7 @@ class KVCache:
     def to_host(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the cached K and V, each (seq_len, n_kv_heads, head_dim), in the
         cache's dtype (an fp8 cache's: its bytes; ``dequantized`` scales them)."""
-        with self._lock:
+        with self.lock:
             seq = self.seq_len
             shape = (seq, self.n_kv_heads, self.head_dim)
             return self._k.view(shape).to_host(self.stream), self._v.view(shape).to_host(
@@ -862,8 +860,8 @@ class KVCache:
             new[:n] = check_scales(k_scale, n, "k_scale")
         if v_scale is not None:
             new[n:] = check_scales(v_scale, n, "v_scale")
-        with self._lock:
-            self._check_open()
+        with self.lock:
+            self.check_open()
             assert self.kv_scales is not None
             self.device.activate()
             self.stream.synchronize()  # (the copy below is from pageable memory)
@@ -983,8 +981,10 @@ class KVCache:
             FerroxError: a device q with ``stream`` being captured into a graph.
         """
         if not isinstance(q, np.ndarray):
-            return self._decode_device(
-                q, n_heads, stream, algorithm,
+            from .device_ops import decode_device  # (device_ops imports this module)
+
+            return decode_device(
+                self, q, n_heads, stream, algorithm,
                 dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                      sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse),
             )  # fmt: skip
@@ -994,14 +994,14 @@ class KVCache:
             sliding_window is None and logits_soft_cap is None and sinks is None
             and alibi_slopes is None and scale is None and return_lse is False
         ):  # fmt: skip
-            return self._decode_features(
-                q, n_heads, algorithm,
+            return decode_features(
+                self, q, n_heads, algorithm,
                 dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                      sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse),
             )  # fmt: skip
-        with self._lock:  # the staging and the result are the cache's: one decode at a time
+        with self.lock:  # the staging and the result are the cache's: one decode at a time
             if self._closed or self.stream._closed:
-                self._check_open()
+                self.check_open()
             qdt = q.dtype if self.fp8 and type(q) is np.ndarray else self.dtype
             try:
                 dec = self._decoders.get((n_heads, algorithm, qdt))
@@ -1010,12 +1010,12 @@ class KVCache:
             if dec is None:
                 n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
                 algorithm = check_algorithm(algorithm)
-                self._check_q_dtype(q, algorithm)
+                check_q_dtype(self, q, algorithm)
                 check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
-                dec = _HostDecoder(self, n_heads, algorithm, q_dtype=qdt)
+                dec = HostDecoder(self, n_heads, algorithm, q_dtype=qdt)
                 self._decoders[n_heads, algorithm, qdt] = dec
             if not (type(q) is np.ndarray and q.dtype == dec.q_dtype and q.shape in dec.shapes):
-                self._check_q_dtype(q, algorithm)
+                check_q_dtype(self, q, algorithm)
                 check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
             check_host_extent(q, "q")
             seq = self._seq_len if self._host_seq_valid else self.seq_len
@@ -1032,108 +1032,6 @@ class KVCache:
             if result[0] is not _OK:
                 check(result, "cuStreamSynchronize")
             return dec.out_stage.reshape(q.shape).copy()
-
-    def _check_q_dtype(self, q: Any, algorithm: str) -> None:
-        """q for a decode of this cache: a numpy array of the cache's dtype (an fp8
-        cache's: float16 or bfloat16; the split kernels only)."""
-        if not isinstance(q, np.ndarray):
-            raise TypeError(f"q: expected a numpy array, got {type(q).__name__}")
-        check_host_extent(q, "q")
-        self._check_q_dtype_of(q.dtype, algorithm)
-
-    def _check_q_dtype_of(self, dtype: np.dtype, algorithm: str) -> None:
-        if self.fp8:
-            if dtype not in ROW_DTYPES[1:]:
-                raise TypeError(
-                    f"q: expected float16 or bfloat16 for the {self.dtype} cache, got {dtype}"
-                )
-            if algorithm == "parity":
-                raise ValueError("algorithm: fp8 caches decode with the split kernels ('auto')")
-        elif dtype != self.dtype:
-            raise TypeError(f"q: expected dtype {self.dtype} (the cache's), got {dtype}")
-
-    def _decode_device(
-        self, q: Any, n_heads: Any, stream: Any, algorithm: Any, kw: dict[str, Any]
-    ) -> Any:
-        """KVCache.decode of a device q: checked, then `gqa_decode_async` into an output
-        block of the caller's stream's pool, on the cache's stream joined to the caller's
-        (``_join``); numpy sinks and slopes are copied into device buffers of the cache's
-        stream first."""
-        from ..driver.pool import stream_buffer as _stream_buffer
-        from .device_ops import gqa_decode_async
-
-        ref = array_ref(q, "q")
-        assert ref is not None  # (numpy arrays take the host path)
-        _, shape, dtype, ordinal, contiguous, _ = ref
-        if ordinal != self.device.ordinal:
-            raise ValueError(
-                f"q: on device {ordinal}, but the cache is on device {self.device.ordinal}"
-            )
-        if not contiguous:
-            raise ValueError(f"q: must be C-contiguous, got a strided view of shape {shape}")
-        self._check_q_dtype_of(dtype, check_algorithm(algorithm))
-        n_heads, _, _ = check_dims(q_heads(shape, self.head_dim, n_heads), self.n_kv_heads,
-                                   self.head_dim)  # fmt: skip
-        feats = check_features(n_heads, **kw)
-        sid = stream_key(call_stream(stream, q, ordinal))
-        with self._lock:
-            self._check_open()
-            self.device.activate()
-            joined = self._join(sid, "decode", "gqa_decode_async")
-            try:
-                nbytes = math.prod(shape) * dtype.itemsize
-                out = output_pool(self.device, sid, nbytes).take(tuple(shape), dtype)
-                lse = None
-                if feats.return_lse:
-                    lse = output_pool(self.device, sid, 4 * n_heads).take((n_heads,), _F32)
-                per_head = {}
-                for role in ("sinks", "alibi_slopes"):
-                    values = getattr(feats, role)
-                    if isinstance(values, np.ndarray):  # into this cache stream's buffer
-                        buf = _stream_buffer(self.device, self.stream._handle_int, role, n_heads)
-                        buf.copy_from_host(values.astype(np.float32), self.stream)
-                        values = buf
-                    per_head[role] = values
-                gqa_decode_async(
-                    q, self, out, n_heads=n_heads, stream=self.stream, algorithm=algorithm,
-                    out_lse=lse, sliding_window=feats.sliding_window,
-                    logits_soft_cap=feats.logits_soft_cap, scale=feats.scale, **per_head,
-                )  # fmt: skip
-            finally:
-                if joined:
-                    self._rejoin(sid)
-        return (out, lse) if lse is not None else out
-
-    def _decode_features(self, q: Any, n_heads: Any, algorithm: Any, kw: dict[str, Any]) -> Any:
-        """KVCache.decode with features: checked, then one launch of a graph made once per
-        (n_heads, algorithm, which features, their scalars) that copies q and the per-head
-        arrays in, decodes and copies the result (and the LSE) out."""
-        n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
-        algorithm = check_algorithm(algorithm)
-        if algorithm == "parity":
-            raise ValueError("algorithm: the features need the split kernels ('auto')")
-        feats = check_features(n_heads, **kw, allow_device=False)
-        self._check_q_dtype(q, algorithm)
-        check_q(ArrayInfo(q.shape, q.dtype, False), n_heads, self.head_dim)
-        key = (n_heads, algorithm, abi.feature_bits_of(feats), feats.sliding_window,
-               feats.logits_soft_cap, feats.scale, q.dtype)  # fmt: skip
-        with self._lock:
-            self._check_open()
-            dec = self._feature_decoders.get(key)
-            if dec is None:
-                dec = _HostDecoder(self, n_heads, algorithm, feats, q_dtype=q.dtype)
-                self._feature_decoders[key] = dec
-            self.device.activate()
-            np.copyto(dec.q_stage, q.reshape(-1))
-            for role, values in (("sinks", feats.sinks), ("alibi_slopes", feats.alibi_slopes)):
-                if values is not None:
-                    np.copyto(dec.stages[role][0], values)  # float64 -> float32
-            if not self._device_seq_current:
-                self.device_length()
-            check(_graph_launch(*dec.launch_args), "cuGraphLaunch")
-            check(_stream_sync(self._h), "cuStreamSynchronize")
-            out = dec.out_stage.reshape(q.shape).copy()
-            return (out, dec.stages["lse"][0].copy()) if feats.return_lse else out
 
     def decode_record(
         self,
@@ -1154,7 +1052,7 @@ class KVCache:
         window), so the eager path and graphs captured once chunk the sequence identically
         and agree bit for bit. ``features``: (F_* bits, abi.FeatureArgs), whose values
         the record keeps (a key of their own)."""
-        self._check_open()
+        self.check_open()
         aligned = ((q_dev.ptr | out_dev.ptr) & 15) == 0
         sid = stream_key(stream)
         bits, fargs = features if features is not None else (0, None)
@@ -1199,7 +1097,7 @@ class KVCache:
         length_on_device: bool = False,
     ) -> None:
         """Queue a decode of validated device arrays against this cache (no checks)."""
-        with self._lock:
+        with self.lock:
             record = self.decode_record(
                 q_dev, out_dev, n_heads, algorithm, stream, length_on_device=length_on_device
             )
@@ -1238,11 +1136,11 @@ class KVCache:
             sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
         )  # fmt: skip
         bits = abi.feature_bits_of(feats)
-        qdt = self._q_dtype_for(q_dtype, algorithm)
-        with self._lock:
+        qdt = self.q_dtype_for(q_dtype, algorithm)
+        with self.lock:
             self._prepare(n_heads, algorithm, bits, feats.sliding_window, qdt)
 
-    def _q_dtype_for(self, q_dtype: DTypeLike, algorithm: str) -> np.dtype:
+    def q_dtype_for(self, q_dtype: DTypeLike, algorithm: str) -> np.dtype:
         """The q dtype of this cache's decodes: its own, or an fp8 cache's ``q_dtype``
         (float16 or bfloat16, default bfloat16; the split kernels only)."""
         if not self.fp8:
@@ -1266,7 +1164,7 @@ class KVCache:
         self, n_heads: int, algorithm: str, bits: int = 0, window: int | None = None,
         q_dtype: np.dtype | None = None,
     ) -> None:  # fmt: skip
-        self._check_open()
+        self.check_open()
         qdt = self.dtype if q_dtype is None else q_dtype
         if self.fp8:
             quantize_kernel(self.fp8, self.device)  # (one module: every row dtype's kernel)
@@ -1320,7 +1218,7 @@ class KVCache:
         """Free the device buffers, the staging memory and (if its own) the stream, once
         queued work is done. Buffers a captured graph still uses are freed with the last
         such graph. Every later use raises `ClosedError`; closing again does nothing."""
-        with self._lock:
+        with self.lock:
             if self._closed:
                 return
             self._closed = True
@@ -1336,16 +1234,17 @@ class KVCache:
         fp8 = (self.kv_scales, self._dev_stage) if self.fp8 and self.kv_scales is not None else ()
         for arr in (self._k, self._v, self.state, *workspaces, *fp8):
             arr.close()
-        for dec in (*self._decoders.values(), *self._feature_decoders.values()):
+        for dec in (*self._decoders.values(), *self.feature_decoders.values()):
             dec.close()
         self._decoders.clear()
-        self._feature_decoders.clear()
+        self.feature_decoders.clear()
         self._records.clear()
-        self._appenders.clear()
-        self._async_records.clear()
+        self.appenders.clear()
+        self.async_records.clear()
         self._workspaces.clear()
         self._outgrown.clear()
-        for ev in (*self._group_events, *(self._join_events or ())):
+        self._ring.close()
+        for ev in self._join_events or ():
             ev.close()
         self._stage_k = self._stage_v = self._stage_seq = np.empty(0)
         if self._owns_stream:
@@ -1365,96 +1264,21 @@ class KVCache:
         )
 
 
-class LayerKVCache:
-    """One `KVCache` per layer, sharing one stream; memory allocated once.
+def check_cache(kv: Any) -> KVCache:
+    """``kv``, checked to be an open KVCache (the device ops' and graphs' first check)."""
+    if not isinstance(kv, KVCache):
+        raise TypeError(f"kv: expected a ferrox_driver.KVCache, got {type(kv).__name__}")
+    if kv._closed or kv.stream._closed:
+        kv.check_open()
+    return kv
 
-    Args:
-        n_layers: number of layers.
-        n_kv_heads: as `KVCache`.
-        head_dim: as `KVCache`.
-        capacity: as `KVCache`, per layer.
-        dtype: as `KVCache`.
-        device: as `KVCache`.
-        stream: the stream every layer uses (default: a stream of its own).
-    """
 
-    def __init__(
-        self,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        *,
-        dtype: DTypeLike = np.float32,
-        device: DeviceLike = None,
-        stream: Stream | None = None,
-    ) -> None:
-        n_layers = check_int(n_layers, "n_layers", 1)
-        check_kv_shape(n_kv_heads, head_dim)
-        check_int(capacity, "capacity", 1, MAX_TOKENS)
-        dtype = check_dtype(dtype, "dtype")
-        self.device = resolve(device)
-        self._owns_stream = stream is None
-        self.stream = Stream(self.device) if stream is None else stream
-        self.layers: list[KVCache] = []
-        try:
-            for _ in range(n_layers):
-                self.layers.append(
-                    KVCache(
-                        n_kv_heads,
-                        head_dim,
-                        capacity,
-                        dtype=dtype,
-                        device=self.device,
-                        stream=self.stream,
-                    )
-                )
-        except BaseException:
-            self.close()
-            raise
-        self.n_kv_heads, self.head_dim, self.capacity = n_kv_heads, head_dim, capacity
-        self.dtype = dtype
+class _AppendsTo:
+    """Kept by a ferrox graph that appends to ``kv``: each launch of it tells the cache
+    that its length changed on the device (see GraphExec.launch)."""
 
-    _closed = False
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
 
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` was called."""
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("LayerKVCache")
-
-    def __getitem__(self, layer: int) -> KVCache:
-        self._check_open()
-        return self.layers[layer]
-
-    def __len__(self) -> int:
-        self._check_open()
-        return len(self.layers)
-
-    def __iter__(self) -> Any:
-        self._check_open()
-        return iter(self.layers)
-
-    def clear(self) -> None:
-        """Clear every layer (a new sequence)."""
-        self._check_open()
-        for layer in self.layers:
-            layer.clear()
-
-    def close(self) -> None:
-        """Free every layer's memory (see `KVCache.close`); closing again does nothing."""
-        self._closed = True
-        for layer in self.layers:
-            layer.close()
-        self.layers = []
-        if self._owns_stream:
-            self.stream.close()
-
-    def __enter__(self) -> LayerKVCache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _on_graph_launch(self) -> None:
+        self.kv.mark_device_appends()

@@ -15,7 +15,7 @@ from ..decode.checks import MAX_TOKENS, check_dims, check_dtype, check_int
 from ..decode.eager import gqa_decode
 from ..errors import KVCapacityError
 from ..types import DTypeLike
-from .kv_cache import LayerKVCache
+from .layers import LayerKVCache
 
 __all__ = ["clear_layer_kv", "ensure_layer_kv", "gqa_decode_resident", "resident_layers"]
 

@@ -1,0 +1,111 @@
+"""LayerKVCache: one KVCache per layer of a model, sharing one stream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..decode.checks import MAX_TOKENS, check_dtype, check_int
+from ..driver.device import resolve
+from ..driver.stream import Stream
+from ..errors import ClosedError
+from ..types import DeviceLike, DTypeLike
+from .kv_cache import KVCache, check_kv_shape
+
+__all__ = ["LayerKVCache"]
+
+
+class LayerKVCache:
+    """One `KVCache` per layer, sharing one stream; memory allocated once.
+
+    Args:
+        n_layers: number of layers.
+        n_kv_heads: as `KVCache`.
+        head_dim: as `KVCache`.
+        capacity: as `KVCache`, per layer.
+        dtype: as `KVCache`.
+        device: as `KVCache`.
+        stream: the stream every layer uses (default: a stream of its own).
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        *,
+        dtype: DTypeLike = np.float32,
+        device: DeviceLike = None,
+        stream: Stream | None = None,
+    ) -> None:
+        n_layers = check_int(n_layers, "n_layers", 1)
+        check_kv_shape(n_kv_heads, head_dim)
+        check_int(capacity, "capacity", 1, MAX_TOKENS)
+        dtype = check_dtype(dtype, "dtype")
+        self.device = resolve(device)
+        self._owns_stream = stream is None
+        self.stream = Stream(self.device) if stream is None else stream
+        self.layers: list[KVCache] = []
+        try:
+            for _ in range(n_layers):
+                self.layers.append(
+                    KVCache(
+                        n_kv_heads,
+                        head_dim,
+                        capacity,
+                        dtype=dtype,
+                        device=self.device,
+                        stream=self.stream,
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.n_kv_heads, self.head_dim, self.capacity = n_kv_heads, head_dim, capacity
+        self.dtype = dtype
+
+    _closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("LayerKVCache")
+
+    def __getitem__(self, layer: int) -> KVCache:
+        self._check_open()
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        self._check_open()
+        return len(self.layers)
+
+    def __iter__(self) -> Any:
+        self._check_open()
+        return iter(self.layers)
+
+    def clear(self) -> None:
+        """Clear every layer (a new sequence)."""
+        self._check_open()
+        for layer in self.layers:
+            layer.clear()
+
+    def close(self) -> None:
+        """Free every layer's memory (see `KVCache.close`); closing again does nothing."""
+        self._closed = True
+        for layer in self.layers:
+            layer.close()
+        self.layers = []
+        if self._owns_stream:
+            self.stream.close()
+
+    def __enter__(self) -> LayerKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
