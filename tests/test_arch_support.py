@@ -20,12 +20,15 @@ import pytest
 
 import ferrox_driver as fd
 from ferrox_driver import archs
+from ferrox_driver.decode import launches
 from ferrox_driver.decode import plan as attention
 from ferrox_driver.driver import device as device_module
 from ferrox_driver.driver.compiler import KernelResources, compile_source, nvrtc_archs
 from ferrox_driver.driver.module_cache import get_program
 from ferrox_driver.errors import CompileError
 from ferrox_driver.kernels.catalogue import kernel_source
+from ferrox_driver.kernels.spec import SPLIT_FILE, KernelSpec
+from ferrox_driver.kernels.traits import F_LSE
 
 from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
 
@@ -81,9 +84,9 @@ def plans(traits: attention.DeviceTraits) -> Iterator[tuple[str, np.dtype, int, 
                 yield what, dtype, shape[2], found
 
 
-def _kernels(plan: attention.SplitPlan, dtype: np.dtype) -> list[str]:
-    combine = plan.combine_kernel(dtype)
-    return [plan.kernel, *([combine] if combine else [])]
+def _kernels(plan: attention.SplitPlan, dtype: np.dtype) -> list[KernelSpec]:
+    combine = plan.combine_spec(dtype)
+    return [plan.spec, *([combine] if combine else [])]
 
 
 def _static_bound(p: attention.SplitPlan, dtype: np.dtype, head_dim: int) -> int:
@@ -96,12 +99,15 @@ def _static_bound(p: attention.SplitPlan, dtype: np.dtype, head_dim: int) -> int
 OTHER_FILES = ("gqa_decode.cu", "kv_cache.cu", "merge_states.cu", "util.cu")
 
 
-def _compile(arch: str, names: list[str]) -> tuple[str, dict[str, KernelResources], float]:
+def _compile(
+    arch: str, kernels: list[KernelSpec] | list[str]
+) -> tuple[str, dict[str, KernelResources], float]:
     started = time.perf_counter()
-    if names[0] in OTHER_FILES:
-        resources = get_program(kernel_source(names[0]), arch=arch, name=names[0]).resources
+    first = kernels[0]
+    if isinstance(first, str):  # one of OTHER_FILES
+        resources = get_program(kernel_source(first), arch=arch, name=first).resources
     else:
-        resources = attention.split_program(names, arch).resources
+        resources = launches.split_program(kernels, arch).resources  # type: ignore[arg-type]
     return arch, resources, time.perf_counter() - started
 
 
@@ -109,15 +115,15 @@ def _compile(arch: str, names: list[str]) -> tuple[str, dict[str, KernelResource
 def compiled() -> dict[str, dict[str, KernelResources]]:
     """Every kernel the plans pick, per architecture, compiled once for it (in batches of
     entries over the CPUs: about a minute on two)."""
-    jobs: list[tuple[str, list[str]]] = []
+    jobs: list[tuple[str, list[KernelSpec] | list[str]]] = []
     for arch in archs.ARCHS:
-        entries: dict[str, str] = {}
-        for _what, dtype, _d, p in plans(attention.arch_traits(arch, _estimate)):
+        entries: dict[str, KernelSpec] = {}
+        for _what, dtype, _d, p in plans(launches.arch_traits(arch, _estimate)):
             if isinstance(p, attention.SplitPlan):
-                for name in _kernels(p, dtype):
-                    entries.setdefault(attention.split_entry(name), name)
-        names = sorted(entries.values())
-        jobs += [(arch, names[i : i + 6]) for i in range(0, len(names), 6)]
+                for spec in _kernels(p, dtype):
+                    entries.setdefault(spec.entry, spec)
+        specs = sorted(entries.values(), key=lambda spec: spec.name)
+        jobs += [(arch, specs[i : i + 6]) for i in range(0, len(specs), 6)]
         jobs += [(arch, [filename]) for filename in OTHER_FILES]
     started, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
     found: dict[str, dict[str, KernelResources]] = {arch: {} for arch in archs.ARCHS}
@@ -135,7 +141,7 @@ def compiled() -> dict[str, dict[str, KernelResources]]:
 def test_every_plan_fits_its_architecture(compiled, arch):
     limits = archs.ARCHS[arch]
     resources = compiled[arch]
-    traits = attention.arch_traits(arch, resources.__getitem__)
+    traits = launches.arch_traits(arch, resources.__getitem__)
     checked = 0
     for what, dtype, head_dim, p in plans(traits):
         if isinstance(p, ValueError):
@@ -146,13 +152,15 @@ def test_every_plan_fits_its_architecture(compiled, arch):
         assert isinstance(p, attention.SplitPlan)
         at = f"{arch}: {what}: {p.kernel}"
         assert p.tensor_cores == p.kernel.startswith(("gqa_split_mma_", "gqa_split_tc32_")), at
+        assert p.spec.cluster == bool(p.cluster), at
         assert limits.tensor_cores or not p.tensor_cores, at
         assert p.cluster <= limits.max_cluster and (p.cluster == 0) == (
             not p.kernel.endswith("_cluster")
         ), at
-        for name in _kernels(p, dtype):
+        for spec in _kernels(p, dtype):
+            name = spec.name
             r = resources[name]
-            split = name == p.kernel
+            split = spec == p.spec
             threads = p.threads if split else attention.COMBINE_THREADS
             dynamic = p.shared_bytes(head_dim, dtype.itemsize) if split else 0
             assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (at, name, r)
@@ -182,14 +190,14 @@ def test_turing_runs_the_cuda_core_kernels_and_the_tensor_core_ones_do_not_compi
     names = {n for n in compiled["sm_75"] if n.startswith("gqa_split_")}
     cuda_cores = ("gqa_split_f32_g", "gqa_split_f16_g", "gqa_split_bf16_g", "gqa_split_combine_")
     assert names and all(n.startswith(cuda_cores) for n in names), names
-    source = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n"
-    source += attention.split_entry("gqa_split_mma_f16_d128") + "\n"
+    source = f"#define FX_SELECTED 1\n{kernel_source(SPLIT_FILE)}\n"
+    source += KernelSpec("mma", "f16", 128).entry + "\n"
     with pytest.raises(CompileError, match=r"cp\.async.* requires .target sm_80"):
         compile_source(source, arch="sm_75")
 
 
 def _fake_traits(arch: str) -> attention.DeviceTraits:
-    return attention.arch_traits(arch, _estimate)
+    return launches.arch_traits(arch, _estimate)
 
 
 @pytest.mark.parametrize("arch", list(archs.ARCHS))
@@ -200,7 +208,7 @@ def test_the_plans_shared_memory_fits_at_every_head_dim_group_and_feature(arch):
     for dtype in (BF16, F16, F32):
         for head_dim in range(1, 257):
             for heads in ((8, 8), (32, 8), (16, 1), (17, 1)):
-                for seq, features in ((512, 0), (131072, 0), (4096, attention.F_LSE)):
+                for seq, features in ((512, 0), (131072, 0), (4096, F_LSE)):
                     p = attention.plan(traits, dtype, *heads, head_dim, seq, features=features)
                     if not p.tensor_cores:
                         continue
@@ -383,7 +391,7 @@ def test_another_architectures_plans_compute_the_decode_on_this_gpu(
     # no clusters before sm_90), with this GPU's occupancy, launched here (compiled for this
     # GPU, from the same source): each is the right decode.
     limits = archs.ARCHS[arch]
-    real = attention.DeviceTraits.of(device)
+    real = launches.device_traits(device)
     cc = min(limits.compute_capability, device.compute_capability)
     if limits.max_cluster and device.compute_capability >= (9, 0):
         cc = device.compute_capability
@@ -400,7 +408,7 @@ def test_another_architectures_plans_compute_the_decode_on_this_gpu(
     floats = plan.workspace_floats(n_heads, head_dim)
     ws = poisoned((floats,), np.float32) if floats else None
     out = poisoned(q.shape, q.dtype)
-    for launch in attention.split_launches(
+    for launch in launches.split_launches(
         plan, qd, kd, vd, out, ws, seq_len=seq_len, seq_len_dev=None, **kw
     ):
         launch.run(None, device)

@@ -13,6 +13,7 @@ from ferrox_driver.decode import plan as attention
 from ferrox_driver.decode.fp8 import fp8_max
 from ferrox_driver.driver.compiler import compile_source
 from ferrox_driver.kernels.catalogue import kernel_source
+from ferrox_driver.kernels.spec import KernelSpec
 
 from .test_split_plan import _traits
 
@@ -82,38 +83,38 @@ def test_fp8_plans_are_the_bf16_plans_on_byte_kernels():
                          ((36, 2, 128), bf16)):  # fmt: skip
         with pytest.raises(ValueError, match="fp8: no kernel"):
             kernel(heads, 4096, dtype=dtype)
-    assert attention.split_entry("gqa_split_mma_f16_e5m2_d256_r192_t2_x3") == (
+    odd = KernelSpec("mma", "f16", 256, 192, tiles=2, fp8="e5m2", features=3)
+    assert odd.name == "gqa_split_mma_f16_e5m2_d256_r192_t2_x3"
+    assert odd.entry == (
         "FX_MMA8_KERNELS(gqa_split_mma_f16_e5m2_d256_r192_t2_x3, fx_half, 2, 256, 192, true, 3)"
     )
     assert kernel((32, 8, 72), 4096) == "gqa_split_mma_bf16_e4m3_d128_r72_x0"  # 8-byte chunks
-    for bad in ("gqa_split_mma_bf16_e4m3_d128", "gqa_split_mma_bf16_e4m3_d128_r68_x0",
-                "gqa_split_mma_f32_e4m3_d128_x0", "gqa_split_mma_bf16_e4m3_d128_wide_x0",
-                "gqa_split_mma_bf16_e4m3_d128_x128",
-                "gqa_split_mma_bf16_e3m4_d128_x0"):  # fmt: skip
+    for bad in (dict(row_dim=68), dict(dtype="f32"), dict(wide=True), dict(features=128),
+                dict(fp8="e3m4"), dict(paired=True, row_dim=64)):  # fmt: skip
         with pytest.raises(ValueError, match="has no kernel"):
-            attention.split_entry(bad)
+            KernelSpec(**{"family": "mma", "dtype": "bf16", "head_dim": 128, "fp8": "e4m3", **bad})
 
 
 FP8_KERNELS = [
-    "gqa_split_mma_bf16_e4m3_d128_x0",
-    "gqa_split_mma_f16_e5m2_d64_x0",
-    "gqa_split_mma_bf16_e4m3_d256_x0",
-    "gqa_split_mma_bf16_e4m3_d128_r80_t2_x31",
-    "gqa_split_mma_bf16_e5m2_d256_r192_x26",
-    "gqa_split_mma_bf16_e4m3_d128_wide_x0_cluster",
-    "gqa_split_mma_f16_e4m3_d64_r48_x63",
-    "gqa_split_mma_bf16_e4m3_d128_r72_x0",  # rows of 8-byte chunks
-    "gqa_split_mma_f16_e5m2_d64_r40_t2_x31",
-    "gqa_split_mma_bf16_e4m3_d64_r8_x0",
-    "gqa_split_mma_bf16_e4m3_d256_r200_x0",
+    KernelSpec("mma", "bf16", 128, fp8="e4m3"),  # gqa_split_mma_bf16_e4m3_d128_x0
+    KernelSpec("mma", "f16", 64, fp8="e5m2"),
+    KernelSpec("mma", "bf16", 256, fp8="e4m3"),
+    KernelSpec("mma", "bf16", 128, 80, tiles=2, fp8="e4m3", features=31),
+    KernelSpec("mma", "bf16", 256, 192, fp8="e5m2", features=26),
+    KernelSpec("mma", "bf16", 128, wide=True, fp8="e4m3", cluster=True),
+    KernelSpec("mma", "f16", 64, 48, fp8="e4m3", features=63),
+    KernelSpec("mma", "bf16", 128, 72, fp8="e4m3"),  # rows of 8-byte chunks
+    KernelSpec("mma", "f16", 64, 40, tiles=2, fp8="e5m2", features=31),
+    KernelSpec("mma", "bf16", 64, 8, fp8="e4m3"),
+    KernelSpec("mma", "bf16", 256, 200, fp8="e4m3"),
 ]
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
 def test_fp8_kernels_compile_without_stack_or_spills(arch):
     src = kernel_source("gqa_decode_split.cu")
-    for name in FP8_KERNELS:
-        sel = attention.split_entry(name)
+    for spec in FP8_KERNELS:
+        name, sel = spec.name, spec.entry
         program = compile_source(f"#define FX_SELECTED 1\n{src}\n{sel}\n", arch=arch,
                                  name=f"{name}.cu")  # fmt: skip
         found = program.resources
