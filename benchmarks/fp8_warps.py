@@ -24,9 +24,11 @@ from ferrox_driver.apps.bench.harness import (
     rotated_kv_sets,
     time_replays,
 )
+from ferrox_driver.decode import launches
 from ferrox_driver.decode import plan as attention
 from ferrox_driver.driver.compiler import compile_source
 from ferrox_driver.kernels.catalogue import kernel_source
+from ferrox_driver.kernels.spec import ENTRY_TYPES, FP8_FORMATS, SPLIT_FILE
 
 SHAPES = [(32, 8, 128), (64, 8, 128), (28, 4, 128)]
 SEQS = (32768, 131072)
@@ -35,9 +37,10 @@ WARPS = 8
 
 def variant(plan: attention.SplitPlan, device: fd.Device) -> tuple[attention.SplitPlan, fd.Kernel]:
     """The plan's fp8 kernel with WARPS warps (its ring's steps unchanged, no reserve)."""
-    entry = attention.split_entry(plan.kernel)  # FX_MMA8_KERNELS(NAME, QT, Q8, D, DR, TILED, F)
-    args = entry[entry.index("(") + 1 : -1].split(", ")
-    name, qt, q8, d, dr, tiled, f = args
+    spec = plan.spec  # FX_MMA8_KERNELS(NAME, QT, Q8, D, DR, TILED, F)'s fields
+    name, qt, q8 = spec.name, ENTRY_TYPES[spec.dtype], FP8_FORMATS[spec.fp8]
+    d, dr, f = spec.head_dim, spec.row_dim, spec.features
+    tiled = "true" if spec.tiles == 2 else "false"
     body = (
         f'extern "C" __global__ void __launch_bounds__({WARPS * 32}, 1) {name}('
         f"const {qt}* q, const unsigned char* k, const unsigned char* v, float* ws_o, "
@@ -49,7 +52,7 @@ def variant(plan: attention.SplitPlan, device: fd.Device) -> tuple[attention.Spl
         f"{qt}>(q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev, "
         "splits, tile, feat, kv_scales);\n}\n"
     )
-    src = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n{body}"
+    src = f"#define FX_SELECTED 1\n{kernel_source(SPLIT_FILE)}\n{body}"
     program = compile_source(src, arch=device.arch, name=f"{name}_w{WARPS}.cu")
     kernel = fd.Module(program, device=device).get_function(name)
     wide = dataclasses.replace(plan, threads=32 * WARPS, reserve_stages=plan.stages)
@@ -65,7 +68,7 @@ def measure(shape: tuple[int, int, int], seq: int, device: fd.Device, stream: fd
     out = fd.empty((n_heads, hd), q_dt, device=device)
     fill_uniform(q, 7, stream)
     scales = fd.to_device(np.full(2 * n_kv, 0.01, np.float32), device=device)
-    plan = attention.plan_split(device, q_dt, n_heads, n_kv, hd, seq, True, 0, "e4m3")
+    plan = launches.plan_split(device, q_dt, n_heads, n_kv, hd, seq, True, 0, "e4m3")
     assert not plan.cluster, plan  # (the combine plans: the variant has no cluster twin)
     wide, kernel = variant(plan, device)
     ws = fd.zeros((plan.workspace_floats(n_heads, hd),), np.float32, device=device)
@@ -76,7 +79,7 @@ def measure(shape: tuple[int, int, int], seq: int, device: fd.Device, stream: fd
     def eager(label: str, i: int) -> None:
         p, swap = cases[label]
         k, v = sets[i % len(sets)]
-        for launch in attention.split_launches(
+        for launch in launches.split_launches(
             p, q, k, v, out, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd, seq_len=seq,
             seq_len_dev=None, kv_scales=scales,
         ):  # fmt: skip

@@ -83,9 +83,10 @@ def main() -> None:
         plan = plans["new"]
         kernels = {}
         for k, src in sources.items():
-            combine = f"gqa_split_combine_{p.dtype_name}"
-            names = [plans[k].kernel] if plans[k].cluster else [plans[k].kernel, combine]
-            entries = "\n".join(attention.split_entry(n) for n in names)
+            combine = plans[k].combine_spec(p.dtype)
+            specs = [plans[k].spec, *([combine] if combine else [])]
+            names = [spec.name for spec in specs]
+            entries = "\n".join(spec.entry for spec in specs)
             program = compile_source(f"#define FX_SELECTED 1\n{src}\n{entries}\n", name=f"{k}.cu")
             module = fd.Module(program)
             kernels[k] = {n: module.get_function(n) for n in names}

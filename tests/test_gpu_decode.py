@@ -9,6 +9,7 @@ import ferrox_driver as fd
 from ferrox_driver.decode import plan as attention
 from ferrox_driver.experimental import plan_split, split_launches
 from ferrox_driver.kernels.catalogue import kernel_source
+from ferrox_driver.kernels.spec import SPLIT_FILE
 
 from .gpu_helpers import (
     DTYPES,
@@ -252,13 +253,13 @@ def test_split_decode_is_bitwise_reproducible(
         assert np.array_equal(got, first)
 
 
-def combine_started_at_entry(names):
-    """Kernels ``names`` built with the split kernels letting the combine kernel start at
-    their entry (FX_PDL_TRIGGER=2), long before they write their partials."""
-    entries = sorted({attention.split_entry(n) for n in names})
-    src = f"#define FX_SELECTED 1\n{kernel_source(attention.SPLIT_FILE)}\n" + "\n".join(entries)
+def combine_started_at_entry(specs):
+    """Kernels ``specs`` (KernelSpec values) built with the split kernels letting the combine
+    kernel start at their entry (FX_PDL_TRIGGER=2), long before they write their partials."""
+    entries = sorted({spec.entry for spec in specs})
+    src = f"#define FX_SELECTED 1\n{kernel_source(SPLIT_FILE)}\n" + "\n".join(entries)
     module = fd.Module(fd.compile_source(src, options=["-DFX_PDL_TRIGGER=2"], name="entry.cu"))
-    return {n: module.get_function(n) for n in names}
+    return {spec.name: module.get_function(spec.name) for spec in specs}
 
 
 @pytest.mark.parametrize("trigger", ["after-loops", "at-entry"])
@@ -282,7 +283,7 @@ def test_combine_launched_early_gives_the_same_bits_as_an_ordinary_launch(
     assert plan.cluster == 0, plan  # a plan with a combine kernel
     variants = {}
     if trigger == "at-entry":
-        variants = combine_started_at_entry((plan.kernel, plan.combine_kernel(dt)))
+        variants = combine_started_at_entry((plan.spec, plan.combine_spec(dt)))
     q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
     qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
     kw = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
-from ferrox_driver.decode import plan as attention
+from ferrox_driver.decode import launches
+from ferrox_driver.kernels.traits import F_WINDOW
 
 from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
 
@@ -86,9 +87,9 @@ def test_a_window_reads_only_the_window(device):
     # the plan covers min(seq_len, window) tokens: a 4096-token window over 131072 tokens
     # plans like a 4096-token decode
     dt = np.dtype(DTYPES["bf16"])
-    bits = attention.F_WINDOW
-    windowed = attention.plan_split(device, dt, 32, 8, 128, 4096, True, bits)
-    plain = attention.plan_split(device, dt, 32, 8, 128, 4096, True)
+    bits = F_WINDOW
+    windowed = launches.plan_split(device, dt, 32, 8, 128, 4096, True, bits)
+    plain = launches.plan_split(device, dt, 32, 8, 128, 4096, True)
     assert windowed.splits == plain.splits and "_x1" in windowed.kernel, windowed
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import ferrox_driver as fd
+from ferrox_driver.decode import launches
 from ferrox_driver.decode import plan as attention
 from ferrox_driver.driver.device import default_device
 
@@ -104,7 +105,7 @@ def _decode(torch: Any, q: Any, k: Any, v: Any, **kw: Any) -> tuple[np.ndarray, 
 def _kernel(dtype: Any, seq: int, aligned: bool = True, bits: int = 0,
             shape: tuple[int, int, int] = (H, KV, D)) -> str:  # fmt: skip
     """The split kernel a decode of ``shape`` (n_heads, n_kv_heads, head_dim) runs."""
-    return attention.plan_split(default_device(), np.dtype(dtype), *shape, seq, aligned,
+    return launches.plan_split(default_device(), np.dtype(dtype), *shape, seq, aligned,
                                 bits).kernel  # fmt: skip
 
 
