@@ -269,7 +269,7 @@ def test_gqa_decode_async_on_a_pair_of_torch_tensors_runs_on_torchs_current_stre
         raise Reached
 
     monkeypatch.setattr(decode_pair, "_pair_checked", checked)
-    monkeypatch.setattr(decode_pair, "_pair_calls", {})
+    monkeypatch.setattr(decode_pair, "_pair_calls", records.Kept(decode_pair.MAX_PAIR_CALLS))
     q, out = FakeTorchCuda((1, H, 1, D)), FakeTorchCuda((1, H, 1, D))
     kc, seq = FakeTorchCuda((1, KV, 64, D)), FakeTorchCuda((1,), torch.int32)
     with pytest.raises(Reached):

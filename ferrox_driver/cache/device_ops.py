@@ -244,7 +244,7 @@ def gqa_decode_async(
                 q_view, out_view, n_heads, algorithm, stream, length_on_device=True
             )
             foreign = sid != 0 and not isinstance(stream, Stream)
-            entry = kv.async_records[key] = (record, foreign)
+            entry = kv.async_records.keep(key, (record, foreign))
         assert qr is not None and outr is not None  # _operand refused host arrays
         record, foreign = entry
         kv.queue_decode(record.run, qr[0], outr[0], sid, foreign, qr, outr, (q_dev, out_dev))

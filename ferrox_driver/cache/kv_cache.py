@@ -39,10 +39,10 @@ from ..decode.fp8 import (
     check_scales,
     quantize_kernel,
 )
-from ..decode.launches import allocate_scratch, parity_launches, plan_split, split_launches
+from ..decode.launches import allocate_scratch
 from ..decode.pair import feature_key
 from ..decode.plan import check_algorithm
-from ..decode.records import DecodeRecord
+from ..decode.records import DecodeRecord, Kept, assemble, planned
 from ..driver.calls import (
     SUCCESS,
     capture_keep,
@@ -193,11 +193,11 @@ class KVCache:
         self._graph_appends = False
         self._workspaces: dict[int, DeviceArray] = {}
         self._outgrown: list[DeviceArray] = []  # graphs captured earlier may still write them
-        self._records: dict[tuple[Any, ...], DecodeRecord] = {}
+        self._records = Kept()  # this cache's launch records, by signature
         self._decoders: dict[tuple[int, str, np.dtype], HostDecoder] = {}
         self.feature_decoders: dict[tuple[Any, ...], HostDecoder] = {}  # (host_decode's)
         self.appenders: dict[tuple[Any, ...], Any] = {}  # kv_append_async's packed launches
-        self.async_records: dict[tuple[Any, ...], tuple[DecodeRecord, bool]] = {}
+        self.async_records = Kept()  # gqa_decode_async's validated calls
         self._join_events: tuple[Event, Event] | None = None  # (made at a device call's join)
         self._closed = False
         # Appends, decodes and the state they share (length, staging ring, scratch) are
@@ -1061,29 +1061,16 @@ class KVCache:
                q_dev.dtype)  # fmt: skip
         record = self._records.get(key)
         if record is None:
-            seq_dev = self.state if length_on_device else None
-            seq_len = self.capacity if length_on_device else 0
-            n_kv, hd = self.n_kv_heads, self.head_dim
-            if algorithm == "parity":
-                launches = parity_launches(
-                    q_dev, self._k, self._v, out_dev, n_heads=n_heads, n_kv_heads=n_kv,
-                    head_dim=hd, seq_len=seq_len, seq_len_dev=seq_dev,
-                )  # fmt: skip
-            else:
-                plan = plan_split(
-                    self.device, q_dev.dtype if self.fp8 else self.dtype, n_heads,
-                    self.n_kv_heads, self.head_dim, self._plan_seq(fargs), aligned, bits,
-                    self.fp8,
-                )  # fmt: skip
-                ws = self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
-                launches = split_launches(
-                    plan, q_dev, self._k, self._v, out_dev, ws, n_heads=n_heads,
-                    n_kv_heads=n_kv, head_dim=hd, seq_len=seq_len, seq_len_dev=seq_dev,
-                    features=fargs, kv_scales=self.kv_scales,
-                )  # fmt: skip
-            record = self._records[key] = DecodeRecord(
-                launches, self.device, stream_handle(sid), None
-            )
+            record = self._records.keep(key, assemble(
+                q_dev, self._k, self._v, out_dev, stream=stream_handle(sid), keep_workspace=False,
+                n_heads=n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                seq_len=self.capacity if length_on_device else 0,
+                seq_len_dev=self.state if length_on_device else None,
+                plan_seq=self._plan_seq(fargs), aligned=aligned, algorithm=algorithm,
+                dtype=q_dev.dtype if self.fp8 else self.dtype, bits=bits, fp8=self.fp8,
+                features=fargs, kv_scales=self.kv_scales,
+                workspace=lambda floats: self.split_workspace(n_heads, floats),
+            ))  # fmt: skip
         return record
 
     def launch_decode(
@@ -1179,11 +1166,10 @@ class KVCache:
         if algorithm != "parity":
             aligned = ((self._k_ptr | self._v_ptr) & 15) == 0
             plan_seq = self.capacity if window is None else min(self.capacity, window)
-            plan = plan_split(
-                self.device, qdt, n_heads, self.n_kv_heads, self.head_dim,
-                plan_seq, aligned, bits, self.fp8,
+            plan, _ = planned(
+                self.device, qdt, n_heads, self.n_kv_heads, self.head_dim, plan_seq, aligned,
+                bits, self.fp8, lambda floats: self.split_workspace(n_heads, floats),
             )  # fmt: skip
-            self.split_workspace(n_heads, plan.workspace_floats(n_heads, self.head_dim))
             combine = plan.combine_spec(qdt)
             if combine is not None:  # a cluster plan has none
                 split_kernel(combine, self.device)

@@ -34,9 +34,8 @@ from .checks import (
     head_major_rows,
 )
 from .features import check_features
-from .launches import plan_split, split_launches
 from .plan import check_algorithm
-from .records import MAX_RECORDS, DecodeRecord
+from .records import DecodeRecord, Kept, assemble
 from .records import lock as _records_lock
 from .records import store as _records
 
@@ -168,9 +167,9 @@ def _pair_operand(obj: Any, name: str, size: int, dtype: np.dtype, ordinal: int)
 # The eager pair decode's calls, by everything its checks read: a repeated call (the same
 # shapes, strides, dtypes, features, seq_len array and stream; new q/k/v/out pointers)
 # skips the checks and the record lookup and only writes the pointers. The oldest go first
-# past MAX_PAIR_CALLS; the records themselves live in decode's LRU too.
-_pair_calls: dict[tuple[Any, ...], tuple[Any, Device, bool]] = {}
+# past MAX_PAIR_CALLS; the records themselves live in the process's record store.
 MAX_PAIR_CALLS = 256
+_pair_calls = Kept(MAX_PAIR_CALLS)
 _PAIR_ROLES = ("q_dev", "k_cache", "v_cache", "out_dev", "seq_len", "sinks", "alibi_slopes",
                "out_lse")  # fmt: skip
 
@@ -190,9 +189,7 @@ def decode_async_pair(
                               kv_layout, kw, out_lse)  # fmt: skip
         if found is not None:
             with _records_lock:
-                while len(_pair_calls) >= MAX_PAIR_CALLS:
-                    _pair_calls.pop(next(iter(_pair_calls)), None)
-                _pair_calls[found[0]] = entry
+                _pair_calls.keep(found[0], entry)
     record, dev, foreign = entry
     dev.activate()  # this thread's context current before any driver call
     objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
@@ -311,18 +308,15 @@ def _pair_record(
         return record
     plan_seq = kv.capacity if window is None else min(kv.capacity, window)
     n_kv, hd = kv.n_kv_heads, kv.head_dim
-    plan = plan_split(dev, dtype, n_heads, n_kv, hd, max(plan_seq, 1), aligned, bits)
-    ws = _stream_buffer(dev, sid, "workspace", plan.workspace_floats(n_heads, hd))
     q_d, out_d = (DeviceArray._wrap(r[0], (n_heads * hd,), dtype, dev, None) for r in (q, out))
     k_d, v_d = (DeviceArray._wrap(r[0], tuple(r[1]), dtype, dev, None) for r in (kv.k, kv.v))
     seq_d = DeviceArray._wrap(seq[0], (1,), np.dtype(np.int32), dev, None)
-    launches = split_launches(
-        plan, q_d, k_d, v_d, out_d, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
-        seq_len=kv.capacity, seq_len_dev=seq_d, features=fargs,
-    )  # fmt: skip
-    record = _records[key] = DecodeRecord(launches, dev, stream_handle(sid), None)
-    while len(_records) > MAX_RECORDS:
-        _records.popitem(last=False)
+    record = _records.keep(key, assemble(
+        q_d, k_d, v_d, out_d, stream=stream_handle(sid), keep_workspace=False, n_heads=n_heads,
+        n_kv_heads=n_kv, head_dim=hd, seq_len=kv.capacity, seq_len_dev=seq_d,
+        plan_seq=max(plan_seq, 1), aligned=aligned, bits=bits, features=fargs,
+        workspace=lambda floats: _stream_buffer(dev, sid, "workspace", floats),
+    ))  # fmt: skip
     return record
 
 

@@ -19,6 +19,7 @@ from ..driver.stream import Stream, stream_handle, stream_key
 from ..kernels.abi import FeatureArgs, Launch
 from . import plan as attention
 from .launches import allocate_scratch, parity_launches, plan_split, split_launches
+from .plan import SplitPlan
 
 __all__ = [
     "MAX_RECORDS",
@@ -27,6 +28,7 @@ __all__ = [
     "Kept",
     "assemble",
     "launches_for",
+    "planned",
     "decode_record",
     "launch_decode",
     "lock",
@@ -160,6 +162,27 @@ def make_record(
     ))  # fmt: skip
 
 
+def planned(
+    device: Device,
+    dtype: np.dtype,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    plan_seq: int,
+    aligned: bool,
+    bits: int,
+    fp8: str,
+    workspace: Callable[[int], DeviceArray | None] | DeviceArray | None,
+) -> tuple[SplitPlan, DeviceArray | None]:
+    """The split plan for ``plan_seq`` tokens and the workspace it writes, from
+    ``workspace``: a function of the float count (each caller's lifetime policy: per record,
+    per cache, per stream), asked only by plans that write one; or a buffer already made."""
+    plan = plan_split(device, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, bits, fp8)
+    floats = plan.workspace_floats(n_heads, head_dim)
+    made = (workspace(floats) if floats else None) if callable(workspace) else workspace
+    return plan, made
+
+
 def launches_for(
     q: DeviceArray,
     k: DeviceArray,
@@ -184,22 +207,17 @@ def launches_for(
     """THE plan -> workspace -> launches assembly that every decode entry point uses.
 
     Plans the split (or takes the parity kernel) for ``plan_seq`` tokens of ``dtype`` q
-    (default q's; an fp8 cache plans for its q), sizes the workspace and gets it from
-    ``workspace`` (a function of the float count, so each caller keeps its own lifetime
-    policy: per record, per cache, per stream; or a buffer already made), and returns the
-    launches with the workspace they write. ``seq_len_dev``: an int32 device scalar the
+    (default q's; an fp8 cache plans for its q), gets the workspace (`planned`), and returns
+    the launches with the workspace they write. ``seq_len_dev``: an int32 device scalar the
     kernels read instead of ``seq_len``, which then bounds the tokens a launch may see.
     """
     dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
     if algorithm == "parity":
         return parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev), None
-    plan = plan_split(
-        q.device, q.dtype if dtype is None else dtype, n_heads, n_kv_heads, head_dim,
-        plan_seq, aligned, bits, fp8,
+    plan, made = planned(
+        q.device, q.dtype if dtype is None else dtype, n_heads, n_kv_heads, head_dim, plan_seq,
+        aligned, bits, fp8, workspace,
     )  # fmt: skip
-    floats = plan.workspace_floats(n_heads, head_dim)
-    # a workspace policy is asked only by plans that write a workspace
-    made = (workspace(floats) if floats else None) if callable(workspace) else workspace
     launches = split_launches(
         plan, q, k, v, out, made, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev,
         features=features, kv_scales=kv_scales,
