@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
 
 import ferrox_driver as fd
-from ferrox_driver.cache import kv_cache, staging
+from ferrox_driver.cache import appends, kv_cache, staging, state
 from ferrox_driver.decode.checks import MAX_INT32, MAX_KV_HEADS, MAX_TOKENS
 from ferrox_driver.driver import dlpack
 from ferrox_driver.driver._bindings import cu
@@ -130,7 +130,7 @@ def no_device():
 
 def fake_world(count: Any = None) -> dict[str, Any]:
     """What a KVCache's constructor allocates and launches, faked (in the namespaces of
-    kv_cache and staging); ``count``, if given, is called at each use."""
+    the cache modules); ``count``, if given, is called at each use."""
 
     def counted(fake: Any) -> Any:
         def call(*args: Any, **kw: Any) -> Any:
@@ -160,7 +160,7 @@ def fake_cache(*args: Any, count: Any = None, **kw: Any) -> fd.KVCache:
     try:
         with pytest.MonkeyPatch.context() as mp:
             for name, fake in fake_world(count).items():
-                for module in (kv_cache, staging):  # (the staging ring allocates in its own)
+                for module in (kv_cache, staging, appends, state):  # (each allocates its own)
                     if hasattr(module, name):
                         mp.setattr(module, name, fake)
             return fd.KVCache(*args, **kw)

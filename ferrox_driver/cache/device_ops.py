@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from ..driver.pool import stream_buffer as _stream_buffer
 from ..driver.stream import Stream, call_stream, stream_handle, stream_key
 from ..kernels import abi
 from ..types import DeviceArrayLike, StreamLike
+from .decoding import Decodes
 from .host_decode import check_q_dtype_of
 from .kv_cache import KVCache, append_kernel, check_cache
 
@@ -294,7 +295,7 @@ def _decode_async_features(
 
 
 def decode_device(
-    kv: KVCache, q: Any, n_heads: Any, stream: Any, algorithm: Any, kw: dict[str, Any]
+    kv: Decodes, q: Any, n_heads: Any, stream: Any, algorithm: Any, kw: dict[str, Any]
 ) -> Any:
     """KVCache.decode of a device q: checked, then `gqa_decode_async` into an output
     block of the caller's stream's pool, on the cache's stream joined to the caller's
@@ -331,7 +332,7 @@ def decode_device(
                     values = buf
                 per_head[role] = values
             gqa_decode_async(
-                q, kv, out, n_heads=n_heads, stream=kv.stream, algorithm=algorithm,
+                q, cast(KVCache, kv), out, n_heads=n_heads, stream=kv.stream, algorithm=algorithm,
                 out_lse=lse, sliding_window=feats.sliding_window,
                 logits_soft_cap=feats.logits_soft_cap, scale=feats.scale, **per_head,
             )  # fmt: skip

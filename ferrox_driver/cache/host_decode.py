@@ -18,7 +18,7 @@ from ..driver.stream import stream_handle
 from ..kernels import abi
 
 if TYPE_CHECKING:
-    from .kv_cache import KVCache
+    from .decoding import Decodes
 
 __all__ = ["HostDecoder", "check_q_dtype", "check_q_dtype_of", "decode_features"]
 
@@ -33,7 +33,7 @@ class HostDecoder:
     decode is one launch and one wait."""
 
     def __init__(
-        self, kv: KVCache, n_heads: int, algorithm: str, feats: Any = None, q_dtype: Any = None
+        self, kv: Decodes, n_heads: int, algorithm: str, feats: Any = None, q_dtype: Any = None
     ) -> None:
         shape = (n_heads * kv.head_dim,)
         self.shapes = {shape, (n_heads, kv.head_dim), (1, n_heads, 1, kv.head_dim)}
@@ -89,7 +89,7 @@ class HostDecoder:
             dev_arr.close()
 
 
-def check_q_dtype(kv: KVCache, q: Any, algorithm: str) -> None:
+def check_q_dtype(kv: Decodes, q: Any, algorithm: str) -> None:
     """q for a decode of this cache: a numpy array of the cache's dtype (an fp8
     cache's: float16 or bfloat16; the split kernels only)."""
     if not isinstance(q, np.ndarray):
@@ -98,7 +98,7 @@ def check_q_dtype(kv: KVCache, q: Any, algorithm: str) -> None:
     check_q_dtype_of(kv, q.dtype, algorithm)
 
 
-def check_q_dtype_of(kv: KVCache, dtype: np.dtype, algorithm: str) -> None:
+def check_q_dtype_of(kv: Decodes, dtype: np.dtype, algorithm: str) -> None:
     """``check_q_dtype`` of a q of ``dtype`` (any kind of array)."""
     if kv.fp8:
         if dtype not in ROW_DTYPES[1:]:
@@ -111,7 +111,7 @@ def check_q_dtype_of(kv: KVCache, dtype: np.dtype, algorithm: str) -> None:
         raise TypeError(f"q: expected dtype {kv.dtype} (the cache's), got {dtype}")
 
 
-def decode_features(kv: KVCache, q: Any, n_heads: Any, algorithm: Any, kw: dict[str, Any]) -> Any:
+def decode_features(kv: Decodes, q: Any, n_heads: Any, algorithm: Any, kw: dict[str, Any]) -> Any:
     """KVCache.decode with features: checked, then one launch of a graph made once per
     (n_heads, algorithm, which features, their scalars) that copies q and the per-head
     arrays in, decodes and copies the result (and the LSE) out."""
