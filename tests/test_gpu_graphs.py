@@ -322,7 +322,7 @@ def test_a_dropped_record_frees_its_scratch(rng, monkeypatch):
 
 
 def test_a_decode_merged_on_chip_needs_no_scratch(rng):
-    from ferrox_driver.decode.plan import plan_split
+    from ferrox_driver.decode.launches import plan_split
 
     dt = DTYPES["bf16"]
     kw = {"n_heads": N_HEADS, "n_kv_heads": N_KV, "head_dim": HD}

@@ -67,7 +67,10 @@ def _models(name, dtype=torch.bfloat16, setup=None, seed=0):
 
 
 def _generate(model, ids, **kw):
+    # the prompt is one run of tokens: without a mask, generate() reads a random prompt token
+    # that happens to be the pad id as padding (and ferrox rightly hands that to eager)
     kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+              attention_mask=torch.ones_like(ids),
               cache_implementation="static", output_logits=True, return_dict_in_generate=True,
               **kw)  # fmt: skip
     with torch.no_grad():
