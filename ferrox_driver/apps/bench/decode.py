@@ -245,7 +245,7 @@ def measure_fixed_costs(
     Returns:
         Per item, microseconds: back to back (20 in one graph, per item) and one replay
         timed alone."""
-    from ...decode.launches import plan_split, split_launches
+    from ...decode.records import launches_for, planned
     from ...kernels.abi import Launch, is_aligned
 
     n_heads, n_kv, hd = shape
@@ -272,21 +272,15 @@ def measure_fixed_costs(
         v = empty((seq, n_kv, hd), dt, device=device)
         for i, a in enumerate((q, k, v)):
             fill_uniform(a, 50 + i, stream)
-        plan = plan_split(device, dt, n_heads, n_kv, hd, seq, is_aligned(q, k, v))
-        ws = empty((plan.workspace_floats(n_heads, hd),), np.float32, device=device)
-        launches = split_launches(
-            plan,
-            q,
-            k,
-            v,
-            out,
-            ws,
-            n_heads=n_heads,
-            n_kv_heads=n_kv,
-            head_dim=hd,
-            seq_len=seq,
-            seq_len_dev=None,
-        )
+        aligned = is_aligned(q, k, v)
+        plan, ws = planned(
+            device, dt, n_heads, n_kv, hd, seq, aligned, 0, "",
+            lambda floats: empty((floats,), np.float32, device=device),
+        )  # fmt: skip
+        launches, _ = launches_for(
+            q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd, seq_len=seq,
+            plan_seq=seq, aligned=aligned, workspace=ws,
+        )  # fmt: skip
         parts = {"main": launches[:1], "combine": launches[1:], "both": launches}
         for part, chosen in parts.items():
 
@@ -295,8 +289,10 @@ def measure_fixed_costs(
                     launch.run(stream, device)
 
             results[f"seq {seq}: {part} ({plan.splits} chunks)"] = timed_graph(body)
-        for a in (q, out, k, v, ws):
+        for a in (q, out, k, v):
             a.close()
+        if ws is not None:
+            ws.close()
     return results
 
 
@@ -390,7 +386,7 @@ def measure_features_point(
     """Graph-replayed us of a decode with ``features`` (sinks/alibi_slopes True: random
     device arrays; sliding_window as given; kv_layout "HND": the sets read head-major),
     over the benchmark's rotated KV sets."""
-    from ...decode import launches
+    from ...decode.records import launches_for, planned
     from ...kernels import abi, catalogue
 
     n_heads, n_kv, hd = shape
@@ -417,28 +413,31 @@ def measure_features_point(
         lse=per_head["lse"] if features.get("return_lse") else None,
         head_stride=seq * hd if hnd else 0,
     )  # fmt: skip
-    plan = launches.plan_split(
-        device, np.dtype(dt), n_heads, n_kv, hd, min(seq, window or seq), True, bits
-    )
+    plan_seq = min(seq, window or seq)
+    plan, ws = planned(
+        device, np.dtype(dt), n_heads, n_kv, hd, plan_seq, True, bits, "",
+        lambda floats: zeros((floats,), np.float32, device=device),
+    )  # fmt: skip
     combine = plan.combine_spec(dt)
-    if combine is not None:
+    if combine is not None:  # loaded before the capture
         catalogue.split_kernel(combine, device)
-    ws = zeros((max(plan.workspace_floats(n_heads, hd), 1),), np.float32, device=device)
     rotated = rotated_kv_sets(seq, n_kv, hd, dt, stream, device)
     sets = rotated.sets
 
     def eager(i: int) -> None:
         k, v = sets[i % len(sets)]
-        for launch in launches.split_launches(
-            plan, q, k, v, out, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
-            seq_len=seq, seq_len_dev=None, features=args,
-        ):  # fmt: skip
+        for launch in launches_for(
+            q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd, seq_len=seq,
+            plan_seq=plan_seq, aligned=True, bits=bits, features=args, workspace=ws,
+        )[0]:  # fmt: skip
             launch.run(stream, device)
 
     graph_us = rotated_graph_us(eager, rotated, stream, iters)
     rotated.close()
-    for arr in (q, out, ws, *per_head.values()):
+    for arr in (q, out, *per_head.values()):
         arr.close()
+    if ws is not None:
+        ws.close()
     return graph_us
 
 
@@ -481,8 +480,8 @@ def measure_fp8_point(
 ) -> float:
     """Graph-replayed us of a bf16-q decode of an fp8 cache of format ``fmt`` (e4m3,
     e5m2), over the benchmark's rotated KV sets (their bytes; scales 1)."""
-    from ...decode import launches
     from ...decode.fp8 import FP8_DTYPES
+    from ...decode.records import launches_for, planned
     from ...kernels import catalogue
 
     n_heads, n_kv, hd = shape
@@ -494,26 +493,30 @@ def measure_fp8_point(
     fill_uniform(q, 7, stream)
     scales = zeros((2 * n_kv,), np.float32, device=device)
     scales.copy_from_host(np.ones(2 * n_kv, np.float32), stream)
-    plan = launches.plan_split(device, q_dt, n_heads, n_kv, hd, seq, True, 0, fmt)
+    plan, ws = planned(
+        device, q_dt, n_heads, n_kv, hd, seq, True, 0, fmt,
+        lambda floats: zeros((floats,), np.float32, device=device),
+    )  # fmt: skip
     combine = plan.combine_spec(q_dt)
-    if combine is not None:
+    if combine is not None:  # loaded before the capture
         catalogue.split_kernel(combine, device)
-    ws = zeros((max(plan.workspace_floats(n_heads, hd), 1),), np.float32, device=device)
     rotated = rotated_kv_sets(seq, n_kv, hd, kv_dt, stream, device)
     sets = rotated.sets
 
     def eager(i: int) -> None:
         k, v = sets[i % len(sets)]
-        for launch in launches.split_launches(
-            plan, q, k, v, out, ws, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
-            seq_len=seq, seq_len_dev=None, kv_scales=scales,
-        ):  # fmt: skip
+        for launch in launches_for(
+            q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd, seq_len=seq,
+            plan_seq=seq, aligned=True, fp8=fmt, kv_scales=scales, workspace=ws,
+        )[0]:  # fmt: skip
             launch.run(stream, device)
 
     graph_us = rotated_graph_us(eager, rotated, stream, iters)
     rotated.close()
-    for arr in (q, out, ws, scales):
+    for arr in (q, out, scales):
         arr.close()
+    if ws is not None:
+        ws.close()
     return graph_us
 
 
