@@ -1,6 +1,6 @@
 """How much an fp8 KV cache costs in accuracy (CPU only, no GPU): the decode of a quantized
 cache (the float64 reference of the dequantized cache, which the kernels match to ~1e-3,
-tests/test_gpu_fp8.py) against the float64 decode of the unquantized one, for three kinds
+tests/decode/test_gpu_fp8.py) against the float64 decode of the unquantized one, for three kinds
 of activations, two formats and three ways to choose the scales. Prints the table of
 docs/guides/fp8-cache.md.
 

@@ -4,7 +4,7 @@ checked architecture's limits as a planner and an occupancy calculator need them
 A real device's numbers come from its driver (``decode.launches.device_traits``); this table is
 for planning without one (``decode.launches.arch_traits``: the CPU demo, and the CPU test that
 plans the benchmark shapes for every architecture here and compiles what the plans pick,
-tests/test_arch_support.py). Per-architecture limits as the CUDA programming guide's
+tests/driver/test_arch_support.py). Per-architecture limits as the CUDA programming guide's
 "Technical Specifications per Compute Capability" table and CCCL's ``cuda::arch_traits``
 give them; multiprocessor counts and L2 sizes of the GPU named.
 """
@@ -108,7 +108,7 @@ ARCHS: dict[str, ArchLimits] = {
 
 
 def supported_archs() -> tuple[str, ...]:
-    """The architectures of ARCHS (checked by tests/test_arch_support.py), oldest first."""
+    """The architectures of ARCHS (checked by tests/driver/test_arch_support.py), oldest first."""
     return tuple(ARCHS)
 
 

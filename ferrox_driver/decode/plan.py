@@ -241,7 +241,7 @@ def cluster_recv_bytes(head_dim: int) -> int:
 # most: ptxas's numbers for sm_80 to sm_120 over every variant (features, fp8, clusters,
 # pairs, padding), rounded up (largest seen: fp16/bf16 1952, 2592, 4640 bytes; fp32 5120,
 # 9216, 17024). ``fitting`` adds them to a launch's dynamic shared memory to check it
-# against the device's limit per block; tests/test_arch_support.py checks every plan's sum.
+# against the device's limit per block; tests/driver/test_arch_support.py checks every plan's sum.
 MMA_STATIC_SHARED = {64: 2048, 128: 3072, 256: 5120}
 TC32_STATIC_SHARED = {64: 5632, 128: 9728, 256: 17920}
 

@@ -14,7 +14,7 @@ from ferrox_driver.driver import _bindings as _driver
 from ferrox_driver.driver import module_cache
 from ferrox_driver.kernels.catalogue import kernel_source
 
-from .gpu_helpers import torch_or_cupy
+from ..helpers.gpu_helpers import torch_or_cupy
 
 pytestmark = pytest.mark.gpu
 

@@ -183,7 +183,7 @@ def test_two_processes_compiling_one_module_at_once_leave_one_intact_file(tmp_pa
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = (
         "from ferrox_driver.driver import module_cache as m\n"
         "from ferrox_driver.kernels.catalogue import kernel_source\n"

@@ -14,7 +14,7 @@ from ferrox_driver.driver.compiler import compile_source
 from ferrox_driver.kernels.catalogue import kernel_source
 from ferrox_driver.kernels.spec import SPLIT_FILE, KernelSpec
 
-from .kernel_names import whole_file
+from ..helpers.kernel_names import whole_file
 
 M, G, T, C = "mma", "generic", "tc32", "combine"
 

@@ -15,14 +15,14 @@ import ferrox_driver as fd
 
 pytestmark = pytest.mark.gpu
 
-RANKS = Path(__file__).with_name("sharded_ranks.py")
+RANKS = Path(__file__).parents[1] / "helpers" / "sharded_ranks.py"
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_every_rank_decodes_the_whole_sequence_eagerly_and_in_a_graph(dtype):
     pytest.importorskip("nccl.bindings.nccl", reason="the [distributed] extra (nccl4py)")
     n = fd.device_count()
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
         [sys.executable, "-m", "ferrox_driver.launcher", "-n", str(n), str(RANKS), dtype],

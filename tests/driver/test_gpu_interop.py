@@ -14,7 +14,7 @@ from ferrox_driver.decode import plan as attention
 from ferrox_driver.decode import records
 from ferrox_driver.experimental import plan_split, split_launches
 
-from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
+from ..helpers.gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
 """Runs every kernel family once on small inputs: the workload for compute-sanitizer
 (memcheck, racecheck, initcheck), e.g.
 
-    compute-sanitizer --tool racecheck python3 tests/sanitizer_smoke.py
+    compute-sanitizer --tool racecheck python3 tests/helpers/sanitizer_smoke.py
 """
 
 import contextlib

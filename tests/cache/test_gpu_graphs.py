@@ -13,7 +13,7 @@ from ferrox_driver.decode import plan as attention
 from ferrox_driver.driver.graph import graph_stats
 from ferrox_driver.kernels.catalogue import kernel_source
 
-from .gpu_helpers import DTYPES, TOL, rel_err, torch_or_cupy
+from ..helpers.gpu_helpers import DTYPES, TOL, rel_err, torch_or_cupy
 
 pytestmark = pytest.mark.gpu
 

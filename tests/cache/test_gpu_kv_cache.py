@@ -7,7 +7,7 @@ import pytest
 
 import ferrox_driver as fd
 
-from .gpu_helpers import DTYPES, TOL, rel_err
+from ..helpers.gpu_helpers import DTYPES, TOL, rel_err
 
 pytestmark = pytest.mark.gpu
 

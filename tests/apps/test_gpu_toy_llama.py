@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "toy_llama.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "toy_llama.py"
 
 
 def test_a_token_graph_of_a_toy_llama_matches_sdpa():

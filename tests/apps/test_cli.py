@@ -247,7 +247,7 @@ def test_the_demo_says_why_it_skips_the_model_where_pytorch_sees_no_gpu(capsys, 
     except ImportError:
         torch = None
     if torch is not None and torch.cuda.is_available():
-        pytest.skip("PyTorch sees a GPU here: the model part runs (tests/test_gpu_demo.py)")
+        pytest.skip("PyTorch sees a GPU here: the model part runs (tests/apps/test_gpu_demo.py)")
     from ferrox_driver.apps import demo
 
     assert demo.run_model_demo(demo.DemoConfig()) is False

@@ -21,7 +21,7 @@ from ferrox_driver.decode import launches
 from ferrox_driver.decode import plan as attention
 from ferrox_driver.driver.device import default_device
 
-from .gpu_helpers import rel_err
+from ..helpers.gpu_helpers import rel_err
 
 pytestmark = pytest.mark.gpu
 

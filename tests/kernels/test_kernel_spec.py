@@ -14,7 +14,7 @@ from ferrox_driver.kernels import traits
 from ferrox_driver.kernels.spec import FP8_FORMATS, KernelSpec
 from ferrox_driver.kernels.traits import F_LIMIT
 
-from .kernel_names import old_entry, whole_file
+from ..helpers.kernel_names import old_entry, whole_file
 
 M, G, T, C = "mma", "generic", "tc32", "combine"
 

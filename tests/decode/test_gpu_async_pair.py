@@ -11,7 +11,7 @@ import pytest
 
 import ferrox_driver as fd
 
-from .gpu_helpers import DTYPES, TOL, random_decode_inputs, rel_err
+from ..helpers.gpu_helpers import DTYPES, TOL, random_decode_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
 

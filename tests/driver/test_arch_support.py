@@ -30,7 +30,7 @@ from ferrox_driver.kernels.catalogue import kernel_source
 from ferrox_driver.kernels.spec import SPLIT_FILE, KernelSpec
 from ferrox_driver.kernels.traits import F_LSE
 
-from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
+from ..helpers.gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 SHAPES = [(32, 8, 128), (28, 4, 128), (32, 4, 128), (16, 2, 64), (8, 1, 256), (64, 8, 128)]

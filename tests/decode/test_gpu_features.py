@@ -13,7 +13,7 @@ import ferrox_driver as fd
 from ferrox_driver.decode import launches
 from ferrox_driver.kernels.traits import F_WINDOW
 
-from .gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
+from ..helpers.gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
 

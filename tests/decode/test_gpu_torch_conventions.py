@@ -15,7 +15,7 @@ import pytest
 import ferrox_driver as fd
 from ferrox_driver.errors import FerroxError
 
-from .gpu_helpers import DTYPES, TOL, rel_err
+from ..helpers.gpu_helpers import DTYPES, TOL, rel_err
 
 pytestmark = pytest.mark.gpu
 

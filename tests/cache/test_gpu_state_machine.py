@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_s
 
 import ferrox_driver as fd
 
-from .gpu_helpers import DTYPES, TOL, rel_err
+from ..helpers.gpu_helpers import DTYPES, TOL, rel_err
 
 pytestmark = pytest.mark.gpu
 

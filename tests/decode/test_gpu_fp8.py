@@ -10,7 +10,7 @@ import pytest
 
 import ferrox_driver as fd
 
-from .gpu_helpers import rel_err
+from ..helpers.gpu_helpers import rel_err
 
 pytestmark = pytest.mark.gpu
 

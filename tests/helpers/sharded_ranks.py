@@ -1,11 +1,11 @@
-"""One rank of tests/test_gpu_sharded_nccl.py (started by ferrox_driver.launcher, one per
+"""One rank of tests/parallel/test_gpu_sharded_nccl.py (started by ferrox_driver.launcher, one per
 GPU): a sequence sharded over the ranks through NCCL, 500 tokens appended from device rows
 (every rank the same), decoded eagerly and by a captured graph of the whole token (append,
 partial decode, all-gather, merge) replayed, each result against the unsharded decode of
 the whole sequence on this rank's GPU (fp32 to 1e-6, bf16 to 1e-2) and the float64
 reference. Prints one line; exit status 1 on a mismatch.
 
-    python -m ferrox_driver.launcher -n N tests/sharded_ranks.py f32|bf16
+    python -m ferrox_driver.launcher -n N tests/helpers/sharded_ranks.py f32|bf16
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from ferrox_driver.experimental import plan_split, split_launches
 from ferrox_driver.kernels.catalogue import kernel_source
 from ferrox_driver.kernels.spec import SPLIT_FILE
 
-from .gpu_helpers import (
+from ..helpers.gpu_helpers import (
     DTYPES,
     TOL,
     poisoned,

@@ -15,10 +15,10 @@ import pytest
 import ferrox_driver as fd
 from ferrox_driver.kernels.catalogue import kernel_source
 
-from .gpu_helpers import rel_err
+from ..helpers.gpu_helpers import rel_err
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_out_of_memory_is_a_clear_error_and_the_gpu_stays_usable(device):

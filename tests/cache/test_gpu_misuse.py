@@ -13,7 +13,7 @@ import ferrox_driver as fd
 from ferrox_driver.driver._bindings import cu
 from ferrox_driver.kernels.catalogue import kernel_source
 
-from .gpu_helpers import random_decode_inputs, rel_err
+from ..helpers.gpu_helpers import random_decode_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
 
