@@ -80,3 +80,44 @@ extern "C" __global__ void kv_append_shard(
         if (mine) state[1] = local + 1;
     }
 }
+
+// Append n_rows tokens at the device's length (fxt.kv_append's rows of several tokens, a
+// prefill's): rows [state[0], state[0] + n_rows) of the caches from k_rows, v_rows
+// (row_bytes each, contiguous). Any grid: the length is only read here, and bumped by
+// kv_bump launched after it on the same stream. A sequence that would pass `capacity`
+// writes nothing and sets the overflow flag state[1].
+extern "C" __global__ void kv_append_rows(
+    const char* __restrict__ k_rows, const char* __restrict__ v_rows, char* __restrict__ k_cache,
+    char* __restrict__ v_cache, int* __restrict__ state, long long row_bytes, int n_rows,
+    int capacity) {
+    const int seq = state[0];
+    if (seq < 0 || seq > capacity - n_rows) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) state[1] = 1;
+        return;
+    }
+    const long long n = row_bytes * n_rows, at = (long long)seq * row_bytes;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (((unsigned long long)k_rows | (unsigned long long)v_rows | at | n) % 16 == 0) {
+        const uint4* ks = reinterpret_cast<const uint4*>(k_rows);
+        const uint4* vs = reinterpret_cast<const uint4*>(v_rows);
+        uint4* kd = reinterpret_cast<uint4*>(k_cache + at);
+        uint4* vd = reinterpret_cast<uint4*>(v_cache + at);
+        for (long long i = first; i < n / 16; i += stride) {
+            kd[i] = ks[i];
+            vd[i] = vs[i];
+        }
+    } else {
+        for (long long i = first; i < n; i += stride) {
+            k_cache[at + i] = k_rows[i];
+            v_cache[at + i] = v_rows[i];
+        }
+    }
+}
+
+// The length after kv_append_rows (or the quantizing append of several rows): state[0] +=
+// n_rows where they fitted. Launch one thread.
+extern "C" __global__ void kv_bump(int* __restrict__ state, int n_rows, int capacity) {
+    const int seq = state[0];
+    if (seq >= 0 && seq <= capacity - n_rows) state[0] = seq + n_rows;
+}

@@ -15,9 +15,11 @@ __device__ __forceinline__ unsigned char fx_quantize(float x) {
 }
 
 // Rows [first, first + n_rows) of the caches from rows k_src, v_src of type QT ([n_rows]
-// [n_kv][head_dim]); kv_scales: n_kv K scales, then n_kv V ones. first < 0: one row at the
+// [n_kv][head_dim]); kv_scales: n_kv K scales, then n_kv V ones. first = -1: one row at the
 // device's length state[0], which is then bumped (a full cache writes nothing and sets the
-// overflow flag state[1]); launch ONE block then.
+// overflow flag state[1]); launch ONE block then. first = -2: n_rows rows at the device's
+// length, any grid, not bumped (kv_bump follows; rows past `capacity`: nothing written,
+// the flag set).
 template <int Q8, class QT>
 __device__ __forceinline__ void fx_quantize_rows(const QT* __restrict__ k_src,
                                                  const QT* __restrict__ v_src,
@@ -26,13 +28,13 @@ __device__ __forceinline__ void fx_quantize_rows(const QT* __restrict__ k_src,
                                                  const float* __restrict__ kv_scales, int n_kv,
                                                  int head_dim, int n_rows, int first,
                                                  int* __restrict__ state, int capacity) {
-    const bool on_device = first < 0;
+    const bool on_device = first < 0, bump = first == -1;
     int row0 = first;
     if (on_device) {
         row0 = state[0];
-        __syncthreads();  // every thread has read the length before thread 0 bumps it
-        if (row0 < 0 || row0 >= capacity) {
-            if (threadIdx.x == 0) state[1] = 1;
+        if (bump) __syncthreads();  // every thread has read the length before thread 0 bumps it
+        if (row0 < 0 || row0 > capacity - n_rows) {
+            if (threadIdx.x == 0 && blockIdx.x == 0) state[1] = 1;
             return;
         }
     }
@@ -44,7 +46,7 @@ __device__ __forceinline__ void fx_quantize_rows(const QT* __restrict__ k_src,
         k_cache[at] = fx_quantize<Q8>(fx_to_float(k_src[i]) / kv_scales[h]);
         v_cache[at] = fx_quantize<Q8>(fx_to_float(v_src[i]) / kv_scales[n_kv + h]);
     }
-    if (on_device) {
+    if (bump) {
         __syncthreads();
         if (threadIdx.x == 0) state[0] = row0 + 1;
     }
