@@ -156,6 +156,7 @@ def gqa_decode_async(
     scale: float | None = None,
     seq_len: DeviceArrayLike = None,
     kv_layout: str = "NHD",
+    kv_scales: DeviceArrayLike = None,
 ) -> None:
     """Queue a decode of ``q_dev`` against the cache, reading seq_len on the device.
     No host work: capturable in a graph, valid for every sequence length. Before the
@@ -172,8 +173,9 @@ def gqa_decode_async(
     first call of each signature (shapes, dtypes, stream, features, the ``seq_len``
     array) makes its launches and must come before a capture, the later ones only write
     the pointers. ``seq_len`` must stay within ``[0, capacity]``: it is the kernels' to
-    read, not checked on the host. float32/float16/bfloat16 (an fp8 cache is a KVCache,
-    whose scales the decode reads).
+    read, not checked on the host. float32/float16/bfloat16, or an fp8 pair
+    (``float8_e4m3fn``/``float8_e5m2`` bytes, ``kv_scales`` given; q and out float16 or
+    bfloat16).
 
     Args:
         q_dev: device array of ``n_heads*head_dim`` elements (any shape: ``(n_heads,
@@ -195,6 +197,9 @@ def gqa_decode_async(
         seq_len: with a ``(k_cache, v_cache)`` pair (and only then): the int32 device
             scalar of the tokens to decode.
         kv_layout: with a pair: ``"NHD"`` or ``"HND"`` (above).
+        kv_scales: with an fp8 pair (and only then): float32 device array of ``2 *
+            n_kv_heads``, the K scales then the V ones (a value is its byte times its KV
+            head's scale).
     """
     stream = call_stream(stream, q_dev)
     if isinstance(kv, tuple):
@@ -202,9 +207,12 @@ def gqa_decode_async(
             q_dev, kv, out_dev, n_heads, stream, algorithm, seq_len, kv_layout,
             dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
                  alibi_slopes=alibi_slopes, scale=scale),
-            out_lse,
+            out_lse, kv_scales,
         )  # fmt: skip
         return
+    if kv_scales is not None:
+        raise ValueError("kv_scales: only with an fp8 (k_cache, v_cache) pair; a KVCache keeps "
+                         "its own scales")  # fmt: skip
     if seq_len is not None or type(kv_layout) is not str or kv_layout != "NHD":
         raise ValueError(
             "seq_len, kv_layout: only with a (k_cache, v_cache) pair; a KVCache keeps its "

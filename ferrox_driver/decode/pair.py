@@ -9,6 +9,7 @@ checks and only writes the pointers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -17,7 +18,7 @@ import numpy as np
 
 from ..driver.calls import capture_state as _capture_state
 from ..driver.device import Device, device_for
-from ..driver.graph import keep_for_capture, stream_capturing
+from ..driver.graph import keep_for_capture, relaxed_capture, stream_capturing
 from ..driver.interop import ArrayRef, array_ref
 from ..driver.memory import DeviceArray
 from ..driver.pool import stream_buffer as _stream_buffer
@@ -34,6 +35,7 @@ from .checks import (
     head_major_rows,
 )
 from .features import check_features
+from .fp8 import FP8_DTYPES, MIN_COMPUTE_CAPABILITY
 from .plan import check_algorithm
 from .records import DecodeRecord, Kept, assemble
 from .records import lock as _records_lock
@@ -97,10 +99,12 @@ class _Pair:
     capacity: int
     head_stride: int  # elements from one KV head's rows to the next's (HND), else 0
     layout: str
+    fp8: str = ""  # an fp8 cache's format (its bytes read with kv_scales), else ""
 
 
-def _check_pair(pair: tuple[Any, ...], kv_layout: Any) -> _Pair:
-    """A ``(k_cache, v_cache)`` pair of device arrays in layout ``kv_layout``, checked."""
+def _check_pair(pair: tuple[Any, ...], kv_layout: Any, fp8_ok: bool = False) -> _Pair:
+    """A ``(k_cache, v_cache)`` pair of device arrays in layout ``kv_layout``, checked
+    (``fp8_ok``: kv_scales came with it, so an fp8 pair is read)."""
     layout = check_kv_layout(kv_layout)
     if len(pair) != 2:
         raise TypeError(
@@ -114,10 +118,16 @@ def _check_pair(pair: tuple[Any, ...], kv_layout: Any) -> _Pair:
             "device), got a numpy array"
         )
     shape, dtype = tuple(kr[1]), kr[2]
-    if dtype not in SUPPORTED_DTYPES:
+    fp8 = FP8_DTYPES.get(dtype, "")
+    if fp8 and not fp8_ok:
         raise TypeError(
-            f"k_cache: expected float32, float16 or bfloat16, got {dtype} (an fp8 cache is "
-            "a KVCache: the decode reads its scales)"
+            f"k_cache: an fp8 cache ({dtype}) is read with its scales: pass kv_scales (float32, "
+            "n_kv_heads K scales then n_kv_heads V ones)"
+        )
+    if not fp8 and dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"k_cache: expected float32, float16, bfloat16 or an fp8 format (with kv_scales), "
+            f"got {dtype}"
         )
     if layout == "HND":
         if len(shape) not in (3, 4) or (len(shape) == 4 and shape[0] != 1):
@@ -146,7 +156,7 @@ def _check_pair(pair: tuple[Any, ...], kv_layout: Any) -> _Pair:
         raise ValueError(f"v_cache: must be C-contiguous, got a strided view of shape {shape}")
     if kr[3] != vr[3]:
         raise ValueError(f"v_cache: on device {vr[3]}, k_cache on device {kr[3]}")
-    return _Pair(kr, vr, n_kv, hd, capacity, stride, layout)
+    return _Pair(kr, vr, n_kv, hd, capacity, stride, layout, fp8)
 
 
 def _pair_operand(obj: Any, name: str, size: int, dtype: np.dtype, ordinal: int) -> ArrayRef:
@@ -171,33 +181,41 @@ def _pair_operand(obj: Any, name: str, size: int, dtype: np.dtype, ordinal: int)
 MAX_PAIR_CALLS = 256
 _pair_calls = Kept(MAX_PAIR_CALLS)
 _PAIR_ROLES = ("q_dev", "k_cache", "v_cache", "out_dev", "seq_len", "sinks", "alibi_slopes",
-               "out_lse")  # fmt: skip
+               "out_lse", "kv_scales")  # fmt: skip
 
 
 def decode_async_pair(
     q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any,
     algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
+    kv_scales: Any = None, torch_owned: bool = False,
 ) -> None:  # fmt: skip
     """gqa_decode_async over a caller's (k_cache, v_cache): a call seen before (`_pair_calls`)
-    queued with its pointers; a new one checked (`_pair_checked`) and remembered."""
+    queued with its pointers; a new one checked (`_pair_checked`) and remembered.
+
+    ``kv_scales``: an fp8 pair's scales (float32, n_kv K scales then n_kv V ones).
+    ``torch_owned``: the arrays are PyTorch's and so are the graphs that capture this call
+    (the torch ops): nothing is kept for a capture (PyTorch keeps what its graphs use), and a
+    first call inside PyTorch's capture makes its record with the capture mode relaxed."""
     sid = stream_key(stream)
     found = _pair_call_key(q_dev, pair, out_dev, n_heads, sid, algorithm, seq_len, kv_layout,
-                           kw, out_lse)  # fmt: skip
+                           kw, out_lse, kv_scales)  # fmt: skip
     entry = None if found is None else _pair_calls.get(found[0])
     if entry is None:
         entry = _pair_checked(q_dev, pair, out_dev, n_heads, stream, sid, algorithm, seq_len,
-                              kv_layout, kw, out_lse)  # fmt: skip
+                              kv_layout, kw, out_lse, kv_scales, torch_owned)  # fmt: skip
         if found is not None:
             with _records_lock:
                 _pair_calls.keep(found[0], entry)
     record, dev, foreign = entry
     dev.activate()  # this thread's context current before any driver call
     objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
-            out_lse)  # fmt: skip
+            out_lse, kv_scales)  # fmt: skip
     refs: list[Any] = found[1] if found is not None else [
         None if o is None else array_ref(o, n) for o, n in zip(objs, _PAIR_ROLES, strict=True)
     ]  # fmt: skip
-    if bool(getattr(_capture_state, "depth", 0)) or (foreign and stream_capturing(sid)):
+    if not torch_owned and (
+        bool(getattr(_capture_state, "depth", 0)) or (foreign and stream_capturing(sid))
+    ):
         owners = [o if r[5] is None else r[5] for r, o in zip(refs, objs, strict=True) if r]
         keep_for_capture(sid, foreign, record, *owners)
     record.run((refs[0][0], refs[1][0], refs[2][0], refs[3][0], 0))
@@ -205,14 +223,14 @@ def decode_async_pair(
 
 def _pair_call_key(
     q_dev: Any, pair: Any, out_dev: Any, n_heads: Any, sid: int, algorithm: Any, seq_len: Any,
-    kv_layout: Any, kw: dict[str, Any], out_lse: Any,
+    kv_layout: Any, kw: dict[str, Any], out_lse: Any, kv_scales: Any = None,
 ) -> tuple[tuple[Any, ...], list[Any]] | None:  # fmt: skip
     """The key of a pair decode's call in `_pair_calls` and its arrays' refs, or None where
     the call is not one to remember (anything the checks would refuse goes to them)."""
     if not isinstance(pair, tuple) or len(pair) != 2:
         return None
     objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
-            out_lse)  # fmt: skip
+            out_lse, kv_scales)  # fmt: skip
     refs: list[Any] = []
     sigs: list[Any] = []
     for obj, role in zip(objs, _PAIR_ROLES, strict=True):
@@ -247,10 +265,12 @@ def _pair_call_key(
 def _pair_checked(
     q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any, sid: int,
     algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
+    kv_scales: Any = None, torch_owned: bool = False,
 ) -> tuple[Any, Device, bool]:  # fmt: skip
     """A pair decode's every argument checked, and its record (made on first use, outside
-    a capture), device and whether its stream is another library's."""
-    kv = _check_pair(pair, kv_layout)
+    a capture, or inside PyTorch's with ``torch_owned``), device and whether its stream is
+    another library's."""
+    kv = _check_pair(pair, kv_layout, fp8_ok=kv_scales is not None)
     n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
     n_heads, n_kv, hd = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
     if check_algorithm(algorithm) == "parity":
@@ -262,6 +282,17 @@ def _pair_checked(
     ordinal, dtype = kv.k[3], np.dtype(kv.k[2])
     seq = _pair_operand(seq_len, "seq_len", 1, np.dtype(np.int32), ordinal)
     size = n_heads * hd
+    scales = None
+    if kv.fp8:  # q and out of their own 16-bit dtype; the scales the kernels multiply by
+        q_ref = array_ref(q_dev, "q_dev")
+        dtype = np.dtype(q_ref[2]) if q_ref is not None else dtype
+        if dtype.name not in ("float16", "bfloat16"):
+            raise TypeError(f"q_dev: expected float16 or bfloat16 for an fp8 cache, got {dtype}")
+        if kv.head_dim % 8:
+            raise ValueError(f"k_cache: an fp8 cache needs a head_dim divisible by 8, got {hd}")
+        scales = _pair_operand(kv_scales, "kv_scales", 2 * n_kv, np.dtype(np.float32), ordinal)
+    elif kv_scales is not None:
+        raise TypeError(f"kv_scales: only for fp8 caches, k_cache is {dtype}")
     q = _pair_operand(q_dev, "q_dev", size, dtype, ordinal)
     out = _pair_operand(out_dev, "out_dev", size, dtype, ordinal)
     feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
@@ -269,6 +300,11 @@ def _pair_checked(
                       (out_lse, "out_lse")):  # fmt: skip
         feature_ptr(obj, name, n_heads, ordinal)  # (checked before the device is asked)
     dev = device_for(ordinal)
+    if kv.fp8 and dev.compute_capability < MIN_COMPUTE_CAPABILITY:
+        raise ValueError(
+            f"k_cache: fp8 caches need compute capability 8.9 or newer, this GPU has "
+            f"{dev.compute_capability}"
+        )
     sinks = feature_array(feats.sinks, "sinks", n_heads, dev)
     slopes = feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, dev)
     lse = feature_array(out_lse, "out_lse", n_heads, dev)
@@ -281,41 +317,50 @@ def _pair_checked(
     foreign = sid != 0 and not isinstance(stream, Stream)
     dev.activate()  # this thread's context current before any driver call
     key = ("pair", dev.context_handle, dtype, n_heads, n_kv, hd, kv.capacity, kv.head_stride,
-           aligned, sid, seq[0], bits, feature_key(fargs), attention.OVERRIDES)  # fmt: skip
+           aligned, sid, seq[0], bits, feature_key(fargs), attention.OVERRIDES, kv.fp8,
+           0 if scales is None else scales[0])  # fmt: skip
     captured = bool(getattr(_capture_state, "depth", 0)) or (foreign and stream_capturing(sid))
     record = _records.get(key)
     if record is None:
-        if captured:
+        if captured and not torch_owned:
             raise FerroxError(
                 "stream: the first decode of this (k_cache, v_cache) signature cannot load "
                 "its kernels or allocate its scratch inside a capture: run it once before "
                 "capturing"
             )
-        with _records_lock:
+        with contextlib.ExitStack() as relaxed, _records_lock:
+            if captured:  # PyTorch's capture (the torch ops): neither step is captured
+                relaxed.enter_context(relaxed_capture())
             record = _pair_record(key, dev, kv, q, out, seq, n_heads, dtype, aligned, bits,
-                                  fargs, feats.sliding_window, sid)  # fmt: skip
+                                  fargs, feats.sliding_window, sid, scales)  # fmt: skip
     return record, dev, foreign
 
 
 def _pair_record(
     key: tuple[Any, ...], dev: Device, kv: _Pair, q: ArrayRef, out: ArrayRef, seq: ArrayRef,
     n_heads: int, dtype: np.dtype, aligned: bool, bits: int, fargs: Any,
-    window: int | None, sid: int,
+    window: int | None, sid: int, scales: ArrayRef | None = None,
 ) -> DecodeRecord:  # fmt: skip
-    """The launches of a pair's decode, planned for its capacity (at most the window)."""
+    """The launches of a pair's decode, planned for its capacity (at most the window); an
+    fp8 pair's read with ``scales``."""
     record = _records.get(key)
     if record is not None:
         return record
     plan_seq = kv.capacity if window is None else min(kv.capacity, window)
     n_kv, hd = kv.n_kv_heads, kv.head_dim
     q_d, out_d = (DeviceArray._wrap(r[0], (n_heads * hd,), dtype, dev, None) for r in (q, out))
-    k_d, v_d = (DeviceArray._wrap(r[0], tuple(r[1]), dtype, dev, None) for r in (kv.k, kv.v))
+    k_d, v_d = (DeviceArray._wrap(r[0], tuple(r[1]), np.dtype(r[2]), dev, None)
+                for r in (kv.k, kv.v))  # fmt: skip
     seq_d = DeviceArray._wrap(seq[0], (1,), np.dtype(np.int32), dev, None)
+    fp8: dict[str, Any] = {}
+    if scales is not None:
+        fp8 = dict(dtype=dtype, fp8=kv.fp8, kv_scales=DeviceArray._wrap(
+            scales[0], (2 * n_kv,), np.dtype(np.float32), dev, None))  # fmt: skip
     record = _records.keep(key, assemble(
         q_d, k_d, v_d, out_d, stream=stream_handle(sid), keep_workspace=False, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=hd, seq_len=kv.capacity, seq_len_dev=seq_d,
         plan_seq=max(plan_seq, 1), aligned=aligned, bits=bits, features=fargs,
-        workspace=lambda floats: _stream_buffer(dev, sid, "workspace", floats),
+        workspace=lambda floats: _stream_buffer(dev, sid, "workspace", floats), **fp8,
     ))  # fmt: skip
     return record
 

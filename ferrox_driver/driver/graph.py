@@ -19,6 +19,7 @@ __all__ = [
     "capture",
     "graph_stats",
     "keep_for_capture",
+    "relaxed_capture",
     "stream_capturing",
 ]
 
@@ -30,6 +31,20 @@ def stream_capturing(handle: int) -> bool:
     """Whether the stream with int handle ``handle`` is being captured into a graph."""
     result = cu.cuStreamIsCapturing(cu.CUstream(handle))
     return len(result) > 1 and result[1] == _CAPTURING
+
+
+@contextlib.contextmanager
+def relaxed_capture() -> Iterator[None]:
+    """This thread's stream-capture mode relaxed for the block: allocating device memory
+    and loading a module (a decode's first use: its scratch, its kernels) are then allowed
+    while another library's capture (PyTorch's, whose mode is thread-local or global) is
+    open; neither is captured. The thread's own mode comes back at the end."""
+    relaxed = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    before = drv("cuThreadExchangeStreamCaptureMode", relaxed)
+    try:
+        yield
+    finally:
+        drv("cuThreadExchangeStreamCaptureMode", before)
 
 
 def keep_for_capture(stream_id: int, foreign: bool, *objects: Any) -> bool:
