@@ -30,6 +30,7 @@ from ..types import DeviceArrayLike, StreamLike
 from .decoding import Decodes
 from .host_decode import check_q_dtype_of
 from .kv_cache import KVCache, append_kernel, check_cache
+from .pair_append import append_async_pair
 
 __all__ = ["decode_device", "gqa_decode_async", "kv_append_async"]
 
@@ -101,7 +102,13 @@ def _signature(ref: ArrayRef | None) -> tuple[Any, ...] | None:
 
 
 def kv_append_async(
-    kv: KVCache, k_dev: DeviceArrayLike, v_dev: DeviceArrayLike, *, stream: StreamLike
+    kv: KVCache | tuple[DeviceArrayLike, DeviceArrayLike],
+    k_dev: DeviceArrayLike,
+    v_dev: DeviceArrayLike,
+    *,
+    stream: StreamLike,
+    state: DeviceArrayLike = None,
+    kv_scales: DeviceArrayLike = None,
 ) -> None:
     """Queue a device-side append of one token: rows ``k_dev``/``v_dev`` go to position
     ``seq_len`` (read on the device), which is then bumped. Capturable in a graph.
@@ -121,10 +128,29 @@ def kv_append_async(
         stream: the stream (a ferrox Stream, any ``__cuda_stream__`` object, an int
             handle) to queue on; None: PyTorch's current stream for a PyTorch ``k_dev``,
             else the legacy default stream.
+        state: with a pair (and only then): two int32 on the device, the length and an
+            overflow flag, as a KVCache keeps them.
+        kv_scales: with an fp8 pair: float32, the n_kv_heads K scales then the V ones.
+
+    ``kv`` may also be a pair ``(k_cache, v_cache)`` of the caller's device arrays: a
+    C-contiguous token-major cache ``(capacity, n_kv_heads, head_dim)`` (an fp8 one
+    quantizes with ``kv_scales``) and its ``state``. Then ``k_dev``/``v_dev`` are one token
+    ``(n_kv_heads, head_dim)`` or several ``(n, n_kv_heads, head_dim)``, written at
+    ``state[0]``, which is bumped by n; rows that would pass the capacity are not written and
+    set ``state[1]`` (read it to know).
     """
+    stream = call_stream(stream, k_dev)
+    if isinstance(kv, tuple):
+        if state is None:
+            raise TypeError("state: a (k_cache, v_cache) pair needs its state, two int32 on "
+                            "the device (the length, the overflow flag)")  # fmt: skip
+        append_async_pair(kv, k_dev, v_dev, state, kv_scales, stream)
+        return
+    if state is not None or kv_scales is not None:
+        raise ValueError("state, kv_scales: only with a (k_cache, v_cache) pair; a KVCache "
+                         "keeps its own")  # fmt: skip
     kv = check_cache(kv)
     kr, vr = array_ref(k_dev, "k_dev"), array_ref(v_dev, "v_dev")
-    stream = call_stream(stream, k_dev)
     sid = stream_key(stream)
     key = (sid, _signature(kr), _signature(vr))
     with kv.lock:
