@@ -1,0 +1,296 @@
+"""ferrox as PyTorch custom ops: tensors in, tensors out, traced by ``torch.compile``.
+
+    import ferrox_driver.integrations.torch as fxt
+
+    state = fxt.new_state("cuda")                       # the cache's length (and overflow flag)
+    fxt.kv_append(k_cache, v_cache, k, v, state)        # rows at state[0], then state[0] += n
+    out = fxt.gqa_decode(q, k_cache, v_cache, state[:1])
+
+Importing this module registers the ops ``torch.ops.ferrox.gqa_decode``, ``kv_append`` and
+``merge_states`` (``import ferrox_driver`` alone imports no torch). Each has a fake (meta)
+implementation, and ``kv_append`` declares the tensors it writes, so ``torch.compile(...,
+fullgraph=True)`` traces a decode layer that calls them with no graph break, and
+``mode="reduce-overhead"`` captures them in its CUDA graphs. They run on PyTorch's current
+stream and read every length on the device, so one captured graph serves every step.
+
+- ``gqa_decode(q, k_cache, v_cache, seq_len, ...)``: attention of one query token over the
+  first ``seq_len`` tokens of a static cache (``seq_len`` a one-element int32 CUDA tensor),
+  token-major ``(capacity, n_kv_heads, head_dim)`` ("NHD") or head-major ``(n_kv_heads,
+  capacity, head_dim)`` / ``(1, n_kv_heads, capacity, head_dim)`` ("HND", a transformers
+  StaticCache layer's buffers); bf16, fp16, fp32, or fp8 bytes read with ``kv_scales``;
+  every feature; the LSE with ``return_lse=True``. ``seq_len=None``: every token of
+  ``k_cache`` (the eager form, for a cache that grows by concatenation).
+- ``kv_append(k_cache, v_cache, k, v, state, kv_scales=None)``: one token ``(n_kv_heads,
+  head_dim)`` or several ``(n, n_kv_heads, head_dim)`` into a token-major cache at
+  ``state[0]``, which is then bumped; an fp8 cache quantizes them with ``kv_scales``.
+- ``merge_states(outs, lses)``: the exact combine of partial attention (LSE-weighted).
+
+Needs PyTorch 2.4 or newer with CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ..cache.pair_append import append_async_pair
+from ..decode.eager import gqa_decode as _eager_decode
+from ..decode.merge import merge_states as _merge
+from ..decode.pair import decode_async_pair
+from ..driver.device import device_for
+from ..driver.graph import relaxed_capture, stream_capturing
+from ..driver.pool import stream_buffer
+
+__all__ = ["gqa_decode", "kv_append", "merge_states", "new_state"]
+
+_LAYOUTS = ("NHD", "HND")
+
+
+def new_state(device: Any = "cuda", length: int = 0) -> torch.Tensor:
+    """A cache's state for ``kv_append``: two int32 on ``device``, the length and an
+    overflow flag (set by an append that would pass the capacity; nothing is written then).
+    ``state[:1]`` is the ``seq_len`` that ``gqa_decode`` reads."""
+    return torch.tensor([length, 0], dtype=torch.int32, device=device)
+
+
+def _dims(q: torch.Tensor, k_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int]:
+    """(n_heads, n_kv_heads, head_dim) from the shapes; the layout checked."""
+    if kv_layout not in _LAYOUTS:
+        raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
+    if k_cache.dim() not in (3, 4):
+        raise ValueError(f"k_cache: expected 3 or 4 dimensions, got shape {tuple(k_cache.shape)}")
+    head_dim = k_cache.shape[-1]
+    n_kv = k_cache.shape[-2] if kv_layout == "NHD" else k_cache.shape[-3]
+    if head_dim < 1 or q.numel() % head_dim:
+        raise ValueError(f"q: shape {tuple(q.shape)} holds no whole number of heads of "
+                         f"head_dim {head_dim} (k_cache's last dimension)")  # fmt: skip
+    return q.numel() // head_dim, n_kv, head_dim
+
+
+# Per-head float32 copies of feature tensors given in another dtype (a model's bf16 sinks):
+# one per tensor while its values stay, so the kernels read the same array at every step
+# (and a captured graph reads the copy made before it).
+_FLOAT_COPIES: dict[tuple[int, int], tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+
+def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
+        return t
+    key = (t.data_ptr(), t.numel())
+    held = _FLOAT_COPIES.get(key)
+    if held is None or held[0] is not t or held[1] != t._version:
+        if len(_FLOAT_COPIES) > 1024:
+            _FLOAT_COPIES.clear()
+        held = _FLOAT_COPIES[key] = (t, t._version, t.reshape(-1).float().contiguous())
+    return held[2]
+
+
+def _lse_buffer(device: torch.device, stream: int, n_heads: int) -> tuple[Any, torch.Tensor]:
+    """The kernels' LSE output on this stream (one array per stream and size, so a call's
+    record stays the same) and its torch view; the op copies it into its own output."""
+    dev = device_for(device.index if device.index is not None else torch.cuda.current_device())
+    buf = stream_buffer(dev, stream, "torch_lse", n_heads)
+    view = _LSE_VIEWS.get(id(buf))
+    if view is None or view[0] is not buf:
+        view = _LSE_VIEWS[id(buf)] = (buf, torch.from_dlpack(buf))
+    return buf, view[1]
+
+
+_LSE_VIEWS: dict[int, tuple[Any, torch.Tensor]] = {}
+
+
+def _current_stream(device: torch.device) -> int:
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _relaxed_if_captured(stream: int) -> contextlib.AbstractContextManager[None]:
+    return relaxed_capture() if stream_capturing(stream) else contextlib.nullcontext()
+
+
+@torch.library.custom_op("ferrox::gqa_decode", mutates_args=())
+def _decode_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_len: torch.Tensor | None,
+    kv_scales: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    kv_layout: str,
+    scale: float | None,
+    logits_soft_cap: float | None,
+    sliding_window: int | None,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not q.is_cuda:
+        raise ValueError(f"q: expected a CUDA tensor, got one on {q.device}")
+    n_heads, n_kv, head_dim = _dims(q, k_cache, kv_layout)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty((n_heads if return_lse else 0,), dtype=torch.float32, device=q.device)
+    stream = _current_stream(q.device)
+    features: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                    sinks=_float32(sinks), alibi_slopes=_float32(alibi_slopes),
+                    scale=scale)  # fmt: skip
+    if seq_len is None:  # every token of k_cache: the eager decode (a record per length bucket)
+        if kv_scales is not None:
+            raise ValueError("kv_scales: an fp8 cache is decoded over a seq_len tensor")
+        with _relaxed_if_captured(stream):
+            got: Any = _eager_decode(q, k_cache, v_cache, n_heads=n_heads, n_kv_heads=n_kv,
+                                     head_dim=head_dim, out=out, stream=stream,
+                                     kv_layout=kv_layout, return_lse=return_lse,  # type: ignore[call-overload]
+                                     **features)  # fmt: skip
+        if return_lse:
+            lse.copy_(torch.from_dlpack(got[1]))
+        return out, lse
+    lse_buf, lse_view = _lse_buffer(q.device, stream, n_heads) if return_lse else (None, None)
+    decode_async_pair(q, (k_cache, v_cache), out, n_heads, stream, "auto", seq_len, kv_layout,
+                      features, lse_buf, kv_scales, torch_owned=True)  # fmt: skip
+    if lse_view is not None:
+        lse.copy_(lse_view)
+    return out, lse
+
+
+@_decode_op.register_fake
+def _decode_fake(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: torch.Tensor | None,
+    kv_scales: torch.Tensor | None, sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None, kv_layout: str, scale: float | None,
+    logits_soft_cap: float | None, sliding_window: int | None, return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    n_heads, _, _ = _dims(q, k_cache, kv_layout)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = q.new_empty((n_heads if return_lse else 0,), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("ferrox::kv_append", mutates_args=("k_cache", "v_cache", "state"))
+def _append_op(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+) -> None:
+    if not k_cache.is_cuda:
+        raise ValueError(f"k_cache: expected a CUDA tensor, got one on {k_cache.device}")
+    stream = _current_stream(k_cache.device)
+    append_async_pair((k_cache, v_cache), k.contiguous(), v.contiguous(), state, kv_scales,
+                      stream, torch_owned=True)  # fmt: skip
+
+
+@_append_op.register_fake
+def _append_fake(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    state: torch.Tensor, kv_scales: torch.Tensor | None,
+) -> None:  # fmt: skip
+    return None
+
+
+@torch.library.custom_op("ferrox::merge_states", mutates_args=())
+def _merge_op(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not outs.is_cuda:
+        raise ValueError(f"outs: expected a CUDA tensor, got one on {outs.device}")
+    n_heads = lses.shape[1]
+    outs, lses = outs.contiguous(), lses.contiguous()
+    out = outs.new_empty(outs.shape[1:])
+    lse = lses.new_empty((n_heads,))
+    stream = _current_stream(outs.device)
+    with _relaxed_if_captured(stream):
+        _merge(outs, lses, stream=stream, out=out, out_lse=lse)
+    return out, lse
+
+
+@_merge_op.register_fake
+def _merge_fake(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return outs.new_empty(outs.shape[1:]), lses.new_empty((lses.shape[1],))
+
+
+def gqa_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_len: torch.Tensor | None = None,
+    *,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    kv_layout: str = "NHD",
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    kv_scales: torch.Tensor | None = None,
+) -> Any:
+    """Attention of one query token over the first ``seq_len`` tokens of a cache, on
+    PyTorch's current stream (``torch.ops.ferrox.gqa_decode``; traceable, capturable).
+
+    Args:
+        q: ``(n_heads, head_dim)``, ``(1, n_heads, 1, head_dim)`` or any shape of whole
+            heads: float16, bfloat16 or float32 (the cache's dtype; an fp8 cache's: 16-bit).
+        k_cache: ``(capacity, n_kv_heads, head_dim)`` ("NHD") or ``(n_kv_heads, capacity,
+            head_dim)`` / ``(1, n_kv_heads, capacity, head_dim)`` ("HND", rows contiguous,
+            heads any number of rows apart): float32, float16, bfloat16, or
+            ``torch.float8_e4m3fn`` / ``float8_e5m2`` with ``kv_scales``.
+        v_cache: like ``k_cache``.
+        seq_len: a one-element int32 CUDA tensor, the tokens to read (``[0, capacity]``,
+            read by the kernels at each run). None: all of ``k_cache``'s tokens (eager).
+        n_heads, n_kv_heads, head_dim: optional, checked against the shapes.
+        kv_layout: ``"NHD"`` or ``"HND"``.
+        sliding_window, logits_soft_cap, scale: as ``ferrox_driver.gqa_decode``.
+        sinks, alibi_slopes: ``n_heads`` values (any float dtype: a float32 copy is made
+            once per tensor and kept while its values stay).
+        return_lse: also return the log-sum-exp per query head (float32, natural log).
+        kv_scales: an fp8 cache's scales: float32 ``(2, n_kv_heads)``, K's then V's.
+
+    Returns:
+        ``out`` of q's shape and dtype, or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        ValueError, TypeError: naming the argument, before any device work.
+    """
+    got = _dims(q, k_cache, kv_layout)
+    for name, given, have in zip(("n_heads", "n_kv_heads", "head_dim"),
+                                 (n_heads, n_kv_heads, head_dim), got, strict=True):  # fmt: skip
+        if given is not None and given != have:
+            raise ValueError(f"{name}: {given} given, but the shapes say {have}")
+    out, lse = torch.ops.ferrox.gqa_decode(
+        q, k_cache, v_cache, seq_len, kv_scales, sinks, alibi_slopes, kv_layout, scale,
+        logits_soft_cap, sliding_window, return_lse,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def kv_append(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
+    """Append one token's K and V rows ``(n_kv_heads, head_dim)``, or several ``(n,
+    n_kv_heads, head_dim)``, to a token-major cache ``(capacity, n_kv_heads, head_dim)`` at
+    ``state[0]`` (``new_state``), which is then bumped by n, on PyTorch's current stream
+    (``torch.ops.ferrox.kv_append``; traceable, capturable). Rows that would pass the
+    capacity are not written; ``state[1]`` is set instead. An fp8 cache
+    (``torch.float8_e4m3fn``/``float8_e5m2``) quantizes 16- or 32-bit rows with
+    ``kv_scales`` (float32 ``(2, n_kv_heads)``: a value is stored as value / scale).
+    """
+    torch.ops.ferrox.kv_append(k_cache, v_cache, k, v, state, kv_scales)
+
+
+def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact combine of attention over disjoint parts of a sequence: ``outs`` ``(parts,
+    n_heads, head_dim)``, ``lses`` float32 ``(parts, n_heads)`` -> ``(out, lse)``
+    (``torch.ops.ferrox.merge_states``; see ``ferrox_driver.merge_states``)."""
+    if lses.dim() != 2 or outs.dim() not in (2, 3):
+        raise ValueError(f"outs, lses: expected (parts, n_heads, head_dim) and (parts, "
+                         f"n_heads), got {tuple(outs.shape)} and {tuple(lses.shape)}")  # fmt: skip
+    return torch.ops.ferrox.merge_states(outs, lses)
