@@ -38,8 +38,8 @@ NAME = "ferrox"
 logger = logging.getLogger(__name__)
 _REGISTERED: Any = None  # ferrox_attention_forward as registered (not traced by torch.compile)
 
-__all__ = ["NAME", "DecodeCall", "decode_call", "eager_attention", "ferrox_attention_forward",
-           "register"]  # fmt: skip
+__all__ = ["NAME", "DecodeCall", "FP8Cache", "decode_call", "eager_attention",
+           "ferrox_attention_forward", "register"]  # fmt: skip
 
 
 def register(name: str = NAME) -> None:
@@ -52,12 +52,15 @@ def register(name: str = NAME) -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
+    import ferrox_driver.integrations.torch  # noqa: F401  (registers torch.ops.ferrox)
+
     global _REGISTERED
     if _REGISTERED is None:
-        # generate() compiles a static cache's decode steps (torch.compile): ferrox runs
-        # outside the compiled graph (a graph break), its launches and the mask's host
-        # read as they are, never traced
-        _REGISTERED = torch.compiler.disable(ferrox_attention_forward)
+        # generate() compiles a static cache's decode steps (torch.compile): the compiled
+        # path traces ferrox's custom ops (torch.ops.ferrox) into the graph, the length and
+        # the mask's check on the device, no graph break
+        _REGISTERED = ferrox_attention_forward
+    del torch
     AttentionInterface.register(name, _REGISTERED)
     # allow_is_causal_skip=False: a decode step's mask always says which tokens it reads
     AttentionMaskInterface.register(name, partial(sdpa_mask, allow_is_causal_skip=False))
@@ -90,6 +93,7 @@ def decode_call(
     softcap: float | None = None,
     s_aux: Any = None,
     require_cuda: bool = True,
+    read_mask: bool = True,
     **kwargs: Any,
 ) -> DecodeCall | str:
     """The ferrox decode of a transformers attention call, or why there is none (a
@@ -97,7 +101,9 @@ def decode_call(
     and ``value`` ``[batch, n_kv_heads, kv_len, head_dim]`` (a static cache's whole buffer,
     or a dynamic cache's tokens); the mask, where given, says which of kv_len are read.
     Reads the mask's last row on the host (one small copy). ``require_cuda=False``: the
-    plan of CPU tensors too (for tests)."""
+    plan of CPU tensors too (for tests). ``read_mask=False`` (a compiled step): the mask is
+    not read here; ``length`` is then the whole cache and the window the layer's
+    ``sliding_window`` keyword, both checked against the mask on the device."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "query, key and value are not 4-D [batch, heads, tokens, head_dim]"
     batch, n_heads, q_len, head_dim = query.shape
@@ -128,7 +134,10 @@ def decode_call(
     ):
         return f"tensors on {query.device}, {key.device}, {value.device} (ferrox: one CUDA device)"
     length, window = kv_len, None
-    if attention_mask is not None:
+    if not read_mask:
+        window = kwargs.get("sliding_window")
+        window = None if window is None or window >= kv_len else int(window)
+    elif attention_mask is not None:
         span = _mask_span(attention_mask, kv_len)
         if isinstance(span, str):
             return span
@@ -142,11 +151,24 @@ def decode_call(
     return DecodeCall(length, window, scale, cap, sinks)
 
 
+# The last mask read on the host and its span: a step's layers share one mask, read once.
+_SPAN: list[Any] = [None, -1, None]  # [mask, its _version, span]
+
+
 def _mask_span(mask: Any, kv_len: int) -> tuple[int, int] | str:
     """The tokens [first, end) that a decode step's mask lets it read (a boolean mask, or
-    an additive one of 0 and -inf), or why it is not one run of them."""
+    an additive one of 0 and -inf), or why it is not one run of them. One host read per
+    mask (the layers of a step share theirs)."""
     if mask.dim() != 4 or mask.shape[-1] != kv_len:
         return f"an attention mask of shape {tuple(mask.shape)}"
+    if _SPAN[0] is mask and _SPAN[1] == mask._version:
+        return _SPAN[2]
+    span = _read_span(mask)
+    _SPAN[:] = [mask, mask._version, span]
+    return span
+
+
+def _read_span(mask: Any) -> tuple[int, int] | str:
     import torch
 
     row = mask[0, 0, -1]
@@ -173,26 +195,46 @@ def ferrox_attention_forward(
     """transformers' attention function for ``attn_implementation="ferrox"``: a decode
     step on ferrox (see ``decode_call``), anything else on the model's eager attention
     where SDPA cannot express the layer (soft-cap, sinks, ...), else on SDPA. Returns
-    ``(attn_output [batch, q_len, n_heads, head_dim], weights or None)``."""
+    ``(attn_output [batch, q_len, n_heads, head_dim], weights or None)``.
+
+    Eager, the mask's run of tokens is read on the host once per mask (a step's layers
+    share it) and a mask that is not one run goes to SDPA or eager attention. Compiled
+    (``torch.compile``), nothing is read on the host: the length and the mask's check are
+    computed on the device, the decode is ``torch.ops.ferrox.gqa_decode``, and a step whose
+    mask ferrox cannot read (not one run of tokens ending at the length, with the layer's
+    window) gets NaN, never a wrong number."""
+    import torch
+
+    if str(key.dtype).startswith("torch.float8"):  # an FP8Cache's decode step
+        return _fp8_forward(module, query, key, value, attention_mask, dropout, scaling,
+                            **kwargs)  # fmt: skip
+    compiling = torch.compiler.is_compiling()
     call = decode_call(module, query, key, value, attention_mask, dropout=dropout,
-                       scaling=scaling, **kwargs)  # fmt: skip
+                       scaling=scaling, read_mask=not compiling, **kwargs)  # fmt: skip
     if isinstance(call, str):
         return _fallback(call, module, query, key, value, attention_mask, dropout, scaling,
                          **kwargs)  # fmt: skip
-    import torch
+    _, n_heads, _, head_dim = query.shape
+    features: dict[str, Any] = dict(sliding_window=call.sliding_window, scale=call.scale,
+                                    logits_soft_cap=call.logits_soft_cap)  # fmt: skip
+    if compiling:
+        import ferrox_driver.integrations.torch as fxt
+
+        seq_len, ok = _device_span(attention_mask, key.shape[2], call.sliding_window)
+        out = fxt.gqa_decode(query.reshape(n_heads, head_dim), key, value, seq_len,
+                             kv_layout="HND", sinks=kwargs.get("s_aux"), **features)  # fmt: skip
+        out = torch.where(ok, out, torch.nan).reshape(1, 1, n_heads, head_dim)
+        return out, None
 
     import ferrox_driver as fd
 
-    _, n_heads, _, head_dim = query.shape
     n = call.length
     out = torch.empty((1, 1, n_heads, head_dim), dtype=query.dtype, device=query.device)
     stream = torch.cuda.current_stream(query.device)
     q = query.reshape(n_heads, head_dim)
-    features = dict(sliding_window=call.sliding_window, logits_soft_cap=call.logits_soft_cap,
-                    scale=call.scale, sinks=call.sinks)  # fmt: skip
+    features["sinks"] = call.sinks
     if n < key.shape[2]:  # a static cache: its whole buffer, the length on the device
-        length = _length_on(query.device, stream)
-        length.fill_(n)
+        length = _length_on(query.device, stream, attention_mask, n, key.shape[2])
         fd.gqa_decode_async(q, (key, value), out, n_heads=n_heads, stream=stream,
                             seq_len=length, kv_layout="HND", **features)  # fmt: skip
     else:  # (a dynamic cache: a new shape at every step)
@@ -200,6 +242,80 @@ def ferrox_attention_forward(
                       head_dim=head_dim, out=out, kv_layout="HND", stream=stream,
                       **features)  # fmt: skip
     return out, None
+
+
+def _fp8_forward(
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float,
+    scaling: float | None, **kwargs: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    """A decode step over an `FP8Cache` layer (its update returned the fp8 buffers): read
+    in place by ``torch.ops.ferrox.gqa_decode`` with the layer's scales and device length.
+    What it cannot compute is refused with an error (eager) or NaN (compiled): there is no
+    other attention over fp8 bytes to fall back on."""
+    import torch
+
+    import ferrox_driver.integrations.torch as fxt
+
+    layer = getattr(module, "ferrox_fp8_layer", None)
+    if layer is None:
+        raise ValueError(
+            f"key: fp8 keys reached {type(module).__name__}, which no FP8Cache is bound to: "
+            "make the cache with FP8Cache(model, max_cache_len) for this model"
+        )
+    batch, n_heads, q_len, head_dim = query.shape
+    why = None
+    if batch != 1 or q_len != 1:
+        why = f"a batch of {batch} with {q_len} query tokens"
+    elif dropout:
+        why = f"dropout {dropout}"
+    elif kwargs.get("output_attentions"):
+        why = "output_attentions"
+    else:
+        why = _unread(kwargs, ("softcap", "s_aux"))
+    if why:
+        raise ValueError(f"FP8Cache: ferrox decodes one query token of a batch of one over an "
+                         f"fp8 cache, without other features; got {why}")  # fmt: skip
+    cap = key.shape[0]
+    window = kwargs.get("sliding_window")
+    window = None if window is None or window >= cap else int(window)
+    softcap = kwargs.get("softcap")
+    out = fxt.gqa_decode(query.reshape(n_heads, head_dim), key, value, layer.state[:1],
+                         kv_layout="NHD", kv_scales=layer.kv_scales, sinks=kwargs.get("s_aux"),
+                         scale=scaling, logits_soft_cap=float(softcap) if softcap else None,
+                         sliding_window=window)  # fmt: skip
+    if attention_mask is not None:
+        if torch.compiler.is_compiling():
+            end, ok = _device_span(attention_mask, attention_mask.shape[-1], window)
+            ok = ok & (end == layer.state[:1]).all()
+            out = torch.where(ok, out, torch.nan)
+        else:
+            span = _mask_span(attention_mask, attention_mask.shape[-1])
+            n = int(layer.state[0])
+            want = (0 if window is None else max(0, n - window), n)
+            if span != want:
+                raise ValueError(f"attention_mask: ferrox reads tokens {want} of the FP8Cache, "
+                                 f"the mask keeps {span}")  # fmt: skip
+    return out.reshape(1, 1, n_heads, head_dim), None
+
+
+def _device_span(mask: Any, kv_len: int, window: int | None) -> tuple[Any, Any]:
+    """A compiled decode step's length and whether ferrox reads its mask right, on the
+    device: ``(seq_len, ok)``, seq_len one int32 (the last token the mask keeps, plus
+    one), ok a boolean scalar: the mask keeps one run of tokens that ends there and starts
+    where the window (None: the first token) does."""
+    import torch
+
+    if mask is None:
+        return torch.full((1,), kv_len, dtype=torch.int32, device="cuda"), torch.tensor(True)
+    row = mask[0, 0, -1]
+    keep = row if row.dtype == torch.bool else row == 0
+    at = torch.arange(kv_len, device=keep.device, dtype=torch.int32)
+    end = torch.where(keep, at + 1, 0).amax()
+    first = torch.where(keep, at, kv_len).amin()
+    count = keep.sum(dtype=torch.int32)
+    start = end * 0 if window is None else (end - window).clamp(min=0)
+    ok = (count > 0) & (count == end - first) & (first == start)
+    return end.reshape(1).to(torch.int32), ok
 
 
 # Keywords that leave an attention's function to its mask, scale and dropout: the mask
@@ -364,17 +480,29 @@ def eager_attention(
 # arrays it reads: the length (one int32 per device and stream, written before each
 # decode on the decode's stream) and the sinks (one float32 copy per s_aux tensor, kept
 # while its values stay: _float_sinks) keep their addresses from step to step.
-_LENGTHS: dict[tuple[Any, int], Any] = {}
+_LENGTHS: dict[tuple[Any, int, int], tuple[Any, int, Any]] = {}
 _SINKS: dict[int, tuple[Any, int, Any]] = {}
 
 
-def _length_on(device: Any, stream: Any) -> Any:
+def _length_on(device: Any, stream: Any, mask: Any, n: int, kv_len: int) -> Any:
+    """The int32 device length ``n`` of a static cache's decode: one array per device,
+    stream and cache size (the layers of one size end their runs at one length in a step),
+    so a layer's decode keeps its record from step to step; written once per mask (not
+    per layer) before the decodes that read it, on their stream."""
     import torch
 
-    key = (device, stream.cuda_stream)
-    length = _LENGTHS.get(key)
-    if length is None:
-        length = _LENGTHS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device, stream.cuda_stream, kv_len)
+    held = _LENGTHS.get(key)
+    if held is not None and held[0] is mask and held[1] == n:
+        return held[2]
+    if held is None:
+        if len(_LENGTHS) > 64:
+            _LENGTHS.clear()
+        length = torch.zeros(1, dtype=torch.int32, device=device)
+    else:
+        length = held[2]
+    length.fill_(n)
+    _LENGTHS[key] = (mask, n, length)
     return length
 
 
@@ -386,3 +514,178 @@ def _float_sinks(s_aux: Any) -> Any:
     if held is None or held[0] is not s_aux or held[1] != s_aux._version:
         held = _SINKS[key] = (s_aux, s_aux._version, s_aux.reshape(-1).float())
     return held[2]
+
+
+FP8Cache: Any  # made on first use (module __getattr__)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FP8Cache":  # made on first use: it subclasses transformers' Cache
+        global FP8Cache
+        FP8Cache = _fp8_cache_class()
+        return FP8Cache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _fp8_cache_class() -> Any:
+    import torch
+    from transformers import cache_utils
+
+    Cache: Any = cache_utils.Cache  # (Any: the layers hold attributes of their own)
+    StaticLayer: Any = cache_utils.StaticLayer
+
+    import ferrox_driver.integrations.torch as fxt
+
+    fp8_max = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+    class FP8Layer(StaticLayer):
+        """One layer of an `FP8Cache`: K and V token-major ``(max_cache_len, n_kv_heads,
+        head_dim)`` in fp8, their scales ``kv_scales`` (float32 ``(2, n_kv_heads)``) and
+        the length on the device (``state``)."""
+
+        def __init__(self, max_cache_len: int, fp8_dtype: Any, k_scale: Any, v_scale: Any,
+                     margin: float) -> None:  # fmt: skip
+            super().__init__(max_cache_len=max_cache_len)
+            self.fp8_dtype, self.margin = fp8_dtype, margin
+            self.given_scales = (k_scale, v_scale)
+
+        def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            batch, n_kv, _, head_dim = key_states.shape
+            if batch != 1:
+                raise ValueError(f"FP8Cache: one sequence (a batch of 1), got {batch}")
+            if head_dim % 8 or value_states.shape[-1] != head_dim:
+                raise ValueError(
+                    f"FP8Cache: head_dim {head_dim} (K) and "
+                    f"{value_states.shape[-1]} (V): equal, a multiple of 8"
+                )
+            shape = (self.max_cache_len, n_kv, head_dim)
+            self.keys = torch.zeros(shape, dtype=self.fp8_dtype, device=self.device)
+            self.values = torch.zeros(shape, dtype=self.fp8_dtype, device=self.device)
+            self.kv_scales = torch.ones((2, n_kv), dtype=torch.float32, device=self.device)
+            self.state = torch.zeros(2, dtype=torch.int32, device=self.device)
+            self.cumulative_length: Any = self.cumulative_length.to(self.device)
+            self.batch_size, self.num_heads = 1, n_kv
+            self.k_head_dim = self.v_head_dim = head_dim
+            for i, given in enumerate(self.given_scales):
+                if given is not None:
+                    self.kv_scales[i] = torch.as_tensor(given, dtype=torch.float32)
+            if not torch.compiler.is_compiling():
+                for t in (self.keys, self.values, self.kv_scales, self.state,
+                          self.cumulative_length):  # fmt: skip
+                    torch._dynamo.mark_static_address(t)
+            self.is_initialized = True
+
+        def update(self, key_states: Any, value_states: Any, *args: Any,
+                   **kwargs: Any) -> tuple[Any, Any]:  # fmt: skip
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = key_states.shape[-2]
+            if n == 1:  # a decode step: quantized in, the fp8 buffers out (read in place)
+                _, n_kv, _, head_dim = key_states.shape
+                fxt.kv_append(self.keys, self.values, key_states.reshape(n_kv, head_dim),
+                              value_states.reshape(n_kv, head_dim), self.state,
+                              kv_scales=self.kv_scales)  # fmt: skip
+                self.cumulative_length.add_(1)
+                return self.keys, self.values
+            past = int(self.state[0])  # (several tokens: a prefill, eager; one host read)
+            if past + n > self.max_cache_len:
+                raise ValueError(f"FP8Cache: {past} + {n} tokens pass max_cache_len "
+                                 f"{self.max_cache_len}")  # fmt: skip
+            if past == 0:
+                self._calibrate(key_states, value_states)
+            rows_k = key_states[0].transpose(0, 1).contiguous()
+            rows_v = value_states[0].transpose(0, 1).contiguous()
+            fxt.kv_append(self.keys, self.values, rows_k, rows_v, self.state,
+                          kv_scales=self.kv_scales)  # fmt: skip
+            self.cumulative_length.add_(n)
+            if past == 0:
+                return key_states, value_states
+            # later tokens of several: the attention reads the cache so far, dequantized
+            return (
+                torch.cat((self._dequantized(self.keys, 0, past), key_states), dim=-2),
+                torch.cat((self._dequantized(self.values, 1, past), value_states), dim=-2),
+            )
+
+        def _calibrate(self, key_states: Any, value_states: Any) -> None:
+            """Scales from the first tokens: each KV head's largest magnitude over them,
+            times ``margin``, at the format's largest value (given scales stay)."""
+            top = fp8_max[self.fp8_dtype]
+            for i, (x, given) in enumerate(zip((key_states, value_states), self.given_scales,
+                                               strict=True)):  # fmt: skip
+                if given is None:
+                    amax = x[0].float().abs().amax(dim=(1, 2))
+                    self.kv_scales[i] = (amax * self.margin / top).clamp(min=1e-8)
+
+        def _dequantized(self, buf: Any, which: int, n: int) -> Any:
+            scale = self.kv_scales[which].view(1, -1, 1)
+            return (buf[:n].float() * scale).to(self.dtype).transpose(0, 1)[None]
+
+        def reset(self) -> None:
+            super().reset()
+            if self.is_initialized:
+                self.state.zero_()
+
+    class FP8Cache(Cache):
+        """A static KV cache for ``generate()`` whose K and V are fp8 (e4m3 by default),
+        quantized on the device as each token arrives and read by ferrox's kernels in
+        place: half the bytes of a bf16 StaticCache, decodes that read half as much.
+
+            fx_transformers.register()
+            model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="ferrox")
+            cache = fx_transformers.FP8Cache(model, max_cache_len=131072)
+            model.generate(ids, past_key_values=cache, max_new_tokens=64)
+
+        Works eager and compiled (generate's default torch.compile). The scales (one per
+        KV head, K and V apart) come from the prompt: each head's largest magnitude over it,
+        times ``scale_margin``, at the format's largest value; or give ``k_scale``/``v_scale``
+        (a scalar or one per KV head). Values past the range saturate. One sequence (a
+        batch of 1); the prompt's attention runs on SDPA or eager attention in the model's
+        dtype, every later token on ferrox. Sliding-window layers keep every token (the
+        kernel reads the window). The cache binds itself to ``model``'s attention modules
+        (their ``ferrox_fp8_layer``): one FP8Cache per model at a time.
+
+        Args:
+            model: the model (``attn_implementation="ferrox"``).
+            max_cache_len: tokens the cache holds (prompt and new ones).
+            fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+            k_scale, v_scale: fixed scales (default: from the prompt).
+            scale_margin: headroom over the prompt's largest magnitude.
+        """
+
+        def __init__(self, model: Any, max_cache_len: int, *, fp8_dtype: Any = None,
+                     k_scale: Any = None, v_scale: Any = None,
+                     scale_margin: float = 2.0) -> None:  # fmt: skip
+            fp8_dtype = torch.float8_e4m3fn if fp8_dtype is None else fp8_dtype
+            if fp8_dtype not in fp8_max:
+                raise TypeError(f"fp8_dtype: expected torch.float8_e4m3fn or float8_e5m2, "
+                                f"got {fp8_dtype}")  # fmt: skip
+            if not isinstance(max_cache_len, int) or max_cache_len < 1:
+                raise ValueError(f"max_cache_len: expected a positive int, got {max_cache_len!r}")
+            if not scale_margin > 0:
+                raise ValueError(f"scale_margin: expected > 0, got {scale_margin}")
+            config = model.config.get_text_config(decoder=True)
+            layers = [FP8Layer(max_cache_len, fp8_dtype, k_scale, v_scale, scale_margin)
+                      for _ in range(config.num_hidden_layers)]  # fmt: skip
+            super().__init__(layers=layers)
+            bound = 0
+            for module in model.modules():
+                idx = getattr(module, "layer_idx", None)
+                if isinstance(idx, int) and type(module).__name__.endswith("Attention"):
+                    module.ferrox_fp8_layer = layers[idx]
+                    bound += 1
+            if bound == 0:
+                raise ValueError(f"model: no attention modules with a layer_idx in "
+                                 f"{type(model).__name__} to bind the FP8Cache to")  # fmt: skip
+
+        @property
+        def nbytes(self) -> int:
+            """Device bytes held: K, V, scales and lengths of every initialized layer."""
+            return sum(
+                t.nbytes
+                for layer in self.layers
+                if layer.is_initialized
+                for t in (layer.keys, layer.values, layer.kv_scales, layer.state)
+            )
+
+    return FP8Cache

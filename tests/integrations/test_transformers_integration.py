@@ -49,8 +49,9 @@ def test_register_adds_ferrox_to_transformers_attention_and_mask_functions():
     fxt.register()
     fxt.register()  # twice: the same
     registered = transformers.AttentionInterface._global_mapping["ferrox"]
-    assert registered.__wrapped__ is fxt.ferrox_attention_forward
-    assert registered._torchdynamo_disable  # generate's torch.compile does not trace it
+    assert registered is fxt.ferrox_attention_forward  # traced by torch.compile, not disabled
+    assert not hasattr(registered, "_torchdynamo_disable")
+    assert hasattr(torch.ops.ferrox, "gqa_decode")  # the ops it traces are registered
     assert "ferrox" in transformers.AttentionMaskInterface._global_mapping
 
 
