@@ -126,6 +126,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 1
     from pathlib import Path
 
+    if args.only == "torch":  # each table in its own process (bench/torch_bench.py)
+        from .bench.torch_bench import TABLES, run_torch_bench
+
+        result = run_torch_bench(
+            args.tables or TABLES, Path(args.out) if args.out else None, quick=args.quick
+        )
+        return 1 if any("error" in t for t in result["tables"].values()) else 0
+
     from .bench.decode import (
         SEQ_LENS,
         SHAPES,
@@ -239,6 +247,19 @@ def _head_dim(text: str) -> int:
     return value
 
 
+def _torch_tables(text: str) -> list[str]:
+    """A comma-separated list of ``bench --only torch`` tables."""
+    from .bench.torch_bench import TABLES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TABLES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {','.join(TABLES)}, got {text!r}"
+        )
+    return names
+
+
 def _arch(text: str) -> str:
     from ..archs import ARCHS
     from ..driver.compiler import normalize_arch
@@ -326,16 +347,31 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
             "features",
             "fp8",
             "scale",
+            "torch",
         ),
         default="all",
         help="which benchmark to run (all: every one but headdim, the head_dim sweep, "
         "features, what each attention feature costs, fp8, an fp8 cache against bf16, and "
-        "scale, one sequence sharded over the GPUs, which needs the [distributed] extra)",
+        "scale, one sequence sharded over the GPUs, which needs the [distributed] extra, and "
+        "torch, ferrox in PyTorch and transformers against SDPA: an 8B-shaped generate "
+        "compiled and eager, an fp8 cache, growing caches, the ops under torch.compile; each "
+        "table in its own process)",
     )
     bench.add_argument(
-        "--out", help="directory for bench_decode.json, bench_decode.png and host_bench.json"
+        "--out",
+        help="directory for bench_decode.json, bench_decode.png, host_bench.json and "
+        "torch_bench.json",
     )
-    bench.add_argument("--quick", action="store_true", help="one shape, two lengths")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="one shape, two lengths (torch: 4096 tokens, 8 steps, one warm-up call)",
+    )
+    bench.add_argument(
+        "--tables",
+        type=_torch_tables,
+        help="with --only torch: a comma-separated subset of compiled,eager,fp8,growing,explain",
+    )
     bench.add_argument(
         "--shapes", nargs="+", type=_shape, help="q_heads/kv_heads/head_dim shapes, e.g. 32/8/128"
     )
@@ -343,7 +379,7 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
     bench.add_argument("--dtypes", nargs="+", choices=("f32", "f16", "bf16"), help="dtypes")
     cache = sub.add_parser("cache", help="the disk cache of compiled kernels", formatter_class=fmt)
     cache.add_argument("--clear", action="store_true", help="remove the cached kernels")
-    parser.set_defaults(prog=prog, demo_parser=demo)
+    parser.set_defaults(prog=prog, demo_parser=demo, bench_parser=bench)
     return parser
 
 
@@ -351,6 +387,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "ferrox-driver") -> int:
     """Run the command line; returns the exit status (2 for a bad argument)."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.tables and args.only != "torch":
+        args.bench_parser.error(
+            f"argument --tables: applies to --only torch, not --only {args.only}"
+        )
     if args.command == "demo" and args.heads % args.kv_heads:
         args.demo_parser.error(
             f"argument --heads: {args.heads} is not a multiple of --kv-heads {args.kv_heads}"
