@@ -545,7 +545,7 @@ def fp8_table(quick: bool) -> dict[str, Any]:
     torch = require_cuda("fp8")
     from transformers import StaticCache
 
-    from ...integrations.transformers import FP8Cache  # type: ignore[attr-defined,unused-ignore]
+    from ...integrations.transformers import FP8Cache
 
     (context,), new_tokens, warmups = sizes(quick, (FP8_CONTEXT,))
     max_cache_len = context + new_tokens
@@ -702,7 +702,7 @@ def explain_table(quick: bool) -> dict[str, Any]:
     ``mode="reduce-overhead"``: us per call (CUDA events, median) and the largest difference
     from the eager layer's outputs over the same calls."""
     torch = require_cuda("explain")
-    from ...integrations import torch as fxt  # type: ignore[attr-defined,unused-ignore]
+    from ...integrations import torch as fxt
 
     n_heads, n_kv, hd, prefill = 32, 8, 128, 4096
     warmups, timed = (3, 50) if quick else (5, 200)
