@@ -166,6 +166,16 @@ def _decode_fake(
     return out, lse
 
 
+def _no_gradient(ctx: Any, *grads: Any) -> Any:
+    raise RuntimeError(
+        "ferrox's ops compute attention for inference and have no gradient: call them under "
+        "torch.no_grad() or torch.inference_mode()"
+    )
+
+
+_decode_op.register_autograd(_no_gradient)
+
+
 @torch.library.custom_op("ferrox::kv_append", mutates_args=("k_cache", "v_cache", "state"))
 def _append_op(
     k_cache: torch.Tensor,
@@ -207,6 +217,9 @@ def _merge_op(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, tor
 @_merge_op.register_fake
 def _merge_fake(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return outs.new_empty(outs.shape[1:]), lses.new_empty((lses.shape[1],))
+
+
+_merge_op.register_autograd(_no_gradient)
 
 
 def gqa_decode(

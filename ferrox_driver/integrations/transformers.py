@@ -373,6 +373,10 @@ def _fallback(
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)  # fmt: skip
     logger.debug("ferrox: %s: eager attention instead (%s)", why, feature)
+    if attention_mask is not None and attention_mask.shape[-1] > key.shape[-2]:
+        # (an FP8Cache's prefill: its mask covers the whole cache, its keys the tokens so far,
+        # which are the mask's first columns; SDPA's attention slices it the same way)
+        attention_mask = attention_mask[..., : key.shape[-2]]
     mask = _additive_mask(module, query, key, attention_mask, kwargs.get("is_causal"))
     eager = _eager_of(module)[0]
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)

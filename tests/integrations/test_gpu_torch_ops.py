@@ -21,7 +21,8 @@ H, KV, D = 16, 4, 128
 def _ref(q, k, v, n, layout="NHD", **kw):
     """float64 reference over the first n tokens (numpy), k/v torch in ``layout``."""
     if layout == "HND":
-        k, v = k.reshape(KV, -1, D).transpose(0, 1), v.reshape(KV, -1, D).transpose(0, 1)
+        k = k.reshape(KV, -1, D).transpose(0, 1).contiguous()
+        v = v.reshape(KV, -1, D).transpose(0, 1).contiguous()
     qn, kn, vn = (x.float().cpu().numpy() for x in (q, k[:n], v[:n]))
     return fd.reference_gqa_decode(qn.reshape(H, D), kn, vn, n_heads=H, n_kv_heads=KV,
                                    head_dim=D, **kw)  # fmt: skip
@@ -163,7 +164,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="kv_scales"):
         fxt.gqa_decode(q, k.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn),
                        fxt.new_state()[:1])  # fmt: skip
-    with pytest.raises(TypeError, match="state"):
+    with pytest.raises(ValueError, match="state"):
         fxt.kv_append(k, k, q[:KV], q[:KV], torch.zeros(2, dtype=torch.int64, device="cuda"))
 
 
@@ -199,6 +200,7 @@ def _fresh_layer(cap=256):
     return layer
 
 
+@torch.no_grad()
 def test_dynamo_traces_a_decode_layer_with_no_graph_break():
     layer = _fresh_layer()
     x = torch.randn(1, 4 * D, device="cuda", dtype=torch.bfloat16)
@@ -208,6 +210,7 @@ def test_dynamo_traces_a_decode_layer_with_no_graph_break():
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@torch.no_grad()
 def test_a_compiled_decode_layer_matches_the_eager_one_step_after_step(mode):
     torch._dynamo.reset()
     eager, compiled_layer = _fresh_layer(), _fresh_layer()
@@ -221,3 +224,11 @@ def test_a_compiled_decode_layer_matches_the_eager_one_step_after_step(mode):
     torch.cuda.synchronize()
     assert eager.state.tolist() == compiled_layer.state.tolist() == [62, 0]
     assert torch.equal(eager.kc, compiled_layer.kc)
+
+
+def test_a_gradient_through_the_decode_is_refused_clearly():
+    q = torch.randn(H, D, device="cuda", requires_grad=True)
+    k = torch.randn(64, KV, D, device="cuda")
+    out = fxt.gqa_decode(q, k, k, torch.tensor([64], dtype=torch.int32, device="cuda"))
+    with pytest.raises(RuntimeError, match="no gradient"):
+        out.sum().backward()

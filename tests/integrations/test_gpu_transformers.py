@@ -157,7 +157,7 @@ def _traced(monkeypatch):
     real = fxt_torch.decode_async_pair
 
     def counted(*args, **kwargs):
-        runs.append(args[6])
+        runs.append(args[10] is not None)  # (whether it read fp8; holds no tensor)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fxt_torch, "decode_async_pair", counted)
@@ -202,7 +202,7 @@ def test_fp8_cache_generates_eager_and_compiled_alike_near_sdpa(name, monkeypatc
     eager_cache = fxt.FP8Cache(ours, max_cache_len=cap)
     eager = _generate(ours, ids, disable_compile=True, past_key_values=eager_cache,
                       cache_implementation=None)  # fmt: skip
-    assert runs and all(r is not None for r in runs)
+    assert runs and all(runs)  # every decode read the fp8 cache
     torch._dynamo.reset()
     compiled = _generate(ours, ids, past_key_values=fxt.FP8Cache(ours, max_cache_len=cap),
                          cache_implementation=None)  # fmt: skip
