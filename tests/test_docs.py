@@ -36,6 +36,8 @@ GPU_EXAMPLES = [
     "head_major_torch.py",
     "static_cache_graph_torch.py",
     "transformers_generate.py",
+    "transformers_fp8_cache.py",
+    "torch_ops_compile.py",
     "features_gemma2_layer.py",
     "features_sinks.py",
     "features_merge_split.py",
