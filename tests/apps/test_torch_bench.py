@@ -334,6 +334,9 @@ def test_must_show_sets_each_measured_target_against_its_bound():
         "eager": {"table": "eager", "error": "x"},
         "fp8": {"rows": [{"context": 131072, "ratio": 0.96, "must_reach": 0.95,
                           "memory_ratio": 0.5, "memory_must_reach": 0.52}]},
+        "growing": {"rows": [{"what": "fixed_us", "value": 15.0},
+                             {"what": "growing_nhd_us", "value": 19.5},
+                             {"what": "random_memory_growth_bytes", "value": 2097152.0}]},
         "explain": {"explain": {"graph_breaks": 0}},
     }  # fmt: skip
     got = [(m["what"], m["value"], m["ok"]) for m in tb.must_show(tables)]
@@ -342,6 +345,8 @@ def test_must_show_sets_each_measured_target_against_its_bound():
         ("compiled, 32768 tokens: ferrox/sdpa ms/step", 1.2, False),
         ("fp8 cache, 131072 tokens: ferrox/sdpa ms/step", 0.96, False),
         ("fp8 cache, 131072 tokens: cache bytes ratio", 0.5, True),
+        ("growing: growing_nhd_us", 19.5, True),
+        ("growing: random_memory_growth_bytes", 2097152.0, False),
         ("explain: graph breaks of the decode layer", 0, True),
     ]
     assert tb.must_show({"explain": {"explain": {"graph_breaks": 2}}})[0]["ok"] is False

@@ -76,6 +76,9 @@ FP8_CONTEXT = 131072
 NEW_TOKENS, WARMUPS = 32, 2
 QUICK_CONTEXT, QUICK_NEW_TOKENS, QUICK_WARMUPS = 4096, 8, 1
 MUST = {"compiled": 1.00, "eager": 1.00, "fp8": 0.95, "fp8_memory": 0.52}
+# growing.growing_rows()'s keys that issue 47 sets a bound on (host us per call; bytes)
+GROWING_MUST = {"growing_nhd_us": 20.0, "growing_hnd_us": 20.0, "random_us": 25.0,
+                "random_memory_growth_bytes": 0}  # fmt: skip
 
 
 class NoCudaError(RuntimeError):
@@ -188,6 +191,9 @@ def must_show(tables: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"fp8 cache, {r['context']} tokens: ferrox/sdpa ms/step", r["ratio"], r["must_reach"])
         add(f"fp8 cache, {r['context']} tokens: cache bytes ratio", r["memory_ratio"],
             r["memory_must_reach"])  # fmt: skip
+    for r in tables.get("growing", {}).get("rows", []):
+        if r["what"] in GROWING_MUST:
+            add(f"growing: {r['what']}", r["value"], GROWING_MUST[r["what"]])
     explained = tables.get("explain", {}).get("explain")
     if explained is not None:
         add("explain: graph breaks of the decode layer", explained["graph_breaks"], 0)
