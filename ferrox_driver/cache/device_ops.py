@@ -142,7 +142,7 @@ def kv_append_async(
     stream = call_stream(stream, k_dev)
     if isinstance(kv, tuple):
         if state is None:
-            raise TypeError("state: a (k_cache, v_cache) pair needs its state, two int32 on "
+            raise TypeError("kv, state: a (k_cache, v_cache) pair needs its state, two int32 on "
                             "the device (the length, the overflow flag)")  # fmt: skip
         append_async_pair(kv, k_dev, v_dev, state, kv_scales, stream)
         return
