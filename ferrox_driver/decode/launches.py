@@ -15,7 +15,17 @@ from ..driver.device import Device
 from ..driver.memory import DeviceArray, empty
 from ..driver.module_cache import get_program
 from ..errors import CudaError, FerroxError
-from ..kernels.abi import QKV, SEQ_SLOT, FeatureArgs, Launch, Roles
+from ..kernels.abi import (
+    CLUSTER_FEATURE_ROLES,
+    COMBINE_FEATURE_ROLES,
+    QKV,
+    SEQ_SLOT,
+    SPLIT_FEATURE_ROLES,
+    FeatureArgs,
+    Launch,
+    Roles,
+    roles_at,
+)
 from ..kernels.catalogue import kernel_source, split_kernel
 from ..kernels.spec import SPLIT_FILE, KernelSpec, kernel_dtype
 from ..kernels.traits import COMBINE_FEATURES
@@ -229,20 +239,23 @@ def split_launches(
     on_host = seq_len_dev is None
     if plan.cluster:
         args = (q, k, v, out, *heads, np.int32(seq_len), seq_len_dev, splits, tile, *fp8_args)
+        roles: Roles = (*QKV, (3, "out"), *(((SEQ_SLOT["cluster"], "seq"),) if on_host else ()))
         if values is not None:
+            roles += roles_at(len(args), CLUSTER_FEATURE_ROLES)
             args += values.cluster_args()
         grid = plan.grid(n_kv_heads)
-        roles: Roles = (*QKV, (3, "out"), *(((SEQ_SLOT["cluster"], "seq"),) if on_host else ()))
         return [Launch(plan.spec, grid, plan.threads, args, shared, plan.cluster, roles=roles)]
     if workspace is None:
         raise ValueError("workspace: the combine kernel's plans need one (workspace_floats)")
     n_partial = n_heads * plan.splits
     ws_o = workspace
     ws_ml = workspace.view((n_partial * 2,), offset=n_partial * head_dim * 4)
+    split_roles: Roles = ()
     if plan.tensor_cores:
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(seq_len), seq_len_dev, splits, tile)
         args += fp8_args
         if values is not None:
+            split_roles = roles_at(len(args), SPLIT_FEATURE_ROLES)
             args += values.split_args()
         grid = plan.grid(n_kv_heads)  # tiles of 8 query heads
         at = SEQ_SLOT["tensor_cores"]
@@ -251,6 +264,7 @@ def split_launches(
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(head_dim), np.int32(seq_len),
                 seq_len_dev, splits, lanes, tile)  # fmt: skip
         if values is not None:
+            split_roles = roles_at(len(args), SPLIT_FEATURE_ROLES)
             args += values.split_args()
         grid = plan.grid(n_kv_heads)
         at = SEQ_SLOT["cuda_cores"]
@@ -258,12 +272,14 @@ def split_launches(
                                      seq_len_dev, splits, tile)  # fmt: skip
     combine = plan.combine_spec(q.dtype)
     assert combine is not None
+    combine_roles: Roles = ()
     if plan.features & COMBINE_FEATURES and values is not None:
+        combine_roles = roles_at(len(combine_args), COMBINE_FEATURE_ROLES)
         combine_args += values.combine_args()
     return [
         Launch(
             plan.spec, grid, plan.threads, args, shared,
-            roles=(*QKV, *(((at, "seq"),) if on_host else ())),
+            roles=(*QKV, *(((at, "seq"),) if on_host else ()), *split_roles),
         ),
         Launch(
             combine,
@@ -271,7 +287,10 @@ def split_launches(
             COMBINE_THREADS,
             combine_args,
             early=planner.OVERRIDES.early_combine,  # it waits for the split kernel itself
-            roles=((0, "out"), *(((SEQ_SLOT["combine"], "seq"),) if on_host else ())),
+            roles=(
+                (0, "out"), *(((SEQ_SLOT["combine"], "seq"),) if on_host else ()),
+                *combine_roles,
+            ),
         ),
     ]  # fmt: skip
 

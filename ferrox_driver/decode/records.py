@@ -22,11 +22,13 @@ from .launches import allocate_scratch, parity_launches, plan_split, split_launc
 from .plan import SplitPlan
 
 __all__ = [
+    "FEATURE_ROLES",
     "MAX_RECORDS",
     "ROLES",
     "DecodeRecord",
     "Kept",
     "assemble",
+    "feature_record",
     "launches_for",
     "planned",
     "decode_record",
@@ -36,6 +38,10 @@ __all__ = [
 ]
 
 ROLES = ("q", "k", "v", "out", "seq")
+# a feature decode's record also takes, per call, its per-head arrays (ALiBi slopes, sinks),
+# its LSE output and a head-major cache's head stride (elements from one KV head's rows to
+# the next's, which changes with the length for a contiguous (n_kv_heads, seq_len, D) array)
+FEATURE_ROLES = (*ROLES, "slopes", "sinks", "lse", "heads")
 MAX_RECORDS = 256  # launch records kept (LRU); a record in use lives on while referenced
 
 
@@ -67,13 +73,16 @@ class Kept(OrderedDict[Any, Any]):
 
 class DecodeRecord:
     """The launches of one decode signature, packed once; ``run(values)`` writes the
-    call's (q, k, v, out, seq_len) and launches (see ``LaunchSequence``).
+    call's values of ``roles`` (q, k, v, out, seq_len; a feature record's FEATURE_ROLES
+    too) and launches (see ``LaunchSequence``).
 
     Args:
         launches: the decode's launches (``split_launches`` or ``parity_launches``).
         device: the device.
         stream: the stream they are packed for.
         workspace: the scratch they write (kept alive with the record).
+        roles: the roles its calls write, in the order ``run`` takes them; a launch's
+            other roles keep the values it was packed with.
     """
 
     def __init__(
@@ -82,11 +91,12 @@ class DecodeRecord:
         device: Device,
         stream: Any,
         workspace: DeviceArray | None,
+        roles: tuple[str, ...] = ROLES,
     ) -> None:
         self.sequence = LaunchSequence(
             [launch.packed(stream, device) for launch in launches],
-            ROLES,
-            [launch.roles for launch in launches],
+            roles,
+            [tuple(pair for pair in launch.roles if pair[1] in roles) for launch in launches],
             device,
         )
         self.run = self.sequence.run
@@ -149,17 +159,61 @@ def make_record(
     algorithm: str,
     sid: int,
 ) -> DecodeRecord:
-    scratch_needed = (
-        "stream: the first decode of this shape on this stream cannot allocate its "
-        "scratch inside a capture: run it once before capturing (or use a KVCache "
-        "with gqa_decode_async)"
-    )
     return store.keep(key, assemble(
         q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         seq_len=seq_len, plan_seq=plan_for, aligned=aligned, algorithm=algorithm,
-        workspace=lambda floats: allocate_scratch(floats, q.device, scratch_needed),
+        workspace=lambda floats: allocate_scratch(floats, q.device, SCRATCH_IN_CAPTURE),
         stream=stream_handle(sid),
     ))  # fmt: skip
+
+
+SCRATCH_IN_CAPTURE = (
+    "stream: the first decode of this shape on this stream cannot allocate its "
+    "scratch inside a capture: run it once before capturing (or use a KVCache "
+    "with gqa_decode_async)"
+)
+
+
+def feature_record(
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    plan_seq: int,
+    aligned: bool,
+    bits: int,
+    values: FeatureArgs,
+    stream: Any,
+) -> DecodeRecord:
+    """The launch record of a decode with features or a head-major cache (``bits``),
+    planned for ``plan_seq`` tokens (made on first use, kept in ``store``; scratch of its
+    own, as ``decode_record``'s). The scalars of ``values`` (scale, cap, window) are the
+    record's; the per-head arrays, the LSE output and the head stride are roles its calls
+    write (FEATURE_ROLES), with q, k, v, out and the length."""
+    sid = stream_key(stream)
+    dev = q.device
+    key = ("features", dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, plan_seq,
+           aligned, bits, values.scale, values.cap, values.window, sid,
+           attention.OVERRIDES)  # fmt: skip
+    record = store.get(key)
+    if record is not None:
+        store.touch(key)
+        return record
+    with lock:
+        record = store.get(key)
+        if record is None:
+            record = store.keep(key, assemble(
+                q, k, v, out, stream=stream_handle(sid), roles=FEATURE_ROLES,
+                n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, seq_len=plan_seq,
+                plan_seq=plan_seq, aligned=aligned, bits=bits,
+                features=FeatureArgs(values.scale, values.cap, values.window),
+                workspace=lambda floats: allocate_scratch(floats, dev, SCRATCH_IN_CAPTURE),
+            ))  # fmt: skip
+    return record
 
 
 def planned(
@@ -233,13 +287,15 @@ def assemble(
     *,
     stream: Any,
     keep_workspace: bool = True,
+    roles: tuple[str, ...] = ROLES,
     **how: Any,
 ) -> DecodeRecord:
     """A launch record of `launches_for`'s launches, packed for ``stream`` (``how``: its
     arguments). ``keep_workspace``: the record holds the workspace (False where its owner,
-    a cache or a stream's buffer, outlives the record anyway)."""
+    a cache or a stream's buffer, outlives the record anyway). ``roles``: what its calls
+    write (``DecodeRecord``)."""
     launches, ws = launches_for(q, k, v, out, **how)
-    return DecodeRecord(launches, q.device, stream, ws if keep_workspace else None)
+    return DecodeRecord(launches, q.device, stream, ws if keep_workspace else None, roles)
 
 
 def launch_decode(

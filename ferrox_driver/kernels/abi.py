@@ -17,8 +17,11 @@ from .spec import KernelSpec
 from .traits import F_ALIBI, F_CAP, F_HND, F_LSE, F_SCALE, F_SINKS, F_WINDOW
 
 __all__ = [
+    "CLUSTER_FEATURE_ROLES",
+    "COMBINE_FEATURE_ROLES",
     "F_HND",
     "QKV",
+    "SPLIT_FEATURE_ROLES",
     "SEQ_SLOT",
     "FeatureArgs",
     "Launch",
@@ -27,6 +30,7 @@ __all__ = [
     "feature_bits",
     "feature_bits_of",
     "is_aligned",
+    "roles_at",
 ]
 
 Roles = tuple[tuple[int, str], ...]  # (argument index, role) pairs
@@ -61,6 +65,19 @@ class FeatureArgs:
 
     def cluster_args(self) -> tuple[Any, ...]:  # a cluster plan's split kernel: all of them
         return (*self.split_args(), self.sinks, self.lse)
+
+
+# The feature values a launch record may rewrite per call (the per-head arrays, the LSE
+# output, a head-major cache's head stride), by offset into ``split_args``,
+# ``combine_args`` and ``cluster_args``: roles a record takes where its calls change them
+SPLIT_FEATURE_ROLES: Roles = ((3, "slopes"), (4, "heads"))
+COMBINE_FEATURE_ROLES: Roles = ((1, "sinks"), (2, "lse"))
+CLUSTER_FEATURE_ROLES: Roles = (*SPLIT_FEATURE_ROLES, (5, "sinks"), (6, "lse"))
+
+
+def roles_at(start: int, roles: Roles) -> Roles:
+    """``roles`` of values appended at argument ``start``."""
+    return tuple((start + offset, role) for offset, role in roles)
 
 
 def feature_bits(window: bool, cap: bool, alibi: bool, sinks: bool, lse: bool, scale: bool) -> int:
