@@ -1,6 +1,11 @@
 """Launch records: a decode's plan, kernels, grids, packed arguments and scratch, made once
 per signature and kept (LRU) in one store; a call writes the pointers that changed and
-launches."""
+launches.
+
+A record serves every length up to the one it was planned for: the kernels cut their chunks
+from the length a call writes (the "seq" role), so an eager decode over a growing cache
+plans once per length bucket (``length_bound``), not once per length.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from ..driver.memory import DeviceArray
 from ..driver.stream import Stream, stream_handle, stream_key
 from ..kernels.abi import FeatureArgs, Launch
 from . import plan as attention
+from .checks import MAX_TOKENS
 from .launches import allocate_scratch, parity_launches, plan_split, split_launches
 from .plan import SplitPlan
 
@@ -30,6 +36,7 @@ __all__ = [
     "assemble",
     "feature_record",
     "launches_for",
+    "length_bound",
     "planned",
     "decode_record",
     "launch_decode",
@@ -108,6 +115,29 @@ class DecodeRecord:
 store = Kept(MAX_RECORDS)  # the process's launch records, by signature
 lock = threading.RLock()  # making records and calls (the hot path only reads them)
 
+# Length buckets: 8 tokens wide below 256, then 16 per octave (the 2^(k-4) lengths of a
+# bucket of [2^k, 2^(k+1)) share a record), each planned for its last length
+# (``length_bound``). The plan for that bound must be the one each of its lengths would
+# get. A plan depends on the length through its chunk count, ceil(seq / tile) up to a cap
+# (tiles are powers of two, 8 to 64 tokens), and through thresholds at powers of two (wide
+# plans from 1024/2048/16384 tokens, paired from 16384/32768): buckets aligned to their
+# power-of-two width never straddle a threshold, and where a bucket is at most a tile wide
+# only a length that is a whole number of tiles plans one chunk more (an idle block: the
+# chunks are cut from the length the call writes). Over 1..131072 with sm_90's traits: bf16
+# 32/8/128 differs at 15 lengths (64, 128, ... 960); fp32 8/8/72 (CUDA cores, chunks up to
+# 115) at 924 and fp32 8/1/128 (split TF32, up to 132 chunks) at 4352, a few chunks more
+# below ~8k tokens; 8 buckets per octave: 1254 and 5864 (tests/decode/test_growing.py).
+# Records up to 8192 tokens: 112 buckets; up to 131072: 176.
+BUCKET_MIN_SHIFT = 3  # lengths below 256 in buckets of 8
+BUCKET_OCTAVE_SHIFT = 5  # 2^(5-1) = 16 buckets per octave above
+
+
+def length_bound(n: int) -> int:
+    """The length a record serving ``n`` tokens is planned for: the last of ``n``'s bucket
+    (``n`` itself where that bound would pass what the kernels count, MAX_TOKENS)."""
+    bound = n | ((1 << max(BUCKET_MIN_SHIFT, n.bit_length() - BUCKET_OCTAVE_SHIFT)) - 1)
+    return bound if bound <= MAX_TOKENS else n
+
 
 def decode_record(
     q: DeviceArray,
@@ -125,13 +155,14 @@ def decode_record(
 ) -> DecodeRecord:
     """The launch record for decodes of this signature on ``stream`` (made on first use,
     kept in an LRU of MAX_RECORDS). The arrays only give the signature (device, dtype,
-    alignment): their pointers are the call's to write."""
+    alignment): their pointers are the call's to write, and so is the length: a record
+    planned for ``plan_seq`` tokens (default ``seq_len``) serves every length up to it."""
     aligned = ((q.ptr | k.ptr | v.ptr) & 15) == 0
     sid = stream_key(stream)
     plan_for = seq_len if plan_seq is None else plan_seq
     dev = q.device
-    key = (dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, seq_len, plan_for,
-           aligned, algorithm, sid, attention.OVERRIDES)  # fmt: skip
+    key = (dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned,
+           algorithm, sid, attention.OVERRIDES)  # fmt: skip
     record = store.get(key)
     if record is not None:
         store.touch(key)

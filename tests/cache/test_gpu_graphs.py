@@ -254,7 +254,7 @@ def _record_of(qd, kd, vd, out, stream):
 
     return records.decode_record(
         qd, kd, vd, out, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HD,
-        seq_len=kd.shape[0], stream=stream,
+        seq_len=kd.shape[0], stream=stream, plan_seq=records.length_bound(kd.shape[0]),
     )  # fmt: skip
 
 

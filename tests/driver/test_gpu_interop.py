@@ -103,7 +103,9 @@ def test_a_record_gives_the_bits_of_the_launches_it_packs(
     kw = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
     q, k, v = random_decode_inputs(rng, n_heads, n_kv_heads, head_dim, seq_len, dt)
     qd, kd, vd = fd.to_device(q), fd.to_device(k), fd.to_device(v)
-    plan = plan_split(fd.Device(0), dt, n_heads, n_kv_heads, head_dim, seq_len)
+    # (the record of a call is planned for its length's bucket, records.length_bound)
+    bound = records.length_bound(seq_len)
+    plan = plan_split(fd.Device(0), dt, n_heads, n_kv_heads, head_dim, bound)
     ws = fd.empty(max(plan.workspace_floats(n_heads, head_dim), 1), np.float32)
     direct = poisoned(q.shape, dt)
     for launch in split_launches(
