@@ -262,6 +262,12 @@ def _fp8_forward(
             f"key: fp8 keys reached {type(module).__name__}, which no FP8Cache is bound to: "
             "make the cache with FP8Cache(model, max_cache_len) for this model"
         )
+    if not torch.compiler.is_compiling() and key is not layer.keys:
+        raise ValueError(
+            f"key: these fp8 keys are not those of the FP8Cache bound to "
+            f"{type(module).__name__} (the one made last for this model): use that cache, or "
+            "make a new FP8Cache(model, ...) for this run"
+        )
     batch, n_heads, q_len, head_dim = query.shape
     why = None
     if batch != 1 or q_len != 1:

@@ -383,3 +383,29 @@ def test_a_model_that_does_not_support_sdpa_runs_its_eager_attention(monkeypatch
     assert len(called) == 1 and torch.equal(called[0], want)
     line = [r.getMessage() for r in caplog.records if r.name == LOGGER][-1]
     assert "fake_modeling does not support SDPA" in line, line
+
+
+def test_an_fp8_cache_binds_to_the_models_attention_modules_and_checks_its_arguments():
+    model, _ = model_pair(tiny(transformers.LlamaConfig))
+    cache = fxt.FP8Cache(model, max_cache_len=32)
+    bound = [m for m in model.modules() if hasattr(m, "ferrox_fp8_layer")]
+    assert [m.ferrox_fp8_layer for m in bound] == list(cache.layers)
+    assert all(type(m).__name__.endswith("Attention") for m in bound)
+    assert cache.nbytes == 0  # (nothing allocated before the first update)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        fxt.FP8Cache(model, max_cache_len=0)
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        fxt.FP8Cache(model, max_cache_len=8, fp8_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="scale_margin"):
+        fxt.FP8Cache(model, max_cache_len=8, scale_margin=0.0)
+
+
+def test_fp8_keys_of_another_cache_or_of_no_cache_are_refused():
+    layer = types.SimpleNamespace(keys=torch.zeros(8, 2, 16, dtype=torch.float8_e4m3fn))
+    module = types.SimpleNamespace(ferrox_fp8_layer=layer)
+    query = torch.zeros(1, 4, 1, 16)
+    other = torch.zeros(8, 2, 16, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="not those of the FP8Cache"):
+        fxt.ferrox_attention_forward(module, query, other, other, None)
+    with pytest.raises(ValueError, match="no FP8Cache is bound"):
+        fxt.ferrox_attention_forward(types.SimpleNamespace(), query, other, other, None)
