@@ -163,6 +163,17 @@ def decode_record(
     dev = q.device
     key = (dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned,
            algorithm, sid, attention.OVERRIDES)  # fmt: skip
+    return kept_record(key, lambda: assemble(
+        q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        seq_len=seq_len, plan_seq=plan_for, aligned=aligned, algorithm=algorithm,
+        workspace=lambda floats: allocate_scratch(floats, dev, SCRATCH_IN_CAPTURE),
+        stream=stream_handle(sid),
+    ))  # fmt: skip
+
+
+def kept_record(key: Any, make: Callable[[], DecodeRecord]) -> DecodeRecord:
+    """The record in ``store`` under ``key``, or the one ``make`` makes (under ``lock``,
+    checked again there: another thread may have made it), kept."""
     record = store.get(key)
     if record is not None:
         store.touch(key)
@@ -170,32 +181,8 @@ def decode_record(
     with lock:
         record = store.get(key)
         if record is None:
-            record = make_record(key, q, k, v, out, n_heads, n_kv_heads, head_dim, seq_len,
-                                  plan_for, aligned, algorithm, sid)  # fmt: skip
+            record = store.keep(key, make())
     return record
-
-
-def make_record(
-    key: tuple[Any, ...],
-    q: DeviceArray,
-    k: DeviceArray,
-    v: DeviceArray,
-    out: DeviceArray,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    seq_len: int,
-    plan_for: int,
-    aligned: bool,
-    algorithm: str,
-    sid: int,
-) -> DecodeRecord:
-    return store.keep(key, assemble(
-        q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-        seq_len=seq_len, plan_seq=plan_for, aligned=aligned, algorithm=algorithm,
-        workspace=lambda floats: allocate_scratch(floats, q.device, SCRATCH_IN_CAPTURE),
-        stream=stream_handle(sid),
-    ))  # fmt: skip
 
 
 SCRATCH_IN_CAPTURE = (
@@ -230,21 +217,12 @@ def feature_record(
     key = ("features", dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, plan_seq,
            aligned, bits, values.scale, values.cap, values.window, sid,
            attention.OVERRIDES)  # fmt: skip
-    record = store.get(key)
-    if record is not None:
-        store.touch(key)
-        return record
-    with lock:
-        record = store.get(key)
-        if record is None:
-            record = store.keep(key, assemble(
-                q, k, v, out, stream=stream_handle(sid), roles=FEATURE_ROLES,
-                n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, seq_len=plan_seq,
-                plan_seq=plan_seq, aligned=aligned, bits=bits,
-                features=FeatureArgs(values.scale, values.cap, values.window),
-                workspace=lambda floats: allocate_scratch(floats, dev, SCRATCH_IN_CAPTURE),
-            ))  # fmt: skip
-    return record
+    return kept_record(key, lambda: assemble(
+        q, k, v, out, stream=stream_handle(sid), roles=FEATURE_ROLES, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, head_dim=head_dim, seq_len=plan_seq, plan_seq=plan_seq,
+        aligned=aligned, bits=bits, features=FeatureArgs(values.scale, values.cap, values.window),
+        workspace=lambda floats: allocate_scratch(floats, dev, SCRATCH_IN_CAPTURE),
+    ))  # fmt: skip
 
 
 def planned(
