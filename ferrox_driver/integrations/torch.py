@@ -75,7 +75,9 @@ def _dims(q: torch.Tensor, k_cache: torch.Tensor, kv_layout: str) -> tuple[int, 
 _FLOAT_COPIES: dict[tuple[int, int], tuple[torch.Tensor, int, torch.Tensor]] = {}
 
 
-def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
+def float32_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as contiguous float32: itself if it is, else one copy per tensor, kept while its
+    ``_version`` stays (see _FLOAT_COPIES)."""
     if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
         return t
     key = (t.data_ptr(), t.numel())
@@ -132,7 +134,7 @@ def _decode_op(
     lse = torch.empty((n_heads if return_lse else 0,), dtype=torch.float32, device=q.device)
     stream = _current_stream(q.device)
     features: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                    sinks=_float32(sinks), alibi_slopes=_float32(alibi_slopes),
+                    sinks=float32_copy(sinks), alibi_slopes=float32_copy(alibi_slopes),
                     scale=scale)  # fmt: skip
     if seq_len is None:  # every token of k_cache: the eager decode (a record per length bucket)
         if kv_scales is not None:

@@ -143,7 +143,9 @@ def decode_call(
             return span
         first, length = span
         window = length - first if first else None
-    sinks = None if s_aux is None else _float_sinks(s_aux)
+    sinks = None
+    if s_aux is not None:  # (a compiled step hands s_aux to the op, which makes its copy)
+        sinks = s_aux if not read_mask else _float32_copy(s_aux).reshape(-1)
     if sinks is not None and sinks.numel() != n_heads:
         return f"{sinks.numel()} sinks for {n_heads} query heads"
     cap = float(softcap) if softcap else None
@@ -220,7 +222,7 @@ def ferrox_attention_forward(
     if compiling:
         import ferrox_driver.integrations.torch as fxt
 
-        seq_len, ok = _device_span(attention_mask, key.shape[2], call.sliding_window)
+        seq_len, ok = _device_span(attention_mask, key.shape[2], call.sliding_window, query.device)
         out = fxt.gqa_decode(query.reshape(n_heads, head_dim), key, value, seq_len,
                              kv_layout="HND", sinks=kwargs.get("s_aux"), **features)  # fmt: skip
         out = torch.where(ok, out, torch.nan).reshape(1, 1, n_heads, head_dim)
@@ -291,7 +293,7 @@ def _fp8_forward(
                          sliding_window=window)  # fmt: skip
     if attention_mask is not None:
         if torch.compiler.is_compiling():
-            end, ok = _device_span(attention_mask, attention_mask.shape[-1], window)
+            end, ok = _device_span(attention_mask, attention_mask.shape[-1], window, query.device)
             ok = ok & (end == layer.state[:1]).all()
             out = torch.where(ok, out, torch.nan)
         else:
@@ -304,7 +306,7 @@ def _fp8_forward(
     return out.reshape(1, 1, n_heads, head_dim), None
 
 
-def _device_span(mask: Any, kv_len: int, window: int | None) -> tuple[Any, Any]:
+def _device_span(mask: Any, kv_len: int, window: int | None, device: Any) -> tuple[Any, Any]:
     """A compiled decode step's length and whether ferrox reads its mask right, on the
     device: ``(seq_len, ok)``, seq_len one int32 (the last token the mask keeps, plus
     one), ok a boolean scalar: the mask keeps one run of tokens that ends there and starts
@@ -312,7 +314,7 @@ def _device_span(mask: Any, kv_len: int, window: int | None) -> tuple[Any, Any]:
     import torch
 
     if mask is None:
-        return torch.full((1,), kv_len, dtype=torch.int32, device="cuda"), torch.tensor(True)
+        return torch.full((1,), kv_len, dtype=torch.int32, device=device), torch.tensor(True)
     row = mask[0, 0, -1]
     keep = row if row.dtype == torch.bool else row == 0
     at = torch.arange(kv_len, device=keep.device, dtype=torch.int32)
@@ -489,9 +491,9 @@ def eager_attention(
 # A static cache's decode is planned once for its buffer, its launches remembered by the
 # arrays it reads: the length (one int32 per device and stream, written before each
 # decode on the decode's stream) and the sinks (one float32 copy per s_aux tensor, kept
-# while its values stay: _float_sinks) keep their addresses from step to step.
+# while its values stay: integrations.torch.float32_copy) keep their addresses from step
+# to step.
 _LENGTHS: dict[tuple[Any, int, int], tuple[Any, int, Any]] = {}
-_SINKS: dict[int, tuple[Any, int, Any]] = {}
 
 
 def _length_on(device: Any, stream: Any, mask: Any, n: int, kv_len: int) -> Any:
@@ -516,14 +518,10 @@ def _length_on(device: Any, stream: Any, mask: Any, n: int, kv_len: int) -> Any:
     return length
 
 
-def _float_sinks(s_aux: Any) -> Any:
-    """A layer's sinks as float32, one copy per s_aux tensor while its values stay (so a
-    static cache's remembered decode reads the same array at every step)."""
-    key = id(s_aux)
-    held = _SINKS.get(key)
-    if held is None or held[0] is not s_aux or held[1] != s_aux._version:
-        held = _SINKS[key] = (s_aux, s_aux._version, s_aux.reshape(-1).float())
-    return held[2]
+def _float32_copy(t: Any) -> Any:
+    from ferrox_driver.integrations.torch import float32_copy
+
+    return float32_copy(t)
 
 
 FP8Cache: Any  # made on first use (module __getattr__)
