@@ -6,11 +6,12 @@ keeps, per call signature (the arrays' shapes with the length replaced by its bu
 `records.length_bound`; dtypes, devices, the stream, ``out``, the features), the validated
 call itself, so a repeated call, or one over a cache grown by a token, does no checking,
 planning, allocation or parsing: it reads the arrays' pointers and the length, takes its
-outputs from per-stream pools and launches. Every length of a bucket shares one record,
-whose scratch is its own (the store keeps at most MAX_RECORDS), so device memory follows
-the buckets in use, never the number of lengths. A head-major K's head stride is written
-per call too (a role, as the length): a view of a larger cache keys its strides, which stay;
-a contiguous ``(n_kv_heads, n, head_dim)`` array's stride is n * head_dim.
+outputs from per-stream pools and launches. Every length of a bucket shares one record (the
+store keeps at most MAX_RECORDS), and the records of a stream share their scratch, one
+buffer per power-of-two size (`records.shared_scratch`), so device memory follows the
+scratch sizes in use, never the number of lengths or buckets. A head-major K's head stride
+is written per call too (a role, as the length): a view of a larger cache keys its strides,
+which stay; a contiguous ``(n_kv_heads, n, head_dim)`` array's stride is n * head_dim.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ plans once per length bucket (``length_bound``), not once per length.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -166,8 +167,7 @@ def decode_record(
     return kept_record(key, lambda: assemble(
         q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         seq_len=seq_len, plan_seq=plan_for, aligned=aligned, algorithm=algorithm,
-        workspace=lambda floats: allocate_scratch(floats, dev, SCRATCH_IN_CAPTURE),
-        stream=stream_handle(sid),
+        workspace=lambda floats: shared_scratch(floats, dev, sid), stream=stream_handle(sid),
     ))  # fmt: skip
 
 
@@ -183,6 +183,32 @@ def kept_record(key: Any, make: Callable[[], DecodeRecord]) -> DecodeRecord:
         if record is None:
             record = store.keep(key, make())
     return record
+
+
+# The scratch the eager records of one stream share, by (context, stream, size class): work
+# on a stream is ordered, so its records never write their partials at once. Held by the
+# records (and by a graph that captured one of them), dropped with the last of them.
+_scratch: weakref.WeakValueDictionary[tuple[int, int, int], DeviceArray] = (
+    weakref.WeakValueDictionary()
+)
+SCRATCH_CLASS_MIN = 1 << 14  # floats: the smallest class (64 KiB)
+
+
+def shared_scratch(floats: int, dev: Device, sid: int) -> DeviceArray:
+    """At least ``floats`` float32 of decode scratch for the records of stream ``sid``: one
+    buffer per power-of-two size class, shared by the records of that class while any of
+    them (or a graph holding one) lives, so a cache growing through many length buckets
+    allocates once per class, not once per bucket.
+
+    Raises:
+        FerroxError: SCRATCH_IN_CAPTURE when it must allocate inside a stream capture.
+    """
+    size = max(SCRATCH_CLASS_MIN, 1 << (floats - 1).bit_length())
+    key = (dev.context_handle, sid, size)
+    buf = _scratch.get(key)
+    if buf is None or buf.closed:
+        buf = _scratch[key] = allocate_scratch(size, dev, SCRATCH_IN_CAPTURE)
+    return buf
 
 
 SCRATCH_IN_CAPTURE = (
@@ -208,10 +234,11 @@ def feature_record(
     stream: Any,
 ) -> DecodeRecord:
     """The launch record of a decode with features or a head-major cache (``bits``),
-    planned for ``plan_seq`` tokens (made on first use, kept in ``store``; scratch of its
-    own, as ``decode_record``'s). The scalars of ``values`` (scale, cap, window) are the
-    record's; the per-head arrays, the LSE output and the head stride are roles its calls
-    write (FEATURE_ROLES), with q, k, v, out and the length."""
+    planned for ``plan_seq`` tokens (made on first use, kept in ``store``; scratch shared with
+    its stream's records, `shared_scratch`, as ``decode_record``'s). The scalars of
+    ``values`` (scale, cap, window) are the record's; the per-head arrays, the LSE output
+    and the head stride are roles its calls write (FEATURE_ROLES), with q, k, v, out and the
+    length."""
     sid = stream_key(stream)
     dev = q.device
     key = ("features", dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, plan_seq,
@@ -221,7 +248,7 @@ def feature_record(
         q, k, v, out, stream=stream_handle(sid), roles=FEATURE_ROLES, n_heads=n_heads,
         n_kv_heads=n_kv_heads, head_dim=head_dim, seq_len=plan_seq, plan_seq=plan_seq,
         aligned=aligned, bits=bits, features=FeatureArgs(values.scale, values.cap, values.window),
-        workspace=lambda floats: allocate_scratch(floats, dev, SCRATCH_IN_CAPTURE),
+        workspace=lambda floats: shared_scratch(floats, dev, sid),
     ))  # fmt: skip
 
 
