@@ -4,7 +4,8 @@ launches.
 
 A record serves every length up to the one it was planned for: the kernels cut their chunks
 from the length a call writes (the "seq" role), so an eager decode over a growing cache
-plans once per length bucket (``length_bound``), not once per length.
+plans once per length bucket (``length_bound``), not once per length, and packs a record
+once per plan (the buckets of one plan share it).
 """
 
 from __future__ import annotations
@@ -157,13 +158,19 @@ def decode_record(
     """The launch record for decodes of this signature on ``stream`` (made on first use,
     kept in an LRU of MAX_RECORDS). The arrays only give the signature (device, dtype,
     alignment): their pointers are the call's to write, and so is the length: a record
-    planned for ``plan_seq`` tokens (default ``seq_len``) serves every length up to it."""
+    planned for ``plan_seq`` tokens (default ``seq_len``) serves every length up to it, and
+    is the record of every ``plan_seq`` whose plan is the same (the buckets of a long cache
+    mostly share one: the chunks are cut on the device)."""
     aligned = ((q.ptr | k.ptr | v.ptr) & 15) == 0
     sid = stream_key(stream)
     plan_for = seq_len if plan_seq is None else plan_seq
     dev = q.device
-    key = (dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned,
-           algorithm, sid, attention.OVERRIDES)  # fmt: skip
+    # keyed by the plan, not the length: the buckets of one plan share a record
+    by = plan_for if algorithm == "parity" else plan_split(
+        dev, q.dtype, n_heads, n_kv_heads, head_dim, plan_for, aligned
+    )  # fmt: skip
+    key = (dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, by, aligned, algorithm,
+           sid, attention.OVERRIDES)  # fmt: skip
     return kept_record(key, lambda: assemble(
         q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         seq_len=seq_len, plan_seq=plan_for, aligned=aligned, algorithm=algorithm,
@@ -241,7 +248,8 @@ def feature_record(
     length."""
     sid = stream_key(stream)
     dev = q.device
-    key = ("features", dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, plan_seq,
+    plan = plan_split(dev, q.dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, bits)
+    key = ("features", dev.context_handle, q.dtype, n_heads, n_kv_heads, head_dim, plan,
            aligned, bits, values.scale, values.cap, values.window, sid,
            attention.OVERRIDES)  # fmt: skip
     return kept_record(key, lambda: assemble(

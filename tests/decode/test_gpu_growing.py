@@ -271,3 +271,38 @@ def test_torch_views_of_a_growing_cache_are_read_in_place(rng):
             assert rel_err(host, ref) < TOL["bf16"], n
         np.testing.assert_allclose(torch.from_dlpack(lse).cpu().numpy(), ref_lse,
                                    rtol=LSE_TOL, atol=LSE_TOL)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_the_buckets_of_one_plan_share_one_record(rng, monkeypatch, layout):
+    """Lengths 4096..6143 span 8 buckets whose plans the planner may make equal (the chunks
+    are cut on the device): one record per distinct plan, not per bucket, and each length
+    still decodes its own tokens."""
+    from ferrox_driver.decode.launches import plan_split
+    from ferrox_driver.kernels import abi
+
+    monkeypatch.setattr(records, "store", records.Kept(records.MAX_RECORDS))
+    monkeypatch.setattr(eager, "_calls", records.Kept(eager.MAX_CALLS))
+    cap = 6144
+    k, v = (rng.standard_normal((cap, KV, D)).astype(BF16) for _ in "kv")
+    kc, vc = Cache(cap, layout), Cache(cap, layout)
+    kc.write(0, k)
+    vc.write(0, v)
+    lengths = range(4096, cap)
+    bits = abi.F_HND if layout == "HND" else 0
+    dev = fd.Device(0)
+    plans = {plan_split(dev, BF16, H, KV, D, records.length_bound(n), True, bits) for n in lengths}
+    buckets = {records.length_bound(n) for n in lengths}
+    assert len(buckets) == 8
+    out = fd.empty((H, D), BF16)
+    q0 = fd.to_device(np.zeros((H, D), BF16))
+    for n in lengths:
+        fd.gqa_decode(q0, kc.first(n), vc.first(n), **DIMS, kv_layout=layout, out=out)
+    assert len(records.store) == len(plans) < len(buckets)
+    for n in (4096, 5000, 6143):
+        q = rng.standard_normal((H, D)).astype(BF16)
+        out.fill_bytes(0xFF)
+        fd.gqa_decode(fd.to_device(q), kc.first(n), vc.first(n), **DIMS, kv_layout=layout,
+                      out=out)  # fmt: skip
+        want = fd.reference_gqa_decode(q, k[:n], v[:n], **DIMS)
+        assert rel_err(out.to_host(), want) < TOL["bf16"], n
