@@ -427,3 +427,19 @@ def test_gpu_explain_table_traces_the_layer_without_breaks_and_compiles_it(torch
         # the same bf16 layer with other matmul kernels: a few bf16 roundings apart
         assert rows[mode]["rel_diff"] < 0.03, rows[mode]
     assert rows["reduce-overhead"]["cudagraph_skips"] == 0  # captured in a CUDA graph
+
+
+def test_an_eager_row_is_the_median_over_every_rounds_steps():
+    def run(steps, first):
+        return {"ms_per_step": sorted(steps)[len(steps) // 2], "steps": len(steps),
+                "step_intervals_ms": steps, "step_ms_min": min(steps),
+                "step_ms_max": max(steps), "first_call_s": first, "compile_s": 0.0}  # fmt: skip
+
+    merged = tb._merged(None, run([30.0, 31.0, 29.0], 5.0))
+    assert merged["rounds"] == 1 and merged["ms_per_step"] == 30.0
+    merged = tb._merged(merged, run([20.0, 21.0, 22.0], 1.0))
+    merged = tb._merged(merged, run([25.0, 26.0, 24.0], 1.0))
+    assert merged["rounds"] == 3 and merged["steps"] == 9
+    assert merged["ms_per_step"] == 25.0  # the median of all nine, not of the last round
+    assert (merged["step_ms_min"], merged["step_ms_max"]) == (20.0, 31.0)
+    assert merged["first_call_s"] == 5.0  # the first round's (its warm-up calls)
