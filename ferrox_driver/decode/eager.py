@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -35,6 +36,7 @@ from ..types import ArrayLike, DeviceArrayLike, DeviceLike, StreamLike
 from . import plan as attention
 from . import records
 from .checks import (
+    MAX_TOKENS,
     ArrayInfo,
     DecodeSpec,
     _element_strides,
@@ -44,6 +46,7 @@ from .checks import (
     check_kv_layout,
 )
 from .features import Features, check_features
+from .launches import plan_split
 from .plan import check_algorithm
 from .records import DecodeRecord, decode_record, launch_decode, launches_for, length_bound
 
@@ -73,7 +76,8 @@ class _Call:
     dtype and pool, and whether its stream must be asked about captures. ``seq_len``: the
     length of a flat K (keyed exactly); a shaped K's length is the call's."""
 
-    __slots__ = ("device", "dtype", "foreign", "pool", "record", "seq_len", "shape", "sid")
+    __slots__ = ("device", "dtype", "foreign", "plan", "plan_for", "pool", "record", "seq_len",
+                 "shape", "sid")  # fmt: skip
 
     def __init__(
         self,
@@ -88,6 +92,8 @@ class _Call:
             record, device, sid, foreign, pool,
         )  # fmt: skip
         self.shape, self.dtype, self.seq_len = spec.q_shape, spec.dtype, spec.seq_len
+        self.plan: Any = None  # (see _sibling)
+        self.plan_for: Callable[[int], Any] | None = None
 
     def __call__(
         self,
@@ -113,6 +119,40 @@ class _Call:
 
 
 _calls = records.Kept(MAX_CALLS)  # validated calls, by signature
+# a shaped K's call by its signature less the length's bucket (`_family`): the call of the
+# bucket made last, whose plan a new bucket of the same plan shares
+_families = records.Kept(MAX_CALLS)
+
+
+def _family(key: tuple[Any, ...], at: int, length_at: int) -> tuple[Any, ...]:
+    """``key`` with the K shape at ``key[at]`` less its length's bucket (at ``length_at``)."""
+    shape = key[at]
+    return (*key[:at], (*shape[:length_at], *shape[length_at + 1 :]), *key[at + 1 :])
+
+
+def _sibling(family: tuple[Any, ...], n: int) -> Any:
+    """The call of ``family`` whose record serves length ``n`` too (the plan for n's bucket
+    is its plan: a new bucket needs no checks, record or call of its own), or None."""
+    call = _families.get(family)
+    if (
+        call is None or call.plan_for is None or n > MAX_TOKENS
+        or call.plan_for(length_bound(n)) != call.plan
+    ):  # fmt: skip
+        return None
+    return call
+
+
+def _planner(dev: Device, spec: DecodeSpec, aligned: bool, bits: int = 0,
+             window: int | None = None) -> Callable[[int], Any]:  # fmt: skip
+    """The plan a shaped K's record takes for a length bucket's bound (what
+    records.decode_record and feature_record key their records by)."""
+
+    def plan_for(bound: int) -> Any:
+        seq = max(1, bound if window is None else min(bound, window))
+        return plan_split(dev, spec.dtype, spec.n_heads, spec.n_kv_heads, spec.head_dim, seq,
+                          aligned, bits)  # fmt: skip
+
+    return plan_for
 
 
 def _info(ref: ArrayRef, name: str) -> ArrayInfo:
@@ -182,6 +222,11 @@ def _prepare_call(
     nbytes = math.prod(spec.q_shape) * spec.dtype.itemsize
     foreign = sid != 0 and not isinstance(stream, Stream)
     call = _calls.keep(key, _Call(record, spec, dev, sid, foreign, output_pool(dev, sid, nbytes)))
+    if shaped and algorithm != "parity":
+        aligned = ((qv.ptr | kv.ptr | vv.ptr) & 15) == 0
+        call.plan_for = _planner(dev, spec, aligned)
+        call.plan = call.plan_for(spec.seq_len)
+        _families.keep(_family(key, 4, 0), call)
     return call
 
 
@@ -337,10 +382,14 @@ def gqa_decode(
                 call = None
             if call is None or vr[1] != ks:  # (V's shape differing: the checks name it)
                 with records.lock:
-                    call = _prepare_call(
-                        key, (qr, kr, vr), orf, n_heads, n_kv_heads, head_dim, stream, sid,
-                        algorithm, device,
-                    )  # fmt: skip
+                    call = None if n < 0 or vr[1] != ks else _sibling(_family(key, 4, 0), n)
+                    if call is None:
+                        call = _prepare_call(
+                            key, (qr, kr, vr), orf, n_heads, n_kv_heads, head_dim, stream, sid,
+                            algorithm, device,
+                        )  # fmt: skip
+                    else:
+                        _calls.keep(key, call)
             else:
                 _calls.touch(key)
             return call(qr, kr, vr, orf, out, (q, k_cache, v_cache), n)
@@ -421,8 +470,8 @@ class _FeatureCall:
     (FEATURE_ROLES), its outputs' pools (the result's and, with ``return_lse``, the LSE's),
     and for a flat K (keyed exactly) its length and head stride."""
 
-    __slots__ = ("device", "dtype", "foreign", "head_stride", "lse_pool", "n_heads", "pool",
-                 "record", "seq_len", "shape", "sid")  # fmt: skip
+    __slots__ = ("device", "dtype", "foreign", "head_stride", "lse_pool", "n_heads", "plan",
+                 "plan_for", "pool", "record", "seq_len", "shape", "sid")  # fmt: skip
 
     def __init__(
         self,
@@ -439,6 +488,8 @@ class _FeatureCall:
         self.seq_len, self.head_stride = spec.seq_len, head_stride
         self.pool = output_pool(device, sid, math.prod(spec.q_shape) * spec.dtype.itemsize)
         self.lse_pool = output_pool(device, sid, 4 * spec.n_heads) if lse else None
+        self.plan: Any = None  # (see _sibling)
+        self.plan_for: Callable[[int], Any] | None = None
 
     def __call__(self, sig: tuple[Any, ...], obj: Any, inputs: tuple[Any, ...]) -> Any:
         _, q, k, v, out, sinks, slopes, n, heads, _, _ = sig
@@ -528,12 +579,14 @@ def _feature_signature(
     aligned = ((qr[0] | kr[0] | vr[0] | heads * kr[2].itemsize) & 15) == 0
     window, cap, scale, lse = (kw["sliding_window"], kw["logits_soft_cap"], kw["scale"],
                                kw["return_lse"])  # fmt: skip
+    scalars = None  # (a head-major decode without them: a shorter key)
+    if not (window is None and cap is None and scale is None and lse is False):
+        scalars = (type(window), window, type(cap), cap, type(scale), scale, type(lse), lse)
     key = (
         *dims, layout, qr[1], qr[2], qr[3], qr[4], kshape, kr[2], kr[3], kr[4], strides, vr[2],
         vr[3], None if orf is None else (orf[1], orf[2], orf[3], orf[4]),
         None if sr is None else (sr[1], sr[2], sr[3], sr[4]),
-        None if ar is None else (ar[1], ar[2], ar[3], ar[4]),
-        type(window), window, type(cap), cap, type(scale), scale, type(lse), lse, sid, aligned,
+        None if ar is None else (ar[1], ar[2], ar[3], ar[4]), scalars, sid, aligned,
         attention.OVERRIDES,
     )  # fmt: skip
     return key, qr, kr, vr, orf, sr, ar, n, heads, stream, sid
@@ -552,17 +605,21 @@ def _feature_call(
     bits = abi.feature_bits_of(feats) | (abi.F_HND if layout == "HND" else 0)
     _, values = abi.feature_args(feats, spec.head_dim)
     heads_at = head_stride * spec.dtype.itemsize  # (16-byte loads need whole heads aligned)
+    aligned = ((qr[0] | kr[0] | vr[0] | heads_at) & 15) == 0
     wrap = DeviceArray._wrap
     record = records.feature_record(
         wrap(qr[0], qr[1], qr[2], dev, None), wrap(kr[0], kr[1], kr[2], dev, None),
         wrap(vr[0], vr[1], vr[2], dev, None),
         wrap(orf[0] if orf else 0, spec.q_shape, spec.dtype, dev, None),
         n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim,
-        plan_seq=plan_seq, aligned=((qr[0] | kr[0] | vr[0] | heads_at) & 15) == 0, bits=bits,
-        values=values, stream=stream,
+        plan_seq=plan_seq, aligned=aligned, bits=bits, values=values, stream=stream,
     )  # fmt: skip
     foreign = sid != 0 and not isinstance(stream, Stream)
-    return _FeatureCall(record, spec, head_stride, dev, sid, foreign, feats.return_lse)
+    call = _FeatureCall(record, spec, head_stride, dev, sid, foreign, feats.return_lse)
+    if n >= 0:
+        call.plan_for = _planner(dev, spec, aligned, bits, window)
+        call.plan = call.plan_for(bound)
+    return call
 
 
 def _feature_decode(
@@ -587,6 +644,13 @@ def _feature_decode(
     if call is not None:
         _calls.touch(key)
         return call(sig, out, inputs)
+    family = None
+    if sig is not None and key is not None and sig[7] >= 0:  # a shaped K: its bucket's plan
+        family = _family(key, 10, 0 if kv_layout == "NHD" else len(key[10]) - 2)
+        with records.lock:
+            call = _sibling(family, sig[7])
+            if call is not None:
+                return _calls.keep(key, call)(sig, out, inputs)
     head_stride = 0
     if kv_layout == "HND":
         spec, head_stride = check_head_major_args(
@@ -624,6 +688,8 @@ def _feature_decode(
             call = _calls.keep(key, _feature_call(
                 sig, spec, feats, head_stride, kv_layout, device_for(ordinal)
             ))  # fmt: skip
+            if family is not None and call.plan_for is not None:
+                _families.keep(family, call)
         return call(sig, out, inputs)
     dev = resolve(device) if not on_device else None
     arrays: list[DeviceArray] = []  # what this call made for numpy inputs (freed at the end)

@@ -276,8 +276,8 @@ def test_torch_views_of_a_growing_cache_are_read_in_place(rng):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_the_buckets_of_one_plan_share_one_record(rng, monkeypatch, layout):
     """Lengths 4096..6143 span 8 buckets whose plans the planner may make equal (the chunks
-    are cut on the device): one record per distinct plan, not per bucket, and each length
-    still decodes its own tokens."""
+    are cut on the device): one record and one validated call per distinct plan, not per
+    bucket, and each length still decodes its own tokens."""
     from ferrox_driver.decode.launches import plan_split
     from ferrox_driver.kernels import abi
 
@@ -299,6 +299,9 @@ def test_the_buckets_of_one_plan_share_one_record(rng, monkeypatch, layout):
     for n in lengths:
         fd.gqa_decode(q0, kc.first(n), vc.first(n), **DIMS, kv_layout=layout, out=out)
     assert len(records.store) == len(plans) < len(buckets)
+    # ... and one validated call: a bucket of a plan seen before takes that bucket's call
+    assert len(eager._calls) == len(buckets)
+    assert len({id(call) for call in eager._calls.values()}) == len(plans)
     for n in (4096, 5000, 6143):
         q = rng.standard_normal((H, D)).astype(BF16)
         out.fill_bytes(0xFF)

@@ -188,6 +188,8 @@ def made(monkeypatch):
     monkeypatch.setattr(records, "feature_record", record)
     monkeypatch.setattr(eager, "device_for", lambda ordinal: FakeDevice())
     monkeypatch.setattr(eager, "output_pool", lambda *a: FakePool())
+    # a plan per bucket (its bound: no two share one) unless a test says otherwise
+    monkeypatch.setattr(eager, "plan_split", lambda *a, **kw: ("plan", a[5]))
     return made
 
 
@@ -258,7 +260,8 @@ def test_a_window_plans_for_at_most_the_window(made):
     for n in (100, 5000, 5001, 9000):
         k = FakeTensor((n, KV, D), K_AT)
         fd.gqa_decode(_q(), k, k, sliding_window=1000, stream=0)
-    assert [r.plan_seq for r in made] == [103, 1000, 1000]  # (5000 and 5001: one bucket)
+    # (5000 and 5001: one bucket; 9000's bucket plans for the window too: the same plan)
+    assert [r.plan_seq for r in made] == [103, 1000]
     assert [v[4] for r in made for v in r.runs] == [100, 5000, 5001, 9000]
 
 
@@ -285,3 +288,28 @@ def test_a_feature_value_of_another_type_is_checked_again(made):
     with pytest.raises(TypeError, match="return_lse: expected True or False"):
         fd.gqa_decode(_q(), k, k, sliding_window=64, return_lse=1, stream=0)
     assert len(made) == 1
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_buckets_of_one_plan_take_the_call_made_for_the_first(made, monkeypatch, layout):
+    """Where the planner gives the buckets from 512 up one plan, the first of them makes the
+    call (its checks, its record) and the later ones take it, each call still writing its
+    own length; a length past what the kernels count is still refused by the checks."""
+    import ferrox_driver as fd
+    from ferrox_driver.decode import eager
+
+    monkeypatch.setattr(eager, "plan_split", lambda *a, **kw: ("plan", min(a[5], 512)))
+    lengths = range(480, 700)
+    for n in lengths:
+        shape = (n, KV, D) if layout == "NHD" else (KV, n, D)
+        fd.gqa_decode(_q(), FakeTensor(shape, K_AT), FakeTensor(shape, V_AT), stream=0,
+                      kv_layout=layout)  # fmt: skip
+    bounds = sorted({length_bound(n) for n in lengths if n < 512})
+    assert [r.plan_seq for r in made] == [*bounds, length_bound(512)]
+    assert [values[4] for r in made for values in r.runs] == list(lengths)
+    assert len({id(c) for c in eager._calls.values()}) == len(made)
+    if layout == "NHD":
+        big = 2**31  # past MAX_TOKENS: the sibling is not asked, the checks refuse it
+        with pytest.raises(ValueError, match="k_cache"):
+            fd.gqa_decode(_q(), FakeTensor((big, KV, D), K_AT), FakeTensor((big, KV, D), V_AT),
+                          stream=0)  # fmt: skip
