@@ -229,10 +229,11 @@ def ferrox_attention_forward(
         return out, None
 
     import ferrox_driver as fd
+    from ferrox_driver.driver.stream import torch_stream
 
     n = call.length
     out = torch.empty((1, 1, n_heads, head_dim), dtype=query.dtype, device=query.device)
-    stream = torch.cuda.current_stream(query.device)
+    stream = torch_stream(query.get_device())  # (PyTorch's current stream's handle)
     q = query.reshape(n_heads, head_dim)
     features["sinks"] = call.sinks
     if n < key.shape[2]:  # a static cache: its whole buffer, the length on the device
@@ -496,14 +497,14 @@ def eager_attention(
 _LENGTHS: dict[tuple[Any, int, int], tuple[Any, int, Any]] = {}
 
 
-def _length_on(device: Any, stream: Any, mask: Any, n: int, kv_len: int) -> Any:
+def _length_on(device: Any, stream: int, mask: Any, n: int, kv_len: int) -> Any:
     """The int32 device length ``n`` of a static cache's decode: one array per device,
-    stream and cache size (the layers of one size end their runs at one length in a step),
-    so a layer's decode keeps its record from step to step; written once per mask (not
-    per layer) before the decodes that read it, on their stream."""
+    stream (its handle) and cache size (the layers of one size end their runs at one length
+    in a step), so a layer's decode keeps its record from step to step; written once per
+    mask (not per layer) before the decodes that read it, on their stream."""
     import torch
 
-    key = (device, stream.cuda_stream, kv_len)
+    key = (device, stream, kv_len)
     held = _LENGTHS.get(key)
     if held is not None and held[0] is mask and held[1] == n:
         return held[2]
