@@ -74,7 +74,7 @@ LLAMA_8B: dict[str, Any] = {
 CONTEXTS = (4096, 32768)
 FP8_CONTEXT = 131072
 NEW_TOKENS, WARMUPS = 32, 2
-EAGER_ROUNDS = 3  # eager rows: timed generate calls per implementation, taking turns
+EAGER_ROUNDS = 5  # eager rows: timed generate calls per implementation, taking turns
 QUICK_CONTEXT, QUICK_NEW_TOKENS, QUICK_WARMUPS = 4096, 8, 1
 MUST = {"compiled": 1.00, "eager": 1.00, "fp8": 0.95, "fp8_memory": 0.52}
 # growing.growing_rows()'s keys that issue 47 sets a bound on (host us per call; bytes)
