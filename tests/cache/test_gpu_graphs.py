@@ -247,6 +247,7 @@ def _forget_records():
 
     records.store.clear()
     decode._calls.clear()
+    decode._families.clear()
 
 
 def _record_of(qd, kd, vd, out, stream):

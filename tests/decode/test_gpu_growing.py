@@ -219,6 +219,7 @@ def test_records_and_device_memory_do_not_grow_with_the_number_of_lengths(
     monkeypatch.setattr(attention, "OVERRIDES", attention.Overrides(cluster=cluster))
     monkeypatch.setattr(records, "store", records.Kept(records.MAX_RECORDS))
     monkeypatch.setattr(eager, "_calls", records.Kept(eager.MAX_CALLS))
+    monkeypatch.setattr(eager, "_families", records.Kept(eager.MAX_CALLS))
     cap = 4096
     k = rng.standard_normal((cap, KV, D)).astype(BF16)
     kc, vc = Cache(cap, layout), Cache(cap, layout)
@@ -283,6 +284,7 @@ def test_the_buckets_of_one_plan_share_one_record(rng, monkeypatch, layout):
 
     monkeypatch.setattr(records, "store", records.Kept(records.MAX_RECORDS))
     monkeypatch.setattr(eager, "_calls", records.Kept(eager.MAX_CALLS))
+    monkeypatch.setattr(eager, "_families", records.Kept(eager.MAX_CALLS))
     cap = 6144
     k, v = (rng.standard_normal((cap, KV, D)).astype(BF16) for _ in "kv")
     kc, vc = Cache(cap, layout), Cache(cap, layout)

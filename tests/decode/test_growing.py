@@ -184,6 +184,7 @@ def made(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(eager, "_calls", records.Kept(eager.MAX_CALLS))
+    monkeypatch.setattr(eager, "_families", records.Kept(eager.MAX_CALLS))
     monkeypatch.setattr(eager, "decode_record", record)
     monkeypatch.setattr(records, "feature_record", record)
     monkeypatch.setattr(eager, "device_for", lambda ordinal: FakeDevice())

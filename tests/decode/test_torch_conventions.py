@@ -84,6 +84,7 @@ def torch_streams(monkeypatch):
     """PyTorch's current stream on device d reads as 0x7000 + d."""
     monkeypatch.setattr(stream, "_torch_current", lambda ordinal: 0x7000 + ordinal)
     monkeypatch.setattr(decode, "_calls", records.Kept(decode.MAX_CALLS))
+    monkeypatch.setattr(decode, "_families", records.Kept(decode.MAX_CALLS))
 
 
 # -- device= -------------------------------------------------------------------------------
