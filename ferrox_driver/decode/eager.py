@@ -119,6 +119,9 @@ class _Call:
 
 
 _calls = records.Kept(MAX_CALLS)  # validated calls, by signature
+# the features of a head-major decode without any (read, never written)
+_PLAIN: dict[str, Any] = dict(sliding_window=None, logits_soft_cap=None, sinks=None,
+                              alibi_slopes=None, scale=None, return_lse=False)  # fmt: skip
 # a shaped K's call by its signature less the length's bucket (`_family`): the call of the
 # bucket made last, whose plan a new bucket of the same plan shares
 _families = records.Kept(MAX_CALLS)
@@ -344,11 +347,14 @@ def gqa_decode(
         ValueError: bad shapes, layouts, or arrays on different devices.
         TypeError: bad types or dtypes. Both raised before any device work.
     """
-    if not (
+    plain = (
         sliding_window is None and logits_soft_cap is None and sinks is None
         and alibi_slopes is None and scale is None and return_lse is False
-        and type(kv_layout) is str and kv_layout == "NHD"
-    ):  # fmt: skip
+    )  # fmt: skip
+    if plain and kv_layout == "HND" and type(kv_layout) is str:  # (a transformers cache's)
+        return _feature_decode(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream,
+                               algorithm, device, out, _PLAIN, "HND")  # fmt: skip
+    if not (plain and type(kv_layout) is str and kv_layout == "NHD"):
         return _feature_decode(
             q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm, device, out,
             dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
