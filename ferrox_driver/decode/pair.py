@@ -37,6 +37,7 @@ from .checks import (
 from .features import check_features
 from .fp8 import FP8_DTYPES, MIN_COMPUTE_CAPABILITY
 from .plan import check_algorithm
+from .queries import single_query_only
 from .records import DecodeRecord, Kept, assemble
 from .records import lock as _records_lock
 from .records import store as _records
@@ -57,6 +58,7 @@ def q_heads_of(n_heads: Any, q_dev: Any, head_dim: int) -> Any:
     ref = array_ref(q_dev, "q_dev")
     if ref is None:
         raise TypeError("q_dev: expected a device array, got a numpy array")
+    single_query_only(ref[1], "q_dev")  # (n_q, n_heads, head_dim): not n_q * n_heads heads
     size = math.prod(ref[1])
     if size == 0 or size % head_dim:
         raise ValueError(

@@ -39,6 +39,7 @@ from ..cache.pair_append import append_async_pair
 from ..decode.eager import gqa_decode as _eager_decode
 from ..decode.merge import merge_states as _merge
 from ..decode.pair import decode_async_pair
+from ..decode.queries import single_query_only
 from ..driver.device import device_for
 from ..driver.graph import relaxed_capture, stream_capturing
 from ..driver.pool import stream_buffer
@@ -63,6 +64,7 @@ def _dims(q: torch.Tensor, k_cache: torch.Tensor, kv_layout: str) -> tuple[int, 
         raise ValueError(f"k_cache: expected 3 or 4 dimensions, got shape {tuple(k_cache.shape)}")
     head_dim = k_cache.shape[-1]
     n_kv = k_cache.shape[-2] if kv_layout == "NHD" else k_cache.shape[-3]
+    single_query_only(tuple(q.shape))  # (n_q, n_heads, head_dim): not n_q * n_heads heads
     if head_dim < 1 or q.numel() % head_dim:
         raise ValueError(f"q: shape {tuple(q.shape)} holds no whole number of heads of "
                          f"head_dim {head_dim} (k_cache's last dimension)")  # fmt: skip
