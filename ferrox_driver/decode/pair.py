@@ -42,7 +42,14 @@ from .records import DecodeRecord, Kept, assemble
 from .records import lock as _records_lock
 from .records import store as _records
 
-__all__ = ["decode_async_pair", "feature_array", "feature_key", "feature_ptr", "q_heads_of"]
+__all__ = [
+    "checked_operand",
+    "decode_async_pair",
+    "feature_array",
+    "feature_key",
+    "feature_ptr",
+    "q_heads_of",
+]
 
 
 def q_heads_of(n_heads: Any, q_dev: Any, head_dim: int) -> Any:
@@ -161,7 +168,7 @@ def _check_pair(pair: tuple[Any, ...], kv_layout: Any, fp8_ok: bool = False) -> 
     return _Pair(kr, vr, n_kv, hd, capacity, stride, layout, fp8)
 
 
-def _pair_operand(obj: Any, name: str, size: int, dtype: np.dtype, ordinal: int) -> ArrayRef:
+def checked_operand(obj: Any, name: str, size: int, dtype: np.dtype, ordinal: int) -> ArrayRef:
     """A device array of ``size`` contiguous elements of ``dtype`` on device ``ordinal``."""
     ref = array_ref(obj, name)
     if ref is None:
@@ -282,7 +289,7 @@ def _pair_checked(
             "seq_len: a (k_cache, v_cache) pair needs its length, an int32 device scalar"
         )
     ordinal, dtype = kv.k[3], np.dtype(kv.k[2])
-    seq = _pair_operand(seq_len, "seq_len", 1, np.dtype(np.int32), ordinal)
+    seq = checked_operand(seq_len, "seq_len", 1, np.dtype(np.int32), ordinal)
     size = n_heads * hd
     scales = None
     if kv.fp8:  # q and out of their own 16-bit dtype; the scales the kernels multiply by
@@ -292,11 +299,11 @@ def _pair_checked(
             raise TypeError(f"q_dev: expected float16 or bfloat16 for an fp8 cache, got {dtype}")
         if kv.head_dim % 8:
             raise ValueError(f"k_cache: an fp8 cache needs a head_dim divisible by 8, got {hd}")
-        scales = _pair_operand(kv_scales, "kv_scales", 2 * n_kv, np.dtype(np.float32), ordinal)
+        scales = checked_operand(kv_scales, "kv_scales", 2 * n_kv, np.dtype(np.float32), ordinal)
     elif kv_scales is not None:
         raise TypeError(f"kv_scales: only for fp8 caches, k_cache is {dtype}")
-    q = _pair_operand(q_dev, "q_dev", size, dtype, ordinal)
-    out = _pair_operand(out_dev, "out_dev", size, dtype, ordinal)
+    q = checked_operand(q_dev, "q_dev", size, dtype, ordinal)
+    out = checked_operand(out_dev, "out_dev", size, dtype, ordinal)
     feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
     for obj, name in ((feats.sinks, "sinks"), (feats.alibi_slopes, "alibi_slopes"),
                       (out_lse, "out_lse")):  # fmt: skip
