@@ -121,3 +121,16 @@ extern "C" __global__ void kv_bump(int* __restrict__ state, int n_rows, int capa
     const int seq = state[0];
     if (seq >= 0 && seq <= capacity - n_rows) state[0] = seq + n_rows;
 }
+
+// Roll the length back to *n (a speculative verify's accepted count, known only on the
+// device): state[0] = *n where 0 <= *n <= state[0]; a longer *n keeps every token (as x[:n]
+// would); a negative one changes nothing and sets state[1] = 2 (the host reports it).
+// Nothing is copied or cleared: the next append writes token *n. Launch one thread.
+extern "C" __global__ void kv_truncate(int* __restrict__ state, const int* __restrict__ n) {
+    const int want = *n;
+    if (want < 0) {
+        state[1] = 2;
+        return;
+    }
+    if (want < state[0]) state[0] = want;
+}

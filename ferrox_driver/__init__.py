@@ -8,7 +8,7 @@ driver API (cuda.bindings), with kernels compiled at run time by NVRTC.
 from __future__ import annotations
 
 from ._version import __version__ as __version__
-from .cache.device_ops import gqa_decode_async, kv_append_async
+from .cache.device_ops import gqa_decode_async, kv_append_async, kv_truncate_async
 from .cache.graphs import DecodeGraph, LayerDecodeGraph
 from .cache.kv_cache import KVCache
 from .cache.layers import LayerKVCache
@@ -72,6 +72,7 @@ __all__ = [
     "gqa_decode_async",
     "gqa_decode_resident",
     "kv_append_async",
+    "kv_truncate_async",
     "merge_states",
     "quantize_fp8",
     "pinned_empty",

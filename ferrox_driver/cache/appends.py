@@ -47,6 +47,11 @@ def append_kernel(device: Device) -> Kernel:
     return get_kernel("kv_cache.cu", "kv_append_row", device)
 
 
+def truncate_kernel(device: Device) -> Kernel:
+    """The device-side roll-back of the sequence length (``kv_truncate_async``)."""
+    return get_kernel("kv_cache.cu", "kv_truncate", device)
+
+
 class Appends(CacheState):
     """The append half of `KVCache` (its methods take the cache's state as ``self``)."""
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..decode.checks import check_dims, dtype_name, q_heads
 from ..decode.features import check_features
 from ..decode.fp8 import ROW_DTYPES, quantize_kernel
-from ..decode.pair import decode_async_pair, feature_array, q_heads_of
+from ..decode.pair import checked_operand, decode_async_pair, feature_array, q_heads_of
 from ..decode.plan import check_algorithm
 from ..driver.interop import ArrayRef, array_ref
 from ..driver.launch import LaunchSequence, PackedLaunch
@@ -29,10 +29,10 @@ from ..kernels import abi
 from ..types import DeviceArrayLike, StreamLike
 from .decoding import Decodes
 from .host_decode import check_q_dtype_of
-from .kv_cache import KVCache, append_kernel, check_cache
+from .kv_cache import KVCache, append_kernel, check_cache, truncate_kernel
 from .pair_append import append_async_pair
 
-__all__ = ["decode_device", "gqa_decode_async", "kv_append_async"]
+__all__ = ["decode_device", "gqa_decode_async", "kv_append_async", "kv_truncate_async"]
 
 _F32 = np.dtype(np.float32)
 
@@ -164,6 +164,48 @@ def kv_append_async(
         assert kr is not None and vr is not None  # _operand refused host arrays
         kv.queue_append(appender.sequence.run, kr[0], vr[0], sid, appender.foreign, kr, vr,
                         (k_dev, v_dev))  # fmt: skip
+
+
+def kv_truncate_async(kv: KVCache, n_dev: DeviceArrayLike, *, stream: StreamLike) -> None:
+    """Queue a roll-back of ``kv`` to its first ``n_dev[0]`` tokens, the count read on the
+    device (a speculative verify's accepted tokens, known only there): ``KVCache.truncate``
+    for a captured loop. Capturable in a graph; nothing is copied or cleared.
+
+    A count past the cache's length keeps every token (as ``x[:n]`` would); a negative one
+    changes nothing and the host raises FerroxError at ``kv.synchronize()``.
+
+    Args:
+        kv: the cache (a ShardedKVCache cannot: its shards' counts are the host's).
+        n_dev: one int32 on the cache's device.
+        stream: as for `kv_append_async`.
+
+    Raises:
+        TypeError, ValueError: naming the argument, before any device work.
+    """
+    stream = call_stream(stream, n_dev)
+    if not isinstance(kv, KVCache) and hasattr(kv, "local_len"):
+        raise TypeError(
+            "kv: a ShardedKVCache rolls back on the host only (its shards' counts are "
+            "computed there): call kv.truncate(n)"
+        )
+    kv = check_cache(kv)
+    nr = array_ref(n_dev, "n_dev")
+    sid = stream_key(stream)
+    key = ("truncate", sid, _signature(nr))
+    with kv.lock:
+        truncate = kv.appenders.get(key)
+        if truncate is None:  # checked once per signature
+            checked_operand(n_dev, "n_dev", 1, np.dtype(np.int32), kv.device.ordinal)
+            foreign = sid != 0 and not isinstance(stream, Stream)
+            launch = PackedLaunch(truncate_kernel(kv.device), 1, 1, (kv.state, None),
+                                  stream=stream_handle(sid))  # fmt: skip
+            sequence = LaunchSequence([launch], ("n", "again"), [((1, "n"),)], kv.device)
+            truncate = kv.appenders[key] = (sequence, foreign)
+        assert nr is not None  # _operand refused host arrays
+        # (the length protocol of a device-side append: the device's copy current first,
+        # kept with a graph that captures it, the host's length read back after)
+        kv.queue_append(truncate[0].run, nr[0], nr[0], sid, truncate[1], nr, nr,
+                        (n_dev, n_dev))  # fmt: skip
 
 
 def gqa_decode_async(

@@ -30,12 +30,12 @@ from ..driver.device import resolve
 from ..driver.memory import DeviceArray, as_dtype, empty
 from ..driver.stream import Event, Stream, stream_handle
 from ..types import DeviceLike, DTypeLike, HostArrayLike
-from .appends import Appends, append_kernel
+from .appends import Appends, append_kernel, truncate_kernel
 from .decoding import Decodes
 from .host_decode import HostDecoder
 from .staging import STAGING_SLOTS, StagingRing
 
-__all__ = ["KVCache", "append_kernel", "check_cache", "check_kv_shape"]
+__all__ = ["KVCache", "append_kernel", "check_cache", "check_kv_shape", "truncate_kernel"]
 
 
 def check_kv_shape(n_kv_heads: Any, head_dim: Any) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..decode.checks import (
+    check_int,
     dtype_name,
 )
 from ..decode.records import Kept
@@ -139,6 +140,11 @@ class CacheState:
             self._host_seq_valid = not self._graph_appends
             if state[1]:
                 self._reset_overflow()
+                if state[1] == 2:
+                    raise FerroxError(
+                        "n_dev: kv_truncate_async was given a negative length; the cache kept "
+                        f"its {self._seq_len} tokens"
+                    )
                 raise KVCapacityError(self._seq_len, self.capacity)
 
     def _reset_overflow(self) -> None:
@@ -335,6 +341,28 @@ class CacheState:
             self._device_seq_current = False
             self.device_length()
             self._reset_overflow()
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens and forget the rest (a speculative draft's rejected
+        tokens): O(1), nothing copied or cleared, every token below ``n`` as it was; the
+        next append writes token ``n``. From a count known only on the device (a captured
+        verify loop): ``fd.kv_truncate_async``.
+
+        Raises:
+            ValueError: ``n`` outside ``[0, seq_len]``, naming it (nothing changed).
+            TypeError: ``n`` not an int.
+            ClosedError: the cache or its stream was closed.
+        """
+        with self.lock:
+            seq = self.seq_len  # (after device appends: waits, reads the device's)
+            n = check_int(n, "n", 0, seq)
+            if n == seq:
+                return
+            self.device.activate()
+            self._seq_len = n
+            self._host_seq_valid = not self._graph_appends
+            self._device_seq_current = False
+            self.device_length()
 
     # -- reading -------------------------------------------------------------------
     def to_host(self) -> tuple[np.ndarray, np.ndarray]:

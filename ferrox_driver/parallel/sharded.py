@@ -254,6 +254,17 @@ class ShardedKVCache:
         self._state.copy_from_host(self._host)
         self._host_valid = True
 
+    def truncate(self, n: int) -> None:
+        """Keep the sequence's first ``n`` tokens (a speculative draft's rejected tokens
+        forgotten): each rank keeps its share of them; nothing copied. On the host only
+        (``fd.kv_truncate_async`` refuses a sharded cache: the shards' counts are computed
+        here).
+
+        Raises:
+            ValueError: ``n`` outside ``[0, seq_len]``, naming it (nothing changed).
+        """
+        self.set_length(check_int(n, "n", 0, self.seq_len))
+
     def append(self, k_tok: np.ndarray, v_tok: np.ndarray) -> None:
         """Append one token's host rows (``(n_kv_heads, head_dim)`` each)."""
         self.extend(np.asarray(k_tok)[None], np.asarray(v_tok)[None])
