@@ -203,7 +203,8 @@ def quantize_nvfp4(
 
     Args:
         x: finite floating-point values, ``(..., n_kv_heads, head_dim)``, head_dim a
-            multiple of 16.
+            multiple of 16 (a head-major cache's ``(n_kv_heads, seq, head_dim)`` rows go
+            in as ``x.swapaxes(0, 1)``: the KV head is axis -2).
         global_scale: a positive scalar or one per KV head; None: ``amax / (6 * 448)`` of
             each head's values in ``x`` (a cache fixes it before its first append).
 

@@ -330,6 +330,15 @@ def test_nvfp4_takes_a_global_scale_per_kv_head(rng):
     np.testing.assert_allclose(kv4.dequantize_nvfp4(values, block_scales, g), x, atol=0.5)
 
 
+def test_nvfp4_reads_a_head_major_cache_through_a_swapped_view(rng):
+    hnd = rng.standard_normal((3, 10, 64)).astype(np.float32)  # (n_kv_heads, seq, head_dim)
+    values, block_scales, g = kv4.quantize_nvfp4(hnd.swapaxes(0, 1))
+    want = kv4.quantize_nvfp4(np.ascontiguousarray(hnd.swapaxes(0, 1)))
+    assert (g == np.abs(hnd).max(axis=(1, 2)) / np.float32(2688)).all()
+    assert (values == want[0]).all() and (block_scales == want[1]).all()
+    assert values.flags.c_contiguous and values.shape == (10, 3, 32)
+
+
 def test_nvfp4_all_zero_head_gets_global_scale_one():
     values, scales, g = kv4.quantize_nvfp4(np.zeros((3, 2, 16), np.float32))
     assert g.tolist() == [1.0, 1.0] and (values == 0).all()
