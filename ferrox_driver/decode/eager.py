@@ -217,10 +217,11 @@ def _prepare_call(
     qv, kv, vv = (DeviceArray._wrap(r[0], r[1], r[2], dev, None) for r in refs)
     out_view = DeviceArray._wrap(out[0] if out else 0, spec.q_shape, spec.dtype, dev, None)
     shaped = len(refs[1][1]) == 3  # (a flat K is keyed by its exact length)
+    plan_seq = length_bound(spec.seq_len) if shaped else spec.seq_len
     record = decode_record(
         qv, kv, vv, out_view, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
         head_dim=spec.head_dim, seq_len=spec.seq_len, stream=stream, algorithm=algorithm,
-        plan_seq=length_bound(spec.seq_len) if shaped else spec.seq_len,
+        plan_seq=plan_seq,
     )  # fmt: skip
     nbytes = math.prod(spec.q_shape) * spec.dtype.itemsize
     foreign = sid != 0 and not isinstance(stream, Stream)
@@ -228,7 +229,7 @@ def _prepare_call(
     if shaped and algorithm != "parity":
         aligned = ((qv.ptr | kv.ptr | vv.ptr) & 15) == 0
         call.plan_for = _planner(dev, spec, aligned)
-        call.plan = call.plan_for(spec.seq_len)
+        call.plan = call.plan_for(plan_seq)  # (its record's plan)
         _families.keep(_family(key, 4, 0), call)
     return call
 
