@@ -124,7 +124,8 @@ class KVCache(Appends, Decodes):
         self._k = empty(shape, self.dtype, device=self.device)
         self._v = empty(shape, self.dtype, device=self.device)
         self._k_ptr, self._v_ptr = self._k.ptr, self._v.ptr
-        # state[0] = seq_len, state[1] = overflow flag (set by kernels, read by the host).
+        # state[0] = seq_len, state[1] = a flag set by kernels, read by the host (1: an append
+        # past the capacity; 2: kv_truncate_async given a negative length).
         self.state = empty((2,), np.int32, device=self.device)
         self.state.fill_bytes(0, self.stream)
         self._scales = scales  # the host's copy of kv_scales
