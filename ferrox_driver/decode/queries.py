@@ -20,10 +20,8 @@ from .checks import MAX_HEAD_DIM, check_host_extent, check_int, q_heads, read_di
 
 __all__ = [
     "Queries",
-    "causal_mask",
     "check_query_count",
     "check_tree_mask",
-    "pack_tree_mask",
     "query_heads",
     "read_query_dims",
     "single_query_only",
@@ -161,17 +159,6 @@ def single_query_only(shape: Any, name: str = "q") -> None:
             f"token, q (n_heads, head_dim): multi-token decode (speculative verify) is "
             f"computed by ferrox_driver.reference_gqa_decode for now"
         )
-
-
-def causal_mask(n_q: int) -> np.ndarray:
-    """The tree mask of the causal default: query t sees new tokens u <= t."""
-    return np.tri(n_q, dtype=bool)
-
-
-def pack_tree_mask(mask: np.ndarray) -> np.ndarray:
-    """A bool ``(n_q, n_q)`` mask bit-packed: uint8 ``(n_q, ceil(n_q / 8))``, bit ``u % 8``
-    of byte ``u // 8`` (``numpy.packbits(mask, axis=1, bitorder="little")``)."""
-    return np.packbits(np.asarray(mask, dtype=bool), axis=1, bitorder="little")
 
 
 def tree_mask_packed(shape: Any, dtype: Any, n_q: int, name: str = "tree_mask") -> bool:
