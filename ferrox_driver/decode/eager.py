@@ -353,6 +353,15 @@ def gqa_decode(
         and alibi_slopes is None and scale is None and return_lse is False
     )  # fmt: skip
     if plain and kv_layout == "HND" and type(kv_layout) is str:  # (a transformers cache's)
+        dims = (n_heads, n_kv_heads, head_dim, algorithm, device)
+        try:
+            sig = _plain_head_major_signature(q, k_cache, v_cache, out, dims, stream)
+            call = None if sig is None else _calls.get(sig[0])
+        except Exception:  # (anything the checks refuse: they name it)
+            sig = call = None
+        if sig is not None and call is not None:
+            _calls.touch(sig[0])
+            return call(sig, out, (q, k_cache, v_cache, None, None))
         return _feature_decode(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream,
                                algorithm, device, out, _PLAIN, "HND")  # fmt: skip
     if not (plain and type(kv_layout) is str and kv_layout == "NHD"):
@@ -597,6 +606,53 @@ def _feature_signature(
         attention.OVERRIDES,
     )  # fmt: skip
     return key, qr, kr, vr, orf, sr, ar, n, heads, stream, sid
+
+
+def _plain_head_major_signature(
+    q: Any, k: Any, v: Any, out: Any, dims: tuple[Any, ...], stream: Any
+) -> tuple[Any, ...] | None:
+    """`_feature_signature` of a head-major decode without features, for a shaped K
+    (``([1,] n_kv_heads, seq_len, head_dim)``): the same signature, key included, made with
+    less work (a growing transformers or user cache's every call). None where the general
+    one is to decide (flat arrays, numpy, views it might refuse)."""
+    qr, kr, vr = array_ref(q, "q"), array_ref(k, "k_cache"), array_ref(v, "v_cache")
+    if qr is None or kr is None or vr is None:
+        return None
+    orf = None
+    if out is not None:
+        orf = array_ref(out, "out")
+        if orf is None:
+            return None
+    ks = kr[1]
+    if vr[1] != ks or kr[4] != vr[4] or len(ks) < 3:
+        return None
+    if stream is None and is_torch(q):  # torch's current stream on q's device
+        stream = torch_stream(qr[3])
+    sid = stream_key(stream)
+    n, hd = ks[-2], ks[-1]
+    bound = length_bound(n)
+    kshape = (ks[0], bound, hd) if len(ks) == 3 else (*ks[:-2], bound, hd)
+    heads, strides = n * hd, None
+    if not kr[4]:  # a view of the first tokens of a larger cache
+        torch = is_torch(k)  # (a tensor's own strides: one C call)
+        strides = k.stride() if torch else _element_strides(k, kr[2].itemsize)
+        if (
+            strides is None or len(strides) != len(ks) or strides[-2] != hd
+            or (hd > 1 and strides[-1] != 1) or not 0 <= strides[-3] < 2**40
+            or (v.stride() if torch else _element_strides(v, vr[2].itemsize)) != strides
+        ):  # fmt: skip
+            return None
+        if ks[-3] > 1:
+            heads = strides[-3]
+            if heads < n * hd:
+                return None
+    aligned = ((qr[0] | kr[0] | vr[0] | heads * kr[2].itemsize) & 15) == 0
+    key = (
+        *dims, "HND", qr[1], qr[2], qr[3], qr[4], kshape, kr[2], kr[3], kr[4], strides, vr[2],
+        vr[3], None if orf is None else (orf[1], orf[2], orf[3], orf[4]), None, None, None,
+        sid, aligned, attention.OVERRIDES,
+    )  # fmt: skip
+    return key, qr, kr, vr, orf, None, None, n, heads, stream, sid
 
 
 def _feature_call(

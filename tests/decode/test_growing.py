@@ -314,3 +314,39 @@ def test_buckets_of_one_plan_take_the_call_made_for_the_first(made, monkeypatch,
         with pytest.raises(ValueError, match="k_cache"):
             fd.gqa_decode(_q(), FakeTensor((big, KV, D), K_AT), FakeTensor((big, KV, D), V_AT),
                           stream=0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape, strides",
+    [
+        ((KV, 400, D), None),  # contiguous: heads n rows apart
+        ((KV, 400, D), (700 * D, D, 1)),  # the first 400 tokens of a 700-token cache
+        ((1, KV, 400, D), (KV * 700 * D, 700 * D, D, 1)),  # SDPA's 4-d view
+        ((1, 400, D), (700 * D, D, 1)),  # one KV head
+    ],
+)
+def test_a_plain_head_major_signature_is_the_general_ones(shape, strides):
+    """The fast signature of a featureless head-major call is `_feature_signature`'s, key
+    and values, so what one remembers the other finds."""
+    from ferrox_driver.decode import eager
+
+    k, v = FakeTensor(shape, K_AT, strides), FakeTensor(shape, V_AT, strides)
+    q, out = _q(), FakeTensor((H, D), OUT_AT)
+    for o in (None, out):
+        dims = (None, KV if shape[-3] == KV else None, D, "auto", None)
+        general = eager._feature_signature(q, k, v, o, dims, 0, eager._PLAIN, "HND")
+        fast = eager._plain_head_major_signature(q, k, v, o, dims, 0)
+        assert general is not None and fast == general
+
+
+def test_views_the_plain_head_major_signature_leaves_to_the_general_one():
+    from ferrox_driver.decode import eager
+
+    dims = (None, None, D, "auto", None)
+    overlap = FakeTensor((KV, 403, D), K_AT, (402 * D, D, 1))
+    flat = FakeTensor((KV * 400 * D,), K_AT)
+    v_other = FakeTensor((KV, 400, D), V_AT, (701 * D, D, 1))
+    k = FakeTensor((KV, 400, D), K_AT, (700 * D, D, 1))
+    assert eager._plain_head_major_signature(_q(), overlap, overlap, None, dims, 0) is None
+    assert eager._plain_head_major_signature(_q(), flat, flat, None, dims, 0) is None
+    assert eager._plain_head_major_signature(_q(), k, v_other, None, dims, 0) is None

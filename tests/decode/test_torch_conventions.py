@@ -257,7 +257,7 @@ def test_gqa_decode_with_features_on_torch_tensors_runs_on_torchs_current_stream
     q, k = FakeTorchCuda((H, D)), FakeTorchCuda((KV, S, D))
     with pytest.raises(Reached):
         fd.gqa_decode(q, k, k, kv_layout="HND")
-    assert keys == [0x7000]
+    assert keys and set(keys) == {0x7000}  # (a first call asks the fast and the full path)
 
 
 def test_gqa_decode_async_on_a_pair_of_torch_tensors_runs_on_torchs_current_stream(
