@@ -429,17 +429,24 @@ def test_gpu_explain_table_traces_the_layer_without_breaks_and_compiles_it(torch
     assert rows["reduce-overhead"]["cudagraph_skips"] == 0  # captured in a CUDA graph
 
 
-def test_an_eager_row_is_the_median_over_every_rounds_steps():
-    def run(steps, first):
-        return {"ms_per_step": sorted(steps)[len(steps) // 2], "steps": len(steps),
-                "step_intervals_ms": steps, "step_ms_min": min(steps),
-                "step_ms_max": max(steps), "first_call_s": first, "compile_s": 0.0}  # fmt: skip
+def test_split_steps_gives_each_interval_to_the_implementation_that_ran_it():
+    # stamps: prefill (order[0]) | step 1 (order[1]) | step 2 (order[0]) | ...
+    own = tb.split_steps([1.0, 2.0, 3.0, 4.0, 5.0], ("sdpa", "ferrox"))
+    assert own == {"ferrox": [1.0, 3.0, 5.0], "sdpa": [2.0, 4.0]}
+    own = tb.split_steps([1.0, 2.0], ("ferrox", "sdpa"))
+    assert own == {"sdpa": [1.0], "ferrox": [2.0]}
 
-    merged = tb._merged(None, run([30.0, 31.0, 29.0], 5.0))
-    assert merged["rounds"] == 1 and merged["ms_per_step"] == 30.0
-    merged = tb._merged(merged, run([20.0, 21.0, 22.0], 1.0))
-    merged = tb._merged(merged, run([25.0, 26.0, 24.0], 1.0))
-    assert merged["rounds"] == 3 and merged["steps"] == 9
-    assert merged["ms_per_step"] == 25.0  # the median of all nine, not of the last round
-    assert (merged["step_ms_min"], merged["step_ms_max"]) == (20.0, 31.0)
-    assert merged["first_call_s"] == 5.0  # the first round's (its warm-up calls)
+
+def test_alternating_steps_run_the_implementations_in_turn(torch):
+    # what each forward ran, read from the config as the forward starts
+    model = tb.build_model(torch, TINY, "cpu")
+    ran = []
+    model.register_forward_pre_hook(lambda m, a: ran.append(m.config._attn_implementation))
+    prompt = tb.prompt_ids(torch, 12, TINY["vocab_size"], "cpu")
+    order = ("eager", "sdpa")
+    run = tb.time_generate(torch, model, prompt, 6, 1, lambda: None,
+                           on_step=tb.alternate_steps(model, order),
+                           cache_implementation="static", disable_compile=True)  # fmt: skip
+    assert ran == ["eager", "sdpa", "eager", "sdpa", "eager", "sdpa"] * 2  # warm-up, timed
+    own = tb.split_steps(run["step_intervals_ms"], order)
+    assert len(own["sdpa"]) == 3 and len(own["eager"]) == 2

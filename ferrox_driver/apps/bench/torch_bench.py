@@ -5,7 +5,9 @@ The tables of issue 47's "Must show", medians, bf16:
 - ``compiled``: a Llama-3-8B-shaped model (random weights built on the GPU) generating with a
   static cache and transformers' own ``torch.compile`` of the decode step, greedy, after
   CONTEXT prompt tokens, ``attn_implementation="sdpa"`` against ``"ferrox"``.
-- ``eager``: the same with ``disable_compile=True``.
+- ``eager``: the same with ``disable_compile=True``; the two take turns step by step within
+  one generate call (an eager step is host-bound and the host's pace drifts over seconds:
+  neighbouring steps share it), four such calls, a row the median over its own steps.
 - ``fp8``: at 131072 tokens, ferrox over ``FP8Cache`` against SDPA over a bf16 ``StaticCache``,
   both compiled: time per step and the caches' device bytes.
 - ``growing``: host time per ``gqa_decode`` over a growing ``k[:n]`` (``growing.growing_rows``).
@@ -74,7 +76,7 @@ LLAMA_8B: dict[str, Any] = {
 CONTEXTS = (4096, 32768)
 FP8_CONTEXT = 131072
 NEW_TOKENS, WARMUPS = 32, 2
-EAGER_ROUNDS = 5  # eager rows: timed generate calls per implementation, taking turns
+EAGER_ROUNDS = 4  # eager rows: timed generate calls whose steps alternate the two
 QUICK_CONTEXT, QUICK_NEW_TOKENS, QUICK_WARMUPS = 4096, 8, 1
 MUST = {"compiled": 1.00, "eager": 1.00, "fp8": 0.95, "fp8_memory": 0.52}
 # growing.growing_rows()'s keys that issue 47 sets a bound on (host us per call; bytes)
@@ -104,9 +106,10 @@ def median_step_ms(stamps: Sequence[float]) -> float:
     return float(statistics.median(step_intervals_ms(stamps)))
 
 
-def step_stamper(sync: Callable[[], None]) -> Any:
+def step_stamper(sync: Callable[[], None], on_step: Callable[[int], None] | None = None) -> Any:
     """A transformers ``LogitsProcessor`` that calls ``sync()`` and appends
-    ``time.perf_counter()`` to its ``stamps`` each time it is called; scores pass unchanged."""
+    ``time.perf_counter()`` to its ``stamps`` each time it is called, then ``on_step(number
+    of stamps)`` if given; scores pass unchanged."""
     from transformers import LogitsProcessor
 
     class StepStamps(LogitsProcessor):
@@ -116,6 +119,8 @@ def step_stamper(sync: Callable[[], None]) -> Any:
         def __call__(self, input_ids: Any, scores: Any) -> Any:
             sync()
             self.stamps.append(time.perf_counter())
+            if on_step is not None:
+                on_step(len(self.stamps))
             return scores
 
     return StepStamps()
@@ -390,12 +395,14 @@ def time_generate(
     warmups: int,
     sync: Callable[[], None],
     cache: Any = None,
+    on_step: Callable[[int], None] | None = None,
     **generate_kwargs: Any,
 ) -> dict[str, Any]:
     """``warmups`` generate calls then one timed, each of ``new_tokens`` greedy tokens after
     ``prompt`` (a (1, n) id tensor; an all-ones attention mask). ``cache``: a transformers
     Cache passed to every call, ``reset()`` before each; else ``generate_kwargs`` say
-    (``cache_implementation="static"``).
+    (``cache_implementation="static"``). ``on_step``: called with 0 before each call and
+    with the number of stamps after each stamp (`step_stamper`).
 
     Returns:
         ``ms_per_step`` (median decode-step interval of the timed call), ``steps``,
@@ -411,7 +418,9 @@ def time_generate(
     mask = torch.ones_like(prompt)
     walls, stamper, out = [], None, None
     for _ in range(warmups + 1):
-        stamper = step_stamper(sync)
+        stamper = step_stamper(sync, on_step)
+        if on_step is not None:
+            on_step(0)
         kwargs = dict(generate_kwargs)
         if cache is not None:
             cache.reset()
@@ -483,25 +492,21 @@ def _generate_table(table: str, quick: bool, compiled: bool) -> dict[str, Any]:
     for context in contexts:
         prompt = prompt_ids(torch, context, LLAMA_8B["vocab_size"], "cuda")
         runs: dict[str, Any] = {}
-        # eager steps are host-bound and the host's pace drifts: the two take turns, each
-        # round in the other order, and a row is the median over every round's steps
-        # (compiled, each would recompile: one round)
-        rounds = 1 if compiled or quick else EAGER_ROUNDS
-        for r in range(rounds):
-            for impl in ("sdpa", "ferrox") if r % 2 == 0 else ("ferrox", "sdpa"):
+        if compiled or quick:
+            for impl in ("sdpa", "ferrox"):
                 if compiled:
                     forget_compiles(torch, model)
                 use_attention(model, impl)
-                print(f"{table}: {impl} at {context} tokens, round {r + 1} ...", flush=True)
-                run = time_generate(
-                    torch, model, prompt, new_tokens, warmups if r == 0 else 0,
-                    torch.cuda.synchronize, **gen_kwargs,
+                print(f"{table}: {impl} at {context} tokens ...", flush=True)
+                runs[impl] = time_generate(
+                    torch, model, prompt, new_tokens, warmups, torch.cuda.synchronize,
+                    **gen_kwargs,
                 )  # fmt: skip
-                runs[impl] = _merged(runs.get(impl), run)
-                print(
-                    f"{table}: {impl} at {context}: {run['ms_per_step']:.2f} ms/step",
-                    flush=True,
-                )
+        else:
+            runs = alternating_runs(torch, model, prompt, new_tokens, warmups, **gen_kwargs)
+        for impl in ("sdpa", "ferrox"):
+            print(f"{table}: {impl} at {context}: {runs[impl]['ms_per_step']:.2f} ms/step",
+                  flush=True)  # fmt: skip
         rows.append(
             {
                 "context": context,
@@ -542,24 +547,64 @@ def _generate_table(table: str, quick: bool, compiled: bool) -> dict[str, Any]:
     }
 
 
-def _merged(before: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:
-    """``run`` (a `time_generate` result) with the step intervals of ``before`` (the same
-    row's earlier rounds) joined to its own: the median, count and extremes over them all;
-    ``rounds`` counts the calls timed."""
-    if before is None:
-        return {**run, "rounds": 1}
-    steps = [*before["step_intervals_ms"], *run["step_intervals_ms"]]
-    return {
-        **run,
-        "ms_per_step": float(statistics.median(steps)),
-        "steps": len(steps),
-        "step_intervals_ms": steps,
-        "step_ms_min": min(steps),
-        "step_ms_max": max(steps),
-        "rounds": before["rounds"] + 1,
-        "first_call_s": before["first_call_s"],
-        "compile_s": before["compile_s"],
-    }
+def alternating_runs(
+    torch: Any, model: Any, prompt: Any, new_tokens: int, warmups: int, **gen_kwargs: Any
+) -> dict[str, Any]:
+    """Eager SDPA and ferrox on the same steps' pace: ``warmups`` + 1 plain generate calls
+    per implementation (warm-up, and the timed one's tokens), then EAGER_ROUNDS generate
+    calls in which the two take turns step by step (`alternate_steps`), each round starting
+    with the other. An eager step is host-bound and the host's pace drifts over seconds;
+    neighbouring steps share it, so each implementation's row is the median over its own
+    steps of every round (`split_steps`)."""
+    sync = torch.cuda.synchronize
+    use_attention(model, "ferrox")  # (registered, and checked to take)
+    runs: dict[str, Any] = {}
+    for impl in ("sdpa", "ferrox"):
+        use_attention(model, impl)
+        print(f"eager: {impl} alone, warm-up and tokens ...", flush=True)
+        runs[impl] = time_generate(torch, model, prompt, new_tokens, warmups, sync,
+                                   **gen_kwargs)  # fmt: skip
+    steps: dict[str, list[float]] = {"sdpa": [], "ferrox": []}
+    for r in range(EAGER_ROUNDS):
+        order = ("sdpa", "ferrox") if r % 2 == 0 else ("ferrox", "sdpa")
+        print(f"eager: round {r + 1}, steps taking turns, {order[0]} first ...", flush=True)
+        run = time_generate(torch, model, prompt, new_tokens, 0, sync,
+                            on_step=alternate_steps(model, order), **gen_kwargs)  # fmt: skip
+        for impl, own in split_steps(run["step_intervals_ms"], order).items():
+            steps[impl] += own
+    for impl in ("sdpa", "ferrox"):
+        own = steps[impl]
+        runs[impl] = {
+            **runs[impl],
+            "alone_ms_per_step": runs[impl]["ms_per_step"],
+            "ms_per_step": float(statistics.median(own)),
+            "steps": len(own),
+            "step_intervals_ms": own,
+            "step_ms_min": min(own),
+            "step_ms_max": max(own),
+            "rounds": EAGER_ROUNDS,
+        }
+    return runs
+
+
+def alternate_steps(model: Any, order: tuple[str, str]) -> Callable[[int], None]:
+    """`time_generate`'s ``on_step`` that runs the prefill with ``order[0]`` and then the
+    decode steps with ``order[1]``, ``order[0]``, ... (the attention implementation is read
+    per forward: set on the config, no re-registration)."""
+
+    def on_step(stamps: int) -> None:
+        model.config._attn_implementation = order[stamps % 2]
+
+    return on_step
+
+
+def split_steps(intervals: Sequence[float], order: tuple[str, str]) -> dict[str, list[float]]:
+    """The step intervals of an `alternate_steps` call by implementation: interval k (after
+    stamp k, before stamp k + 1) ran ``order[(k + 1) % 2]``."""
+    own: dict[str, list[float]] = {order[0]: [], order[1]: []}
+    for k, ms in enumerate(intervals):
+        own[order[(k + 1) % 2]].append(ms)
+    return own
 
 
 def compiled_table(quick: bool) -> dict[str, Any]:
