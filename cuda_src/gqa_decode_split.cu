@@ -28,3 +28,4 @@
 #include "split_mma_swapped.cuh"
 #include "split_tc32.cuh"
 #include "split_combine.cuh"
+#include "split_verify.cuh"

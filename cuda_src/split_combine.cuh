@@ -12,13 +12,18 @@
 #define FX_COMBINE_BATCH 16  // chunk loads in flight per lane, up to 64 chunks
 #define FX_COMBINE_MANY 33   // ... and past 64: 132 chunks in one trip to L2
 #define FX_COMBINE_WARPS (FX_COMBINE_THREADS / 32)
-template <class T, int BATCH, int F = 0>
+// EXTRA (a verify's combine, split_verify.cuh): one more partial, (x_ml[0], x_ml[1]) and
+// x_o, merged with the chunks; the LSE written less lse_shift (natural log).
+template <class T, int BATCH, int F = 0, bool EXTRA = false>
 __device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
                                                   const float* __restrict__ ws_o,
                                                   const float* __restrict__ ml, int head_dim,
                                                   int d, int active, float* w_s,
                                                   float (*red_s)[32], float sink2 = 0.f,
-                                                  float* lse_h = nullptr) {
+                                                  float* lse_h = nullptr,
+                                                  const float* x_o = nullptr,
+                                                  const float* x_ml = nullptr,
+                                                  float lse_shift = 0.f) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // This warp's first chunk outputs do not depend on the weights: load them now, so the
     // loads of the maxima below and these share one trip to L2.
@@ -43,6 +48,8 @@ __device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
 #pragma unroll
     for (int w = 1; w < W; ++w) mx = fmaxf(mx, red_s[w][0]);
     if (F & FX_F_SINKS) mx = fmaxf(mx, sink2);  // the sink's logit (base 2) counts too
+    const float xm = EXTRA ? x_ml[0] : -INFINITY;
+    if (EXTRA) mx = fmaxf(mx, xm);
     float lsum = 0.f;
     for (int c = threadIdx.x; c < active; c += FX_COMBINE_THREADS) {
         const float mc = ml[2 * c];
@@ -59,8 +66,10 @@ __device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
 #pragma unroll
     for (int w = 0; w < W; ++w) lsum += red_s[w][1];
     if (F & FX_F_SINKS) lsum += sink2 == -INFINITY ? 0.f : fx_exp2(sink2 - mx);
+    const float xw = EXTRA && xm != -INFINITY ? fx_exp2(xm - mx) : 0.f;
+    if (EXTRA) lsum += xw * x_ml[1];
     if ((F & FX_F_LSE) && lse_h != nullptr && threadIdx.x == 0)
-        *lse_h = (mx + log2f(lsum)) * 0.69314718055994531f;  // natural log
+        *lse_h = (mx + log2f(lsum)) * 0.69314718055994531f - lse_shift;  // natural log
 
     // ---- weighted sum of the chunk outputs: warp w takes chunks w, w+4, w+8, ... in order
     float acc = 0.f;
@@ -81,7 +90,8 @@ __device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
         float total = red_s[0][lane];
 #pragma unroll
         for (int w = 1; w < W; ++w) total += red_s[w][lane];
-        out_h[d] = fx_from_float<T>(total / lsum);
+        if (EXTRA) total = fmaf(xw, x_o[d], total);
+        out_h[d] = fx_from_float<T>(EXTRA && lsum == 0.f ? 0.f : total / lsum);
     }
 }
 

@@ -170,10 +170,12 @@ __device__ __forceinline__ bool fx_tc_block(FxTcBlock& at, unsigned ring_bytes, 
     if (!fx_block_chunk<CLUSTER, D, F>(ring_bytes, threads, seq_len, seq_len_dev, splits, tile,
                                        at.split, at.start, at.end, window))
         return false;
-    // TILED (groups of 9-16): blockIdx.y = 2 g_kv + tile, 8 query heads per tile
+    // TILED (groups past 8: 9-16, or a verify's rows): blockIdx.y = tiles g_kv + tile, 8
+    // query heads per tile
     at.heads_per_kv = n_heads / n_kv_heads;
-    at.g_kv = TILED ? (int)(blockIdx.y >> 1) : (int)blockIdx.y;
-    at.tile_h = TILED ? (int)(blockIdx.y & 1) * 8 : 0;
+    const int tiles = TILED ? (at.heads_per_kv + 7) >> 3 : 1;
+    at.g_kv = TILED ? (int)blockIdx.y / tiles : (int)blockIdx.y;
+    at.tile_h = TILED ? (int)blockIdx.y % tiles * 8 : 0;
     at.group = TILED ? min(8, at.heads_per_kv - at.tile_h) : at.heads_per_kv;
     at.h0 = at.g_kv * at.heads_per_kv + at.tile_h;
     return true;

@@ -63,6 +63,7 @@ class Decodes(CacheState):
         alibi_slopes: ArrayLike = None,
         scale: float | None = None,
         return_lse: Literal[False] = False,
+        tree_mask: ArrayLike = None,
     ) -> np.ndarray: ...
 
     @overload
@@ -79,6 +80,7 @@ class Decodes(CacheState):
         alibi_slopes: ArrayLike = None,
         scale: float | None = None,
         return_lse: Literal[True],
+        tree_mask: ArrayLike = None,
     ) -> tuple[np.ndarray, np.ndarray]: ...
 
     @overload
@@ -95,6 +97,7 @@ class Decodes(CacheState):
         alibi_slopes: ArrayLike = None,
         scale: float | None = None,
         return_lse: Literal[False] = False,
+        tree_mask: ArrayLike = None,
     ) -> DeviceArray: ...
 
     @overload
@@ -111,6 +114,7 @@ class Decodes(CacheState):
         alibi_slopes: ArrayLike = None,
         scale: float | None = None,
         return_lse: Literal[True],
+        tree_mask: ArrayLike = None,
     ) -> tuple[DeviceArray, DeviceArray]: ...
 
     def decode(
@@ -126,8 +130,9 @@ class Decodes(CacheState):
         alibi_slopes: ArrayLike = None,
         scale: float | None = None,
         return_lse: bool = False,
+        tree_mask: ArrayLike = None,
     ) -> np.ndarray | DeviceArray | tuple[np.ndarray, np.ndarray] | tuple[DeviceArray, DeviceArray]:
-        """Decode one query against the resident cache.
+        """Decode one query (or several: a speculative verify) against the resident cache.
 
         numpy in, numpy out (copied in and back, complete: one graph launch, one wait);
         device arrays in (a PyTorch CUDA tensor, DeviceArray, CuPy...), a DeviceArray out
@@ -139,7 +144,9 @@ class Decodes(CacheState):
         Args:
             q: ``(n_heads*head_dim,)``, ``(n_heads, head_dim)`` or PyTorch SDPA's ``(1,
                 n_heads, 1, head_dim)``, cache dtype (an fp8 cache: float16 or bfloat16);
-                the result has q's shape.
+                the result has q's shape. Or ``(n_q, n_heads, head_dim)``: n_q queries,
+                the cache's last n_q tokens (append them first), as `gqa_decode` takes
+                them; the result ``(n_q, n_heads, head_dim)``, the LSE ``(n_q, n_heads)``.
             n_heads: query heads, a multiple of ``n_kv_heads`` (default: read from q's
                 shape; given, checked against it).
             stream: with a device q, the stream it was written on and the result is
@@ -154,6 +161,7 @@ class Decodes(CacheState):
             scale: as `gqa_decode`.
             return_lse: also return the log-sum-exp per query head (float32, numpy or a
                 device array like the result).
+            tree_mask: with several queries, as `gqa_decode` (None: causal).
 
         Returns:
             An array of q's shape and dtype (numpy or a DeviceArray, as q); with
@@ -164,6 +172,16 @@ class Decodes(CacheState):
             ClosedError: the cache or its stream was closed.
             FerroxError: a device q with ``stream`` being captured into a graph.
         """
+        qs = getattr(q, "shape", ())
+        if tree_mask is not None or (len(qs) == 3 and qs[0] > 1):
+            from .device_ops import decode_many  # (device_ops imports this module)
+
+            return decode_many(
+                self, q, n_heads, stream, algorithm,
+                dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                     sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse),
+                tree_mask,
+            )  # fmt: skip
         if not isinstance(q, np.ndarray):
             from .device_ops import decode_device  # (device_ops imports this module)
 

@@ -21,7 +21,7 @@ from ..decode.pair import checked_operand, decode_async_pair, feature_array, q_h
 from ..decode.plan import check_algorithm
 from ..driver.interop import ArrayRef, array_ref
 from ..driver.launch import LaunchSequence, PackedLaunch
-from ..driver.memory import DeviceArray
+from ..driver.memory import DeviceArray, empty, to_device
 from ..driver.pool import output_pool
 from ..driver.pool import stream_buffer as _stream_buffer
 from ..driver.stream import Stream, call_stream, stream_handle, stream_key
@@ -416,3 +416,97 @@ def decode_device(
             if joined:
                 kv.rejoin(sid)
     return (out, lse) if lse is not None else out
+
+
+def decode_many(
+    kv: Decodes, q: Any, n_heads: Any, stream: Any, algorithm: Any, kw: dict[str, Any],
+    tree_mask: Any,
+) -> Any:  # fmt: skip
+    """KVCache.decode of q ``(n_q, n_heads, head_dim)``: n_q queries, the cache's last n_q
+    tokens (`gqa_decode`'s verify), on the cache's stream (joined to the caller's for a
+    device q; a numpy q is copied in and the result back, complete)."""
+    from ..decode.queries import check_query_count, split_queries
+    from ..decode.records import launches_for
+    from ..decode.verify import check_mask, mask_operand, per_head_operand
+
+    host = isinstance(q, np.ndarray)
+    ref = None if host else array_ref(q, "q")
+    if ref is not None:
+        _, shape, dtype, ordinal, contiguous, _ = ref
+        if ordinal != kv.device.ordinal:
+            raise ValueError(
+                f"q: on device {ordinal}, but the cache is on device {kv.device.ordinal}"
+            )
+        if not contiguous:
+            raise ValueError(f"q: must be C-contiguous, got a strided view of shape {shape}")
+    else:
+        shape, dtype = tuple(q.shape), q.dtype
+    n_q, token = split_queries(shape)
+    algorithm = check_algorithm(algorithm)
+    if algorithm == "parity":
+        raise ValueError("algorithm: a decode of several queries needs the split kernels")
+    check_q_dtype_of(kv, np.dtype(dtype), algorithm)
+    n_heads, _, _ = check_dims(q_heads(token, kv.head_dim, n_heads), kv.n_kv_heads, kv.head_dim)
+    if token != (n_heads, kv.head_dim):
+        raise ValueError(f"q: expected (n_q, {n_heads}, {kv.head_dim}), got {tuple(shape)}")
+    feats = check_features(n_heads, **kw)
+    mref = None if tree_mask is None else array_ref(tree_mask, "tree_mask")
+    mask_mode = 0 if tree_mask is None else check_mask(tree_mask, mref, n_q)
+    sid = stream_key(kv.stream if host else call_stream(stream, q, kv.device.ordinal))
+    out_shape = (n_q, n_heads, kv.head_dim)
+    with kv.lock:
+        kv.check_open()
+        kv.device.activate()
+        seq = kv.seq_len
+        check_query_count(n_q, seq)
+        joined = False if host else kv.join(sid, "decode", "a graph of gqa_decode")
+        made: list[DeviceArray] = []
+        try:
+            dev, s = kv.device, kv.stream
+            if host:
+                q_d = to_device(np.ascontiguousarray(q), s, device=dev)
+                made.append(q_d)
+            else:
+                assert ref is not None
+                q_d = DeviceArray._wrap(ref[0], tuple(shape), np.dtype(dtype), dev, q)
+            out = (
+                empty(out_shape, dtype, device=dev) if host
+                else output_pool(dev, sid, math.prod(out_shape) * np.dtype(dtype).itemsize).take(
+                    out_shape, np.dtype(dtype))
+            )  # fmt: skip
+            if host:
+                made.append(out)
+            lse = None
+            if feats.return_lse:
+                lse = (empty((n_q, n_heads), np.float32, device=dev) if host
+                       else output_pool(dev, sid, 4 * n_q * n_heads).take((n_q, n_heads),
+                                                                          _F32))  # fmt: skip
+                if host:
+                    made.append(lse)
+            mask_d = mask_operand(tree_mask, mref, n_q, dev, s, made)
+            slopes = per_head_operand(feats.alibi_slopes, "alibi_slopes", dev, s, made)
+            sinks = per_head_operand(feats.sinks, "sinks", dev, s, made)
+            bits, values = abi.feature_args(feats, kv.head_dim, lse=lse, slopes=slopes,
+                                            sinks=sinks)  # fmt: skip
+            plan_seq = kv.capacity if not values.window else min(kv.capacity, values.window)
+            aligned = ((q_d.ptr | kv._k_ptr | kv._v_ptr) & 15) == 0
+            launches, _ = launches_for(
+                q_d, kv._k, kv._v, out, n_heads=n_heads, n_kv_heads=kv.n_kv_heads,
+                head_dim=kv.head_dim, seq_len=seq, plan_seq=plan_seq, aligned=aligned,
+                dtype=np.dtype(dtype), bits=bits, fp8=kv.fp8, features=values,
+                kv_scales=kv.kv_scales, n_q=n_q, mask=mask_d, mask_mode=mask_mode,
+                workspace=lambda floats: _stream_buffer(dev, s._handle_int, "verify", floats),
+            )  # fmt: skip
+            for launch in launches:
+                launch.run(s, dev)
+            if host:
+                host_out = out.to_host(s)
+                return (host_out, lse.to_host(s)) if lse is not None else host_out
+            return (out, lse) if lse is not None else out
+        finally:
+            if joined:
+                kv.rejoin(sid)
+            if host:
+                s.synchronize()
+            for a in made:
+                a.close()

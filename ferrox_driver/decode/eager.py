@@ -49,6 +49,7 @@ from .features import Features, check_features
 from .launches import plan_split
 from .plan import check_algorithm
 from .records import DecodeRecord, decode_record, launch_decode, launches_for, length_bound
+from .verify import is_many_queries, verify_decode
 
 __all__ = ["gqa_decode"]
 
@@ -254,6 +255,7 @@ def gqa_decode(
     scale: float | None = None,
     return_lse: Literal[False] = False,
     kv_layout: str = "NHD",
+    tree_mask: ArrayLike = None,
 ) -> np.ndarray | DeviceArray: ...
 @overload
 def gqa_decode(
@@ -275,6 +277,7 @@ def gqa_decode(
     scale: float | None = None,
     return_lse: Literal[True],
     kv_layout: str = "NHD",
+    tree_mask: ArrayLike = None,
 ) -> tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]: ...
 def gqa_decode(
     q: ArrayLike,
@@ -295,13 +298,20 @@ def gqa_decode(
     scale: float | None = None,
     return_lse: bool = False,
     kv_layout: str = "NHD",
+    tree_mask: ArrayLike = None,
 ) -> np.ndarray | DeviceArray | tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]:
-    """Attention of one query token over a KV cache, on the GPU (ferrox-cuda's
-    ``launch_gqa_decode``), with the features real models use.
+    """Attention of one query token (or of several: a speculative verify) over a KV cache,
+    on the GPU (ferrox-cuda's ``launch_gqa_decode``), with the features real models use.
 
     Args:
         q: ``(n_heads*head_dim,)``, ``(n_heads, head_dim)`` or PyTorch SDPA's one token of
-            a batch of one, ``(1, n_heads, 1, head_dim)``; the result has q's shape.
+            a batch of one, ``(1, n_heads, 1, head_dim)``; the result has q's shape. Or
+            ``(n_q, n_heads, head_dim)``: n_q query tokens, the cache's last n_q (append
+            their K and V first): query t, at position ``seq_len - n_q + t``, sees the
+            tokens up to its own (causal) or, with ``tree_mask``, every earlier token and
+            the new ones its row of the mask names; windows and ALiBi are relative to each
+            query's own position. The result is ``(n_q, n_heads, head_dim)``, the LSE
+            ``(n_q, n_heads)``; one pass over the cache serves every query.
         k_cache: ``(seq_len*n_kv_heads*head_dim,)`` or ``(seq_len, n_kv_heads, head_dim)``,
             layout ``[token][kv_head][head_dim]``. On the device, ``cache[:n]`` of a
             larger cache is read in place; a cache growing by a token per call costs what
@@ -336,6 +346,11 @@ def gqa_decode(
             head_dim)`` (PyTorch SDPA's and transformers' layout), each token's row
             contiguous and the KV heads any number of rows apart, so ``cache[:, :, :n]``
             of a larger head-major cache is read in place. Takes every feature.
+        tree_mask: with an ``(n_q, n_heads, head_dim)`` q: which new tokens each query
+            sees, bool ``(n_q, n_q)`` or bit-packed uint8 ``(n_q, ceil(n_q / 8))``
+            (``numpy.packbits(mask, axis=1, bitorder="little")``), on the host or the
+            device (read there at run time: a captured graph takes a new mask in place).
+            The diagonal must be set (checked for a host mask). None: causal.
 
     Returns:
         With numpy inputs, a numpy array (copied back, complete). With device inputs
@@ -348,6 +363,10 @@ def gqa_decode(
         ValueError: bad shapes, layouts, or arrays on different devices.
         TypeError: bad types or dtypes. Both raised before any device work.
     """
+    if tree_mask is not None:
+        return _many(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm,
+                     device, out, sliding_window, logits_soft_cap, sinks, alibi_slopes, scale,
+                     return_lse, kv_layout, tree_mask)  # fmt: skip
     plain = (
         sliding_window is None and logits_soft_cap is None and sinks is None
         and alibi_slopes is None and scale is None and return_lse is False
@@ -397,6 +416,10 @@ def gqa_decode(
             except TypeError:  # an unhashable argument, which the checks name
                 call = None
             if call is None or vr[1] != ks:  # (V's shape differing: the checks name it)
+                if is_many_queries(qr[1]):
+                    return _many(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream,
+                                 algorithm, device, out, sliding_window, logits_soft_cap, sinks,
+                                 alibi_slopes, scale, return_lse, kv_layout, None)  # fmt: skip
                 with records.lock:
                     call = None if n < 0 or vr[1] != ks else _sibling(_family(key, 4, 0), n)
                     if call is None:
@@ -409,8 +432,25 @@ def gqa_decode(
             else:
                 _calls.touch(key)
             return call(qr, kr, vr, orf, out, (q, k_cache, v_cache), n)
+    if isinstance(q, np.ndarray) and is_many_queries(q.shape):
+        return _many(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm,
+                     device, out, sliding_window, logits_soft_cap, sinks, alibi_slopes, scale,
+                     return_lse, kv_layout, None)  # fmt: skip
     return _host_decode(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm,
                         device, out)  # fmt: skip
+
+
+def _many(
+    q: Any, k: Any, v: Any, n_heads: Any, n_kv_heads: Any, head_dim: Any, stream: Any,
+    algorithm: Any, device: Any, out: Any, window: Any, cap: Any, sinks: Any, slopes: Any,
+    scale: Any, lse: Any, layout: Any, tree_mask: Any,
+) -> Any:  # fmt: skip
+    """gqa_decode of several query tokens (`verify.verify_decode`)."""
+    kw = dict(sliding_window=window, logits_soft_cap=cap, sinks=sinks, alibi_slopes=slopes,
+              scale=scale, return_lse=lse)  # fmt: skip
+    lay = "HND" if type(layout) is str and layout == "HND" else check_kv_layout(layout)
+    return verify_decode(q, k, v, n_heads, n_kv_heads, head_dim, stream, algorithm, device, out,
+                         kw, lay, tree_mask)  # fmt: skip
 
 
 def _host_decode(
@@ -707,6 +747,10 @@ def _feature_decode(
     if call is not None:
         _calls.touch(key)
         return call(sig, out, inputs)
+    shape = sig[1][1] if sig is not None else tuple(getattr(q, "shape", ()) or ())
+    if is_many_queries(shape):
+        return verify_decode(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream,
+                             algorithm, device, out, kw, kv_layout, None)  # fmt: skip
     family = None
     if sig is not None and key is not None and sig[7] >= 0:  # a shaped K: its bucket's plan
         family = _family(key, 10, 0 if kv_layout == "NHD" else len(key[10]) - 2)

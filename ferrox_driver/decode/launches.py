@@ -28,7 +28,16 @@ from ..kernels.abi import (
 )
 from ..kernels.catalogue import kernel_source, split_kernel
 from ..kernels.spec import SPLIT_FILE, KernelSpec, kernel_dtype
-from ..kernels.traits import COMBINE_FEATURES
+from ..kernels.traits import (
+    COMBINE_FEATURES,
+    F_ALIBI,
+    F_CAP,
+    F_HND,
+    F_LSE,
+    F_SCALE,
+    F_SINKS,
+    F_WINDOW,
+)
 from . import plan as planner
 from .plan import COMBINE_THREADS, DEFAULT_TUNING, TUNING, DeviceTraits, SplitPlan
 
@@ -40,7 +49,14 @@ __all__ = [
     "plan_split",
     "split_launches",
     "split_program",
+    "verify_launches",
+    "verify_workspace_floats",
 ]
+
+# A verify's kernels' features (split_verify.cuh): the tail's, and its combine's
+TAIL_FEATURES = F_WINDOW | F_CAP | F_ALIBI | F_SCALE | F_HND
+VCOMBINE_FEATURES = F_WINDOW | F_SINKS | F_LSE | F_ALIBI
+VERIFY_ROWS = 4  # FX_VERIFY_ROWS: rows per tail block
 
 
 def device_traits(device: Device) -> DeviceTraits:
@@ -163,20 +179,21 @@ def plan_split(
     aligned: bool = True,
     features: int = 0,
     fp8: str = "",
+    verify: bool = False,
 ) -> SplitPlan:
     """The split plan (``plan.plan``) for up to ``plan_seq`` tokens on ``device``, its
     kernel loaded (captures need it), memoised: every decode asks, once; ``OVERRIDES`` is
     part of the key."""
     overrides = planner.OVERRIDES
     key = (device.context_handle, np.dtype(dtype), n_heads, n_kv_heads, head_dim, plan_seq,
-           aligned, overrides, features, fp8)  # fmt: skip
+           aligned, overrides, features, fp8, verify)  # fmt: skip
     found = _plans.get(key)
     if found is None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         found = _plans[key] = planner.plan(
             device_traits(device), dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
-            overrides, features, fp8,
+            overrides, features, fp8, verify,
         )  # fmt: skip
     split_kernel(found.spec, device)  # loaded (after a first plan, a lookup)
     return found
@@ -314,3 +331,109 @@ def parity_launches(
     roles = (*QKV, (3, "out"), *(((SEQ_SLOT["parity"], "seq"),) if on_host else ()))
     spec = KernelSpec.parity(kernel_dtype(q.dtype))
     return [Launch(spec, (n_heads, 1, 1), 32, args, roles=roles)]
+
+
+def _at4(floats: int) -> int:
+    """``floats`` rounded up to whole 16-byte units."""
+    return -(-floats // 4) * 4
+
+
+def verify_workspace_floats(
+    plan: SplitPlan, n_q: int, n_heads: int, head_dim: int, itemsize: int
+) -> int:
+    """Floats of scratch a verify of ``n_q`` queries needs (`verify_launches`): the split
+    kernel's partials for its n_q x n_heads rows, the tail's partials, the rows' queries
+    (q's dtype, ``itemsize`` bytes) and slopes, and the prefix's length."""
+    rows = n_q * n_heads
+    return (
+        _at4(plan.workspace_floats(rows, head_dim)) + _at4(rows * (head_dim + 2))
+        + _at4(-(-rows * head_dim * itemsize // 4)) + _at4(rows) + 4
+    )  # fmt: skip
+
+
+def verify_launches(
+    plan: SplitPlan,
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    workspace: DeviceArray,
+    *,
+    n_q: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    seq_len_dev: DeviceArray | None,
+    features: FeatureArgs,
+    bits: int,
+    mask: DeviceArray | None = None,
+    mask_mode: int = 0,
+    kv_scales: DeviceArray | None = None,
+) -> list[Launch]:
+    """The launches of a decode of ``n_q`` queries, the cache's last n_q tokens
+    (split_verify.cuh): the tail kernel (the rows' queries in row order, the tokens only
+    some queries see, the prefix's length), the split kernel of ``plan`` (planned for
+    n_q x n_heads rows, ``verify``) over the tokens every query sees, and the combine
+    merging both into ``out`` (n_q, n_heads, head_dim). ``bits``: the decode's features
+    (F_*), their values in ``features`` (the window the queries', the LSE output of n_q x
+    n_heads floats). ``mask_mode``: 0 causal, 1 a mask of bytes (n_q, n_q), 2 of bits (n_q,
+    ceil(n_q / 8)) in ``mask``. Roles: the tail's q, k, v, seq, mask, slopes and head
+    stride, the split kernel's k, v and head stride, the combine's out, sinks, LSE and
+    slopes."""
+    rows = n_q * n_heads
+    dt = kernel_dtype(q.dtype)
+    split_floats = _at4(plan.workspace_floats(rows, head_dim))
+    tail_at = split_floats
+    tail_ml_at = tail_at + rows * head_dim
+    q_rows_at = tail_at + _at4(rows * (head_dim + 2))
+    slopes_at = q_rows_at + _at4(-(-rows * head_dim * q.dtype.itemsize // 4))
+    prefix_at = slopes_at + _at4(rows)
+    tail_o = workspace.view((rows * head_dim,), np.float32, offset=tail_at * 4)
+    tail_ml = workspace.view((rows * 2,), np.float32, offset=tail_ml_at * 4)
+    q_rows = workspace.view((rows, head_dim), q.dtype, offset=q_rows_at * 4)
+    slopes_rows = workspace.view((rows,), np.float32, offset=slopes_at * 4)
+    prefix = workspace.view((1,), np.int32, offset=prefix_at * 4)
+    window = features.window
+    fp8 = plan.fp8
+    tail_spec = KernelSpec("verify", dt, fp8=fp8, features=bits & TAIL_FEATURES)
+    tail_args = (
+        q, k, v, tail_o, tail_ml, q_rows, slopes_rows, prefix, np.int32(n_heads),
+        np.int32(n_kv_heads), np.int32(head_dim), np.int32(n_q), np.int32(seq_len), seq_len_dev,
+        mask, np.int32(mask_mode), kv_scales, np.float32(features.scale),
+        np.float32(features.cap), np.int32(window), features.slopes,
+        np.int64(features.head_stride),
+    )  # fmt: skip
+    tail_roles: Roles = (
+        *QKV, *(((12, "seq"),) if seq_len_dev is None else ()), (14, "mask"), (20, "slopes"),
+        (21, "heads"),
+    )  # fmt: skip
+    group_rows = n_q * (n_heads // n_kv_heads)
+    tail = Launch(tail_spec, (n_kv_heads, -(-group_rows // VERIFY_ROWS), 1), VERIFY_ROWS * 32,
+                  tail_args, roles=tail_roles)  # fmt: skip
+    # the split kernel: the window less the queries (its first token is the last query's)
+    split_window = max(0, window - n_q) if bits & F_WINDOW else 0
+    split_values = FeatureArgs(
+        features.scale, features.cap, split_window, slopes_rows, head_stride=features.head_stride
+    )
+    split = split_launches(
+        plan, q_rows, k, v, out, workspace.view((split_floats,), np.float32), n_heads=rows,
+        n_kv_heads=n_kv_heads, head_dim=head_dim, seq_len=max(seq_len - n_q, 0),
+        seq_len_dev=prefix, features=split_values, kv_scales=kv_scales,
+    )[0]  # fmt: skip
+    split_roles = tuple(pair for pair in split.roles if pair[1] in ("k", "v", "heads"))
+    n_partial = rows * plan.splits
+    ws_ml = workspace.view((n_partial * 2,), np.float32, offset=n_partial * head_dim * 4)
+    combine_spec = KernelSpec("vcombine", dt, features=bits & VCOMBINE_FEATURES)
+    combine_args = (
+        out, workspace, ws_ml, tail_o, tail_ml, np.int32(head_dim), prefix,
+        np.int32(plan.splits), np.int32(plan.tile), np.int32(n_heads), np.int32(n_kv_heads),
+        np.int32(n_q), np.int32(split_window), features.sinks, features.lse, features.slopes,
+    )  # fmt: skip
+    combine = Launch(
+        combine_spec, (rows, -(-head_dim // 32), 1), COMBINE_THREADS, combine_args,
+        early=planner.OVERRIDES.early_combine,
+        roles=((0, "out"), (13, "sinks"), (14, "lse"), (15, "slopes")),
+    )  # fmt: skip
+    return [tail, Launch(split.spec, split.grid, split.block, split.args, split.shared_mem,
+                         split.cluster, split.early, split_roles), combine]  # fmt: skip

@@ -376,6 +376,7 @@ def plan(
     overrides: Overrides | None = None,
     features: int = 0,
     fp8: str = "",
+    verify: bool = False,
 ) -> SplitPlan:
     """The split plan for decodes of up to ``plan_seq`` tokens of this shape on a device of
     ``traits`` (``decode.launches.plan_split`` remembers it per device): a function of its
@@ -395,28 +396,41 @@ def plan(
     most the window, the caller's part). With ``fp8`` (an fp8 cache's format, ``dtype``
     q's), the fp16/bf16 plan's kernel for a cache of bytes (never paired).
 
+    With ``verify`` (the split kernel of a many-query decode, split_verify.cuh: ``n_heads``
+    counts the rows, n_q x the query heads), a plan whose chunks the combine kernel merges
+    (no clusters, wide or paired plans) and whose fp16/bf16 tensor-core kernel takes any
+    group, in tiles of 8 rows.
+
     Raises:
         ValueError: ``fp8`` where the plan has no such kernel (q not fp16/bf16, a head_dim
             not a multiple of 8, groups past 16).
     """
+    if verify:
+        overrides = dataclasses.replace(
+            OVERRIDES if overrides is None else overrides, cluster=False, wide=False,
+            paired=False,
+        )  # fmt: skip
     if fp8:
         return _fp8_plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
-                         overrides, features, fp8)  # fmt: skip
+                         overrides, features, fp8, verify)  # fmt: skip
     if not features:
-        return _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, overrides)
+        return _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, overrides,
+                     verify)  # fmt: skip
     ov = OVERRIDES if overrides is None else overrides
     ov = dataclasses.replace(ov, paired=False)  # (the paired kernels take no features)
-    found = _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
+    found = _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov, verify)
     if found.cluster and found.spec.family != "mma":
         # the fp32 tensor-core kernels take features without clusters (not built)
         ov = dataclasses.replace(ov, cluster=False, wide=False)
-        found = _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
+        found = _plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov,
+                      verify)  # fmt: skip
     return found.with_spec(features=features)
 
 
 def _fp8_plan(
     traits: DeviceTraits, dtype: Any, n_heads: int, n_kv_heads: int, head_dim: int,
     plan_seq: int, aligned: bool, overrides: Overrides | None, features: int, fp8: str,
+    verify: bool = False,
 ) -> SplitPlan:  # fmt: skip
     """``plan`` for an fp8 cache (see there)."""
     if fp8 not in FP8_FORMATS:
@@ -433,7 +447,8 @@ def _fp8_plan(
     ov = dataclasses.replace(
         OVERRIDES if overrides is None else overrides, paired=False, wide=False
     )
-    found = plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov)
+    found = plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov,
+                 verify=verify)  # fmt: skip
     if found.spec.family != "mma" or head_dim % 8:
         raise ValueError(
             f"fp8: no kernel for q {np.dtype(dtype)}, head_dim {head_dim} and groups of "
@@ -456,6 +471,7 @@ def _plan(
     plan_seq: int,
     aligned: bool = True,
     overrides: Overrides | None = None,
+    any_group: bool = False,
 ) -> SplitPlan:
     ov = OVERRIDES if overrides is None else overrides
     tuning = traits.tuning
@@ -474,10 +490,10 @@ def _plan(
         if paired is not None:
             return paired
     chosen: SplitPlan | None = None
-    if mma_dim is not None and group <= 16 and aligned:  # 9-16: two tiles of 8 heads
+    if mma_dim is not None and (group <= 16 or any_group) and aligned:  # past 8: tiles of 8
         tiles = -(-group // 8)
         chosen = fitting(traits, head_dim, 2, SplitPlan(
-            KernelSpec("mma", name, mma_dim, head_dim, tiles=tiles), tiles, 32, 1,
+            KernelSpec("mma", name, mma_dim, head_dim, tiles=min(tiles, 2)), tiles, 32, 1,
             32 * MMA_WARPS[mma_dim], TILE,
             padded_stages(mma_dim, head_dim) or MMA_STAGES[mma_dim], 16,
             reserve_stages=MMA_RESERVE_STAGES[mma_dim],

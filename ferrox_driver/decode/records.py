@@ -26,12 +26,21 @@ from ..driver.stream import Stream, stream_handle, stream_key
 from ..kernels.abi import FeatureArgs, Launch
 from . import plan as attention
 from .checks import MAX_TOKENS
-from .launches import allocate_scratch, parity_launches, plan_split, split_launches
+from .launches import (
+    TAIL_FEATURES,
+    allocate_scratch,
+    parity_launches,
+    plan_split,
+    split_launches,
+    verify_launches,
+    verify_workspace_floats,
+)
 from .plan import SplitPlan
 
 __all__ = [
     "FEATURE_ROLES",
     "MAX_RECORDS",
+    "VERIFY_ROLES",
     "ROLES",
     "DecodeRecord",
     "Kept",
@@ -51,6 +60,9 @@ ROLES = ("q", "k", "v", "out", "seq")
 # its LSE output and a head-major cache's head stride (elements from one KV head's rows to
 # the next's, which changes with the length for a contiguous (n_kv_heads, seq_len, D) array)
 FEATURE_ROLES = (*ROLES, "slopes", "sinks", "lse", "heads")
+# ... and a verify's (n_q queries), its tree mask too
+VERIFY_ROLES = (*FEATURE_ROLES, "mask")
+SPLIT_BITS = TAIL_FEATURES  # a verify's split kernel: the features the tail has too
 MAX_RECORDS = 256  # launch records kept (LRU); a record in use lives on while referenced
 
 
@@ -301,6 +313,9 @@ def launches_for(
     fp8: str = "",
     features: FeatureArgs | None = None,
     kv_scales: DeviceArray | None = None,
+    n_q: int = 1,
+    mask: DeviceArray | None = None,
+    mask_mode: int = 0,
 ) -> tuple[list[Launch], DeviceArray | None]:
     """THE plan -> workspace -> launches assembly that every decode entry point uses.
 
@@ -308,8 +323,28 @@ def launches_for(
     (default q's; an fp8 cache plans for its q), gets the workspace (`planned`), and returns
     the launches with the workspace they write. ``seq_len_dev``: an int32 device scalar the
     kernels read instead of ``seq_len``, which then bounds the tokens a launch may see.
+    ``n_q`` > 1: a verify of n_q queries (`launches.verify_launches`; ``mask``/``mask_mode``
+    its tree mask), planned for n_q x n_heads rows over ``plan_seq`` - n_q tokens.
     """
     dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    if n_q > 1:
+        if algorithm == "parity":
+            raise ValueError("algorithm: a decode of several queries needs the split kernels")
+        qdt = q.dtype if dtype is None else dtype
+        plan = plan_split(
+            q.device, qdt, n_q * n_heads, n_kv_heads, head_dim, max(1, plan_seq - n_q),
+            aligned, bits & SPLIT_BITS, fp8, verify=True,
+        )  # fmt: skip
+        floats = verify_workspace_floats(plan, n_q, n_heads, head_dim, np.dtype(qdt).itemsize)
+        made = workspace(floats) if callable(workspace) else workspace
+        if made is None:
+            raise ValueError("workspace: a decode of several queries needs one")
+        values = features or FeatureArgs(scale=head_dim**-0.5)
+        launches = verify_launches(
+            plan, q, k, v, out, made, n_q=n_q, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev,
+            features=values, bits=bits, mask=mask, mask_mode=mask_mode, kv_scales=kv_scales,
+        )  # fmt: skip
+        return launches, made
     if algorithm == "parity":
         return parity_launches(q, k, v, out, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev), None
     plan, made = planned(

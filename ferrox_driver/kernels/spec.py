@@ -54,7 +54,7 @@ MMA_HEAD_DIMS = (64, 128, 256)  # the fp16/bf16 tensor-core kernels' own head_di
 TC32_HEAD_DIMS = (64, 128, 256)  # the fp32 tensor-core (split TF32) kernels'
 WIDE_HEAD_DIM = 128  # the wide cluster kernels'
 
-FAMILIES = ("generic", "tc32", "mma", "combine", "parity")
+FAMILIES = ("generic", "tc32", "mma", "combine", "parity", "verify", "vcombine")
 
 
 def kernel_dtype(dtype: Any) -> str:
@@ -122,6 +122,16 @@ class KernelSpec:
         if not 0 <= self.features < F_LIMIT:
             return f"features not in [0, {F_LIMIT})"
         mma = self.family == "mma"
+        if self.family in ("verify", "vcombine"):
+            if self.head_dim or self.row_dim or self.tiles != 1 or self.paired or self.wide:
+                return "a verify's kernels take dtype, fp8 (the tail) and features only"
+            if self.heads_per_block or self.vec or self.cluster:
+                return "a verify's kernels take dtype, fp8 (the tail) and features only"
+            if self.fp8 and (self.family != "verify" or self.fp8 not in FP8_FORMATS):
+                return f"fp8 (one of {tuple(FP8_FORMATS)}) is the tail kernel's"
+            if self.fp8 and self.dtype == "f32":
+                return "an fp8 cache takes fp16/bf16 q"
+            return ""
         if not mma and (self.row_dim or self.tiles != 1 or self.paired or self.wide or self.fp8):
             return "row_dim, tiles, paired, wide and fp8 are the fp16/bf16 tensor-core kernels'"
         if self.family != "generic" and (self.heads_per_block or self.vec):
@@ -175,6 +185,14 @@ class KernelSpec:
         family = self.family
         if family == "parity":
             return f"gqa_decode_{dt}"
+        if family == "verify":
+            return (
+                f"gqa_verify_tail_{dt}"
+                + (f"_{self.fp8}" if self.fp8 else "")
+                + (f"_x{self.features}")
+            )
+        if family == "vcombine":
+            return f"gqa_verify_combine_{dt}_x{self.features}"
         if family == "generic":
             stem = f"gqa_split_{dt}_g{self.heads_per_block}_{'vec' if self.vec else 'any'}"
         elif family == "combine":
@@ -211,6 +229,12 @@ class KernelSpec:
         family = self.family
         if family == "parity":
             raise ValueError(f"kernel: {name} is in {PARITY_FILE}, compiled whole (no entry)")
+        if family == "verify":
+            kt = "unsigned char" if self.fp8 else t
+            q8 = FP8_FORMATS[self.fp8] if self.fp8 else 0
+            return f"FX_VERIFY_TAIL_ENTRY({name}, {t}, {kt}, {q8}, {f})"
+        if family == "vcombine":
+            return f"FX_VERIFY_COMBINE_ENTRY({name}, {t}, {f})"
         if family == "generic":
             vec = "true" if self.vec else "false"
             g = self.heads_per_block
