@@ -172,7 +172,7 @@ class Decodes(CacheState):
             ClosedError: the cache or its stream was closed.
             FerroxError: a device q with ``stream`` being captured into a graph.
         """
-        qs = getattr(q, "shape", ())
+        qs: tuple[int, ...] = tuple(getattr(q, "shape", ()))
         if tree_mask is not None or (len(qs) == 3 and qs[0] > 1):
             from .device_ops import decode_many  # (device_ops imports this module)
 
