@@ -173,7 +173,7 @@ class Decodes(CacheState):
             FerroxError: a device q with ``stream`` being captured into a graph.
         """
         qs: tuple[int, ...] = tuple(getattr(q, "shape", ()))
-        if tree_mask is not None or (len(qs) == 3 and qs[0] > 1):
+        if tree_mask is not None or len(qs) == 3:  # (n_q, n_heads, head_dim)
             from .device_ops import decode_many  # (device_ops imports this module)
 
             return decode_many(

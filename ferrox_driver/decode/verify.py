@@ -29,9 +29,9 @@ __all__ = ["check_mask", "is_many_queries", "mask_operand", "per_head_operand", 
 
 
 def is_many_queries(shape: Any) -> bool:
-    """Whether a q of ``shape`` holds several query tokens: ``(n_q, n_heads, head_dim)``,
-    n_q > 1 (a 3-D q of one token is today's call)."""
-    return len(shape) == 3 and shape[0] > 1
+    """Whether a q of ``shape`` is of the many-query form ``(n_q, n_heads, head_dim)`` (n_q
+    1 included: one query, its result ``(1, n_heads, head_dim)``)."""
+    return len(shape) == 3
 
 
 def check_mask(tree_mask: Any, mref: Any, n_q: int) -> int:
