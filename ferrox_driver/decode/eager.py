@@ -576,6 +576,28 @@ class _FeatureCall:
         return arr if lse is None else (arr, lse)
 
 
+def _view_heads(k: Any, v: Any, kr: ArrayRef, vr: ArrayRef) -> tuple[Any, int] | None:
+    """A head-major view's strides and head stride (elements from one KV head's rows to
+    the next's), or None where the checks are to decide: strides that are not whole rows,
+    V's unlike K's, heads that would overlap."""
+    ks = kr[1]
+    n, hd = ks[-2], ks[-1]
+    torch = is_torch(k)  # (a tensor's own strides: one C call; V not one: refused)
+    strides = k.stride() if torch else _element_strides(k, kr[2].itemsize)
+    if (
+        strides is None or len(strides) != len(ks) or strides[-2] != hd
+        or (hd > 1 and strides[-1] != 1) or not 0 <= strides[-3] < 2**40
+        or (v.stride() if torch else _element_strides(v, vr[2].itemsize)) != strides
+    ):  # fmt: skip
+        return None
+    heads = n * hd
+    if ks[-3] > 1:
+        heads = strides[-3]
+        if heads < n * hd:  # overlapping heads: the checks refuse them
+            return None
+    return strides, heads
+
+
 def _feature_signature(
     q: Any, k: Any, v: Any, out: Any, dims: tuple[Any, ...], stream: Any, kw: dict[str, Any],
     layout: str,
@@ -620,18 +642,10 @@ def _feature_signature(
         kshape = (ks[0], length_bound(n), hd) if len(ks) == 3 else (*ks[:-2], length_bound(n), hd)
         heads = n * hd  # contiguous: each KV head's n rows follow the last's
         if not kr[4]:  # a view of the first tokens of a larger cache (its heads stay apart)
-            torch = is_torch(k)  # (a tensor's own strides: one C call; V not one: refused)
-            strides = k.stride() if torch else _element_strides(k, kr[2].itemsize)
-            if (
-                strides is None or len(strides) != len(ks) or strides[-2] != hd
-                or (hd > 1 and strides[-1] != 1) or not 0 <= strides[-3] < 2**40
-                or (v.stride() if torch else _element_strides(v, vr[2].itemsize)) != strides
-            ):  # fmt: skip
+            found = _view_heads(k, v, kr, vr)
+            if found is None:
                 return None
-            if ks[-3] > 1:
-                heads = strides[-3]
-                if heads < n * hd:  # overlapping heads: the checks refuse them
-                    return None
+            strides, heads = found
     aligned = ((qr[0] | kr[0] | vr[0] | heads * kr[2].itemsize) & 15) == 0
     window, cap, scale, lse = (kw["sliding_window"], kw["logits_soft_cap"], kw["scale"],
                                kw["return_lse"])  # fmt: skip
@@ -674,18 +688,10 @@ def _plain_head_major_signature(
     kshape = (ks[0], bound, hd) if len(ks) == 3 else (*ks[:-2], bound, hd)
     heads, strides = n * hd, None
     if not kr[4]:  # a view of the first tokens of a larger cache
-        torch = is_torch(k)  # (a tensor's own strides: one C call)
-        strides = k.stride() if torch else _element_strides(k, kr[2].itemsize)
-        if (
-            strides is None or len(strides) != len(ks) or strides[-2] != hd
-            or (hd > 1 and strides[-1] != 1) or not 0 <= strides[-3] < 2**40
-            or (v.stride() if torch else _element_strides(v, vr[2].itemsize)) != strides
-        ):  # fmt: skip
+        found = _view_heads(k, v, kr, vr)
+        if found is None:
             return None
-        if ks[-3] > 1:
-            heads = strides[-3]
-            if heads < n * hd:
-                return None
+        strides, heads = found
     aligned = ((qr[0] | kr[0] | vr[0] | heads * kr[2].itemsize) & 15) == 0
     key = (
         *dims, "HND", qr[1], qr[2], qr[3], qr[4], kshape, kr[2], kr[3], kr[4], strides, vr[2],
