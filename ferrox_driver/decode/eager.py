@@ -413,8 +413,8 @@ def gqa_decode(
             )  # fmt: skip
             try:
                 call = _calls.get(key)
-            except TypeError:  # an unhashable argument, which the checks name
-                call = None
+            except TypeError:  # an unhashable argument, which the checks name (no sibling)
+                call, n = None, -1
             if call is None or vr[1] != ks:  # (V's shape differing: the checks name it)
                 if is_many_queries(qr[1]):
                     return _many(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream,
