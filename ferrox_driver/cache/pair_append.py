@@ -28,7 +28,7 @@ from ..driver.memory import DeviceArray
 from ..driver.stream import Stream, stream_handle, stream_key
 from ..kernels.catalogue import get_kernel
 
-__all__ = ["append_async_pair"]
+__all__ = ["append_async_pair", "append_launches"]
 
 THREADS = 256
 MAX_BLOCKS = 1024  # a multi-row append's grid (grid-stride loops past it)
@@ -116,7 +116,7 @@ def _check(
     return (*refs[:5], scales), capacity, row, n, fp8, rows_dtype
 
 
-def _launches(
+def append_launches(
     dev: Device, refs: tuple[Any, ...], capacity: int, row: int, n: int, fp8: str,
     rows_dtype: np.dtype, stream: Any,
 ) -> LaunchSequence:  # fmt: skip
@@ -191,7 +191,7 @@ def append_async_pair(
         with contextlib.ExitStack() as relaxed, records_lock:
             if torch_owned and foreign and stream_capturing(sid):
                 relaxed.enter_context(relaxed_capture())
-            sequence = _launches(dev, checked, capacity, row, n, fp8, rows_dtype,
+            sequence = append_launches(dev, checked, capacity, row, n, fp8, rows_dtype,
                                  stream_handle(sid))  # fmt: skip
         entry = (sequence, dev, foreign)
         if key is not None:
