@@ -12,6 +12,7 @@ from ..decode.checks import (
     ArrayInfo,
     check_dims,
     check_host_extent,
+    check_int,
     check_q,
     q_heads,
 )
@@ -245,6 +246,7 @@ class Decodes(CacheState):
         *,
         length_on_device: bool,
         features: tuple[int, Any] | None = None,
+        queries: tuple[int, DeviceArray | None, int] = (1, None, 0),
     ) -> DecodeRecord:
         """The launch record of decodes of ``n_heads`` query heads against this cache on
         ``stream`` (made once per signature): the length read on the device
@@ -253,14 +255,16 @@ class Decodes(CacheState):
         Every decode of a cache is planned for its capacity (with a window, for at most the
         window), so the eager path and graphs captured once chunk the sequence identically
         and agree bit for bit. ``features``: (F_* bits, abi.FeatureArgs), whose values
-        the record keeps (a key of their own)."""
+        the record keeps (a key of their own). ``queries``: a verify's (n_q, its tree mask
+        on the device or None, the mask's mode), q and out then (n_q, n_heads, head_dim)."""
         self.check_open()
         aligned = ((q_dev.ptr | out_dev.ptr) & 15) == 0
         sid = stream_key(stream)
         bits, fargs = features if features is not None else (0, None)
         fkey = None if fargs is None else feature_key(fargs)
+        n_q, mask, mask_mode = queries
         key = (n_heads, algorithm, aligned, sid, length_on_device, attention.OVERRIDES, bits, fkey,
-               q_dev.dtype)  # fmt: skip
+               q_dev.dtype, n_q, 0 if mask is None else mask.ptr, mask_mode)  # fmt: skip
         record = self._records.get(key)
         if record is None:
             record = self._records.keep(key, assemble(
@@ -270,8 +274,8 @@ class Decodes(CacheState):
                 seq_len_dev=self.state if length_on_device else None,
                 plan_seq=self._plan_seq(fargs), aligned=aligned, algorithm=algorithm,
                 dtype=q_dev.dtype if self.fp8 else self.dtype, bits=bits, fp8=self.fp8,
-                features=fargs, kv_scales=self.kv_scales,
-                workspace=lambda floats: self.split_workspace(n_heads, floats),
+                features=fargs, kv_scales=self.kv_scales, n_q=n_q, mask=mask, mask_mode=mask_mode,
+                workspace=lambda floats: self.split_workspace(n_q * n_heads, floats),
             ))  # fmt: skip
         return record
 
@@ -306,6 +310,7 @@ class Decodes(CacheState):
         scale: float | None = None,
         return_lse: bool = False,
         q_dtype: DTypeLike = None,
+        n_q: int = 1,
     ) -> None:
         """Load the kernels and allocate the scratch that decodes of ``n_heads`` query heads
         (with the features given, as `gqa_decode_async` takes them; ``return_lse`` for its
@@ -313,7 +318,8 @@ class Decodes(CacheState):
         module loading are not capturable), and bring the device's copy of the length up
         to date, keeping it so after every host append. DecodeGraph does this itself.
         ``q_dtype``: an fp8 cache's q (float16 or bfloat16; default bfloat16); others
-        take their own dtype.
+        take their own dtype. ``n_q``: the queries of a verify's q ``(n_q, n_heads,
+        head_dim)`` (with or without a tree mask: the kernels are the same).
 
         Raises:
             ClosedError: the cache or its stream was closed.
@@ -326,8 +332,17 @@ class Decodes(CacheState):
         )  # fmt: skip
         bits = abi.feature_bits_of(feats)
         qdt = self.q_dtype_for(q_dtype, algorithm)
+        n_q = check_int(n_q, "n_q", 1, self.capacity)
+        if n_q > 1 and algorithm == "parity":
+            raise ValueError("algorithm: a decode of several queries needs the split kernels")
         with self.lock:
             self._prepare(n_heads, algorithm, bits, feats.sliding_window, qdt)
+            if n_q > 1:  # the verify's kernels and scratch: a record made, never run
+                with empty((n_q * n_heads * self.head_dim,), qdt, device=self.device) as probe:
+                    self.decode_record(
+                        probe, probe, n_heads, algorithm, self.stream, length_on_device=True,
+                        features=abi.feature_args(feats, self.head_dim), queries=(n_q, None, 0),
+                    )  # fmt: skip
 
     def q_dtype_for(self, q_dtype: DTypeLike, algorithm: str) -> np.dtype:
         """The q dtype of this cache's decodes: its own, or an fp8 cache's ``q_dtype``

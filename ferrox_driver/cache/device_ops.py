@@ -17,8 +17,16 @@ import numpy as np
 from ..decode.checks import check_dims, dtype_name, q_heads
 from ..decode.features import check_features
 from ..decode.fp8 import ROW_DTYPES, quantize_kernel
-from ..decode.pair import checked_operand, decode_async_pair, feature_array, q_heads_of
+from ..decode.pair import (
+    checked_operand,
+    decode_async_pair,
+    device_mask,
+    feature_array,
+    q_heads_of,
+    query_count,
+)
 from ..decode.plan import check_algorithm
+from ..decode.queries import check_query_count
 from ..driver.interop import ArrayRef, array_ref
 from ..driver.launch import LaunchSequence, PackedLaunch
 from ..driver.memory import DeviceArray, empty, to_device
@@ -30,7 +38,7 @@ from ..types import DeviceArrayLike, StreamLike
 from .decoding import Decodes
 from .host_decode import check_q_dtype_of
 from .kv_cache import KVCache, append_kernel, check_cache, truncate_kernel
-from .pair_append import append_async_pair
+from .pair_append import append_async_pair, append_launches
 
 __all__ = ["decode_device", "gqa_decode_async", "kv_append_async", "kv_truncate_async"]
 
@@ -97,6 +105,48 @@ class _Appender:
         self.foreign = foreign
 
 
+class _RowsAppender:
+    """The append of ``n`` > 1 rows in one launch (and the length's bump after it), packed
+    once for one cache, stream and operand signature: a KVCache's buffers are a pair's
+    (`pair_append`), so its launches are the pair's."""
+
+    def __init__(self, kv: KVCache, stream: Any, foreign: bool, n: int, rows: Any) -> None:
+        refs = [array_ref(a, "kv") for a in (kv.k_buffer, kv.v_buffer)]
+        shape = (kv.capacity, kv.n_kv_heads, kv.head_dim)
+        kc, vc = ((r[0], shape, *r[2:]) for r in refs if r is not None)
+        scales = None if kv.kv_scales is None else array_ref(kv.kv_scales, "kv_scales")
+        checked = (kc, vc, None, None, array_ref(kv.state, "state"), scales)
+        rows_dtype = kv.dtype if rows is None else np.dtype(rows)
+        self.sequence = append_launches(kv.device, checked, kv.capacity, kv.row_elems, n, kv.fp8,
+                                      rows_dtype, stream)  # fmt: skip
+        self.foreign = foreign
+
+
+def _row_count(kr: ArrayRef | None, vr: ArrayRef | None, kv: KVCache) -> int:
+    """The tokens an append's rows hold: 1 for one token's elements (any shape), else n of
+    rows ``(n, n_kv_heads, head_dim)``.
+
+    Raises:
+        TypeError, ValueError: naming ``k_dev`` or ``v_dev``.
+    """
+    for ref, name in ((kr, "k_dev"), (vr, "v_dev")):
+        if ref is None:
+            raise TypeError(f"{name}: expected a device array, got a numpy array")
+    assert kr is not None and vr is not None
+    size = math.prod(kr[1])
+    if size == kv.row_elems:
+        return 1
+    shape = tuple(kr[1])
+    if len(shape) != 3 or shape[1:] != (kv.n_kv_heads, kv.head_dim) or shape[0] < 1:
+        raise ValueError(
+            f"k_dev: expected one token ({kv.row_elems} elements) or rows (n, "
+            f"{kv.n_kv_heads}, {kv.head_dim}), got shape {shape}"
+        )
+    if tuple(vr[1]) != shape:
+        raise ValueError(f"v_dev: expected k_dev's shape {shape}, got {tuple(vr[1])}")
+    return shape[0]
+
+
 def _signature(ref: ArrayRef | None) -> tuple[Any, ...] | None:
     return None if ref is None else (ref[1], ref[2], ref[3], ref[4])
 
@@ -110,11 +160,12 @@ def kv_append_async(
     state: DeviceArrayLike = None,
     kv_scales: DeviceArrayLike = None,
 ) -> None:
-    """Queue a device-side append of one token: rows ``k_dev``/``v_dev`` go to position
-    ``seq_len`` (read on the device), which is then bumped. Capturable in a graph.
+    """Queue a device-side append of one token, or of n tokens in one launch: rows
+    ``k_dev``/``v_dev`` go to positions ``seq_len`` .. ``seq_len + n - 1`` (read on the
+    device), which is then bumped by n. Capturable in a graph.
 
-    A full cache is not written: the device sets an overflow flag and the host raises
-    KVCapacityError at ``kv.synchronize()``.
+    A cache too full for the rows gets none of them: the device sets an overflow flag and
+    the host raises KVCapacityError at ``kv.synchronize()``.
 
     Captured into a ferrox graph, each ``GraphExec.launch`` tells the cache its length
     changed; captured into a graph of PyTorch or CuPy, whose replays ferrox cannot see,
@@ -123,7 +174,9 @@ def kv_append_async(
 
     Args:
         kv: the cache.
-        k_dev: device array of ``n_kv_heads*head_dim`` elements, cache dtype.
+        k_dev: device array of one token's ``n_kv_heads*head_dim`` elements (any shape),
+            or of n tokens ``(n, n_kv_heads, head_dim)`` (a speculative draft's rows), cache
+            dtype (an fp8 cache: float32, float16 or bfloat16, quantized on the device).
         v_dev: like ``k_dev``.
         stream: the stream (a ferrox Stream, any ``__cuda_stream__`` object, an int
             handle) to queue on; None: PyTorch's current stream for a PyTorch ``k_dev``,
@@ -157,10 +210,14 @@ def kv_append_async(
         appender = kv.appenders.get(key)
         if appender is None:  # checked once per signature
             rows = _fp8_dtype(k_dev, "k_dev", ROW_DTYPES) if kv.fp8 else None
-            _operand(k_dev, "k_dev", kv.row_elems, kv, rows)
-            _operand(v_dev, "v_dev", kv.row_elems, kv, rows)
+            n = _row_count(kr, vr, kv)
+            _operand(k_dev, "k_dev", n * kv.row_elems, kv, rows)
+            _operand(v_dev, "v_dev", n * kv.row_elems, kv, rows)
             foreign = sid != 0 and not isinstance(stream, Stream)
-            appender = kv.appenders[key] = _Appender(kv, stream_handle(sid), foreign, rows)
+            appender = kv.appenders[key] = (
+                _Appender(kv, stream_handle(sid), foreign, rows) if n == 1
+                else _RowsAppender(kv, stream_handle(sid), foreign, n, rows)
+            )  # fmt: skip
         assert kr is not None and vr is not None  # _operand refused host arrays
         kv.queue_append(appender.sequence.run, kr[0], vr[0], sid, appender.foreign, kr, vr,
                         (k_dev, v_dev))  # fmt: skip
@@ -225,6 +282,7 @@ def gqa_decode_async(
     seq_len: DeviceArrayLike = None,
     kv_layout: str = "NHD",
     kv_scales: DeviceArrayLike = None,
+    tree_mask: DeviceArrayLike = None,
 ) -> None:
     """Queue a decode of ``q_dev`` against the cache, reading seq_len on the device.
     No host work: capturable in a graph, valid for every sequence length. Before the
@@ -245,9 +303,16 @@ def gqa_decode_async(
     (``float8_e4m3fn``/``float8_e5m2`` bytes, ``kv_scales`` given; q and out float16 or
     bfloat16).
 
+    Several query tokens at once (a speculative verify, as `gqa_decode`'s): q_dev ``(n_q,
+    n_heads, head_dim)`` are the cache's last n_q tokens (counted from the length read on
+    the device), causal or under ``tree_mask``; out_dev of q's size, out_lse of ``n_q *
+    n_heads``. A KVCache's first verify of each n_q before a capture: ``kv.prepare(n_heads,
+    n_q=n_q)`` or one eager call.
+
     Args:
         q_dev: device array of ``n_heads*head_dim`` elements (any shape: ``(n_heads,
-            head_dim)``, SDPA's ``(1, n_heads, 1, head_dim)``...), cache dtype.
+            head_dim)``, SDPA's ``(1, n_heads, 1, head_dim)``...), cache dtype; or ``(n_q,
+            n_heads, head_dim)``, n_q query tokens.
         kv: the cache, or a pair ``(k_cache, v_cache)`` of device arrays (above).
         out_dev: device array like ``q_dev``, written with the result.
         n_heads: query heads, a multiple of ``kv.n_kv_heads`` (default: q_dev's size over
@@ -255,7 +320,8 @@ def gqa_decode_async(
         stream: the stream to queue on (None: PyTorch's current stream for a PyTorch
             ``q_dev``, else the legacy default stream).
         algorithm: ``"auto"``/``"split"`` or ``"parity"``.
-        out_lse: a float32 device array of ``n_heads``, written with the log-sum-exp.
+        out_lse: a float32 device array of ``n_heads`` (``n_q * n_heads``), written with
+            the log-sum-exp.
         sliding_window: as `gqa_decode`; the window follows the device's seq_len, so a
             graph captured once keeps it as the cache grows.
         logits_soft_cap: as `gqa_decode`.
@@ -268,6 +334,10 @@ def gqa_decode_async(
         kv_scales: with an fp8 pair (and only then): float32 device array of ``2 *
             n_kv_heads``, the K scales then the V ones (a value is its byte times its KV
             head's scale).
+        tree_mask: with ``(n_q, n_heads, head_dim)`` q: a device array, bool ``(n_q,
+            n_q)`` or bit-packed uint8 ``(n_q, ceil(n_q / 8))`` (see `gqa_decode`), read by
+            the kernels at each run (write it in place between replays; its diagonal is
+            the caller's to keep set: it is not checked on the host).
     """
     stream = call_stream(stream, q_dev)
     if isinstance(kv, tuple):
@@ -275,7 +345,7 @@ def gqa_decode_async(
             q_dev, kv, out_dev, n_heads, stream, algorithm, seq_len, kv_layout,
             dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
                  alibi_slopes=alibi_slopes, scale=scale),
-            out_lse, kv_scales,
+            out_lse, kv_scales, tree_mask=tree_mask,
         )  # fmt: skip
         return
     if kv_scales is not None:
@@ -287,6 +357,14 @@ def gqa_decode_async(
             "own length and layout"
         )
     kv = check_cache(kv)
+    if tree_mask is not None or _many(q_dev):
+        _decode_async_many(
+            q_dev, kv, out_dev, n_heads, stream, algorithm,
+            dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 alibi_slopes=alibi_slopes, scale=scale),
+            out_lse, tree_mask,
+        )  # fmt: skip
+        return
     if not (
         out_lse is None and sliding_window is None and logits_soft_cap is None
         and sinks is None and alibi_slopes is None and scale is None
@@ -325,6 +403,60 @@ def gqa_decode_async(
         assert qr is not None and outr is not None  # _operand refused host arrays
         record, foreign = entry
         kv.queue_decode(record.run, qr[0], outr[0], sid, foreign, qr, outr, (q_dev, out_dev))
+
+
+def _many(q_dev: Any) -> bool:
+    """Whether ``q_dev`` holds several query tokens ``(n_q, n_heads, head_dim)``, n_q > 1
+    (its shape read without the interop's whole walk where it has one)."""
+    shape = getattr(q_dev, "shape", None)
+    if shape is None:
+        ref = array_ref(q_dev, "q_dev")
+        shape = () if ref is None else ref[1]
+    return len(shape) == 3 and shape[0] > 1
+
+
+def _decode_async_many(
+    q_dev: Any, kv: KVCache, out_dev: Any, n_heads: Any, stream: Any, algorithm: Any,
+    kw: dict[str, Any], out_lse: Any, tree_mask: Any,
+) -> None:  # fmt: skip
+    """gqa_decode_async of q ``(n_q, n_heads, head_dim)`` against a KVCache: checked at
+    every call (the record made once per signature, features, n_q and mask), then queued
+    reading the length on the device."""
+    n_q = query_count(q_dev, kv.head_dim, n_heads)
+    n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
+    n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
+    if check_algorithm(algorithm) == "parity":
+        raise ValueError("algorithm: a decode of several queries needs the split kernels")
+    if n_q > max(kv.capacity, 1):
+        check_query_count(n_q, kv.capacity, "q_dev")
+    feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
+    size = n_q * n_heads * kv.head_dim
+    qdt = _q_dtype(q_dev, kv, algorithm)
+    q = _operand(q_dev, "q_dev", size, kv, qdt)
+    out = _operand(out_dev, "out_dev", size, kv, qdt)
+    sinks = feature_array(feats.sinks, "sinks", n_heads, kv.device)
+    slopes = feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, kv.device)
+    lse = feature_array(out_lse, "out_lse", n_q * n_heads, kv.device)
+    mref, mask_mode = device_mask(tree_mask, n_q, kv.device.ordinal)
+    mask = None
+    if mref is not None:
+        mask = DeviceArray._wrap(mref[0], tuple(mref[1]), np.dtype(mref[2]), kv.device, None)
+    features = abi.feature_args(feats, kv.head_dim, slopes=slopes, sinks=sinks, lse=lse)
+    sid = stream_key(stream)
+    qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
+    assert qr is not None and outr is not None
+    with kv.lock:
+        q_view = DeviceArray._wrap(q, (size,), qdt, kv.device, None)
+        out_view = DeviceArray._wrap(out, (size,), qdt, kv.device, None)
+        record = kv.decode_record(
+            q_view, out_view, n_heads, algorithm, stream, length_on_device=True,
+            features=features, queries=(n_q, mask, mask_mode),
+        )  # fmt: skip
+        foreign = sid != 0 and not isinstance(stream, Stream)
+        kept = tuple(x for x in (feats.sinks, feats.alibi_slopes, out_lse, tree_mask)
+                     if x is not None)  # fmt: skip
+        kv.queue_decode(record.run, qr[0], outr[0], sid, foreign, qr, outr, (q_dev, out_dev),
+                        kept)  # fmt: skip
 
 
 def _q_dtype(q_dev: Any, kv: KVCache, algorithm: str) -> np.dtype:

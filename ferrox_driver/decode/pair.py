@@ -37,25 +37,44 @@ from .checks import (
 from .features import check_features
 from .fp8 import FP8_DTYPES, MIN_COMPUTE_CAPABILITY
 from .plan import check_algorithm
-from .queries import single_query_only
+from .queries import check_query_count, query_heads, single_query_only, tree_mask_packed
 from .records import DecodeRecord, Kept, assemble
 from .records import lock as _records_lock
 from .records import store as _records
 
 __all__ = [
     "checked_operand",
+    "device_mask",
     "decode_async_pair",
     "feature_array",
     "feature_key",
     "feature_ptr",
     "q_heads_of",
+    "query_count",
 ]
 
 
+def query_count(q_dev: Any, head_dim: int, n_heads: Any = None) -> int:
+    """The query tokens of device array ``q_dev``: n_q of a 3-D ``(n_q, n_heads,
+    head_dim)`` (its heads and head_dim checked against ``n_heads`` and ``head_dim``), else
+    1 (one token's q of any shape of whole heads).
+
+    Raises:
+        TypeError, ValueError: naming ``q_dev`` or ``n_heads``.
+    """
+    ref = array_ref(q_dev, "q_dev")
+    if ref is None:
+        raise TypeError("q_dev: expected a device array, got a numpy array")
+    if len(ref[1]) != 3:
+        single_query_only(ref[1], "q_dev")  # SDPA's (1, n_heads, n_q, head_dim): n_q > 1
+        return 1
+    return query_heads(ref[1], head_dim, n_heads, "q_dev").n_q
+
+
 def q_heads_of(n_heads: Any, q_dev: Any, head_dim: int) -> Any:
-    """``n_heads`` as given (checked later), or read from device array ``q_dev``'s size:
-    any shape holding whole heads of ``head_dim`` (``(n_heads, head_dim)``, SDPA's ``(1,
-    n_heads, 1, head_dim)``, flat...).
+    """``n_heads`` as given (checked later), or read from device array ``q_dev``: the heads
+    of a 3-D ``(n_q, n_heads, head_dim)``, or of any one-token shape holding whole heads of
+    ``head_dim`` (``(n_heads, head_dim)``, SDPA's ``(1, n_heads, 1, head_dim)``, flat...).
 
     Raises:
         TypeError, ValueError: ``q_dev`` is no device array, or holds no whole heads.
@@ -65,7 +84,9 @@ def q_heads_of(n_heads: Any, q_dev: Any, head_dim: int) -> Any:
     ref = array_ref(q_dev, "q_dev")
     if ref is None:
         raise TypeError("q_dev: expected a device array, got a numpy array")
-    single_query_only(ref[1], "q_dev")  # (n_q, n_heads, head_dim): not n_q * n_heads heads
+    if len(ref[1]) == 3:
+        return query_heads(ref[1], head_dim, None, "q_dev").n_heads
+    single_query_only(ref[1], "q_dev")  # SDPA's (1, n_heads, n_q, head_dim): not n_q*n_heads
     size = math.prod(ref[1])
     if size == 0 or size % head_dim:
         raise ValueError(
@@ -190,35 +211,37 @@ def checked_operand(obj: Any, name: str, size: int, dtype: np.dtype, ordinal: in
 MAX_PAIR_CALLS = 256
 _pair_calls = Kept(MAX_PAIR_CALLS)
 _PAIR_ROLES = ("q_dev", "k_cache", "v_cache", "out_dev", "seq_len", "sinks", "alibi_slopes",
-               "out_lse", "kv_scales")  # fmt: skip
+               "out_lse", "kv_scales", "tree_mask")  # fmt: skip
 
 
 def decode_async_pair(
     q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any,
     algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
-    kv_scales: Any = None, torch_owned: bool = False,
+    kv_scales: Any = None, torch_owned: bool = False, tree_mask: Any = None,
 ) -> None:  # fmt: skip
     """gqa_decode_async over a caller's (k_cache, v_cache): a call seen before (`_pair_calls`)
     queued with its pointers; a new one checked (`_pair_checked`) and remembered.
 
     ``kv_scales``: an fp8 pair's scales (float32, n_kv K scales then n_kv V ones).
+    ``tree_mask``: a verify's (q ``(n_q, n_heads, head_dim)``) mask on the device.
     ``torch_owned``: the arrays are PyTorch's and so are the graphs that capture this call
     (the torch ops): nothing is kept for a capture (PyTorch keeps what its graphs use), and a
     first call inside PyTorch's capture makes its record with the capture mode relaxed."""
     sid = stream_key(stream)
     found = _pair_call_key(q_dev, pair, out_dev, n_heads, sid, algorithm, seq_len, kv_layout,
-                           kw, out_lse, kv_scales)  # fmt: skip
+                           kw, out_lse, kv_scales, tree_mask)  # fmt: skip
     entry = None if found is None else _pair_calls.get(found[0])
     if entry is None:
         entry = _pair_checked(q_dev, pair, out_dev, n_heads, stream, sid, algorithm, seq_len,
-                              kv_layout, kw, out_lse, kv_scales, torch_owned)  # fmt: skip
+                              kv_layout, kw, out_lse, kv_scales, torch_owned,
+                              tree_mask)  # fmt: skip
         if found is not None:
             with _records_lock:
                 _pair_calls.keep(found[0], entry)
     record, dev, foreign = entry
     dev.activate()  # this thread's context current before any driver call
     objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
-            out_lse, kv_scales)  # fmt: skip
+            out_lse, kv_scales, tree_mask)  # fmt: skip
     refs: list[Any] = found[1] if found is not None else [
         None if o is None else array_ref(o, n) for o, n in zip(objs, _PAIR_ROLES, strict=True)
     ]  # fmt: skip
@@ -233,13 +256,14 @@ def decode_async_pair(
 def _pair_call_key(
     q_dev: Any, pair: Any, out_dev: Any, n_heads: Any, sid: int, algorithm: Any, seq_len: Any,
     kv_layout: Any, kw: dict[str, Any], out_lse: Any, kv_scales: Any = None,
+    tree_mask: Any = None,
 ) -> tuple[tuple[Any, ...], list[Any]] | None:  # fmt: skip
     """The key of a pair decode's call in `_pair_calls` and its arrays' refs, or None where
     the call is not one to remember (anything the checks would refuse goes to them)."""
     if not isinstance(pair, tuple) or len(pair) != 2:
         return None
     objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
-            out_lse, kv_scales)  # fmt: skip
+            out_lse, kv_scales, tree_mask)  # fmt: skip
     refs: list[Any] = []
     sigs: list[Any] = []
     for obj, role in zip(objs, _PAIR_ROLES, strict=True):
@@ -274,23 +298,26 @@ def _pair_call_key(
 def _pair_checked(
     q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any, sid: int,
     algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
-    kv_scales: Any = None, torch_owned: bool = False,
+    kv_scales: Any = None, torch_owned: bool = False, tree_mask: Any = None,
 ) -> tuple[Any, Device, bool]:  # fmt: skip
     """A pair decode's every argument checked, and its record (made on first use, outside
     a capture, or inside PyTorch's with ``torch_owned``), device and whether its stream is
     another library's."""
     kv = _check_pair(pair, kv_layout, fp8_ok=kv_scales is not None)
+    n_q = query_count(q_dev, kv.head_dim, n_heads)
     n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
     n_heads, n_kv, hd = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
     if check_algorithm(algorithm) == "parity":
         raise ValueError("algorithm: a (k_cache, v_cache) pair needs the split kernels ('auto')")
+    if n_q > max(kv.capacity, 1):
+        check_query_count(n_q, kv.capacity, "q_dev")
     if seq_len is None:
         raise TypeError(
             "seq_len: a (k_cache, v_cache) pair needs its length, an int32 device scalar"
         )
     ordinal, dtype = kv.k[3], np.dtype(kv.k[2])
     seq = checked_operand(seq_len, "seq_len", 1, np.dtype(np.int32), ordinal)
-    size = n_heads * hd
+    size = n_q * n_heads * hd
     scales = None
     if kv.fp8:  # q and out of their own 16-bit dtype; the scales the kernels multiply by
         q_ref = array_ref(q_dev, "q_dev")
@@ -305,9 +332,10 @@ def _pair_checked(
     q = checked_operand(q_dev, "q_dev", size, dtype, ordinal)
     out = checked_operand(out_dev, "out_dev", size, dtype, ordinal)
     feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
-    for obj, name in ((feats.sinks, "sinks"), (feats.alibi_slopes, "alibi_slopes"),
-                      (out_lse, "out_lse")):  # fmt: skip
+    for obj, name in ((feats.sinks, "sinks"), (feats.alibi_slopes, "alibi_slopes")):
         feature_ptr(obj, name, n_heads, ordinal)  # (checked before the device is asked)
+    feature_ptr(out_lse, "out_lse", n_q * n_heads, ordinal)
+    mask, mask_mode = device_mask(tree_mask, n_q, ordinal)
     dev = device_for(ordinal)
     if kv.fp8 and dev.compute_capability < MIN_COMPUTE_CAPABILITY:
         raise ValueError(
@@ -316,7 +344,7 @@ def _pair_checked(
         )
     sinks = feature_array(feats.sinks, "sinks", n_heads, dev)
     slopes = feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, dev)
-    lse = feature_array(out_lse, "out_lse", n_heads, dev)
+    lse = feature_array(out_lse, "out_lse", n_q * n_heads, dev)
     bits, fargs = abi.feature_args(feats, hd, slopes=slopes, sinks=sinks, lse=lse)
     if kv.layout == "HND":
         bits |= abi.F_HND
@@ -327,7 +355,8 @@ def _pair_checked(
     dev.activate()  # this thread's context current before any driver call
     key = ("pair", dev.context_handle, dtype, n_heads, n_kv, hd, kv.capacity, kv.head_stride,
            aligned, sid, seq[0], bits, feature_key(fargs), attention.OVERRIDES, kv.fp8,
-           0 if scales is None else scales[0])  # fmt: skip
+           0 if scales is None else scales[0], n_q, 0 if mask is None else mask[0],
+           mask_mode)  # fmt: skip
     captured = bool(getattr(_capture_state, "depth", 0)) or (foreign and stream_capturing(sid))
     record = _records.get(key)
     if record is None:
@@ -341,7 +370,8 @@ def _pair_checked(
             if captured:  # PyTorch's capture (the torch ops): neither step is captured
                 relaxed.enter_context(relaxed_capture())
             record = _pair_record(key, dev, kv, q, out, seq, n_heads, dtype, aligned, bits,
-                                  fargs, feats.sliding_window, sid, scales)  # fmt: skip
+                                  fargs, feats.sliding_window, sid, scales,
+                                  (n_q, mask, mask_mode))  # fmt: skip
     return record, dev, foreign
 
 
@@ -349,15 +379,23 @@ def _pair_record(
     key: tuple[Any, ...], dev: Device, kv: _Pair, q: ArrayRef, out: ArrayRef, seq: ArrayRef,
     n_heads: int, dtype: np.dtype, aligned: bool, bits: int, fargs: Any,
     window: int | None, sid: int, scales: ArrayRef | None = None,
+    queries: tuple[int, ArrayRef | None, int] = (1, None, 0),
 ) -> DecodeRecord:  # fmt: skip
     """The launches of a pair's decode, planned for its capacity (at most the window); an
-    fp8 pair's read with ``scales``."""
+    fp8 pair's read with ``scales``; ``queries``: (n_q, the tree mask's ref, its mode)."""
     record = _records.get(key)
     if record is not None:
         return record
     plan_seq = kv.capacity if window is None else min(kv.capacity, window)
     n_kv, hd = kv.n_kv_heads, kv.head_dim
-    q_d, out_d = (DeviceArray._wrap(r[0], (n_heads * hd,), dtype, dev, None) for r in (q, out))
+    n_q, mask, mask_mode = queries
+    q_d, out_d = (DeviceArray._wrap(r[0], (n_q * n_heads * hd,), dtype, dev, None)
+                  for r in (q, out))  # fmt: skip
+    mask_d = (
+        None
+        if mask is None
+        else DeviceArray._wrap(mask[0], tuple(mask[1]), np.dtype(mask[2]), dev, None)
+    )
     k_d, v_d = (DeviceArray._wrap(r[0], tuple(r[1]), np.dtype(r[2]), dev, None)
                 for r in (kv.k, kv.v))  # fmt: skip
     seq_d = DeviceArray._wrap(seq[0], (1,), np.dtype(np.int32), dev, None)
@@ -370,8 +408,30 @@ def _pair_record(
         n_kv_heads=n_kv, head_dim=hd, seq_len=kv.capacity, seq_len_dev=seq_d,
         plan_seq=max(plan_seq, 1), aligned=aligned, bits=bits, features=fargs,
         workspace=lambda floats: _stream_buffer(dev, sid, "workspace", floats), **fp8,
+        n_q=n_q, mask=mask_d, mask_mode=mask_mode,
     ))  # fmt: skip
     return record
+
+
+def device_mask(tree_mask: Any, n_q: int, ordinal: int) -> tuple[ArrayRef | None, int]:
+    """A capturable decode's tree mask: (its ref, the kernels' mask mode), (None, 0) for
+    none (causal). The kernels read it at each run, so it must be on the device.
+
+    Raises:
+        TypeError, ValueError: naming ``tree_mask``.
+    """
+    if tree_mask is None:
+        return None, 0
+    ref = array_ref(tree_mask, "tree_mask")
+    if ref is None:
+        raise TypeError("tree_mask: expected a device array (the kernels read it at each run), "
+                        "got a numpy array")  # fmt: skip
+    packed = tree_mask_packed(ref[1], ref[2], n_q)
+    if not ref[4]:
+        raise ValueError("tree_mask: expected a C-contiguous device array")
+    if ref[3] != ordinal:
+        raise ValueError(f"tree_mask: on device {ref[3]}, the cache on device {ordinal}")
+    return ref, 2 if packed else 1
 
 
 def feature_key(fargs: Any) -> tuple[Any, ...]:

@@ -155,9 +155,9 @@ def single_query_only(shape: Any, name: str = "q") -> None:
     n_q = qs[0] if len(qs) == 3 else qs[2] if len(qs) == 4 else 1
     if n_q > 1:
         raise ValueError(
-            f"{name}: shape {qs} holds {n_q} query tokens; this entry point decodes one "
-            f"token, q (n_heads, head_dim): multi-token decode (speculative verify) is "
-            f"computed by ferrox_driver.reference_gqa_decode for now"
+            f"{name}: shape {qs} holds {n_q} query tokens; pass several query tokens as "
+            f"(n_q, n_heads, head_dim) (gqa_decode, gqa_decode_async, KVCache.decode and "
+            f"the torch ops take that form)"
         )
 
 

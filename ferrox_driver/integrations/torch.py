@@ -39,7 +39,7 @@ from ..cache.pair_append import append_async_pair
 from ..decode.eager import gqa_decode as _eager_decode
 from ..decode.merge import merge_states as _merge
 from ..decode.pair import decode_async_pair
-from ..decode.queries import single_query_only
+from ..decode.queries import query_heads, single_query_only
 from ..driver.device import device_for
 from ..driver.graph import relaxed_capture, stream_capturing
 from ..driver.pool import stream_buffer
@@ -57,18 +57,28 @@ def new_state(device: Any = "cuda", length: int = 0) -> torch.Tensor:
 
 
 def _dims(q: torch.Tensor, k_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int]:
-    """(n_heads, n_kv_heads, head_dim) from the shapes; the layout checked."""
+    """(n_heads, n_kv_heads, head_dim) from the shapes (a 3-D q: ``(n_q, n_heads,
+    head_dim)``); the layout checked."""
     if kv_layout not in _LAYOUTS:
         raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
     if k_cache.dim() not in (3, 4):
         raise ValueError(f"k_cache: expected 3 or 4 dimensions, got shape {tuple(k_cache.shape)}")
     head_dim = k_cache.shape[-1]
     n_kv = k_cache.shape[-2] if kv_layout == "NHD" else k_cache.shape[-3]
-    single_query_only(tuple(q.shape))  # (n_q, n_heads, head_dim): not n_q * n_heads heads
+    if q.dim() == 3:  # (n_q, n_heads, head_dim): n_q query tokens
+        return query_heads(tuple(q.shape), head_dim).n_heads, n_kv, head_dim
+    single_query_only(tuple(q.shape))  # SDPA's (1, n_heads, n_q, head_dim), n_q > 1
     if head_dim < 1 or q.numel() % head_dim:
         raise ValueError(f"q: shape {tuple(q.shape)} holds no whole number of heads of "
                          f"head_dim {head_dim} (k_cache's last dimension)")  # fmt: skip
     return q.numel() // head_dim, n_kv, head_dim
+
+
+def _lse_shape(q: torch.Tensor, n_heads: int, return_lse: bool) -> tuple[int, ...]:
+    """The LSE output's shape: ``(n_heads,)``, ``(n_q, n_heads)`` for a 3-D q, or empty."""
+    if not return_lse:
+        return (0,)
+    return (q.shape[0], n_heads) if q.dim() == 3 else (n_heads,)
 
 
 # Per-head float32 copies of feature tensors given in another dtype (a model's bf16 sinks):
@@ -127,13 +137,14 @@ def _decode_op(
     logits_soft_cap: float | None,
     sliding_window: int | None,
     return_lse: bool,
+    tree_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not q.is_cuda:
         raise ValueError(f"q: expected a CUDA tensor, got one on {q.device}")
     n_heads, n_kv, head_dim = _dims(q, k_cache, kv_layout)
     q = q.contiguous()
     out = torch.empty_like(q)
-    lse = torch.empty((n_heads if return_lse else 0,), dtype=torch.float32, device=q.device)
+    lse = torch.empty(_lse_shape(q, n_heads, return_lse), dtype=torch.float32, device=q.device)
     stream = _current_stream(q.device)
     features: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                     sinks=float32_copy(sinks), alibi_slopes=float32_copy(alibi_slopes),
@@ -145,15 +156,17 @@ def _decode_op(
             got: Any = _eager_decode(q, k_cache, v_cache, n_heads=n_heads, n_kv_heads=n_kv,
                                      head_dim=head_dim, out=out, stream=stream,
                                      kv_layout=kv_layout, return_lse=return_lse,  # type: ignore[call-overload]
-                                     **features)  # fmt: skip
+                                     tree_mask=tree_mask, **features)  # fmt: skip
         if return_lse:
             lse.copy_(torch.from_dlpack(got[1]))
         return out, lse
-    lse_buf, lse_view = _lse_buffer(q.device, stream, n_heads) if return_lse else (None, None)
+    rows = lse.numel()
+    lse_buf, lse_view = _lse_buffer(q.device, stream, rows) if return_lse else (None, None)
     decode_async_pair(q, (k_cache, v_cache), out, n_heads, stream, "auto", seq_len, kv_layout,
-                      features, lse_buf, kv_scales, torch_owned=True)  # fmt: skip
+                      features, lse_buf, kv_scales, torch_owned=True,
+                      tree_mask=tree_mask)  # fmt: skip
     if lse_view is not None:
-        lse.copy_(lse_view)
+        lse.copy_(lse_view.view(lse.shape))
     return out, lse
 
 
@@ -163,10 +176,11 @@ def _decode_fake(
     kv_scales: torch.Tensor | None, sinks: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None, kv_layout: str, scale: float | None,
     logits_soft_cap: float | None, sliding_window: int | None, return_lse: bool,
+    tree_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     n_heads, _, _ = _dims(q, k_cache, kv_layout)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = q.new_empty((n_heads if return_lse else 0,), dtype=torch.float32)
+    lse = q.new_empty(_lse_shape(q, n_heads, return_lse), dtype=torch.float32)
     return out, lse
 
 
@@ -243,13 +257,17 @@ def gqa_decode(
     scale: float | None = None,
     return_lse: bool = False,
     kv_scales: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> Any:
-    """Attention of one query token over the first ``seq_len`` tokens of a cache, on
-    PyTorch's current stream (``torch.ops.ferrox.gqa_decode``; traceable, capturable).
+    """Attention of one query token, or of the last n_q tokens (a speculative verify), over
+    the first ``seq_len`` tokens of a cache, on PyTorch's current stream
+    (``torch.ops.ferrox.gqa_decode``; traceable, capturable).
 
     Args:
         q: ``(n_heads, head_dim)``, ``(1, n_heads, 1, head_dim)`` or any shape of whole
             heads: float16, bfloat16 or float32 (the cache's dtype; an fp8 cache's: 16-bit).
+            ``(n_q, n_heads, head_dim)``: n_q query tokens, the cache's last n_q (query t
+            at position ``seq_len - n_q + t``), causal or under ``tree_mask``.
         k_cache: ``(capacity, n_kv_heads, head_dim)`` ("NHD") or ``(n_kv_heads, capacity,
             head_dim)`` / ``(1, n_kv_heads, capacity, head_dim)`` ("HND", rows contiguous,
             heads any number of rows apart): float32, float16, bfloat16, or
@@ -264,9 +282,13 @@ def gqa_decode(
             once per tensor and kept while its values stay).
         return_lse: also return the log-sum-exp per query head (float32, natural log).
         kv_scales: an fp8 cache's scales: float32 ``(2, n_kv_heads)``, K's then V's.
+        tree_mask: with a 3-D q, a CUDA tensor: bool ``(n_q, n_q)`` or bit-packed uint8
+            ``(n_q, ceil(n_q / 8))`` (query t sees new token u where ``[t, u]``; its
+            diagonal set), read on the device at each run.
 
     Returns:
-        ``out`` of q's shape and dtype, or ``(out, lse)`` with ``return_lse``.
+        ``out`` of q's shape and dtype, or ``(out, lse)`` with ``return_lse`` (LSE
+        ``(n_heads,)``, or ``(n_q, n_heads)`` for a 3-D q).
 
     Raises:
         ValueError, TypeError: naming the argument, before any device work.
@@ -276,9 +298,11 @@ def gqa_decode(
                                  (n_heads, n_kv_heads, head_dim), got, strict=True):  # fmt: skip
         if given is not None and given != have:
             raise ValueError(f"{name}: {given} given, but the shapes say {have}")
+    if tree_mask is not None and q.dim() != 3:
+        raise ValueError("tree_mask: only with several query tokens, q (n_q, n_heads, head_dim)")
     out, lse = torch.ops.ferrox.gqa_decode(
         q, k_cache, v_cache, seq_len, kv_scales, sinks, alibi_slopes, kv_layout, scale,
-        logits_soft_cap, sliding_window, return_lse,
+        logits_soft_cap, sliding_window, return_lse, tree_mask,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

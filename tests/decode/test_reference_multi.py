@@ -355,10 +355,10 @@ def test_the_shared_checks_read_every_accepted_q_shape():
 
 
 @pytest.mark.parametrize("shape", [(2, 8, 16), (4, 1, 16), (1, 8, 2, 16)])
-def test_one_token_entry_points_refuse_several_query_tokens(shape):
-    with pytest.raises(
-        ValueError, match=r"q: shape .* holds \d+ query tokens; .*reference_gqa_decode"
-    ):
+def test_several_query_tokens_are_read_as_such(shape):
+    """A 3-D q is (n_q, n_heads, head_dim); SDPA's (1, n_heads, n_q, head_dim) with n_q > 1
+    is refused (a read of whole heads from q's size would take n_q * n_heads heads)."""
+    with pytest.raises(ValueError, match=r"q: shape .* holds \d+ query tokens; pass .*\(n_q, "):
         single_query_only(shape)
     torch = pytest.importorskip("torch")
 
@@ -377,12 +377,20 @@ def test_one_token_entry_points_refuse_several_query_tokens(shape):
         def is_contiguous(self):
             return True
 
-    # gqa_decode_async reads n_heads from q_dev's size: several tokens are not more heads
-    with pytest.raises(ValueError, match=r"q_dev: shape .* holds \d+ query tokens"):
-        decode_pair.q_heads_of(None, FakeCuda(shape), 16)
-    assert decode_pair.q_heads_of(None, FakeCuda((1, 8, 16)), 16) == 8  # one token
     fxt = pytest.importorskip("ferrox_driver.integrations.torch")
     q = torch.zeros(shape, dtype=torch.float16)
     k = torch.zeros((5, 2, 16), dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"q: shape .* holds \d+ query tokens"):
-        fxt._dims(q, k, "NHD")
+    if len(shape) == 4:  # gqa_decode_async reads n_heads from q_dev's size: not more heads
+        with pytest.raises(ValueError, match=r"q_dev: shape .* holds \d+ query tokens"):
+            decode_pair.q_heads_of(None, FakeCuda(shape), 16)
+        with pytest.raises(ValueError, match=r"q: shape .* holds \d+ query tokens"):
+            fxt._dims(q, k, "NHD")
+        return
+    assert decode_pair.q_heads_of(None, FakeCuda(shape), 16) == shape[1]
+    assert decode_pair.query_count(FakeCuda(shape), 16) == shape[0]
+    assert fxt._dims(q, k, "NHD") == (shape[1], 2, 16)
+    assert fxt._lse_shape(q, shape[1], True) == (shape[0], shape[1])
+    with pytest.raises(ValueError, match=r"q_dev: expected shape \(n_q, n_heads, head_dim\)"):
+        decode_pair.query_count(FakeCuda(shape), 32)
+    with pytest.raises(ValueError, match=r"n_heads: 3 given, but q_dev of shape"):
+        decode_pair.query_count(FakeCuda(shape), 16, 3)
