@@ -147,6 +147,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     from .bench.quick import time_appends, time_decode
 
+    if args.only == "verify":
+        from .bench.verify import run_verify_bench
+
+        import_torch()
+        quick = dict(shapes=[(32, 8, 128)], seqs=[4096], n_qs=(1, 2, 8), toy=False)
+        run_verify_bench(
+            Path(args.out) if args.out else None,
+            **(quick if args.quick else {"shapes": args.shapes, "seqs": args.seqs}),
+        )
+        return 0
     if args.only == "scale":
         from .bench.scale import SCALE_SEQS, run_scale_bench, scale_table
 
@@ -348,6 +358,7 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
             "fp8",
             "scale",
             "torch",
+            "verify",
         ),
         default="all",
         help="which benchmark to run (all: every one but headdim, the head_dim sweep, "
@@ -355,7 +366,8 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
         "scale, one sequence sharded over the GPUs, which needs the [distributed] extra, and "
         "torch, ferrox in PyTorch and transformers against SDPA: an 8B-shaped generate "
         "compiled and eager, an fp8 cache, growing caches, the ops under torch.compile; each "
-        "table in its own process)",
+        "table in its own process; verify, a speculative verify of n_q tokens against one "
+        "token and SDPA, and the toy model's verify step)",
     )
     bench.add_argument(
         "--out",

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..cache.device_ops import gqa_decode_async, kv_append_async
 from ..cache.kv_cache import KVCache
 
-__all__ = ["LLAMA_3_8B", "SMALL", "ToyLlama", "ToyResult", "compare", "fits"]
+__all__ = ["LLAMA_3_8B", "SMALL", "ToyLlama", "ToyResult", "compare", "fits", "time_verify"]
 
 BF16 = torch.bfloat16
 # (hidden, heads, kv_heads, head_dim, intermediate, vocab)
@@ -102,6 +102,29 @@ class ToyLlama:
         pos.add_(1)
         return logits
 
+    def verify(self, tokens: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """A verify step of k = len(tokens) tokens at positions pos .. pos + k - 1: the
+        logits ``(k, vocab)``; ``tokens`` takes each position's greedy next token and
+        ``pos`` advances by k, in place (capturable). ``attend`` sees q ``(k, heads, hd)``
+        and the rows ``(k, kv_heads, hd)``."""
+        heads, kv_heads, hd = self.shape
+        n = tokens.shape[0]
+        at = (pos + torch.arange(n, device="cuda")).view(n, 1, 1)
+        x = self.embed[tokens]  # (k, hidden)
+        for i, layer in enumerate(self.layers):
+            qkv = self.rms(x, layer["ln1"]) @ layer["qkv"]
+            q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+            q = self.rope(q.reshape(n, heads, hd), at)
+            k = self.rope(k.reshape(n, kv_heads, hd), at)
+            attn = attend(i, q, k, v.contiguous().view(n, kv_heads, hd), pos)
+            x = x + attn.reshape(n, -1) @ layer["o"]
+            gate, up = (self.rms(x, layer["ln2"]) @ layer["gate_up"]).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer["down"]
+        logits = self.rms(x, self.norm) @ self.head
+        tokens.copy_(logits.argmax(-1))
+        pos.add_(n)
+        return logits
+
 
 def _rows_numpy(t: torch.Tensor) -> np.ndarray:
     """A bf16 torch tensor's values as an ml_dtypes.bfloat16 numpy array."""
@@ -149,9 +172,12 @@ class SdpaAttention:
 
 
 class FerroxAttention:
-    """A ``KVCache`` per layer: ``kv_append_async`` then ``gqa_decode_async``."""
+    """A ``KVCache`` per layer: ``kv_append_async`` then ``gqa_decode_async`` (of ``n_q``
+    rows and queries at once: a verify)."""
 
-    def __init__(self, context: Context, capacity: int, shape: tuple[int, int, int]) -> None:
+    def __init__(
+        self, context: Context, capacity: int, shape: tuple[int, int, int], n_q: int = 1
+    ) -> None:
         heads, kv_heads, hd = shape
         self.heads = heads
         self.caches: list[KVCache] = []
@@ -159,9 +185,10 @@ class FerroxAttention:
             kv = KVCache(kv_heads, hd, capacity, dtype=ml_dtypes.bfloat16)
             self.caches.append(kv)
             kv.extend(_rows_numpy(k), _rows_numpy(v))
-            kv.prepare(heads)  # kernels and scratch before any capture
+            kv.prepare(heads, n_q=n_q)  # kernels and scratch before any capture
             kv.synchronize()  # the prefill's copies done before PyTorch's streams append
-        self.out = [torch.empty(heads, hd, device="cuda", dtype=BF16) for _ in context]
+        lead = (n_q,) if n_q > 1 else ()
+        self.out = [torch.empty(*lead, heads, hd, device="cuda", dtype=BF16) for _ in context]
 
     def __call__(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  pos: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -279,6 +306,45 @@ def compare(model: ToyLlama, context: int, steps: int) -> ToyResult:
             attention.close()
         err[name] = ((logits - want).norm() / want.norm()).item()
     return ToyResult(context, ms, err)
+
+
+def time_verify(model: ToyLlama, context: int, steps: int, k: int) -> float:
+    """ms of one captured step of ``model`` verifying ``k`` tokens (``ToyLlama.verify``,
+    ferrox's KVCache per layer) after ``context`` random tokens: the median of 5 rounds of
+    ``steps`` replays (the cache grows by k per replay: every draft accepted)."""
+    _, kv_heads, hd = model.shape
+    g = torch.Generator("cuda").manual_seed(context)
+    rows = [(torch.randn(context, kv_heads, hd, generator=g, device="cuda").to(BF16),
+             torch.randn(context, kv_heads, hd, generator=g, device="cuda").to(BF16))
+            for _ in model.layers]  # fmt: skip
+    attention = FerroxAttention(rows, context + (5 * steps + 4) * k, model.shape, n_q=k)
+    rows.clear()
+    tokens = torch.zeros(k, dtype=torch.long, device="cuda")
+    pos = torch.full((), context, dtype=torch.long, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):  # warm-up: one eager step
+            model.verify(tokens, pos, attention)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            model.verify(tokens, pos, attention)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        rounds = []
+        for _ in range(5):
+            start.record()
+            for _ in range(steps):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            rounds.append(start.elapsed_time(end) / steps)
+        del graph
+    finally:
+        torch.cuda.synchronize()
+        attention.close()
+    return sorted(rounds)[2]
 
 
 def fits(layers: int, shape: dict[str, int], context: int) -> bool:

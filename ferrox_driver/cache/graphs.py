@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ..decode.checks import check_dims
+from ..decode.checks import check_dims, check_int
 from ..decode.features import check_features
 from ..decode.plan import check_algorithm
+from ..decode.queries import check_tree_mask
 from ..driver.calls import drv
 from ..driver.graph import GraphExec
 from ..driver.memory import DeviceArray, empty, pinned_empty, to_device
@@ -55,6 +56,21 @@ def _got(arr: Any) -> str:
     return what
 
 
+def _host_mask(tree_mask: Any, n_q: int) -> np.ndarray:
+    """A graph's tree mask, checked: bool ``(n_q, n_q)`` (a packed one unpacked).
+
+    Raises:
+        TypeError, ValueError: naming ``tree_mask``.
+    """
+    if n_q == 1:
+        raise ValueError("tree_mask: only with several query tokens per step (n_q > 1)")
+    if not isinstance(tree_mask, np.ndarray):
+        raise TypeError(
+            f"tree_mask: expected a numpy array (staged with q at each step), got {_got(tree_mask)}"
+        )
+    return check_tree_mask(tree_mask, n_q)
+
+
 class DecodeGraph:
     """One token step (copy in q/k/v, append, decode, copy out) captured once as a CUDA
     graph and replayed for every token.
@@ -75,6 +91,12 @@ class DecodeGraph:
         q_dtype: an fp8 cache's dtype for q, the rows and the result (float16 or bfloat16;
             default bfloat16): the rows are quantized on the device at each step. Other
             caches take their own dtype.
+        n_q: tokens per step (a speculative verify; one graph per n_q): each step appends
+            n_q rows and decodes n_q queries, the cache's last n_q tokens, causal or under
+            the tree mask. Then q, the rows, the result and the LSE take a leading n_q.
+        tree_mask: with n_q > 1, a numpy mask (bool ``(n_q, n_q)`` or bit-packed, see
+            `gqa_decode`): the graph reads a mask staged with q at each step (``tree_mask``),
+            starting from this one; a step may pass another. None: causal.
 
     Calling it is thread-safe (it takes the cache's lock); ``launch`` + ``synchronize``
     as a pair are the caller's to order. Closing the cache or the stream makes it raise
@@ -89,6 +111,8 @@ class DecodeGraph:
         v: like ``k``, for V.
         out: page-locked array the result lands in, (n_heads, head_dim).
         lse: with ``return_lse``, the page-locked (n_heads,) float32 LSE of the last step.
+        tree_mask: with a tree mask, the page-locked bool (n_q, n_q) mask the next step
+            reads (fill it in place with ``launch``, keeping its diagonal set); else None.
         sinks: the device array of sinks the graph reads (None without); write it in place
             to change them.
         alibi_slopes: like ``sinks``, for the slopes.
@@ -108,11 +132,17 @@ class DecodeGraph:
         scale: float | None = None,
         return_lse: bool = False,
         q_dtype: DTypeLike = None,
+        n_q: int = 1,
+        tree_mask: ArrayLike = None,
     ) -> None:
         self._closed = True  # until built
         self.kv = check_cache(kv)
         self.n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
         algorithm = check_algorithm(algorithm)
+        self.n_q = n_q = check_int(n_q, "n_q", 1, kv.capacity)
+        if n_q > 1 and algorithm == "parity":
+            raise ValueError("algorithm: a decode of several queries needs the split kernels")
+        mask = None if tree_mask is None else _host_mask(tree_mask, n_q)
         # q, the rows and the result: the cache's dtype, or an fp8 cache's q_dtype (its rows
         # quantized on the device by the graph's append)
         self.dtype = kv.q_dtype_for(q_dtype, algorithm)
@@ -129,21 +159,34 @@ class DecodeGraph:
         self.stream = kv.stream if stream is None else stream
         self._h = stream_handle(self.stream)
         dt, hd = self.dtype, kv.head_dim
-        # q, k and v share one page-locked buffer and one device buffer (each part 256-byte
-        # aligned), so a replay copies them in with one copy.
-        sizes = (self.n_heads * hd, kv.row_elems, kv.row_elems)
+        # q, k and v (and a tree mask's bytes) share one page-locked buffer and one device
+        # buffer (each part 256-byte aligned), so a replay copies them in with one copy.
+        lead = () if n_q == 1 else (n_q,)  # (one token: today's shapes)
+        sizes: tuple[int, ...] = (n_q * self.n_heads * hd, n_q * kv.row_elems, n_q * kv.row_elems)
+        if mask is not None:
+            sizes += (-(-(n_q * n_q) // dt.itemsize),)
         starts, self._stage, self._in_d = _staging(sizes, dt, kv.device)
         parts = [self._stage[a : a + n] for a, n in zip(starts, sizes, strict=True)]
-        self.q = parts[0].reshape(self.n_heads, hd)
-        self.k = parts[1].reshape(kv.n_kv_heads, hd)
-        self.v = parts[2].reshape(kv.n_kv_heads, hd)
-        self._flat = parts
-        self.out = pinned_empty((self.n_heads, hd), dt)
+        self.q = parts[0].reshape(*lead, self.n_heads, hd)
+        self.k = parts[1].reshape(*lead, kv.n_kv_heads, hd)
+        self.v = parts[2].reshape(*lead, kv.n_kv_heads, hd)
+        self._flat = parts[:3]
+        self.out = pinned_empty((*lead, self.n_heads, hd), dt)
+        shapes = ((*lead, self.n_heads, hd), (*lead, kv.n_kv_heads, hd)) if lead else (
+            (sizes[0],), (sizes[1],))  # fmt: skip
         self._q_d, self._k_d, self._v_d = (
-            self._in_d.view((n,), offset=a * dt.itemsize)
-            for a, n in zip(starts, sizes, strict=True)
+            self._in_d.view(shape, offset=a * dt.itemsize)
+            for a, shape in zip(starts, (shapes[0], shapes[1], shapes[1]), strict=False)
         )
-        self._out_d = empty((sizes[0],), dt, device=kv.device)
+        self.tree_mask: np.ndarray | None = None
+        self._mask_d = None
+        if mask is not None:
+            at = starts[3] * dt.itemsize
+            self.tree_mask = self._stage.view(np.uint8)[at : at + n_q * n_q].view(np.bool_)
+            self.tree_mask = self.tree_mask.reshape(n_q, n_q)
+            self.tree_mask[...] = mask
+            self._mask_d = self._in_d.view((n_q, n_q), np.bool_, offset=at)
+        self._out_d = empty(shapes[0], dt, device=kv.device)
         # the features' per-head arrays on the device (numpy ones copied once into arrays
         # of this graph: ``sinks``/``alibi_slopes``, writable in place), and the LSE
         self._owned: list[DeviceArray] = []
@@ -152,9 +195,9 @@ class DecodeGraph:
         self._lse_d = None
         self.lse = None
         if feats.return_lse:
-            self._lse_d = empty((self.n_heads,), np.float32, device=kv.device)
+            self._lse_d = empty((n_q * self.n_heads,), np.float32, device=kv.device)
             self._owned.append(self._lse_d)
-            self.lse = pinned_empty((self.n_heads,), np.float32)
+            self.lse = pinned_empty((*lead, self.n_heads), np.float32)
         self._features: dict[str, Any] = {
             "sliding_window": feats.sliding_window, "logits_soft_cap": feats.logits_soft_cap,
             "scale": feats.scale,
@@ -196,14 +239,15 @@ class DecodeGraph:
         # the length up to date itself (appending_on_device).
         with kv.replays_update_length():
             kv.prepare(self.n_heads, algorithm, return_lse=self._lse_d is not None,
-                       q_dtype=self.dtype if kv.fp8 else None, **feats)  # fmt: skip
+                       q_dtype=self.dtype if kv.fp8 else None, n_q=self.n_q,
+                       **feats)  # fmt: skip
             with s.capture() as graph:
                 drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data,
                     self._in_d.nbytes, h)  # fmt: skip
                 kv_append_async(kv, self._k_d, self._v_d, stream=s)
                 gqa_decode_async(
                     self._q_d, kv, self._out_d, n_heads=self.n_heads, stream=s,
-                    algorithm=algorithm, out_lse=self._lse_d, **feats,
+                    algorithm=algorithm, out_lse=self._lse_d, tree_mask=self._mask_d, **feats,
                 )  # fmt: skip
                 drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr,
                     self._out_d.nbytes, h)  # fmt: skip
@@ -242,15 +286,22 @@ class DecodeGraph:
             drv("cuStreamSynchronize", self._h)
         self.kv.synchronize()  # reads the device's length (and its overflow flag)
 
-    def __call__(self, q: np.ndarray, k_tok: np.ndarray, v_tok: np.ndarray) -> np.ndarray:
+    def __call__(
+        self, q: np.ndarray, k_tok: np.ndarray, v_tok: np.ndarray, tree_mask: ArrayLike = None
+    ) -> np.ndarray:
         """Append ``k_tok``/``v_tok`` and decode ``q``: one graph launch, one sync.
 
+        With ``n_q`` > 1: ``q`` is ``(n_q, n_heads, head_dim)``, the rows ``(n_q,
+        n_kv_heads, head_dim)``; a graph built with a tree mask takes this step's
+        ``tree_mask`` (None: the one staged, ``self.tree_mask``).
+
         Returns:
-            A new numpy array of shape (n_heads, head_dim) in ``dtype`` (built with
-                ``return_lse``, the step's LSE is then in ``lse``).
+            A new numpy array of shape (n_heads, head_dim) (``(n_q, n_heads, head_dim)``)
+                in ``dtype`` (built with ``return_lse``, the step's LSE is then in ``lse``).
 
         Raises:
-            KVCapacityError: the cache is full (checked on the host first: nothing runs).
+            KVCapacityError: the tokens would not fit (checked on the host first: nothing
+                runs).
             TypeError, ValueError: wrong shapes or dtypes.
             ClosedError: this graph, its cache or its stream was closed.
         """
@@ -268,18 +319,25 @@ class DecodeGraph:
                         f"{name}: expected a numpy array of {stage.size} {dt} elements, got "
                         f"{_got(arr)}"
                     )
+        mask = None
+        if tree_mask is not None:
+            if self.tree_mask is None:
+                raise ValueError("tree_mask: this graph was built causal (no tree_mask)")
+            mask = _host_mask(tree_mask, self.n_q)
         with kv.lock:  # the staging and the result are this graph's: one step at a time
             if self._closed or self.stream._closed:
                 self._check_open()
-            seq = kv.length_for_step("DecodeGraph")  # (checks the cache open, not full)
+            seq = kv.length_for_step("DecodeGraph", self.n_q)  # (checks open, room)
             np.copyto(fq, q.reshape(-1))
             np.copyto(fk, k_tok.reshape(-1))
             np.copyto(fv, v_tok.reshape(-1))
+            if mask is not None and self.tree_mask is not None:
+                np.copyto(self.tree_mask, mask)
             kv.appending_on_device()  # (launch's body: the checks above are its own)
             kv.device.activate()
             drv("cuGraphLaunch", self._exec_handle, self._h)
             drv("cuStreamSynchronize", self._h)
-            kv.replay_appended(seq)  # below the capacity: no overflow, the length is known
+            kv.replay_appended(seq, self.n_q)  # checked to fit: no overflow, length known
             return self.out.copy()
 
     step = __call__
@@ -314,15 +372,20 @@ class LayerDecodeGraph:
         sinks: as `DecodeGraph` (one array for every layer).
         alibi_slopes: as `DecodeGraph`.
         scale: as `DecodeGraph`.
+        n_q: tokens per step, as `DecodeGraph`'s (one graph per n_q): q, the rows and the
+            result then ``(n_layers, n_q, ...)``.
+        tree_mask: as `DecodeGraph`'s, one mask for every layer.
 
     Calling it is thread-safe (it takes every layer's lock, in layer order).
 
     Attributes:
         dtype: the caches' dtype: q's, the rows' and the result's.
-        q: page-locked staging, (n_layers, n_heads, head_dim).
+        q: page-locked staging, (n_layers, n_heads, head_dim) (``(n_layers, n_q, n_heads,
+            head_dim)`` with n_q > 1, as the others).
         k: page-locked staging for the new token's K rows, (n_layers, n_kv_heads, head_dim).
         v: like ``k``, for V.
         out: page-locked array the results land in, (n_layers, n_heads, head_dim).
+        tree_mask: as `DecodeGraph`'s.
     """
 
     def __init__(
@@ -335,6 +398,8 @@ class LayerDecodeGraph:
         sinks: ArrayLike = None,
         alibi_slopes: ArrayLike = None,
         scale: float | None = None,
+        n_q: int = 1,
+        tree_mask: ArrayLike = None,
     ) -> None:
         self._closed = True  # until built
         if not isinstance(layers, LayerKVCache):
@@ -352,27 +417,44 @@ class LayerDecodeGraph:
         self._h = stream_handle(self.stream)
         n, dt, hd = len(self.caches), first.dtype, first.head_dim
         self.dtype = dt
-        # every layer's q, then every layer's K rows, then V rows: one page-locked buffer
-        # and one device buffer (each part 256-byte aligned), one copy in per token
-        sizes = (n * self.n_heads * hd, n * first.row_elems, n * first.row_elems)
+        self.n_q = n_q = check_int(n_q, "n_q", 1, first.capacity)
+        mask = None if tree_mask is None else _host_mask(tree_mask, n_q)
+        lead = () if n_q == 1 else (n_q,)
+        # every layer's q, then every layer's K rows, then V rows (then a tree mask's
+        # bytes): one page-locked buffer and one device buffer (each part 256-byte
+        # aligned), one copy in per token
+        sizes: tuple[int, ...] = (n * n_q * self.n_heads * hd, n * n_q * first.row_elems,
+                                  n * n_q * first.row_elems)  # fmt: skip
+        if mask is not None:
+            sizes += (-(-(n_q * n_q) // dt.itemsize),)
         starts, self._stage, self._in_d = _staging(sizes, dt, first.device)
         parts = [self._stage[a : a + size] for a, size in zip(starts, sizes, strict=True)]
-        self.q = parts[0].reshape(n, self.n_heads, hd)
-        self.k = parts[1].reshape(n, first.n_kv_heads, hd)
-        self.v = parts[2].reshape(n, first.n_kv_heads, hd)
-        self.out = pinned_empty((n, self.n_heads, hd), dt)
-        self._out_d = empty((n * self.n_heads * hd,), dt, device=first.device)
-        q_rows, kv_rows = self.n_heads * hd, first.row_elems
+        self.q = parts[0].reshape(n, *lead, self.n_heads, hd)
+        self.k = parts[1].reshape(n, *lead, first.n_kv_heads, hd)
+        self.v = parts[2].reshape(n, *lead, first.n_kv_heads, hd)
+        self.out = pinned_empty((n, *lead, self.n_heads, hd), dt)
+        self._out_d = empty((n * n_q * self.n_heads * hd,), dt, device=first.device)
+        q_rows, kv_rows = n_q * self.n_heads * hd, n_q * first.row_elems
+        q_shape = (*lead, self.n_heads, hd) if lead else (q_rows,)
+        kv_shape = (*lead, first.n_kv_heads, hd) if lead else (kv_rows,)
         isz = dt.itemsize
         self._layer_views = [
             (
-                self._in_d.view((q_rows,), offset=(starts[0] + i * q_rows) * isz),
-                self._in_d.view((kv_rows,), offset=(starts[1] + i * kv_rows) * isz),
-                self._in_d.view((kv_rows,), offset=(starts[2] + i * kv_rows) * isz),
-                self._out_d.view((q_rows,), offset=i * q_rows * isz),
+                self._in_d.view(q_shape, offset=(starts[0] + i * q_rows) * isz),
+                self._in_d.view(kv_shape, offset=(starts[1] + i * kv_rows) * isz),
+                self._in_d.view(kv_shape, offset=(starts[2] + i * kv_rows) * isz),
+                self._out_d.view(q_shape, offset=i * q_rows * isz),
             )
             for i in range(n)
         ]
+        self.tree_mask: np.ndarray | None = None
+        self._mask_d = None
+        if mask is not None:
+            at = starts[3] * isz
+            self.tree_mask = self._stage.view(np.uint8)[at : at + n_q * n_q].view(np.bool_)
+            self.tree_mask = self.tree_mask.reshape(n_q, n_q)
+            self.tree_mask[...] = mask
+            self._mask_d = self._in_d.view((n_q, n_q), np.bool_, offset=at)
         self._owned: list[DeviceArray] = []
         self.sinks = self._per_head(feats.sinks, first)
         self.alibi_slopes = self._per_head(feats.alibi_slopes, first)
@@ -404,7 +486,7 @@ class LayerDecodeGraph:
             for kv in self.caches:
                 modes.enter_context(kv.replays_update_length())
             for kv in self.caches:  # kernels and scratch first: neither is capturable
-                kv.prepare(self.n_heads, **self._features)
+                kv.prepare(self.n_heads, n_q=self.n_q, **self._features)
             with s.capture() as graph:
                 drv("cuMemcpyHtoDAsync", self._in_d.ptr, self._stage.ctypes.data,
                     self._in_d.nbytes, h)  # fmt: skip
@@ -412,7 +494,7 @@ class LayerDecodeGraph:
                                                       strict=True):  # fmt: skip
                     kv_append_async(kv, k_d, v_d, stream=s)
                     gqa_decode_async(q_d, kv, out_d, n_heads=self.n_heads, stream=s,
-                                     **self._features)  # fmt: skip
+                                     tree_mask=self._mask_d, **self._features)  # fmt: skip
                 drv("cuMemcpyDtoHAsync", self.out.ctypes.data, self._out_d.ptr,
                     self._out_d.nbytes, h)  # fmt: skip
         graph.keep_alive(self._stage, self.out, self._in_d, self._out_d, *self.caches,
@@ -432,17 +514,22 @@ class LayerDecodeGraph:
         for kv in self.caches:
             kv.check_open("LayerDecodeGraph")
 
-    def __call__(self, q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray) -> np.ndarray:
+    def __call__(
+        self, q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, tree_mask: ArrayLike = None
+    ) -> np.ndarray:
         """Append every layer's ``k_rows[i]``/``v_rows[i]`` and decode its ``q[i]``: one
         graph launch, one sync.
 
         Args:
-            q: ``(n_layers, n_heads, head_dim)`` (or any shape of that size), the dtype's.
-            k_rows: ``(n_layers, n_kv_heads, head_dim)``, the new token's K rows.
+            q: ``(n_layers, n_heads, head_dim)`` (or any shape of that size), the dtype's;
+                ``(n_layers, n_q, n_heads, head_dim)`` with n_q > 1.
+            k_rows: ``(n_layers, n_kv_heads, head_dim)``, the new token's K rows (``(n_layers,
+                n_q, n_kv_heads, head_dim)``).
             v_rows: like ``k_rows``.
+            tree_mask: as `DecodeGraph`'s step.
 
         Returns:
-            A new numpy array ``(n_layers, n_heads, head_dim)``.
+            A new numpy array of ``out``'s shape.
 
         Raises:
             KVCapacityError: a layer's cache is full (checked first: nothing runs).
@@ -456,21 +543,28 @@ class LayerDecodeGraph:
                     f"{name}: expected a numpy array of {stage.size} {self.dtype} elements "
                     f"{stage.shape}, got {_got(arr)}"
                 )
+        mask = None
+        if tree_mask is not None:
+            if self.tree_mask is None:
+                raise ValueError("tree_mask: this graph was built causal (no tree_mask)")
+            mask = _host_mask(tree_mask, self.n_q)
         with contextlib.ExitStack() as locks:
             for kv in self.caches:
                 locks.enter_context(kv.lock)
             self._check_open()
-            seqs = [kv.length_for_step("LayerDecodeGraph") for kv in self.caches]
+            seqs = [kv.length_for_step("LayerDecodeGraph", self.n_q) for kv in self.caches]
             np.copyto(self.q, q.reshape(self.q.shape))
             np.copyto(self.k, k_rows.reshape(self.k.shape))
             np.copyto(self.v, v_rows.reshape(self.v.shape))
+            if mask is not None and self.tree_mask is not None:
+                np.copyto(self.tree_mask, mask)
             for kv in self.caches:
                 kv.appending_on_device()
             self.caches[0].device.activate()
             drv("cuGraphLaunch", self._exec_handle, self._h)
             drv("cuStreamSynchronize", self._h)
-            for kv, seq in zip(self.caches, seqs, strict=True):  # below capacity: no overflow
-                kv.replay_appended(seq)
+            for kv, seq in zip(self.caches, seqs, strict=True):  # checked to fit: no overflow
+                kv.replay_appended(seq, self.n_q)
             return self.out.copy()
 
     step = __call__

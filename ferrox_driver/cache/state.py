@@ -232,19 +232,19 @@ class CacheState:
         keep_for_capture(sid, foreign, self, *owners, *keep)
         self.device_length_for(True)
 
-    def length_for_step(self, user: str) -> int:
-        """The length a host-ordered step that appends one token (a graph's replay) starts
-        at: the host's, or the device's where device work changed it.
+    def length_for_step(self, user: str, adding: int = 1) -> int:
+        """The length a host-ordered step that appends ``adding`` tokens (a graph's replay)
+        starts at: the host's, or the device's where device work changed it.
 
         Raises:
             ClosedError: the cache or its stream was closed, naming ``user``.
-            KVCapacityError: the cache is full.
+            KVCapacityError: the tokens would not fit.
         """
         if self._closed or self.stream._closed:
             self.check_open(user)
         seq = self._seq_len if self._host_seq_valid else self.seq_len
-        if seq >= self.capacity:
-            raise KVCapacityError(seq, self.capacity)
+        if seq > self.capacity - adding:
+            raise KVCapacityError(seq, self.capacity, adding)
         return seq
 
     def appending_on_device(self) -> None:
@@ -254,11 +254,11 @@ class CacheState:
             self.device_length()
         self._host_seq_valid = False
 
-    def replay_appended(self, seq: int) -> None:
-        """After a synchronized replay that appended one token at ``seq`` (below the
-        capacity, so it cannot have overflowed): the length is ``seq + 1``, known without
+    def replay_appended(self, seq: int, adding: int = 1) -> None:
+        """After a synchronized replay that appended ``adding`` tokens at ``seq`` (checked
+        to fit, so it cannot have overflowed): the length is ``seq + adding``, known without
         reading the device (unless a graph ferrox cannot see appends too)."""
-        self._seq_len, self._host_seq_valid = seq + 1, not self._graph_appends
+        self._seq_len, self._host_seq_valid = seq + adding, not self._graph_appends
 
     @contextlib.contextmanager
     def replays_update_length(self) -> Iterator[None]:

@@ -44,11 +44,15 @@ def torch_side_stream(torch: Any) -> Any:
 
 
 def torch_sdpa_us(
-    shape: tuple[int, int, int], seq: int, dtype: str, iters: int, token_major: bool = False
-) -> tuple[float, float] | tuple[None, None]:
+    shape: tuple[int, int, int], seq: int, dtype: str, iters: int, token_major: bool = False,
+    n_q: int = 1, causal: str = "mask",
+) -> tuple[float, float] | tuple[None, None]:  # fmt: skip
     """PyTorch SDPA per decode: back to back in one graph, and one replay timed alone; over
     head-major K/V (PyTorch's own layout), or with ``token_major`` over the [seq][kv][d]
-    rows our decode reads, as a strided [1, kv, seq, d] view."""
+    rows our decode reads, as a strided [1, kv, seq, d] view. ``n_q`` > 1: a verify of the
+    last n_q tokens, causal through ``attn_mask`` (``causal="mask"``: query t sees tokens
+    up to seq - n_q + t) or SDPA's ``is_causal`` (``"is_causal"``, its own alignment: for
+    timing next to ours)."""
     torch = import_torch()
     if torch is None:
         return None, None
@@ -57,7 +61,13 @@ def torch_sdpa_us(
     n_heads, n_kv, hd = shape
     tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
     n_sets, chain = rotation(2 * seq * n_kv * hd * torch.finfo(tdt).bits // 8)
-    q = torch.rand(1, n_heads, 1, hd, device="cuda", dtype=tdt) * 2 - 1
+    q = torch.rand(1, n_heads, n_q, hd, device="cuda", dtype=tdt) * 2 - 1
+    kw: dict[str, Any] = {}
+    if n_q > 1 and causal == "is_causal":
+        kw["is_causal"] = True
+    elif n_q > 1:
+        rows = torch.arange(n_q, device="cuda").view(n_q, 1) + (seq - n_q)
+        kw["attn_mask"] = torch.arange(seq, device="cuda").view(1, seq) <= rows
     if token_major:
         pool = torch.empty(n_sets, 2, seq, n_kv, hd, device="cuda", dtype=tdt).uniform_(-1, 1)
         sets = [(pool[i, 0].permute(1, 0, 2)[None], pool[i, 1].permute(1, 0, 2)[None])
@@ -69,18 +79,18 @@ def torch_sdpa_us(
     graphs = []
     with torch.cuda.stream(side):
         for k, v in sets:  # warm-up outside capture
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
         torch.cuda.synchronize()
         for k, v in sets:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=side):
-                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
             graphs.append(g)
         chained = torch.cuda.CUDAGraph()
         with torch.cuda.graph(chained, stream=side):
             for i in range(chain):
                 k, v = sets[i % n_sets]
-                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def timed(replay: Callable[[int], None], per_run: int) -> float:
