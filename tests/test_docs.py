@@ -43,6 +43,7 @@ GPU_EXAMPLES = [
     "features_merge_split.py",
     "sharded_local.py",
     "sharded_nccl.py",
+    "speculative_verify.py",
 ]
 
 

@@ -198,7 +198,7 @@ def test_a_decode_graph_per_n_q_causal_and_tree(rng, dtype):
             causal(q, k1, v1, tree_mask=np.eye(n_q, dtype=bool))
         with pytest.raises(ValueError, match=r"^tree_mask: the diagonal must be set"):
             tree(q, k1, v1, tree_mask=np.zeros((n_q, n_q), bool))
-        kv.truncate(253)
+        kv.extend(*rows(rng, 253 - kv.seq_len))
         with pytest.raises(fd.KVCapacityError):
             causal(q, k1, v1)
         assert kv.seq_len == 253

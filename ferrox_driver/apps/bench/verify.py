@@ -40,11 +40,13 @@ _Q_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f16": np.dtype(np.float16)}
 
 
 def measure_verify_point(
-    shape: tuple[int, int, int], seq: int, n_q: int, dtype: str, iters: int, device: Device
-) -> float:
+    shape: tuple[int, int, int], seq: int, n_q: int, dtype: str, iters: int, device: Device,
+    only: tuple[int, ...] | None = None,
+) -> float:  # fmt: skip
     """Graph-replayed us of a causal verify of ``n_q`` queries (n_q = 1: the one-token
     decode) over ``seq`` tokens of a ``dtype`` cache (bf16, f16; fp8: e4m3 bytes, bf16 q,
-    scales 1), planned for ``seq`` as a cache of that length would be."""
+    scales 1), planned for ``seq`` as a cache of that length would be. ``only``: time these
+    of its launches alone (benchmarks/verify_parts.py)."""
     n_heads, n_kv, hd = shape
     fp8 = dtype == "fp8"
     q_dt = _Q_DTYPES["bf16" if fp8 else dtype]
@@ -69,12 +71,14 @@ def measure_verify_point(
 
     def eager(i: int) -> None:
         k, v = sets[i % len(sets)]
-        for launch in launches_for(
+        launches = launches_for(
             q, k, v, out, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd, seq_len=seq,
             plan_seq=seq, aligned=True, dtype=q_dt, fp8="e4m3" if fp8 else "",
             kv_scales=scales, workspace=workspace, n_q=n_q,
-        )[0]:  # fmt: skip
-            launch.run(stream, device)
+        )[0]  # fmt: skip
+        for at, launch in enumerate(launches):
+            if only is None or at in only:
+                launch.run(stream, device)
 
     graph_us = rotated_graph_us(eager, rotated, stream, iters)
     rotated.close()
