@@ -174,4 +174,13 @@ __device__ __forceinline__ void fx_wait_for_split() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// A verify's chain (split_verify.cuh): the tail kernel lets the split kernel start at once
+// (fx_let_dependents_start); the split kernel, launched early there, waits in fx_tc_block
+// (fx_wait_for_split: a no-op for a launch without the attribute) before it reads the
+// queries and the prefix's length the tail writes.
+__device__ __forceinline__ void fx_let_dependents_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 

@@ -166,6 +166,7 @@ __device__ __forceinline__ bool fx_tc_block(FxTcBlock& at, unsigned ring_bytes, 
                                             const int* seq_len_dev, int splits, int tile,
                                             int window) {
     fx_let_combine_start<2>();
+    fx_wait_for_split();  // (a verify's split kernel: for the tail's writes; else a no-op)
     at.split = blockIdx.x;
     if (!fx_block_chunk<CLUSTER, D, F>(ring_bytes, threads, seq_len, seq_len_dev, splits, tile,
                                        at.split, at.start, at.end, window))

@@ -66,6 +66,7 @@ __device__ __forceinline__ void gqa_verify_tail(
     int head_dim, int n_q, int seq_len, const int* __restrict__ seq_len_dev,
     const unsigned char* __restrict__ mask, int mask_mode, const float* __restrict__ kv_scales,
     const FxFeat feat) {
+    fx_let_dependents_start();  // the split kernel may launch; it waits for this grid's end
     const int group = n_heads / n_kv_heads, rows = n_q * group;
     const int lane = threadIdx.x & 31;
     const int i = blockIdx.y * FX_VERIFY_ROWS + (threadIdx.x >> 5);

@@ -435,5 +435,8 @@ def verify_launches(
         early=planner.OVERRIDES.early_combine,
         roles=((0, "out"), (13, "sinks"), (14, "lse"), (15, "slopes")),
     )  # fmt: skip
+    # the split kernel launched early behind the tail (programmatic dependent launch): the
+    # tensor-core kernels wait for the tail's writes in fx_tc_block
+    early = planner.OVERRIDES.early_combine and split.spec.tensor_cores
     return [tail, Launch(split.spec, split.grid, split.block, split.args, split.shared_mem,
-                         split.cluster, split.early, split_roles), combine]  # fmt: skip
+                         split.cluster, early, split_roles), combine]  # fmt: skip
