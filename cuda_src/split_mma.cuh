@@ -105,12 +105,13 @@ __device__ __forceinline__ FxQ<T, D> fx_load_q(const T* q, int h0, int group, in
     return FxQ<T, D>::of(q_s[g], tig);
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0, int PAIR = 1>
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D, int TILED = 0, int F = 0, int PAIR = 1>
 __device__ __forceinline__ void gqa_split_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     float* __restrict__ ws_o, float* __restrict__ ws_ml, T* __restrict__ out, int n_heads,
     int n_kv_heads, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
     const FxFeat feat = FxFeat{}) {
+    static_assert(TILED < 2, "two tiles per block: the swapped body's (gqa_split_mma_swapped)");
     constexpr int S = FxStages<D, PAIR == 1 ? DR : D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;          // elements of one step's K (or V)

@@ -119,7 +119,7 @@ __device__ __forceinline__ FxScore<F> fx_folded(FxScore<F> sc, float f) {
     return sc;
 }
 
-template <class T, int D, bool CLUSTER, int WARPS, int DR = D, bool TILED = false, int F = 0,
+template <class T, int D, bool CLUSTER, int WARPS, int DR = D, int TILED = 0, int F = 0,
           int PAIR = 1, int Q8 = 0, class QT = T>
 __device__ __forceinline__ void gqa_split_mma_swapped(
     const QT* __restrict__ q, const typename FxStore<T, Q8>::type* __restrict__ k,
@@ -144,34 +144,55 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     const auto wr = fx_warp_ring<KT, D, 16, S, WARPS, DR, F>(
         fx_dyn_smem, k, v, blk.g_kv, n_kv_heads, feat.head_stride, blk.start, blk.end, warp, lane);
 
+    // TILED = 2 (a verify's rows): NT = 2 tiles of 8 heads, tile u's heads h0 + 8u .., each
+    // K and V fragment read once for both tiles' mmas
+    constexpr int NT = TILED == 2 ? 2 : 1;
+    static_assert(NT == 1 || (PAIR == 1 && D <= 128), "two tiles: one KV head, q in registers");
+    int h0[NT], group[NT];
+#pragma unroll
+    for (int u = 0; u < NT; ++u) {
+        h0[u] = blk.h0 + 8 * u;
+        group[u] = NT == 1 ? blk.group : max(0, min(8, blk.group - 8 * u));
+    }
+
     // Q as the B operand (n = heads), read as gqa_split_mma reads it for its A operand
     const int a_heads = PAIR == 1 ? 0 : max(0, min(blk.group, blk.heads_per_kv / 2 - blk.tile_h));
-    float q_mul_a = 1.f, q_mul_b = 1.f;  // (Q8: the heads' power-of-two scales undone)
-    const FxQ<T, D> qf = [&] {
+    float q_mul_a[NT], q_mul_b[NT];  // (Q8: the heads' power-of-two scales undone)
+    FxQ<T, D> qf[NT];
+#pragma unroll
+    for (int u = 0; u < NT; ++u) {
+        q_mul_a[u] = q_mul_b[u] = 1.f;
+        if (u) __syncthreads();  // (the staging is reused: every warp has read tile u - 1's)
         if constexpr (Q8 != 0)
-            return fx_load_q8<D, THREADS, DR>(q, blk.h0, blk.group, g, tig, q_mul_a, q_mul_b);
+            qf[u] = fx_load_q8<D, THREADS, DR>(q, h0[u], group[u], g, tig, q_mul_a[u], q_mul_b[u]);
         else
-            return fx_load_q<T, D, THREADS, DR, PAIR>(q, blk.h0, blk.group, g, tig, a_heads);
-    }();
+            qf[u] = fx_load_q<T, D, THREADS, DR, PAIR>(q, h0[u], group[u], g, tig, a_heads);
+    }
 
     // heads 2tig (a) and 2tig + 1 (b); Q8: the K scale and q's folded in
     const float k_scale = Q8 ? kv_scales[blk.g_kv] : 1.f;
-    const FxScore<F> sca = fx_folded<F, Q8>(
-        fx_scorer<F>(feat, DR / PAIR, blk.h0 + 2 * tig, 2 * tig < blk.group, seq_len, seq_len_dev),
-        k_scale * q_mul_a);
-    const FxScore<F> scb = fx_folded<F, Q8>(
-        fx_scorer<F>(feat, DR / PAIR, blk.h0 + 2 * tig + 1, 2 * tig + 1 < blk.group, seq_len,
-                     seq_len_dev),
-        k_scale * q_mul_b);
+    FxScore<F> sca[NT], scb[NT];
+#pragma unroll
+    for (int u = 0; u < NT; ++u) {
+        sca[u] = fx_folded<F, Q8>(fx_scorer<F>(feat, DR / PAIR, h0[u] + 2 * tig,
+                                                2 * tig < group[u], seq_len, seq_len_dev),
+                                   k_scale * q_mul_a[u]);
+        scb[u] = fx_folded<F, Q8>(fx_scorer<F>(feat, DR / PAIR, h0[u] + 2 * tig + 1,
+                                                2 * tig + 1 < group[u], seq_len, seq_len_dev),
+                                   k_scale * q_mul_b[u]);
+    }
 
-    // O^T accumulators [64-d block][i][c]: d = hb*64 + g*8 + 2i + (c >> 1), head
+    // O^T accumulators [tile][64-d block][i][c]: d = hb*64 + g*8 + 2i + (c >> 1), head
     // 2tig + (c & 1).
-    float oacc[D / 64][4][4];
+    float oacc[NT][D / 64][4][4];
 #pragma unroll
-    for (int hb = 0; hb < D / 64; ++hb)
+    for (int u = 0; u < NT; ++u)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) oacc[hb][i][0] = oacc[hb][i][1] = oacc[hb][i][2] = oacc[hb][i][3] = 0.f;
-    FxRunning ra, rb;  // heads 2tig (a) and 2tig + 1 (b): their online softmax
+        for (int hb = 0; hb < D / 64; ++hb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                oacc[u][hb][i][0] = oacc[u][hb][i][1] = oacc[u][hb][i][2] = oacc[u][hb][i][3] = 0.f;
+    FxRunning ra[NT], rb[NT];  // heads 2tig (a) and 2tig + 1 (b): their online softmax
 
     for (int j = 0; wr.t0(j) < blk.end; ++j) {
         wr.issue(j + S - 1);
@@ -182,7 +203,11 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         const KT* vs = ks + STEP;
         // ---- S^T = K Q^T: rows = tokens t0 + g (c0, c1) and t0 + g + 8 (c2, c3), columns
         // = heads 2tig, 2tig + 1; two chains (the 16-byte reads' halves)
-        float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
+        float s[NT][4], s2[NT][4];
+#pragma unroll
+        for (int u = 0; u < NT; ++u)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[u][e] = s2[u][e] = 0.f;
 #pragma unroll
         for (int kb = 0; kb < D / 32; ++kb) {
             const int cg = (kb * 4 + tig) ^ ((g & 1) << 2);  // rows g and g + 8: same parity
@@ -192,24 +217,34 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                                 : *reinterpret_cast<const uint4*>(ks + g * D + cg * 8);
             const uint4 kc = Q8 ? FxRead<Q8>::at(ks + (g + 8) * D, k8)
                                 : *reinterpret_cast<const uint4*>(ks + (g + 8) * D + cg * 8);
-            const uint4 qv = qf.at(kb, tig);
-            FxMma<T>::run(s[0], s[1], s[2], s[3], ka.x, kc.x, ka.y, kc.y, qv.x, qv.y);
-            FxMma<T>::run(s2[0], s2[1], s2[2], s2[3], ka.z, kc.z, ka.w, kc.w, qv.z, qv.w);
+#pragma unroll
+            for (int u = 0; u < NT; ++u) {
+                const uint4 qv = qf[u].at(kb, tig);
+                FxMma<T>::run(s[u][0], s[u][1], s[u][2], s[u][3], ka.x, kc.x, ka.y, kc.y, qv.x,
+                              qv.y);
+                FxMma<T>::run(s2[u][0], s2[u][1], s2[u][2], s2[u][3], ka.z, kc.z, ka.w, kc.w,
+                              qv.z, qv.w);
+            }
         }
         const int ta = t0 + g, tc = ta + 8;
-        float x[4];
-        x[0] = ta < blk.end ? sca(s[0] + s2[0], ta) : -INFINITY;  // head a
-        x[1] = ta < blk.end ? scb(s[1] + s2[1], ta) : -INFINITY;  // head b
-        x[2] = tc < blk.end ? sca(s[2] + s2[2], tc) : -INFINITY;  // head a
-        x[3] = tc < blk.end ? scb(s[3] + s2[3], tc) : -INFINITY;  // head b
-        const float xa[2] = {x[0], x[2]}, xb[2] = {x[1], x[3]};
-        float pa[2], pb[2];
-        const float alpha_a = ra.step(fx_lanes_max<4, 32>(fmaxf(x[0], x[2])), xa, pa);
-        const float alpha_b = rb.step(fx_lanes_max<4, 32>(fmaxf(x[1], x[3])), xb, pb);
-        // P^T as the B operand: (tokens 2tig, 2tig + 1; head g) and (tokens 2tig + 8, + 9;
-        // head g), each 8x8 block of P (token g; heads 2tig, 2tig + 1) transposed
-        const unsigned pb0 = fx_movmatrix_trans(fx_pack2<T>(pa[0], pb[0]));
-        const unsigned pb1 = fx_movmatrix_trans(fx_pack2<T>(pa[1], pb[1]));
+        float alpha_a[NT], alpha_b[NT];
+        unsigned pb0[NT], pb1[NT];
+#pragma unroll
+        for (int u = 0; u < NT; ++u) {
+            float x[4];
+            x[0] = ta < blk.end ? sca[u](s[u][0] + s2[u][0], ta) : -INFINITY;  // head a
+            x[1] = ta < blk.end ? scb[u](s[u][1] + s2[u][1], ta) : -INFINITY;  // head b
+            x[2] = tc < blk.end ? sca[u](s[u][2] + s2[u][2], tc) : -INFINITY;  // head a
+            x[3] = tc < blk.end ? scb[u](s[u][3] + s2[u][3], tc) : -INFINITY;  // head b
+            const float xa[2] = {x[0], x[2]}, xb[2] = {x[1], x[3]};
+            float pa[2], pb[2];
+            alpha_a[u] = ra[u].step(fx_lanes_max<4, 32>(fmaxf(x[0], x[2])), xa, pa);
+            alpha_b[u] = rb[u].step(fx_lanes_max<4, 32>(fmaxf(x[1], x[3])), xb, pb);
+            // P^T as the B operand: (tokens 2tig, 2tig + 1; head g) and (tokens 2tig + 8,
+            // + 9; head g), each 8x8 block of P (token g; heads 2tig, 2tig + 1) transposed
+            pb0[u] = fx_movmatrix_trans(fx_pack2<T>(pa[0], pb[0]));
+            pb1[u] = fx_movmatrix_trans(fx_pack2<T>(pa[1], pb[1]));
+        }
         // ---- O^T = O^T * alpha + V^T P^T; this lane's V rows are 2tig, 2tig+1, 2tig+8,
         // 2tig+9, at d = hb*64 + g*8 .. +8 (rows g and g + 8 of the mma: elements 2i, 2i+1)
 #pragma unroll
@@ -235,12 +270,15 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                 const unsigned a1 = __byte_perm(wa[i], wb[i], 0x7632u);  // d element 2i+1
                 const unsigned a2 = __byte_perm(wc[i], wd[i], 0x5410u);
                 const unsigned a3 = __byte_perm(wc[i], wd[i], 0x7632u);
-                float* o = oacc[hb][i];
-                o[0] *= alpha_a;
-                o[1] *= alpha_b;
-                o[2] *= alpha_a;
-                o[3] *= alpha_b;
-                FxMma<T>::run(o[0], o[1], o[2], o[3], a0, a1, a2, a3, pb0, pb1);
+#pragma unroll
+                for (int u = 0; u < NT; ++u) {
+                    float* o = oacc[u][hb][i];
+                    o[0] *= alpha_a[u];
+                    o[1] *= alpha_b[u];
+                    o[2] *= alpha_a[u];
+                    o[3] *= alpha_b[u];
+                    FxMma<T>::run(o[0], o[1], o[2], o[3], a0, a1, a2, a3, pb0[u], pb1[u]);
+                }
             }
         }
         __syncwarp();
@@ -249,57 +287,68 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     if (Q8) {  // the V scale, once
         const float v_scale = kv_scales[n_kv_heads + blk.g_kv];
 #pragma unroll
-        for (int hb = 0; hb < D / 64; ++hb)
+        for (int u = 0; u < NT; ++u)
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
+            for (int hb = 0; hb < D / 64; ++hb)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) oacc[hb][i][c] *= v_scale;
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) oacc[u][hb][i][c] *= v_scale;
     }
 
     // ---- the warps' merge, as gqa_split_mma's, from this layout: the sums over the lanes
-    // of a column (xor 4, 8, 16), then head 2tig's max and sum from lane tig
-    ra.l += __shfl_xor_sync(0xffffffffu, ra.l, 4);
-    rb.l += __shfl_xor_sync(0xffffffffu, rb.l, 4);
-    ra.l += __shfl_xor_sync(0xffffffffu, ra.l, 8);
-    rb.l += __shfl_xor_sync(0xffffffffu, rb.l, 8);
-    ra.l += __shfl_xor_sync(0xffffffffu, ra.l, 16);
-    rb.l += __shfl_xor_sync(0xffffffffu, rb.l, 16);
-    auto park_stats = [&](float (*m_s)[8], float (*l_s)[8]) {
-        if (g == 0) {
-            m_s[warp][2 * tig] = ra.m;
-            m_s[warp][2 * tig + 1] = rb.m;
-            l_s[warp][2 * tig] = ra.l;
-            l_s[warp][2 * tig + 1] = rb.l;
-        }
-    };
-    // column d = hb*64 + g*8 + e of head h: slot hb*16 + (g >> 2)*8 + e of lane 4h + (g & 3)
+    // of a column (xor 4, 8, 16), then head 2tig's max and sum from lane tig; tile by tile
+    // (the merge's shared memory reused: a barrier between)
     constexpr int SLOTS = D / 4;
-    auto park_o = [&](float* o_f) {
-#pragma unroll
-        for (int hb = 0; hb < D / 64; ++hb)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int slot = hb * 16 + (g >> 2) * 8 + 2 * i + (c >> 1);
-                    const int ln = 4 * (2 * tig + (c & 1)) + (g & 3);
-                    o_f[(warp * SLOTS + slot) * FX_OPAD + ln] = oacc[hb][i][c];
-                }
-    };
     auto where = [](int d, int& slot, int& t) {
         const int gg = (d % 64) / 8;
         slot = (d / 64) * 16 + (gg >> 2) * 8 + d % 8;
         t = gg & 3;
     };
-    fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR, F, PAIR>(
-        fx_dyn_smem, park_stats, park_o, ws_o, ws_ml, out, blk.h0, blk.group, splits, blk.split,
-        seq_len, seq_len_dev, where, &feat, a_heads);
+#pragma unroll
+    for (int u = 0; u < NT; ++u) {
+        if (u && group[u] == 0) break;  // (an odd count of tiles: the block's last is empty)
+        if (u) __syncthreads();
+        FxRunning& wa = ra[u];
+        FxRunning& wb = rb[u];
+        wa.l += __shfl_xor_sync(0xffffffffu, wa.l, 4);
+        wb.l += __shfl_xor_sync(0xffffffffu, wb.l, 4);
+        wa.l += __shfl_xor_sync(0xffffffffu, wa.l, 8);
+        wb.l += __shfl_xor_sync(0xffffffffu, wb.l, 8);
+        wa.l += __shfl_xor_sync(0xffffffffu, wa.l, 16);
+        wb.l += __shfl_xor_sync(0xffffffffu, wb.l, 16);
+        auto park_stats = [&](float (*m_s)[8], float (*l_s)[8]) {
+            if (g == 0) {
+                m_s[warp][2 * tig] = wa.m;
+                m_s[warp][2 * tig + 1] = wb.m;
+                l_s[warp][2 * tig] = wa.l;
+                l_s[warp][2 * tig + 1] = wb.l;
+            }
+        };
+        // column d = hb*64 + g*8 + e of head h: slot hb*16 + (g >> 2)*8 + e of lane 4h +
+        // (g & 3)
+        auto park_o = [&](float* o_f) {
+#pragma unroll
+            for (int hb = 0; hb < D / 64; ++hb)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const int slot = hb * 16 + (g >> 2) * 8 + 2 * i + (c >> 1);
+                        const int ln = 4 * (2 * tig + (c & 1)) + (g & 3);
+                        o_f[(warp * SLOTS + slot) * FX_OPAD + ln] = oacc[u][hb][i][c];
+                    }
+        };
+        fx_merge_parked<CLUSTER, WARPS, D, SLOTS, RING, DR, F, PAIR>(
+            fx_dyn_smem, park_stats, park_o, ws_o, ws_ml, out, h0[u], group[u], splits,
+            blk.split, seq_len, seq_len_dev, where, &feat, a_heads);
+    }
 }
 
 // Which head_dims take the swapped operands: FX_MMA_SWAPPED_D<D> (split_traits.h, from
 // ferrox_driver/kernel_traits.py, where the measurement is noted).
 template <class T, int D, bool CLUSTER, int WARPS = FxWarps<D>::value, int DR = D,
-          bool TILED = false, int F = 0, int PAIR = 1>
+          int TILED = 0, int F = 0, int PAIR = 1>
 __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, float* ws_o,
                                             float* ws_ml, T* out, int n_heads, int n_kv_heads,
                                             int seq_len, const int* seq_len_dev, int splits,
@@ -307,7 +356,7 @@ __device__ __forceinline__ void fx_mma_body(const T* q, const T* k, const T* v, 
     constexpr bool SWAPPED = D == 64    ? FX_MMA_SWAPPED_D64
                              : D == 128 ? FX_MMA_SWAPPED_D128
                                         : FX_MMA_SWAPPED_D256;
-    if (SWAPPED)
+    if constexpr (SWAPPED)
         gqa_split_mma_swapped<T, D, CLUSTER, WARPS, DR, TILED, F, PAIR>(
             q, k, v, ws_o, ws_ml, out, n_heads, n_kv_heads, seq_len, seq_len_dev, splits, tile,
             feat);

@@ -153,14 +153,15 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
 
 // Where a tensor-core block stands: its tokens [start, end) of chunk `split`, its KV head
 // g_kv and its query heads h0 .. h0 + group (all of the KV head's, at most 8; with TILED,
-// groups of 9-16, one of two tiles of 8: tile_h its first, within the KV head's).
+// groups of 9-16 or a verify's rows, one tile of 8: tile_h its first, within the KV head's;
+// with TILED = 2, two adjacent tiles, up to 16 rows, read with one pass over K and V).
 struct FxTcBlock {
     int split, start, end, heads_per_kv, g_kv, tile_h, group, h0;
 };
 // The first lines of every tensor-core body: let the combine kernel start early, check the
 // launch (fx_block_chunk: `ring_bytes` of ring, `threads`) and place the block (`at`).
 // False: the block has no tokens and leaves.
-template <bool CLUSTER, bool TILED, int D, int F>
+template <bool CLUSTER, int TILED, int D, int F>
 __device__ __forceinline__ bool fx_tc_block(FxTcBlock& at, unsigned ring_bytes, unsigned threads,
                                             int n_heads, int n_kv_heads, int seq_len,
                                             const int* seq_len_dev, int splits, int tile,
@@ -172,12 +173,13 @@ __device__ __forceinline__ bool fx_tc_block(FxTcBlock& at, unsigned ring_bytes, 
                                        at.split, at.start, at.end, window))
         return false;
     // TILED (groups past 8: 9-16, or a verify's rows): blockIdx.y = tiles g_kv + tile, 8
-    // query heads per tile
+    // query heads per tile (TILED = 2: 16 per block, two tiles)
+    constexpr int ROWS = TILED == 2 ? 16 : 8;
     at.heads_per_kv = n_heads / n_kv_heads;
-    const int tiles = TILED ? (at.heads_per_kv + 7) >> 3 : 1;
+    const int tiles = TILED ? (at.heads_per_kv + ROWS - 1) / ROWS : 1;
     at.g_kv = TILED ? (int)blockIdx.y / tiles : (int)blockIdx.y;
-    at.tile_h = TILED ? (int)blockIdx.y % tiles * 8 : 0;
-    at.group = TILED ? min(8, at.heads_per_kv - at.tile_h) : at.heads_per_kv;
+    at.tile_h = TILED ? (int)blockIdx.y % tiles * ROWS : 0;
+    at.group = TILED ? min(ROWS, at.heads_per_kv - at.tile_h) : at.heads_per_kv;
     at.h0 = at.g_kv * at.heads_per_kv + at.tile_h;
     return true;
 }

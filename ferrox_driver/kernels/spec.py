@@ -8,7 +8,7 @@ The names, as they have been since the kernels were first cached on disk:
 
     gqa_split_<dt>_g<G>_<vec|any>[_x<F>]                          CUDA cores ("generic")
     gqa_split_tc32_f32_d<D>[_x<F>][_cluster]                      fp32 on tensor cores
-    gqa_split_mma_<dt>[_<fp8>]_d<D>[_r<DR>][_wide][_p2][_t2][_x<F>][_cluster]
+    gqa_split_mma_<dt>[_<fp8>]_d<D>[_r<DR>][_wide][_p2][_t2[b2]][_x<F>][_cluster]
                                                                   fp16/bf16 on tensor cores
     gqa_split_combine_<dt>[_x<F>]                                 merges the chunks
     gqa_decode_<dt>                                               the parity kernel
@@ -82,7 +82,10 @@ class KernelSpec:
             2 x head_dim; 0 (the default) means D.
         heads_per_block: generic: query heads per block (G).
         vec: generic: 16-byte vector loads (head_dim a multiple of 8, rows aligned).
-        tiles: mma: tiles of 8 query heads per KV head (2: groups of 9-16).
+        tiles: mma: tiles of 8 query heads per KV head (2: groups of 9-16, or any group of
+            a verify's rows, in tiles of 8).
+        block_tiles: mma, tiled: tiles one block takes with one pass over K and V (2: a
+            verify's rows 16 at a time; the swapped body, head_dim 128).
         paired: mma: two adjacent KV heads' rows read as one row of ``row_dim``.
         wide: mma: the wide cluster kernel (head_dim 128, twice the warps).
         fp8: mma: an fp8 cache's format (FP8_FORMATS), or "" for a cache of q's dtype.
@@ -100,6 +103,7 @@ class KernelSpec:
     heads_per_block: int = 0
     vec: bool = False
     tiles: int = 1
+    block_tiles: int = 1
     paired: bool = False
     wide: bool = False
     fp8: str = ""
@@ -123,7 +127,14 @@ class KernelSpec:
             return f"features not in [0, {F_LIMIT})"
         mma = self.family == "mma"
         if self.family in ("verify", "vcombine"):
-            if self.head_dim or self.row_dim or self.tiles != 1 or self.paired or self.wide:
+            if (
+                self.head_dim
+                or self.row_dim
+                or self.tiles != 1
+                or self.block_tiles != 1
+                or self.paired
+                or self.wide
+            ):
                 return "a verify's kernels take dtype, fp8 (the tail) and features only"
             if self.heads_per_block or self.vec or self.cluster:
                 return "a verify's kernels take dtype, fp8 (the tail) and features only"
@@ -132,6 +143,8 @@ class KernelSpec:
             if self.fp8 and self.dtype == "f32":
                 return "an fp8 cache takes fp16/bf16 q"
             return ""
+        if not mma and self.block_tiles != 1:
+            return "block_tiles is the fp16/bf16 tensor-core kernels'"
         if not mma and (self.row_dim or self.tiles != 1 or self.paired or self.wide or self.fp8):
             return "row_dim, tiles, paired, wide and fp8 are the fp16/bf16 tensor-core kernels'"
         if self.family != "generic" and (self.heads_per_block or self.vec):
@@ -159,6 +172,10 @@ class KernelSpec:
             return f"fp8 not one of {tuple(FP8_FORMATS)}"
         if self.tiles not in (1, 2):
             return "tiles 1 or 2"
+        if self.block_tiles not in (1, 2):
+            return "block_tiles 1 or 2"
+        if self.block_tiles == 2 and (self.tiles != 2 or d != 128 or self.wide or self.paired):
+            return "two tiles per block: tiled, head_dim 128 (the swapped body), not wide or paired"
         if self.wide:
             if d != WIDE_HEAD_DIM or dr != d or self.tiles != 1 or self.paired:
                 return f"the wide kernel: head_dim {WIDE_HEAD_DIM}, one tile, not paired"
@@ -205,6 +222,7 @@ class KernelSpec:
             stem += "_wide" if self.wide else ""
             stem += "_p2" if self.paired else ""
             stem += "_t2" if self.tiles == 2 else ""
+            stem += "b2" if self.block_tiles == 2 else ""
         stem += f"_x{self.features}" if self.features or self.fp8 else ""
         return stem + ("_cluster" if self.cluster else "")
 
@@ -225,7 +243,7 @@ class KernelSpec:
             self.features,
         )
         base = name.removesuffix("_cluster")  # the macro names the twin itself
-        tiled = "true" if self.tiles == 2 else "false"
+        tiled = "2" if self.block_tiles == 2 else "true" if self.tiles == 2 else "false"
         family = self.family
         if family == "parity":
             raise ValueError(f"kernel: {name} is in {PARITY_FILE}, compiled whole (no entry)")
@@ -264,6 +282,8 @@ class KernelSpec:
             return f"FX_MMA_PAIR_ENTRY({name}, {t}, {d}, {dr}, {tiled})"
         if f:
             return f"FX_MMA_FEAT_ENTRY({base}, {t}, {d}, {dr}, {tiled}, {f})"
+        if self.block_tiles == 2:
+            return f"FX_MMA_KERNELS({base}, {t}, {d}, {dr}, 2)"
         if self.tiles == 2:
             return f"FX_MMA_TILED_ENTRY({base}, {t}, {d}, {dr})"
         if dr != d:
