@@ -21,6 +21,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "fp8"))
     parser.add_argument("--seqs", nargs="+", type=int, default=[4096, 32768, 131072])
     parser.add_argument("--n-q", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="time each launch alone too "
+        "(the split kernel alone reads the prefix length the tail last wrote)",
+    )
     args = parser.parse_args()
     shape = tuple(int(x) for x in args.shape.split("/"))
     dev = default_device()
@@ -29,7 +35,7 @@ def main() -> None:
         for n_q in args.n_q:
             whole = measure_verify_point(shape, seq, n_q, args.dtype, 20, dev)  # type: ignore[arg-type]
             parts = ["", "", ""]
-            if n_q > 1:
+            if n_q > 1 and args.parts:
                 for at in range(3):
                     us = measure_verify_point(shape, seq, n_q, args.dtype, 20, dev, only=(at,))  # type: ignore[arg-type]
                     parts[at] = f"{us:.1f}"
