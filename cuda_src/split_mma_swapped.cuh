@@ -144,9 +144,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     const auto wr = fx_warp_ring<KT, D, 16, S, WARPS, DR, F>(
         fx_dyn_smem, k, v, blk.g_kv, n_kv_heads, feat.head_stride, blk.start, blk.end, warp, lane);
 
-    // TILED = 2 (a verify's rows): NT = 2 tiles of 8 heads, tile u's heads h0 + 8u .., each
-    // K and V fragment read once for both tiles' mmas
-    constexpr int NT = TILED == 2 ? 2 : 1;
+    // TILED = 2, 4 (a verify's rows): NT = TILED tiles of 8 heads, tile u's heads h0 + 8u
+    // .., each K and V fragment read once for every tile's mmas
+    constexpr int NT = TILED >= 2 ? TILED : 1;
     static_assert(NT == 1 || (PAIR == 1 && D <= 128), "two tiles: one KV head, q in registers");
     int h0[NT], group[NT];
 #pragma unroll

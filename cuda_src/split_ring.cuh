@@ -154,7 +154,8 @@ __device__ __forceinline__ bool fx_block_chunk(unsigned ring_bytes, unsigned thr
 // Where a tensor-core block stands: its tokens [start, end) of chunk `split`, its KV head
 // g_kv and its query heads h0 .. h0 + group (all of the KV head's, at most 8; with TILED,
 // groups of 9-16 or a verify's rows, one tile of 8: tile_h its first, within the KV head's;
-// with TILED = 2, two adjacent tiles, up to 16 rows, read with one pass over K and V).
+// with TILED = 2 or 4, that many adjacent tiles, up to 8 x TILED rows, read with one pass
+// over K and V).
 struct FxTcBlock {
     int split, start, end, heads_per_kv, g_kv, tile_h, group, h0;
 };
@@ -173,8 +174,8 @@ __device__ __forceinline__ bool fx_tc_block(FxTcBlock& at, unsigned ring_bytes, 
                                        at.split, at.start, at.end, window))
         return false;
     // TILED (groups past 8: 9-16, or a verify's rows): blockIdx.y = tiles g_kv + tile, 8
-    // query heads per tile (TILED = 2: 16 per block, two tiles)
-    constexpr int ROWS = TILED == 2 ? 16 : 8;
+    // query heads per tile (TILED = 2, 4: 8 x TILED per block, that many tiles)
+    constexpr int ROWS = TILED >= 2 ? 8 * TILED : 8;
     at.heads_per_kv = n_heads / n_kv_heads;
     const int tiles = TILED ? (at.heads_per_kv + ROWS - 1) / ROWS : 1;
     at.g_kv = TILED ? (int)blockIdx.y / tiles : (int)blockIdx.y;

@@ -97,8 +97,8 @@ class Overrides:
         wide: the wide plans (``FERROX_WIDE=0``).
         early_combine: the combine kernel launched early, programmatic dependent launch
             (``FERROX_EARLY_COMBINE=0``); a verify's split kernel too, behind its tail.
-        verify_block_tiles: a verify's split blocks take 16 rows (two tiles of 8) per pass
-            over K and V at head_dim 128 (``FERROX_VERIFY_BLOCK_TILES=0``: 8).
+        verify_block_tiles: the most tiles of 8 rows a verify's split block takes per pass
+            over K and V at head_dim 128: 1, 2 or 4 (``FERROX_VERIFY_BLOCK_TILES``).
         padded_mma: fp16/bf16 head_dims other than 64/128/256 (multiples of 8) on the
             tensor-core kernels, padded (``FERROX_PADDED_MMA=0``: CUDA cores).
         paired: two adjacent KV heads' rows read as one row of 2 x head_dim: None (the
@@ -112,7 +112,7 @@ class Overrides:
     cluster: bool = True
     wide: bool = True
     early_combine: bool = True
-    verify_block_tiles: bool = True
+    verify_block_tiles: int = 4
     padded_mma: bool = True
     paired: bool | None = None
 
@@ -130,7 +130,7 @@ class Overrides:
             cluster=on("FERROX_CLUSTER"),
             wide=on("FERROX_WIDE"),
             early_combine=on("FERROX_EARLY_COMBINE"),
-            verify_block_tiles=on("FERROX_VERIFY_BLOCK_TILES"),
+            verify_block_tiles=int(env.get("FERROX_VERIFY_BLOCK_TILES", "4")),
             padded_mma=on("FERROX_PADDED_MMA"),
             paired={"0": False, "1": True}.get(env.get("FERROX_PAIRED", "")),
         )
@@ -496,13 +496,14 @@ def _plan(
     chosen: SplitPlan | None = None
     if mma_dim is not None and (group <= 16 or any_group) and aligned:  # past 8: tiles of 8
         tiles = -(-group // 8)
-        # a verify's rows past 8 at head_dim 128 (the swapped body): 16 rows per block, K and
-        # V read once for both tiles (VERIFY_BLOCK_TILES)
-        pairs = any_group and tiles > 1 and mma_dim == 128 and ov.verify_block_tiles
+        # a verify's rows past 8 at head_dim 128 (the swapped body): 16 or 32 rows per block,
+        # K and V read once for every tile (Overrides.verify_block_tiles)
+        most_tiles = ov.verify_block_tiles if any_group and mma_dim == 128 else 1
+        per_block = 1 if tiles == 1 or most_tiles < 2 else 2 if tiles == 2 or most_tiles < 4 else 4
         chosen = fitting(traits, head_dim, 2, SplitPlan(
             KernelSpec("mma", name, mma_dim, head_dim, tiles=min(tiles, 2),
-                       block_tiles=2 if pairs else 1),
-            -(-tiles // 2) if pairs else tiles, 32, 1, 32 * MMA_WARPS[mma_dim], TILE,
+                       block_tiles=per_block),
+            -(-tiles // per_block), 32, 1, 32 * MMA_WARPS[mma_dim], TILE,
             padded_stages(mma_dim, head_dim) or MMA_STAGES[mma_dim], 16,
             reserve_stages=MMA_RESERVE_STAGES[mma_dim],
         ))  # fmt: skip

@@ -8,7 +8,7 @@ The names, as they have been since the kernels were first cached on disk:
 
     gqa_split_<dt>_g<G>_<vec|any>[_x<F>]                          CUDA cores ("generic")
     gqa_split_tc32_f32_d<D>[_x<F>][_cluster]                      fp32 on tensor cores
-    gqa_split_mma_<dt>[_<fp8>]_d<D>[_r<DR>][_wide][_p2][_t2[b2]][_x<F>][_cluster]
+    gqa_split_mma_<dt>[_<fp8>]_d<D>[_r<DR>][_wide][_p2][_t2[b<2|4>]][_x<F>][_cluster]
                                                                   fp16/bf16 on tensor cores
     gqa_split_combine_<dt>[_x<F>]                                 merges the chunks
     gqa_decode_<dt>                                               the parity kernel
@@ -84,8 +84,8 @@ class KernelSpec:
         vec: generic: 16-byte vector loads (head_dim a multiple of 8, rows aligned).
         tiles: mma: tiles of 8 query heads per KV head (2: groups of 9-16, or any group of
             a verify's rows, in tiles of 8).
-        block_tiles: mma, tiled: tiles one block takes with one pass over K and V (2: a
-            verify's rows 16 at a time; the swapped body, head_dim 128).
+        block_tiles: mma, tiled: tiles one block takes with one pass over K and V (2 or 4:
+            a verify's rows 16 or 32 at a time; the swapped body, head_dim 128).
         paired: mma: two adjacent KV heads' rows read as one row of ``row_dim``.
         wide: mma: the wide cluster kernel (head_dim 128, twice the warps).
         fp8: mma: an fp8 cache's format (FP8_FORMATS), or "" for a cache of q's dtype.
@@ -172,9 +172,9 @@ class KernelSpec:
             return f"fp8 not one of {tuple(FP8_FORMATS)}"
         if self.tiles not in (1, 2):
             return "tiles 1 or 2"
-        if self.block_tiles not in (1, 2):
-            return "block_tiles 1 or 2"
-        if self.block_tiles == 2 and (self.tiles != 2 or d != 128 or self.wide or self.paired):
+        if self.block_tiles not in (1, 2, 4):
+            return "block_tiles 1, 2 or 4"
+        if self.block_tiles > 1 and (self.tiles != 2 or d != 128 or self.wide or self.paired):
             return "two tiles per block: tiled, head_dim 128 (the swapped body), not wide or paired"
         if self.wide:
             if d != WIDE_HEAD_DIM or dr != d or self.tiles != 1 or self.paired:
@@ -222,7 +222,7 @@ class KernelSpec:
             stem += "_wide" if self.wide else ""
             stem += "_p2" if self.paired else ""
             stem += "_t2" if self.tiles == 2 else ""
-            stem += "b2" if self.block_tiles == 2 else ""
+            stem += f"b{self.block_tiles}" if self.block_tiles > 1 else ""
         stem += f"_x{self.features}" if self.features or self.fp8 else ""
         return stem + ("_cluster" if self.cluster else "")
 
@@ -243,7 +243,13 @@ class KernelSpec:
             self.features,
         )
         base = name.removesuffix("_cluster")  # the macro names the twin itself
-        tiled = "2" if self.block_tiles == 2 else "true" if self.tiles == 2 else "false"
+        tiled = (
+            str(self.block_tiles)
+            if self.block_tiles > 1
+            else "true"
+            if self.tiles == 2
+            else "false"
+        )
         family = self.family
         if family == "parity":
             raise ValueError(f"kernel: {name} is in {PARITY_FILE}, compiled whole (no entry)")
@@ -282,8 +288,8 @@ class KernelSpec:
             return f"FX_MMA_PAIR_ENTRY({name}, {t}, {d}, {dr}, {tiled})"
         if f:
             return f"FX_MMA_FEAT_ENTRY({base}, {t}, {d}, {dr}, {tiled}, {f})"
-        if self.block_tiles == 2:
-            return f"FX_MMA_KERNELS({base}, {t}, {d}, {dr}, 2)"
+        if self.block_tiles > 1:
+            return f"FX_MMA_KERNELS({base}, {t}, {d}, {dr}, {self.block_tiles})"
         if self.tiles == 2:
             return f"FX_MMA_TILED_ENTRY({base}, {t}, {d}, {dr})"
         if dr != d:
