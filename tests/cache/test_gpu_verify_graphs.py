@@ -272,3 +272,27 @@ def test_a_captured_draft_verify_rollback_loop_of_1000_steps(rng):
         assert kv.seq_len == length
         same_bytes(kv, np.concatenate(ks), np.concatenate(vs))
         exe.close()
+
+
+def test_a_long_cache_verifies_with_blocks_of_32_rows(rng):
+    """A cache planned for 20,000 tokens takes the split blocks of four tiles (32 rows per
+    pass over K and V) for 8 queries of a group of 4 (with a window of 300, blocks of 16);
+    checked against the reference, with a tree mask and features, bf16 and fp8."""
+    from ferrox_driver.decode.launches import plan_split
+    from ferrox_driver.driver.device import default_device
+
+    n_q, heads, kv_heads, hd = 8, 16, 4, 128
+    plan = plan_split(default_device(), np.dtype(BF16), n_q * heads, kv_heads, hd, 20000,
+                      verify=True)  # fmt: skip
+    assert plan.spec.block_tiles == 4
+    k, v = rows(rng, 700, kv_heads, hd)
+    q = queries(rng, n_q, heads, hd)
+    mask = random_tree(rng, n_q)
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        with fd.KVCache(kv_heads, hd, 20000, dtype=dtype) as kv:
+            kv.extend(k, v)
+            kq, vq = kv.dequantized()
+            for kw in ({}, {"sliding_window": 300, "logits_soft_cap": 6.0}):
+                got = kv.decode(fd.to_device(q), tree_mask=mask, **kw).to_host()
+                ref = fd.reference_gqa_decode(q, kq, vq, tree_mask=mask, **kw)
+                assert rel_err(got, ref) < 2e-2
