@@ -584,3 +584,50 @@ def test_no_plan_pairs_kv_heads_whose_pair_needs_two_tiles():
                     p = attention.plan(traits, dtype, 8 * group, 8, head_dim, seq)
                     assert p.paired == (group <= 4), (head_dim, group, seq, p.kernel)
                     assert "_p2_t2" not in p.kernel
+
+
+def test_a_verifys_split_blocks_take_16_rows_and_32_from_16384_tokens():
+    """A verify's split kernel (n_q x n_heads rows) on the fake H200: one block per 16 rows
+    of a KV head (two tiles of 8) below VERIFY_WIDE_FROM planned tokens, per 32 from there,
+    at head_dim 128 (bf16, fp16, fp8); 8 elsewhere; FERROX_VERIFY_BLOCK_TILES caps it."""
+    traits = _traits()
+    bf16 = ml_dtypes.bfloat16
+
+    def verify(rows, seq, head_dim=128, dtype=bf16, fp8="", overrides=None):
+        p = attention.plan(traits, dtype, rows, 8, head_dim, seq, True, overrides, 0, fp8,
+                           verify=True)  # fmt: skip
+        return p.spec.block_tiles, p.head_tiles, p.cluster
+
+    wide = attention.VERIFY_WIDE_FROM
+    assert verify(8 * 4, 4096) == (1, 1, 0)  # 4 rows per KV head: one tile, as ever
+    assert verify(8 * 8, 4096) == (1, 1, 0)  # 8 rows (n_q 2 of a group of 4): one tile
+    assert verify(8 * 16, 4096) == (2, 1, 0)  # 16 rows per KV head: one block
+    assert verify(8 * 32, 4096) == (2, 2, 0)  # 32 rows, below 16384 tokens: two blocks
+    assert verify(8 * 32, wide) == (4, 1, 0)  # from 16384: one block of 32
+    assert verify(8 * 64, 131072) == (4, 2, 0)
+    assert verify(8 * 24, wide) == (4, 1, 0)  # three tiles: one block, its last tile empty
+    assert verify(8 * 32, wide, dtype=np.float16) == (4, 1, 0)
+    assert verify(8 * 32, wide, fp8="e4m3") == (4, 1, 0)
+    assert verify(8 * 32, wide, head_dim=64) == (1, 4, 0)  # (the unswapped body: tiles of 8)
+    assert verify(8 * 32, wide, head_dim=256) == (1, 4, 0)
+    capped = attention.Overrides(verify_block_tiles=2)
+    assert verify(8 * 32, wide, overrides=capped) == (2, 2, 0)
+    assert verify(8 * 32, wide, overrides=attention.Overrides(verify_block_tiles=1)) == (1, 4, 0)
+    # a one-token plan never takes them
+    assert attention.plan(traits, bf16, 8 * 16, 8, 128, wide).spec.block_tiles == 1
+
+
+def test_blocks_of_several_tiles_are_the_swapped_head_dim_128_kernels_only():
+    spec = KernelSpec("mma", "bf16", 128, 128, tiles=2, block_tiles=4)
+    assert spec.name == "gqa_split_mma_bf16_d128_t2b4"
+    assert spec.entry == "FX_MMA_KERNELS(gqa_split_mma_bf16_d128_t2b4, fx_bf16, 128, 128, 4)"
+    fp8 = KernelSpec("mma", "bf16", 128, 128, tiles=2, block_tiles=2, fp8="e4m3")
+    assert fp8.name == "gqa_split_mma_bf16_e4m3_d128_t2b2_x0"
+    assert ", 2, 0)" in fp8.entry
+    for bad in (dict(head_dim=64, row_dim=64, tiles=2, block_tiles=2),
+                dict(head_dim=128, row_dim=128, tiles=1, block_tiles=2),
+                dict(head_dim=128, row_dim=128, tiles=2, block_tiles=3)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"block_tiles|two tiles per block"):
+            KernelSpec("mma", "bf16", **bad)
+    with pytest.raises(ValueError, match="block_tiles"):
+        KernelSpec("generic", "bf16", heads_per_block=4, block_tiles=2)
