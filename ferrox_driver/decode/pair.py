@@ -37,10 +37,11 @@ from .checks import (
 from .features import check_features
 from .fp8 import FP8_DTYPES, MIN_COMPUTE_CAPABILITY
 from .plan import check_algorithm
-from .queries import check_query_count, query_heads, single_query_only, tree_mask_packed
+from .queries import check_query_count, query_heads, single_query_only
 from .records import DecodeRecord, Kept, assemble
 from .records import lock as _records_lock
 from .records import store as _records
+from .verify import check_mask
 
 __all__ = [
     "checked_operand",
@@ -426,12 +427,10 @@ def device_mask(tree_mask: Any, n_q: int, ordinal: int) -> tuple[ArrayRef | None
     if ref is None:
         raise TypeError("tree_mask: expected a device array (the kernels read it at each run), "
                         "got a numpy array")  # fmt: skip
-    packed = tree_mask_packed(ref[1], ref[2], n_q)
-    if not ref[4]:
-        raise ValueError("tree_mask: expected a C-contiguous device array")
+    mode = check_mask(tree_mask, ref, n_q)  # (a device mask: its shape, dtype and layout)
     if ref[3] != ordinal:
         raise ValueError(f"tree_mask: on device {ref[3]}, the cache on device {ordinal}")
-    return ref, 2 if packed else 1
+    return ref, mode
 
 
 def feature_key(fargs: Any) -> tuple[Any, ...]:
