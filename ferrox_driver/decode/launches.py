@@ -71,24 +71,25 @@ _traits: dict[int, DeviceTraits] = {}
 
 
 def _read_traits(device: Device) -> DeviceTraits:
-    blocks: dict[KernelSpec, int] = {}
-    clusters: dict[tuple[KernelSpec, int], int] = {}
+    blocks: dict[tuple[KernelSpec, int, int], int] = {}
+    clusters: dict[tuple[KernelSpec, int, int, int], int] = {}
 
     def blocks_per_sm(kernel: KernelSpec, threads: int, shared: int) -> int:
-        n = blocks.get(kernel)
+        # (by launch too: one kernel's launches may reserve different shared memory)
+        n = blocks.get((kernel, threads, shared))
         if n is None:
             found = split_kernel(kernel, device).max_active_blocks(threads, shared)
-            n = blocks[kernel] = max(found, 1)
+            n = blocks[kernel, threads, shared] = max(found, 1)
         return n
 
     def active_clusters(kernel: KernelSpec, cluster: int, threads: int, shared: int) -> int:
-        n = clusters.get((kernel, cluster))
+        n = clusters.get((kernel, cluster, threads, shared))
         if n is None:
             try:
                 n = split_kernel(kernel, device).max_active_clusters(cluster, threads, shared)
             except CudaError:  # e.g. a cluster larger than this device (or MIG slice) holds
                 n = 0
-            clusters[kernel, cluster] = n
+            clusters[kernel, cluster, threads, shared] = n
         return n
 
     return DeviceTraits(
