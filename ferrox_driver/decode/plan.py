@@ -99,6 +99,11 @@ class Overrides:
             (``FERROX_EARLY_COMBINE=0``); a verify's split kernel too, behind its tail.
         verify_block_tiles: the most tiles of 8 rows a verify's split block takes per pass
             over K and V at head_dim 128: 1, 2 or 4 (``FERROX_VERIFY_BLOCK_TILES``).
+        verify_shared: where a KV head's rows take two or more split blocks (a verify of
+            more than 32 rows per KV head; 16 below VERIFY_WIDE_FROM tokens), the blocks
+            share a multiprocessor: their launch reserves no shared memory past the ring,
+            so twice the warps hide the latency of the mma work (``FERROX_VERIFY_SHARED=0``:
+            one block each).
         padded_mma: fp16/bf16 head_dims other than 64/128/256 (multiples of 8) on the
             tensor-core kernels, padded (``FERROX_PADDED_MMA=0``: CUDA cores).
         paired: two adjacent KV heads' rows read as one row of 2 x head_dim: None (the
@@ -113,6 +118,7 @@ class Overrides:
     wide: bool = True
     early_combine: bool = True
     verify_block_tiles: int = 4
+    verify_shared: bool = True
     padded_mma: bool = True
     paired: bool | None = None
 
@@ -131,6 +137,7 @@ class Overrides:
             wide=on("FERROX_WIDE"),
             early_combine=on("FERROX_EARLY_COMBINE"),
             verify_block_tiles=int(env.get("FERROX_VERIFY_BLOCK_TILES", "4")),
+            verify_shared=on("FERROX_VERIFY_SHARED"),
             padded_mma=on("FERROX_PADDED_MMA"),
             paired={"0": False, "1": True}.get(env.get("FERROX_PAIRED", "")),
         )
@@ -511,7 +518,10 @@ def _plan(
                        block_tiles=per_block),
             -(-tiles // per_block), 32, 1, 32 * MMA_WARPS[mma_dim], TILE,
             padded_stages(mma_dim, head_dim) or MMA_STAGES[mma_dim], 16,
-            reserve_stages=MMA_RESERVE_STAGES[mma_dim],
+            reserve_stages=(
+                0 if per_block > 1 and tiles > per_block and ov.verify_shared
+                else MMA_RESERVE_STAGES[mma_dim]
+            ),
         ))  # fmt: skip
     elif (
         name == "f32" and tensor_cores and head_dim in TC32_HEAD_DIMS and aligned

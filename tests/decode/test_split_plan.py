@@ -617,6 +617,31 @@ def test_a_verifys_split_blocks_take_16_rows_and_32_from_16384_tokens():
     assert attention.plan(traits, bf16, 8 * 16, 8, 128, wide).spec.block_tiles == 1
 
 
+def test_a_verifys_blocks_share_a_multiprocessor_where_a_kv_heads_rows_take_several():
+    """Where a KV head's verify rows take two or more split blocks, the launch reserves no
+    shared memory past the ring (two blocks per multiprocessor on the fake H200, twice the
+    chunks); one block of a KV head's rows, and every one-token plan, keep the reserve."""
+    traits = _traits()
+    bf16 = ml_dtypes.bfloat16
+
+    def verify(rows, seq, overrides=None):
+        p = attention.plan(traits, bf16, rows, 8, 128, seq, True, overrides, 0, "",
+                           verify=True)  # fmt: skip
+        return p.head_tiles, p.reserve_stages, p.splits, p.shared_bytes(128, 2)
+
+    ring = 4 * 2 * 16 * 2 * 128 * 2  # warps x stages x tokens x (K, V) x head_dim x bytes
+    tiles, reserve, splits, shared = verify(8 * 64, 131072)
+    assert (tiles, reserve, shared) == (2, 0, ring)
+    alone = verify(8 * 64, 131072, attention.Overrides(verify_shared=False))
+    assert alone[:2] == (2, attention.MMA_RESERVE_STAGES[128])
+    assert splits >= 2 * alone[2]  # a wave of twice the blocks
+    assert verify(8 * 32, 4096)[:2] == (2, 0)  # 16-row blocks below VERIFY_WIDE_FROM
+    assert verify(8 * 32, 131072)[:2] == (1, attention.MMA_RESERVE_STAGES[128])  # one block
+    assert verify(8 * 16, 4096)[:2] == (1, attention.MMA_RESERVE_STAGES[128])
+    one_token = attention.plan(traits, bf16, 8 * 16, 8, 128, 131072)
+    assert one_token.reserve_stages == attention.MMA_RESERVE_STAGES[128]
+
+
 def test_blocks_of_several_tiles_are_the_swapped_head_dim_128_kernels_only():
     spec = KernelSpec("mma", "bf16", 128, 128, tiles=2, block_tiles=4)
     assert spec.name == "gqa_split_mma_bf16_d128_t2b4"
