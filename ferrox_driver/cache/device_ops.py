@@ -357,52 +357,48 @@ def gqa_decode_async(
             "own length and layout"
         )
     kv = check_cache(kv)
-    if tree_mask is not None or _many(q_dev):
-        _decode_async_many(
-            q_dev, kv, out_dev, n_heads, stream, algorithm,
-            dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                 alibi_slopes=alibi_slopes, scale=scale),
-            out_lse, tree_mask,
-        )  # fmt: skip
-        return
-    if not (
-        out_lse is None and sliding_window is None and logits_soft_cap is None
-        and sinks is None and alibi_slopes is None and scale is None
+    if (
+        tree_mask is None and out_lse is None and sliding_window is None
+        and logits_soft_cap is None and sinks is None and alibi_slopes is None and scale is None
     ):  # fmt: skip
-        _decode_async_features(
-            q_dev, kv, out_dev, n_heads, stream, algorithm,
-            dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                 alibi_slopes=alibi_slopes, scale=scale),
-            out_lse,
-        )  # fmt: skip
-        return
-    qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
-    sid = stream_key(stream)
-    aligned = qr is not None and outr is not None and ((qr[0] | outr[0]) & 15) == 0
-    key = (n_heads, algorithm, sid, _signature(qr), _signature(outr), aligned)
-    with kv.lock:
-        try:
-            entry = kv.async_records.get(key)
-        except TypeError:  # an unhashable argument, which the checks name
-            entry = None
-        if entry is None:  # checked once per signature
-            n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
-            n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
-            algorithm = check_algorithm(algorithm)
-            size = n_heads * kv.head_dim
-            qdt = _q_dtype(q_dev, kv, algorithm)
-            q = _operand(q_dev, "q_dev", size, kv, qdt)
-            out = _operand(out_dev, "out_dev", size, kv, qdt)
-            q_view = DeviceArray._wrap(q, (size,), qdt, kv.device, None)
-            out_view = DeviceArray._wrap(out, (size,), qdt, kv.device, None)
-            record = kv.decode_record(
-                q_view, out_view, n_heads, algorithm, stream, length_on_device=True
-            )
-            foreign = sid != 0 and not isinstance(stream, Stream)
-            entry = kv.async_records.keep(key, (record, foreign))
-        assert qr is not None and outr is not None  # _operand refused host arrays
-        record, foreign = entry
-        kv.queue_decode(record.run, qr[0], outr[0], sid, foreign, qr, outr, (q_dev, out_dev))
+        qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
+        sid = stream_key(stream)
+        aligned = qr is not None and outr is not None and ((qr[0] | outr[0]) & 15) == 0
+        key = (n_heads, algorithm, sid, _signature(qr), _signature(outr), aligned)
+        with kv.lock:
+            try:
+                entry = kv.async_records.get(key)
+            except TypeError:  # an unhashable argument, which the checks name
+                entry = None
+            # checked once per signature (q's shape in it: several queries never get here)
+            if entry is None and not _many(q_dev):
+                n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
+                n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
+                algorithm = check_algorithm(algorithm)
+                size = n_heads * kv.head_dim
+                qdt = _q_dtype(q_dev, kv, algorithm)
+                q = _operand(q_dev, "q_dev", size, kv, qdt)
+                out = _operand(out_dev, "out_dev", size, kv, qdt)
+                q_view = DeviceArray._wrap(q, (size,), qdt, kv.device, None)
+                out_view = DeviceArray._wrap(out, (size,), qdt, kv.device, None)
+                record = kv.decode_record(
+                    q_view, out_view, n_heads, algorithm, stream, length_on_device=True
+                )
+                foreign = sid != 0 and not isinstance(stream, Stream)
+                entry = kv.async_records.keep(key, (record, foreign))
+            if entry is not None:
+                assert qr is not None and outr is not None  # _operand refused host arrays
+                record, foreign = entry
+                kv.queue_decode(
+                    record.run, qr[0], outr[0], sid, foreign, qr, outr, (q_dev, out_dev)
+                )
+                return
+    _decode_async_features(
+        q_dev, kv, out_dev, n_heads, stream, algorithm,
+        dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+             alibi_slopes=alibi_slopes, scale=scale),
+        out_lse, tree_mask,
+    )  # fmt: skip
 
 
 def _many(q_dev: Any) -> bool:
@@ -415,18 +411,27 @@ def _many(q_dev: Any) -> bool:
     return len(shape) == 3 and shape[0] > 1
 
 
-def _decode_async_many(
+def _q_dtype(q_dev: Any, kv: KVCache, algorithm: str) -> np.dtype:
+    """q's dtype for a decode of ``kv``: the cache's, or an fp8 cache's float16/bfloat16."""
+    if not kv.fp8:
+        return kv.dtype
+    qdt = _fp8_dtype(q_dev, "q_dev", ROW_DTYPES[1:])
+    return kv.q_dtype_for(qdt, algorithm)
+
+
+def _decode_async_features(
     q_dev: Any, kv: KVCache, out_dev: Any, n_heads: Any, stream: Any, algorithm: Any,
-    kw: dict[str, Any], out_lse: Any, tree_mask: Any,
+    kw: dict[str, Any], out_lse: Any, tree_mask: Any = None,
 ) -> None:  # fmt: skip
-    """gqa_decode_async of q ``(n_q, n_heads, head_dim)`` against a KVCache: checked at
-    every call (the record made once per signature, features, n_q and mask), then queued
-    reading the length on the device."""
+    """gqa_decode_async with features, or of q ``(n_q, n_heads, head_dim)`` (a verify, under
+    ``tree_mask`` if given): checked at every call (the record is made once per signature,
+    feature values, n_q and mask), then queued reading the length on the device."""
     n_q = query_count(q_dev, kv.head_dim, n_heads)
     n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
     n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
     if check_algorithm(algorithm) == "parity":
-        raise ValueError("algorithm: a decode of several queries needs the split kernels")
+        what = "a decode of several queries needs" if n_q > 1 else "the features need"
+        raise ValueError(f"algorithm: {what} the split kernels ('auto' or 'split')")
     if n_q > max(kv.capacity, 1):
         check_query_count(n_q, kv.capacity, "q_dev")
     feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
@@ -455,49 +460,6 @@ def _decode_async_many(
         foreign = sid != 0 and not isinstance(stream, Stream)
         kept = tuple(x for x in (feats.sinks, feats.alibi_slopes, out_lse, tree_mask)
                      if x is not None)  # fmt: skip
-        kv.queue_decode(record.run, qr[0], outr[0], sid, foreign, qr, outr, (q_dev, out_dev),
-                        kept)  # fmt: skip
-
-
-def _q_dtype(q_dev: Any, kv: KVCache, algorithm: str) -> np.dtype:
-    """q's dtype for a decode of ``kv``: the cache's, or an fp8 cache's float16/bfloat16."""
-    if not kv.fp8:
-        return kv.dtype
-    qdt = _fp8_dtype(q_dev, "q_dev", ROW_DTYPES[1:])
-    return kv.q_dtype_for(qdt, algorithm)
-
-
-def _decode_async_features(
-    q_dev: Any, kv: KVCache, out_dev: Any, n_heads: Any, stream: Any, algorithm: Any,
-    kw: dict[str, Any], out_lse: Any,
-) -> None:  # fmt: skip
-    """gqa_decode_async with features: checked (every call; the record is made once per
-    signature and feature values), then queued reading the length on the device."""
-    n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
-    n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
-    if check_algorithm(algorithm) == "parity":
-        raise ValueError("algorithm: the features need the split kernels ('auto' or 'split')")
-    feats = check_features(n_heads, **kw, return_lse=out_lse is not None)
-    size = n_heads * kv.head_dim
-    qdt = _q_dtype(q_dev, kv, algorithm)
-    q = _operand(q_dev, "q_dev", size, kv, qdt)
-    out = _operand(out_dev, "out_dev", size, kv, qdt)
-    sinks = feature_array(feats.sinks, "sinks", n_heads, kv.device)
-    slopes = feature_array(feats.alibi_slopes, "alibi_slopes", n_heads, kv.device)
-    lse = feature_array(out_lse, "out_lse", n_heads, kv.device)
-    bits, fargs = abi.feature_args(feats, kv.head_dim, slopes=slopes, sinks=sinks, lse=lse)
-    sid = stream_key(stream)
-    qr, outr = array_ref(q_dev, "q_dev"), array_ref(out_dev, "out_dev")
-    assert qr is not None and outr is not None
-    with kv.lock:
-        q_view = DeviceArray._wrap(q, (size,), qdt, kv.device, None)
-        out_view = DeviceArray._wrap(out, (size,), qdt, kv.device, None)
-        record = kv.decode_record(
-            q_view, out_view, n_heads, algorithm, stream, length_on_device=True,
-            features=(bits, fargs),
-        )  # fmt: skip
-        foreign = sid != 0 and not isinstance(stream, Stream)
-        kept = tuple(x for x in (feats.sinks, feats.alibi_slopes, out_lse) if x is not None)
         kv.queue_decode(record.run, qr[0], outr[0], sid, foreign, qr, outr, (q_dev, out_dev),
                         kept)  # fmt: skip
 
