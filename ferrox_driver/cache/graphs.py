@@ -56,6 +56,32 @@ def _got(arr: Any) -> str:
     return what
 
 
+def _stage_mask(
+    mask: np.ndarray | None, stage: np.ndarray, in_d: DeviceArray, at: int
+) -> tuple[np.ndarray | None, DeviceArray | None]:
+    """A graph's (n_q, n_q) bool mask staged with q at byte ``at`` of its page-locked
+    ``stage`` (filled with ``mask``) and its device view in ``in_d``; (None, None) causal."""
+    if mask is None:
+        return None, None
+    n_q = mask.shape[0]
+    host = stage.view(np.uint8)[at : at + n_q * n_q].view(np.bool_).reshape(n_q, n_q)
+    host[...] = mask
+    return host, in_d.view((n_q, n_q), np.bool_, offset=at)
+
+
+def _step_mask(tree_mask: Any, staged: np.ndarray | None, n_q: int) -> np.ndarray | None:
+    """A step's ``tree_mask`` checked (None: keep the staged one), before any staging.
+
+    Raises:
+        TypeError, ValueError: naming ``tree_mask``; also for a graph built causal.
+    """
+    if tree_mask is None:
+        return None
+    if staged is None:
+        raise ValueError("tree_mask: this graph was built causal (no tree_mask)")
+    return _host_mask(tree_mask, n_q)
+
+
 def _host_mask(tree_mask: Any, n_q: int) -> np.ndarray:
     """A graph's tree mask, checked: bool ``(n_q, n_q)`` (a packed one unpacked).
 
@@ -178,14 +204,9 @@ class DecodeGraph:
             self._in_d.view(shape, offset=a * dt.itemsize)
             for a, shape in zip(starts, (shapes[0], shapes[1], shapes[1]), strict=False)
         )
-        self.tree_mask: np.ndarray | None = None
-        self._mask_d = None
-        if mask is not None:
-            at = starts[3] * dt.itemsize
-            self.tree_mask = self._stage.view(np.uint8)[at : at + n_q * n_q].view(np.bool_)
-            self.tree_mask = self.tree_mask.reshape(n_q, n_q)
-            self.tree_mask[...] = mask
-            self._mask_d = self._in_d.view((n_q, n_q), np.bool_, offset=at)
+        self.tree_mask, self._mask_d = _stage_mask(
+            mask, self._stage, self._in_d, starts[3] * dt.itemsize
+        )
         self._out_d = empty(shapes[0], dt, device=kv.device)
         # the features' per-head arrays on the device (numpy ones copied once into arrays
         # of this graph: ``sinks``/``alibi_slopes``, writable in place), and the LSE
@@ -319,11 +340,7 @@ class DecodeGraph:
                         f"{name}: expected a numpy array of {stage.size} {dt} elements, got "
                         f"{_got(arr)}"
                     )
-        mask = None
-        if tree_mask is not None:
-            if self.tree_mask is None:
-                raise ValueError("tree_mask: this graph was built causal (no tree_mask)")
-            mask = _host_mask(tree_mask, self.n_q)
+        mask = _step_mask(tree_mask, self.tree_mask, self.n_q)
         with kv.lock:  # the staging and the result are this graph's: one step at a time
             if self._closed or self.stream._closed:
                 self._check_open()
@@ -447,14 +464,7 @@ class LayerDecodeGraph:
             )
             for i in range(n)
         ]
-        self.tree_mask: np.ndarray | None = None
-        self._mask_d = None
-        if mask is not None:
-            at = starts[3] * isz
-            self.tree_mask = self._stage.view(np.uint8)[at : at + n_q * n_q].view(np.bool_)
-            self.tree_mask = self.tree_mask.reshape(n_q, n_q)
-            self.tree_mask[...] = mask
-            self._mask_d = self._in_d.view((n_q, n_q), np.bool_, offset=at)
+        self.tree_mask, self._mask_d = _stage_mask(mask, self._stage, self._in_d, starts[3] * isz)
         self._owned: list[DeviceArray] = []
         self.sinks = self._per_head(feats.sinks, first)
         self.alibi_slopes = self._per_head(feats.alibi_slopes, first)
@@ -543,11 +553,7 @@ class LayerDecodeGraph:
                     f"{name}: expected a numpy array of {stage.size} {self.dtype} elements "
                     f"{stage.shape}, got {_got(arr)}"
                 )
-        mask = None
-        if tree_mask is not None:
-            if self.tree_mask is None:
-                raise ValueError("tree_mask: this graph was built causal (no tree_mask)")
-            mask = _host_mask(tree_mask, self.n_q)
+        mask = _step_mask(tree_mask, self.tree_mask, self.n_q)
         with contextlib.ExitStack() as locks:
             for kv in self.caches:
                 locks.enter_context(kv.lock)
