@@ -250,8 +250,15 @@ def run(model: ToyLlama, attention: Attend, context: int, steps: int
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):  # (where the warm-up made ferrox's scratch)
         model.step(token, pos, attention)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()  # (the second token, untimed)
+    ms = _replay_ms(graph, steps)
+    del graph
+    return ms, first.float()
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, steps: int) -> float:
+    """ms per replay of ``graph``: the median of 5 rounds of ``steps`` replays."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rounds = []
     for _ in range(5):
         start.record()
@@ -260,8 +267,7 @@ def run(model: ToyLlama, attention: Attend, context: int, steps: int
         end.record()
         end.synchronize()
         rounds.append(start.elapsed_time(end) / steps)
-    del graph
-    return sorted(rounds)[2], first.float()
+    return sorted(rounds)[2]
 
 
 @dataclass(frozen=True)
@@ -330,21 +336,13 @@ def time_verify(model: ToyLlama, context: int, steps: int, k: int) -> float:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
             model.verify(tokens, pos, attention)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.replay()
-        rounds = []
-        for _ in range(5):
-            start.record()
-            for _ in range(steps):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            rounds.append(start.elapsed_time(end) / steps)
+        ms = _replay_ms(graph, steps)
         del graph
     finally:
         torch.cuda.synchronize()
         attention.close()
-    return sorted(rounds)[2]
+    return ms
 
 
 def fits(layers: int, shape: dict[str, int], context: int) -> bool:
