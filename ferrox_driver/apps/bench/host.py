@@ -35,6 +35,7 @@ __all__ = ["run_host_bench"]
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 BURSTS, BURST = 10, 200
+VERIFY_N_Q = 4  # the verify rows' queries
 
 
 def burst_us(call: Callable[[], Any], sync: Callable[[], None]) -> float:
@@ -233,6 +234,27 @@ def _cache_rows(
         ours, theirs = _attempt(lambda: whole_us(decode)), _attempt(lambda: whole_us(torch_decode))
         row("KVCache.decode(q numpy), host to host", name, ours, theirs)
 
+        # a verify of VERIFY_N_Q queries (the cache's last tokens, causal), next to SDPA's
+        # with the same mask on the device
+        qv_np = rng.standard_normal((VERIFY_N_Q, n_heads, hd)).astype(npdt)
+        seen = np.arange(seq_len)[None, :] <= np.arange(seq_len - VERIFY_N_Q, seq_len)[:, None]
+        mask_t = torch.from_numpy(seen).to(dev)
+
+        def verify() -> Any:
+            return kv.decode(qv_np, n_heads=n_heads)
+
+        def torch_verify() -> Any:
+            q_d = torch.from_numpy(qv_np.astype(np.float32)).to(dev, tdt)
+            o = F.scaled_dot_product_attention(
+                q_d.transpose(0, 1)[None], k_t[:, :, :seq_len], v_t[:, :, :seq_len],
+                attn_mask=mask_t, enable_gqa=True,
+            )  # fmt: skip
+            return o.cpu()
+
+        ours, theirs = _attempt(lambda: whole_us(verify)), _attempt(lambda: whole_us(torch_verify))
+        row(f"KVCache.decode(q ({VERIFY_N_Q}, n_heads, head_dim) numpy), host to host", name,
+            ours, theirs)  # fmt: skip
+
         def refill() -> None:
             _refill(kv, prefill)
 
@@ -270,6 +292,23 @@ def _cache_rows(
 
         ours = _attempt(lambda: burst_us(dec_async, kv.stream.synchronize))
         row("gqa_decode_async", name, ours, _attempt(lambda: burst_us(torch_async_decode, sync)))
+        qv_d = fd.to_device(qv_np)
+        outv_d = fd.empty(qv_np.shape, npdt)
+        kqv = torch.randn(1, n_heads, VERIFY_N_Q, hd, device=dev, dtype=tdt)
+
+        def verify_async() -> None:
+            fd.gqa_decode_async(qv_d, kv, outv_d, n_heads=n_heads, stream=kv.stream)
+
+        def torch_async_verify() -> Any:
+            return F.scaled_dot_product_attention(
+                kqv, k_t[:, :, :seq_len], v_t[:, :, :seq_len], attn_mask=mask_t, enable_gqa=True
+            )
+
+        ours = _attempt(lambda: burst_us(verify_async, kv.stream.synchronize))
+        row(f"gqa_decode_async, q ({VERIFY_N_Q}, n_heads, head_dim)", name, ours,
+            _attempt(lambda: burst_us(torch_async_verify, sync)))  # fmt: skip
+        qv_d.close()
+        outv_d.close()
         ours = _attempt(lambda: burst_us(app_async, refill))
         row("kv_append_async", name, ours, _attempt(lambda: burst_us(torch_async_append, sync)))
         refill()
