@@ -57,13 +57,14 @@ def _got(arr: Any) -> str:
 
 
 def _stage_mask(
-    mask: np.ndarray | None, stage: np.ndarray, in_d: DeviceArray, at: int
+    mask: np.ndarray | None, stage: np.ndarray, in_d: DeviceArray, starts: list[int], isz: int
 ) -> tuple[np.ndarray | None, DeviceArray | None]:
-    """A graph's (n_q, n_q) bool mask staged with q at byte ``at`` of its page-locked
-    ``stage`` (filled with ``mask``) and its device view in ``in_d``; (None, None) causal."""
+    """A graph's (n_q, n_q) bool mask staged with q (its page-locked ``stage``, element
+    ``starts[3]`` of ``isz`` bytes on) and filled with ``mask``, and its device view in
+    ``in_d``; (None, None) for a causal graph (whose ``starts`` stop at 3)."""
     if mask is None:
         return None, None
-    n_q = mask.shape[0]
+    n_q, at = mask.shape[0], starts[3] * isz
     host = stage.view(np.uint8)[at : at + n_q * n_q].view(np.bool_).reshape(n_q, n_q)
     host[...] = mask
     return host, in_d.view((n_q, n_q), np.bool_, offset=at)
@@ -205,7 +206,7 @@ class DecodeGraph:
             for a, shape in zip(starts, (shapes[0], shapes[1], shapes[1]), strict=False)
         )
         self.tree_mask, self._mask_d = _stage_mask(
-            mask, self._stage, self._in_d, starts[3] * dt.itemsize
+            mask, self._stage, self._in_d, starts, dt.itemsize
         )
         self._out_d = empty(shapes[0], dt, device=kv.device)
         # the features' per-head arrays on the device (numpy ones copied once into arrays
@@ -464,7 +465,7 @@ class LayerDecodeGraph:
             )
             for i in range(n)
         ]
-        self.tree_mask, self._mask_d = _stage_mask(mask, self._stage, self._in_d, starts[3] * isz)
+        self.tree_mask, self._mask_d = _stage_mask(mask, self._stage, self._in_d, starts, isz)
         self._owned: list[DeviceArray] = []
         self.sinks = self._per_head(feats.sinks, first)
         self.alibi_slopes = self._per_head(feats.alibi_slopes, first)
