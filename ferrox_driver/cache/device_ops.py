@@ -512,6 +512,29 @@ def decode_device(
     return (out, lse) if lse is not None else out
 
 
+def _verify_host(
+    kv: Decodes, q: np.ndarray, n_heads: int, algorithm: str, shape: tuple[int, ...],
+    dtype: np.dtype, sid: int,
+) -> np.ndarray:  # fmt: skip
+    """decode_many of a numpy q, causal, no features: q copied into a block of the cache
+    stream's pool, the verify queued by `gqa_decode_async` (its record made once per
+    signature, where building the launches at every call cost 10x more), the result
+    copied back."""
+    from ..decode.queries import check_query_count
+
+    with kv.lock:
+        kv.check_open()
+        check_query_count(shape[0], kv.seq_len)
+        dev, s = kv.device, kv.stream
+        dev.activate()
+        pool = output_pool(dev, sid, math.prod(shape) * dtype.itemsize)
+        q_d, out = pool.take(shape, dtype), pool.take(shape, dtype)
+        q_d.copy_from_host(np.ascontiguousarray(q), s)
+        gqa_decode_async(q_d, cast(KVCache, kv), out, n_heads=n_heads, stream=s,
+                         algorithm=algorithm)  # fmt: skip
+        return out.to_host(s)
+
+
 def decode_many(
     kv: Decodes, q: Any, n_heads: Any, stream: Any, algorithm: Any, kw: dict[str, Any],
     tree_mask: Any,
@@ -548,6 +571,8 @@ def decode_many(
     mask_mode = 0 if tree_mask is None else check_mask(tree_mask, mref, n_q)
     sid = stream_key(kv.stream if host else call_stream(stream, q, kv.device.ordinal))
     out_shape = (n_q, n_heads, kv.head_dim)
+    if host and tree_mask is None and feats.plain and feats.scale is None and not feats.return_lse:
+        return _verify_host(kv, q, n_heads, algorithm, out_shape, np.dtype(dtype), sid)
     with kv.lock:
         kv.check_open()
         kv.device.activate()
