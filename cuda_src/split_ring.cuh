@@ -12,11 +12,6 @@ __device__ __forceinline__ void fx_cp_async16(void* dst, const void* src, bool o
                  "r"(ok ? 16 : 0)
                  : "memory");
 }
-// ... every byte read (a step whole in range: no size operand, no predicate)
-__device__ __forceinline__ void fx_cp_async16_all(void* dst, const void* src) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
 __device__ __forceinline__ void fx_cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -63,28 +58,7 @@ __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start,
     constexpr int EPC = CB / (int)sizeof(T);  // elements per chunk
     constexpr int NCH = D / EPC, STEP = TOK * D, SW = 16 / CB;
     static_assert(DR <= D && DR % EPC == 0, "rows of whole chunks, at most D");
-    // A step whole in range with rows of whole 16-byte chunks (every step but a chunk's
-    // last): one row pointer per lane, advanced by whole rows (RPI rows per pass of the
-    // warp), no bounds or padding selects. (The general path below recomputed a 64-bit
-    // offset and two selects per copy: about 200 of a 32-row verify block's 842
-    // instructions per step.)
-    constexpr bool FAST = CB == 16 && DR == D && NCH <= 32 && 32 % NCH == 0;
-    if (FAST && t0 + TOK <= end) {
-        constexpr int RPI = 32 / (FAST ? NCH : 32);
-        T* ks = ring + (j % S) * 2 * STEP;
-        T* vs = ks + STEP;
-        const int r0 = lane / NCH, c = lane % NCH;
-        const long long off = (long long)(t0 + r0) * row + c * EPC;
-        const T* kp = kg + off;
-        const T* vp = vg + off;
-        const long long pass = RPI * row;
-#pragma unroll
-        for (int i = 0; i < TOK * NCH / 32; ++i) {
-            const int r = i * RPI + r0;
-            fx_cp_async16_all(ks + r * D + ((c ^ fx_swz_k<T, D>(r)) * EPC), kp + i * pass);
-            fx_cp_async16_all(vs + r * D + ((c ^ fx_swz_v<T, D>(r)) * EPC), vp + i * pass);
-        }
-    } else if (t0 < end) {
+    if (t0 < end) {
         T* ks = ring + (j % S) * 2 * STEP;
         T* vs = ks + STEP;
 #pragma unroll
