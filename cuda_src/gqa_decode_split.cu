@@ -29,3 +29,4 @@
 #include "split_tc32.cuh"
 #include "split_combine.cuh"
 #include "split_verify.cuh"
+#include "split_rows.cuh"

@@ -39,14 +39,16 @@ from ..kernels.traits import (
     F_WINDOW,
 )
 from . import plan as planner
-from .plan import COMBINE_THREADS, DEFAULT_TUNING, TUNING, DeviceTraits, SplitPlan
+from .plan import COMBINE_THREADS, DEFAULT_TUNING, TUNING, DeviceTraits, RowsPlan, SplitPlan
 
 __all__ = [
     "allocate_scratch",
     "arch_traits",
     "device_traits",
     "parity_launches",
+    "plan_rows",
     "plan_split",
+    "rows_launches",
     "split_launches",
     "split_program",
     "verify_launches",
@@ -198,6 +200,84 @@ def plan_split(
         )  # fmt: skip
     split_kernel(found.spec, device)  # loaded (after a first plan, a lookup)
     return found
+
+
+_rows_plans: dict[tuple[Any, ...], RowsPlan | None] = {}
+
+
+def plan_rows(
+    device: Device, dtype: Any, n_q: int, n_heads: int, n_kv_heads: int, head_dim: int,
+    plan_seq: int, aligned: bool, features: int, fp8: str = "",
+) -> RowsPlan | None:  # fmt: skip
+    """The rows kernel's plan (``plan.rows_plan``) for a verify on ``device``, or None where
+    that kernel does not take it; its kernels loaded, memoised like ``plan_split``."""
+    overrides = planner.OVERRIDES
+    key = (device.context_handle, np.dtype(dtype), n_q, n_heads, n_kv_heads, head_dim, plan_seq,
+           aligned, features, fp8, overrides)  # fmt: skip
+    if key in _rows_plans:
+        return _rows_plans[key]
+    if len(_rows_plans) >= _MAX_PLANS:
+        _rows_plans.clear()
+    found = _rows_plans[key] = planner.rows_plan(
+        device_traits(device), dtype, n_q, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
+        features, fp8, overrides,
+    )  # fmt: skip
+    if found is not None:
+        split_kernel(found.spec, device)
+        split_kernel(found.combine_spec(), device)
+    return found
+
+
+def rows_launches(
+    plan: RowsPlan,
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    out: DeviceArray,
+    workspace: DeviceArray,
+    *,
+    n_q: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    seq_len_dev: DeviceArray | None,
+    features: FeatureArgs,
+    mask: DeviceArray | None = None,
+    mask_mode: int = 0,
+) -> list[Launch]:
+    """The two launches of a verify of ``n_q`` queries on the rows kernel (split_rows.cuh):
+    the rows kernel of ``plan`` over every token, each row under its own mask, window and
+    ALiBi, its partials into ``workspace`` (``plan.workspace_floats``), then the combine
+    merging them into ``out`` (n_q, n_heads, head_dim) with the sinks and the LSE, launched
+    early. ``mask_mode`` as in `verify_launches`."""
+    rows = n_q * n_heads
+    n_partial = rows * plan.splits
+    ws_ml = workspace.view((n_partial * 2,), np.float32, offset=n_partial * head_dim * 4)
+    on_host = seq_len_dev is None
+    splits, tile = np.int32(plan.splits), np.int32(plan.tile)
+    args = (
+        q, k, v, workspace, ws_ml, np.int32(n_heads), np.int32(n_kv_heads), np.int32(n_q),
+        np.int32(seq_len), seq_len_dev, splits, tile, mask, np.int32(mask_mode),
+        np.float32(features.scale), np.float32(features.cap), np.int32(features.window),
+        features.slopes, np.int64(features.head_stride),
+    )  # fmt: skip
+    roles: Roles = (*QKV, *(((8, "seq"),) if on_host else ()), (12, "mask"), (17, "slopes"),
+                    (18, "heads"))  # fmt: skip
+    shared = plan.shared_bytes(q.dtype.itemsize)
+    combine_args = (
+        out, workspace, ws_ml, np.int32(head_dim), np.int32(seq_len), seq_len_dev, splits, tile,
+        np.int32(n_heads), np.int32(n_q), np.int32(features.window), features.sinks,
+        features.lse,
+    )  # fmt: skip
+    combine_roles: Roles = (
+        (0, "out"), *(((4, "seq"),) if on_host else ()), (11, "sinks"), (12, "lse"),
+    )  # fmt: skip
+    return [
+        Launch(plan.spec, plan.grid(n_kv_heads), plan.threads, args, shared, roles=roles),
+        Launch(plan.combine_spec(), (rows, -(-head_dim // 32), 1), COMBINE_THREADS,
+               combine_args, early=planner.OVERRIDES.early_combine, roles=combine_roles),
+    ]  # fmt: skip
 
 
 def allocate_scratch(floats: int, device: Device, in_capture: str) -> DeviceArray:

@@ -23,13 +23,15 @@ from ..archs import ARCHS, FP8_FROM, TENSOR_CORES_FROM
 from ..kernels.spec import (
     FP8_FORMATS,
     MMA_HEAD_DIMS,
+    ROWS_HEAD_DIMS,
+    ROWS_MAX_WARPS,
     SPLIT_FILE,
     TC32_HEAD_DIMS,
     WIDE_HEAD_DIM,
     KernelSpec,
     kernel_dtype,
 )
-from ..kernels.traits import SPLIT_TRAITS, padded_stages
+from ..kernels.traits import COMBINE_FEATURES, F_LSE, F_SINKS, SPLIT_TRAITS, padded_stages
 
 __all__ = [
     "ALGORITHMS",
@@ -37,10 +39,12 @@ __all__ = [
     "TUNING",
     "DeviceTraits",
     "Overrides",
+    "RowsPlan",
     "SplitPlan",
     "Tuning",
     "fitting",
     "plan",
+    "rows_plan",
 ]
 
 ALGORITHMS = ("auto", "split", "parity")
@@ -110,6 +114,10 @@ class Overrides:
             default) where the architecture's Tuning says (``paired_from``), True wherever
             the kernels can (experiments and tests, ``FERROX_PAIRED=1``), False never
             (``FERROX_PAIRED=0``).
+        verify_rows: a verify on the rows kernel where it takes the call (``rows_plan``;
+            ``FERROX_VERIFY_ROWS=0``: the tail, split and combine kernels always).
+        rows_min_chunk: the fewest tokens per chunk of a rows plan (0: the Tuning's;
+            ``FERROX_ROWS_MIN_CHUNK``).
     """
 
     heads_per_block: int = 4
@@ -121,6 +129,8 @@ class Overrides:
     verify_shared: bool = True
     padded_mma: bool = True
     paired: bool | None = None
+    verify_rows: bool = True
+    rows_min_chunk: int = 0
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -140,6 +150,8 @@ class Overrides:
             verify_shared=on("FERROX_VERIFY_SHARED"),
             padded_mma=on("FERROX_PADDED_MMA"),
             paired={"0": False, "1": True}.get(env.get("FERROX_PAIRED", "")),
+            verify_rows=on("FERROX_VERIFY_ROWS"),
+            rows_min_chunk=int(env.get("FERROX_ROWS_MIN_CHUNK", "0")),
         )
 
 
@@ -312,6 +324,8 @@ class Tuning:
             16384; 6 and 7 not measured, so 8's).
         tc32_groups: the fp32 groups that take the split-TF32 tensor-core kernels (see
             ``tc32_for``; H200).
+        rows_min_chunk: the fewest tokens per chunk of a verify's rows plan (``rows_plan``):
+            a plan of more, shorter chunks writes more partials for the combine.
         paired_from: (head_dim, shortest sequence) pairs: fp16/bf16 head_dims that read two
             KV heads' rows as one (Overrides.paired) from that length, where the pair's
             group fits one tile of 8 query heads: where pairs were faster on the H200
@@ -324,6 +338,7 @@ class Tuning:
     wide_chunks: int = 8
     wide_from: tuple[tuple[int, int], ...] = ((4, 1024), (5, 2048), (8, 16384))
     tc32_groups: tuple[int, int] = (2, 8)
+    rows_min_chunk: int = 128
     paired_from: tuple[tuple[int, int], ...] = (
         (8, 16384), (16, 16384), (24, 16384), (32, 16384), (40, 16384), (48, 16384),
         (56, 16384), (72, 16384), (88, 16384), (96, 32768), (104, 16384), (120, 16384),
@@ -689,3 +704,82 @@ def cuda_core_tile(lanes_per_token: int) -> int:
     (two per lane group), 8 to TILE. Each iteration is a trip to memory the next waits
     for, so a short sequence gets many short chunks rather than a few long ones."""
     return max(8, min(TILE, 2 * (THREADS // 32) * (32 // lanes_per_token)))
+
+
+# A verify's rows kernel (split_rows.cuh): tokens per step of its block's ring, steps by
+# head_dim
+ROWS_TOKENS = kernel_define("FX_ROWS_TOKENS")
+ROWS_STAGES = {d: kernel_define(f"FX_ROWS_STAGES_D{d}") for d in ROWS_HEAD_DIMS}
+
+
+@dataclass(frozen=True)
+class RowsPlan:
+    """A verify of ``n_q`` queries on the rows kernel (split_rows.cuh): blocks of
+    ``spec.row_warps`` warps of 16 rows (a KV head's n_q x group rows in ``row_blocks``
+    blocks), ``splits`` chunks of whole ``tile`` tokens, merged by its combine kernel."""
+
+    spec: KernelSpec
+    row_blocks: int
+    splits: int
+    tile: int = ROWS_TOKENS
+    combine_features: int = 0  # the sinks, the LSE and the window (COMBINE_FEATURES)
+
+    @property
+    def threads(self) -> int:
+        return self.spec.row_warps * 32
+
+    @property
+    def features(self) -> int:
+        return self.spec.features
+
+    def combine_spec(self) -> KernelSpec:
+        """The kernel merging the chunks, with the features that reach it."""
+        return KernelSpec("vrcombine", self.spec.dtype, features=self.combine_features)
+
+    def workspace_floats(self, rows: int, head_dim: int) -> int:
+        """Floats of scratch: each row's partial output, maximum and sum per chunk."""
+        return rows * self.splits * (head_dim + 2)
+
+    def grid(self, n_kv_heads: int) -> tuple[int, int, int]:
+        return (self.splits, n_kv_heads * self.row_blocks, 1)
+
+    def shared_bytes(self, itemsize: int) -> int:
+        """Dynamic shared memory: the ring's steps of K and V, then q's rows."""
+        d = self.spec.head_dim
+        return (ROWS_STAGES[d] * 2 * ROWS_TOKENS * d + 16 * self.spec.row_warps * d) * itemsize
+
+
+def rows_plan(
+    traits: DeviceTraits, dtype: Any, n_q: int, n_heads: int, n_kv_heads: int, head_dim: int,
+    plan_seq: int, aligned: bool, features: int, fp8: str = "",
+    overrides: Overrides | None = None,
+) -> RowsPlan | None:  # fmt: skip
+    """The rows kernel's plan for a verify of ``n_q`` queries of up to ``plan_seq`` tokens
+    (the queries' included), or None where it does not take the call (the tail, split and
+    combine kernels do): an fp8 cache, fp32, head_dims other than ROWS_HEAD_DIMS, arrays
+    not 16-byte aligned, GPUs without cp.async, a ring past the block's shared memory.
+
+    A KV head's n_q x group rows take blocks of up to ROWS_MAX_WARPS warps of 16 rows;
+    the chunks fill one wave of resident blocks, each of at least the Tuning's
+    ``rows_min_chunk`` tokens (every chunk's partials cost the combine a read of
+    rows x head_dim floats).
+    """
+    ov = OVERRIDES if overrides is None else overrides
+    name = np.dtype(dtype).name
+    if not ov.verify_rows or fp8 or name not in ("float16", "bfloat16") or not aligned:
+        return None
+    if head_dim not in ROWS_HEAD_DIMS or traits.compute_capability < TENSOR_CORES_FROM:
+        return None
+    rows_kv = n_q * (n_heads // n_kv_heads)
+    warps = min(ROWS_MAX_WARPS, -(-rows_kv // 16))
+    row_blocks = -(-rows_kv // (16 * warps))
+    spec = KernelSpec("vrows", kernel_dtype(dtype), head_dim=head_dim, row_warps=warps,
+                      features=features & ~(F_SINKS | F_LSE))  # fmt: skip
+    found = RowsPlan(spec, row_blocks, 1, combine_features=features & COMBINE_FEATURES)
+    shared = found.shared_bytes(np.dtype(dtype).itemsize)
+    if shared > traits.shared_per_block:
+        return None
+    wave = traits.multiprocessor_count * traits.blocks_per_sm(spec, found.threads, shared)
+    min_chunk = ov.rows_min_chunk or traits.tuning.rows_min_chunk
+    splits = min(wave // (n_kv_heads * row_blocks), -(-plan_seq // min_chunk), MAX_SPLITS)
+    return dataclasses.replace(found, splits=max(1, splits))

@@ -30,7 +30,9 @@ from .launches import (
     TAIL_FEATURES,
     allocate_scratch,
     parity_launches,
+    plan_rows,
     plan_split,
+    rows_launches,
     split_launches,
     verify_launches,
     verify_workspace_floats,
@@ -331,6 +333,21 @@ def launches_for(
         if algorithm == "parity":
             raise ValueError("algorithm: a decode of several queries needs the split kernels")
         qdt = q.dtype if dtype is None else dtype
+        values = features or FeatureArgs(scale=head_dim**-0.5)
+        rows = plan_rows(
+            q.device, qdt, n_q, n_heads, n_kv_heads, head_dim, max(1, plan_seq), aligned,
+            bits, fp8,
+        )  # fmt: skip
+        if rows is not None:
+            made = workspace(rows.workspace_floats(n_q * n_heads, head_dim)) if callable(
+                workspace) else workspace  # fmt: skip
+            if made is None:
+                raise ValueError("workspace: a decode of several queries needs one")
+            launches = rows_launches(
+                rows, q, k, v, out, made, n_q=n_q, **dims, seq_len=seq_len,
+                seq_len_dev=seq_len_dev, features=values, mask=mask, mask_mode=mask_mode,
+            )  # fmt: skip
+            return launches, made
         plan = plan_split(
             q.device, qdt, n_q * n_heads, n_kv_heads, head_dim, max(1, plan_seq - n_q),
             aligned, bits & SPLIT_BITS, fp8, verify=True,
@@ -339,7 +356,6 @@ def launches_for(
         made = workspace(floats) if callable(workspace) else workspace
         if made is None:
             raise ValueError("workspace: a decode of several queries needs one")
-        values = features or FeatureArgs(scale=head_dim**-0.5)
         launches = verify_launches(
             plan, q, k, v, out, made, n_q=n_q, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev,
             features=values, bits=bits, mask=mask, mask_mode=mask_mode, kv_scales=kv_scales,

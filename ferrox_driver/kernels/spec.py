@@ -11,6 +11,9 @@ The names, as they have been since the kernels were first cached on disk:
     gqa_split_mma_<dt>[_<fp8>]_d<D>[_r<DR>][_wide][_p2][_t2[b<2|4>]][_x<F>][_cluster]
                                                                   fp16/bf16 on tensor cores
     gqa_split_combine_<dt>[_x<F>]                                 merges the chunks
+    gqa_verify_tail_<dt>[_<fp8>]_x<F>, gqa_verify_combine_<dt>_x<F>  a verify's tail, combine
+    gqa_verify_rows_<dt>_d<D>_w<RW>_x<F>                          a verify's rows kernel
+    gqa_verify_rows_combine_<dt>_x<F>                             ... and its combine
     gqa_decode_<dt>                                               the parity kernel
 
 (an fp8 cache's kernels always carry ``_x<F>``, F = 0 included). No driver import: the
@@ -26,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .traits import COMBINE_FEATURES, F_LIMIT
+from .traits import COMBINE_FEATURES, F_LIMIT, F_LSE, F_SINKS
 
 __all__ = [
     "ENTRY_TYPES",
@@ -35,6 +38,8 @@ __all__ = [
     "KernelSpec",
     "MMA_HEAD_DIMS",
     "PARITY_FILE",
+    "ROWS_HEAD_DIMS",
+    "ROWS_MAX_WARPS",
     "SPLIT_FILE",
     "TC32_HEAD_DIMS",
     "WIDE_HEAD_DIM",
@@ -54,7 +59,11 @@ MMA_HEAD_DIMS = (64, 128, 256)  # the fp16/bf16 tensor-core kernels' own head_di
 TC32_HEAD_DIMS = (64, 128, 256)  # the fp32 tensor-core (split TF32) kernels'
 WIDE_HEAD_DIM = 128  # the wide cluster kernels'
 
-FAMILIES = ("generic", "tc32", "mma", "combine", "parity", "verify", "vcombine")
+FAMILIES = (
+    "generic", "tc32", "mma", "combine", "parity", "verify", "vcombine", "vrows", "vrcombine",
+)  # fmt: skip
+ROWS_HEAD_DIMS = (64, 128, 256)  # a verify's rows kernel's (split_rows.cuh)
+ROWS_MAX_WARPS = 8  # ... warps of 16 rows per block, at most
 
 
 def kernel_dtype(dtype: Any) -> str:
@@ -90,6 +99,7 @@ class KernelSpec:
         wide: mma: the wide cluster kernel (head_dim 128, twice the warps).
         fp8: mma: an fp8 cache's format (FP8_FORMATS), or "" for a cache of q's dtype.
         features: the F_* bits compiled in (kernels.traits).
+        row_warps: vrows: warps per block, 16 rows each.
         cluster: the twin whose blocks merge a KV head's chunks on chip.
 
     Raises:
@@ -109,6 +119,7 @@ class KernelSpec:
     fp8: str = ""
     features: int = 0
     cluster: bool = False
+    row_warps: int = 0
 
     def __post_init__(self) -> None:
         if self.family == "mma" and self.row_dim == 0:
@@ -126,6 +137,21 @@ class KernelSpec:
         if not 0 <= self.features < F_LIMIT:
             return f"features not in [0, {F_LIMIT})"
         mma = self.family == "mma"
+        rows = self.family == "vrows"
+        if rows != (self.row_warps > 0):
+            return "row_warps (1 to 8) is the rows kernel's, and it needs them"
+        if self.family in ("vrows", "vrcombine"):
+            others = (self.row_dim, self.heads_per_block, self.vec, self.paired, self.wide,
+                      self.fp8, self.cluster, self.tiles != 1, self.block_tiles != 1)  # fmt: skip
+            if any(others) or (not rows and self.head_dim):
+                return "a verify's rows kernels take dtype, head_dim (the rows') and features"
+            if self.dtype == "f32":
+                return "fp16/bf16"
+            if rows and (self.head_dim not in ROWS_HEAD_DIMS or self.row_warps > ROWS_MAX_WARPS):
+                return f"head_dim one of {ROWS_HEAD_DIMS}, 1 to {ROWS_MAX_WARPS} row warps"
+            if rows and self.features & (F_SINKS | F_LSE):
+                return "sinks and the LSE are its combine's"
+            return ""
         if self.family in ("verify", "vcombine"):
             if (
                 self.head_dim
@@ -210,6 +236,10 @@ class KernelSpec:
             )
         if family == "vcombine":
             return f"gqa_verify_combine_{dt}_x{self.features}"
+        if family == "vrows":
+            return f"gqa_verify_rows_{dt}_d{d}_w{self.row_warps}_x{self.features}"
+        if family == "vrcombine":
+            return f"gqa_verify_rows_combine_{dt}_x{self.features}"
         if family == "generic":
             stem = f"gqa_split_{dt}_g{self.heads_per_block}_{'vec' if self.vec else 'any'}"
         elif family == "combine":
@@ -259,6 +289,10 @@ class KernelSpec:
             return f"FX_VERIFY_TAIL_ENTRY({name}, {t}, {kt}, {q8}, {f})"
         if family == "vcombine":
             return f"FX_VERIFY_COMBINE_ENTRY({name}, {t}, {f})"
+        if family == "vrows":
+            return f"FX_VERIFY_ROWS_ENTRY({name}, {t}, {d}, {self.row_warps}, {f})"
+        if family == "vrcombine":
+            return f"FX_VERIFY_ROWS_COMBINE_ENTRY({name}, {t}, {f})"
         if family == "generic":
             vec = "true" if self.vec else "false"
             g = self.heads_per_block

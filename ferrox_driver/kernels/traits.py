@@ -108,6 +108,12 @@ SPLIT_TRAITS: dict[str, int] = {
     "FX_MMA_SWAPPED_D64": 0,
     "FX_MMA_SWAPPED_D128": 1,
     "FX_MMA_SWAPPED_D256": 0,
+    # a verify's rows kernel (split_rows.cuh): tokens per step of the block's shared K/V
+    # ring, and the ring's steps per head_dim (16, 32 and 64 KB a step of K and V)
+    "FX_ROWS_TOKENS": 32,
+    "FX_ROWS_STAGES_D64": 4,
+    "FX_ROWS_STAGES_D128": 4,
+    "FX_ROWS_STAGES_D256": 3,
 }
 
 

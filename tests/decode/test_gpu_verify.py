@@ -147,3 +147,56 @@ def test_bad_verify_arguments_are_refused_naming_them(rng):
         fd.gqa_decode(q, k, v, tree_mask=np.zeros((4, 4), bool))
     with pytest.raises(ValueError, match="tree_mask: expected shape"):
         fd.gqa_decode(q, k, v, tree_mask=np.eye(3, dtype=bool))
+
+
+@pytest.fixture
+def split_path(monkeypatch):
+    """The tail, split and combine kernels (split_verify.cuh) where the rows kernel would
+    take the call."""
+    import dataclasses
+
+    from ferrox_driver.decode import plan as attention
+
+    monkeypatch.setattr(
+        attention, "OVERRIDES", dataclasses.replace(attention.OVERRIDES, verify_rows=False)
+    )
+
+
+@pytest.mark.parametrize("n_q", [1, 2, 5, 16, 33])
+def test_the_split_path_still_verifies(rng, split_path, n_q):
+    for seq in (n_q, 301 + n_q):
+        _check(rng, n_q, 32, 8, 128, seq)
+    kw = _features(rng, 16, "window+cap+sinks+alibi+scale")
+    _check(rng, n_q, 16, 4, 128, 90 + n_q, kw=kw, layout="HND", tree_mask=_random_tree(rng, n_q))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_rows_kernel_every_warp_count_and_row_block(rng, dtype, head_dim):
+    """Rows per KV head of 1-8 warps of 16 (the last warp part padding, or whole), and past
+    128 rows several blocks; chunks of several steps and a last partial step."""
+    for n_q, n_heads, n_kv, seq in ((2, 8, 8, 70), (4, 16, 4, 1000), (3, 28, 4, 4099),
+                                    (16, 28, 4, 777), (9, 56, 4, 300), (33, 32, 8, 2000),
+                                    (7, 7, 1, 5000)):  # fmt: skip
+        _check(rng, n_q, n_heads, n_kv, head_dim, seq, dtype)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_the_rows_kernel_windows_reaching_into_many_chunks(rng, layout):
+    """Windows longer and shorter than a chunk, each row's own first token, with a tree."""
+    for window in (1, 31, 500, 3000):
+        kw = {"sliding_window": window, "sinks": rng.standard_normal(32).astype(np.float32)}
+        _check(rng, 8, 32, 8, 128, 6000, kw=kw, layout=layout)
+        _check(rng, 5, 32, 8, 128, 2500, kw=kw, layout=layout, tree_mask=_random_tree(rng, 5))
+
+
+def test_the_rows_kernel_with_huge_scores(rng):
+    """Scores of 1e4 in one row, tiny in another: no overflow, no NaN."""
+    n_q, H, KV, D, seq = 4, 16, 4, 128, 3000
+    q, k, v = _inputs(rng, n_q, H, KV, D, seq, "bf16")
+    q = (q.astype(np.float32) * 30).astype(q.dtype)
+    k[123] = (k[123].astype(np.float32) * 40).astype(k.dtype)
+    ref = fd.reference_gqa_decode(q, k, v)
+    got = fd.gqa_decode(q, k, v)
+    assert np.isfinite(got).all()
+    assert rel_err(got.astype(np.float64), ref) < TOL["bf16"]

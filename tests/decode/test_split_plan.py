@@ -656,3 +656,50 @@ def test_blocks_of_several_tiles_are_the_swapped_head_dim_128_kernels_only():
             KernelSpec("mma", "bf16", **bad)
     with pytest.raises(ValueError, match="block_tiles"):
         KernelSpec("generic", "bf16", heads_per_block=4, block_tiles=2)
+
+
+def test_a_verifys_rows_plan_takes_16_rows_a_warp_up_to_8_warps_a_block():
+    """A verify on the rows kernel (split_rows.cuh) on the fake H200: a KV head's n_q x group
+    rows in warps of 16, blocks of up to 8 warps; one wave of blocks, chunks of at least
+    the tuning's 128 tokens; None where the kernel does not take the call."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    def rows(n_q, n_heads=32, n_kv=8, seq=131072, head_dim=128, dtype=bf16, aligned=True,
+             features=0, fp8="", overrides=None, cc=(9, 0)):  # fmt: skip
+        found = attention.rows_plan(_traits(cc), dtype, n_q, n_heads, n_kv, head_dim, seq,
+                                    aligned, features, fp8, overrides)  # fmt: skip
+        return None if found is None else (found.spec.row_warps, found.row_blocks, found.splits)
+
+    shared = (4 * 2 * 32 * 128 + 16 * 128) * 2  # 4 steps of 32 tokens of K and V; q's rows
+    per_sm = 228 * 1024 // (shared + 1024)
+    assert rows(2) == (1, 1, 132 * per_sm // 8)  # 8 rows per KV head: one warp
+    assert rows(4) == (1, 1, 132 * per_sm // 8)  # 16 rows
+    assert rows(8) == (2, 1, 132 * 3 // 8)  # 32 rows: two warps (q's rows take more)
+    assert rows(16, n_heads=28, n_kv=4)[:2] == (7, 1)  # 112 rows: seven warps
+    assert rows(33)[:2] == (8, 2)  # 132 rows: two blocks of 8 warps
+    assert rows(8, seq=4096)[2] == 4096 // 128  # chunks of at least 128 tokens
+    assert rows(8, seq=20)[2] == 1
+    fewer = attention.Overrides(rows_min_chunk=1024)
+    assert rows(8, seq=4096, overrides=fewer)[2] == 4
+    assert rows(8, head_dim=64)[:2] == rows(8, head_dim=256)[:2] == (2, 1)
+    spec = attention.rows_plan(_traits(), bf16, 4, 32, 8, 128, 4096, True, 1 | 8 | 16 | 64)
+    assert spec is not None and spec.spec.features == 1 | 64  # sinks and LSE: its combine's
+    assert spec.combine_spec().features == 1 | 8 | 16
+    assert spec.spec.name == "gqa_verify_rows_bf16_d128_w1_x65"
+    assert spec.combine_spec().name == "gqa_verify_rows_combine_bf16_x25"
+    for refused in (
+        {"fp8": "e4m3"}, {"dtype": np.dtype(np.float32)}, {"head_dim": 80}, {"aligned": False},
+        {"cc": (7, 5)}, {"overrides": attention.Overrides(verify_rows=False)},
+    ):  # fmt: skip
+        assert rows(4, **refused) is None, refused
+
+
+def test_the_rows_kernels_compile_for_hopper_without_spills():
+    """Every row-warp count of the rows kernel at head_dim 64 and 128 compiles to a cubin
+    for sm_90 without spilling (256 may spill a little with every feature)."""
+    specs = [KernelSpec("vrows", "bf16", head_dim=d, row_warps=w, features=f)
+             for d in (64, 128) for w in (1, 8) for f in (0, 1 | 2 | 4 | 32 | 64)]  # fmt: skip
+    specs.append(KernelSpec("vrcombine", "f16", features=1 | 8 | 16))
+    program = launches.split_program(specs, "sm_90")
+    for spec in specs:
+        assert program.resources[spec.name].spill_stores == 0, spec.name

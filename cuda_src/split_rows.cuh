@@ -1,0 +1,318 @@
+// Split kernels (gqa_decode_split.cu), part 11: a verify's rows on tensor cores with the rows
+// as the mma's rows (flash-attention's layout), two launches in place of split_verify.cuh's
+// three.
+//
+// A verify of n_q queries has n_q x group rows per KV head. The swapped body
+// (split_mma_swapped.cuh) gives the rows the mma's 8 columns and has every warp multiply
+// every row by its own tokens: its accumulators grow with the rows (255 registers and
+// spills at 32 rows), and past 32 rows a KV head's rows take more blocks, each reading the
+// chunk again. Here a block of RW warps takes 16 x RW rows, 16 per warp as the mma's A
+// operand (no padding past the last row), and the warps share each step of K and V that
+// the block's threads copy into shared memory: K and V are read once for up to 128 rows,
+// a warp's accumulators are its 16 rows' (16 x D / 32 floats a lane), and the operands
+// come from shared memory by ldmatrix.
+//
+// The kernel reads q in its own layout (n_q, n_heads, head_dim), attends to every token
+// of the chunk under each row's own mask (causal or the tree mask on the new tokens), its
+// own window and ALiBi relative to its own position, so no tail kernel runs: the new
+// tokens are the last chunk's. Its partials go to ws_o / ws_ml by the row's place in the
+// output, t x n_heads + h, for gqa_verify_rows_combine (the combine, with the sinks and
+// the LSE).
+//
+// Shared memory: S stages of [K, V][FX_ROWS_TOKENS][D], then q's rows [16 RW][D], rows
+// XOR-swizzled in 16-byte units (chunk c of row r at c ^ (r & 7)) so that every ldmatrix
+// is free of bank conflicts.
+
+__device__ __forceinline__ void fx_ldsm_x4(unsigned (&r)[4], const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void fx_ldsm_x4_trans(unsigned (&r)[4], const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+// element offset of 16-byte chunk c of row r in a swizzled tile of rows of D elements
+template <int D>
+__device__ __forceinline__ int fx_rows_at(int r, int c) {
+    return r * D + ((c ^ (r & 7)) << 3);
+}
+
+// The stages per head_dim (FX_ROWS_STAGES_D<D>): split_traits.h, from kernels/traits.py.
+template <int D>
+struct FxRowsStages {
+    static constexpr int value =
+        D == 64 ? FX_ROWS_STAGES_D64 : D == 128 ? FX_ROWS_STAGES_D128 : FX_ROWS_STAGES_D256;
+};
+
+template <class T, int D, int RW, int F>
+__device__ __forceinline__ void gqa_verify_rows(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads, int n_q,
+    int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
+    const unsigned char* __restrict__ mask, int mask_mode, const FxFeat feat) {
+    constexpr int TOK = FX_ROWS_TOKENS, S = FxRowsStages<D>::value;
+    constexpr int THREADS = RW * 32, NCH = D / 8;  // 16-byte chunks per row
+    constexpr int STAGE = 2 * TOK * D;             // elements of one stage (K, then V)
+    static_assert(TOK % 16 == 0 && D % 64 == 0, "whole mma tiles");
+    extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
+    T* ring = reinterpret_cast<T*>(fx_dyn_smem);
+    T* q_s = ring + S * STAGE;
+    fx_check_launch((S * STAGE + 16 * RW * D) * (unsigned)sizeof(T), THREADS);
+    fx_let_combine_start<2>();
+
+    const int group = n_heads / n_kv_heads, rows_kv = n_q * group;
+    const int row_blocks = (rows_kv + 16 * RW - 1) / (16 * RW);
+    const int g_kv = blockIdx.y / row_blocks, r0 = blockIdx.y % row_blocks * 16 * RW;
+    const int split = blockIdx.x;
+    const int seq = fx_seq_len(seq_len, seq_len_dev);
+    const int base = seq - n_q;  // query t sits at base + t
+    const int window = feat.window;
+    const int first = (F & FX_F_WINDOW) ? max(0, base + 1 - window) : 0;  // query 0's first
+    const int chunk = fx_chunk(seq - first, splits, tile);
+    const int start = first + split * chunk, end = min(seq, start + chunk);
+    if (base < 0 || start >= end) return;  // (gqa_verify_rows_combine reads none of it)
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const bool hnd = (F & FX_F_HND) != 0;
+    const long long row = hnd ? (long long)D : (long long)n_kv_heads * D;
+    const T* kg = hnd ? k + g_kv * feat.head_stride : k + (long long)g_kv * D;
+    const T* vg = hnd ? v + g_kv * feat.head_stride : v + (long long)g_kv * D;
+
+    // ---- stage j: tokens start + j TOK .. of K and V (rows past `end`: zeros)
+    const int steps = (end - start + TOK - 1) / TOK;
+    auto issue = [&](int j) {
+        if (j < steps) {
+            T* ks = ring + (j % S) * STAGE;
+            T* vs = ks + TOK * D;
+            const int t0 = start + j * TOK;
+#pragma unroll
+            for (int i = threadIdx.x; i < TOK * NCH; i += THREADS) {
+                const int r = i / NCH, c = i % NCH;
+                const bool ok = t0 + r < end;
+                const long long off = (long long)(ok ? t0 + r : start) * row + c * 8;
+                fx_cp_async16(ks + fx_rows_at<D>(r, c), kg + off, ok);
+                fx_cp_async16(vs + fx_rows_at<D>(r, c), vg + off, ok);
+            }
+        }
+        fx_cp_async_commit();  // (one group per stage, even empty: the waits count stages)
+    };
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) issue(j);
+
+    // ---- q's rows: block row i is KV head row r0 + i = t x group + the head of the group
+    for (int i = threadIdx.x; i < 16 * RW * NCH; i += THREADS) {
+        const int r = i / NCH, c = i % NCH, kr = r0 + r;
+        const bool ok = kr < rows_kv;
+        const long long at = ok ? ((long long)(kr / group) * n_heads + g_kv * group + kr % group)
+                                : 0;
+        *reinterpret_cast<uint4*>(q_s + fx_rows_at<D>(r, c)) = fx_ldg16(q + at * D + c * 8, ok);
+    }
+    __syncthreads();
+    // this warp's rows g (a) and g + 8 (b): KV head rows, queries, heads, positions
+    const int ka = r0 + warp * 16 + g, kb = ka + 8;
+    const int qmax = n_q - 1;  // (a padding row past the last takes the last query's mask)
+    const int ta = min(ka / group, qmax), tb = min(kb / group, qmax);
+    const int ha = g_kv * group + ka % group, hb = g_kv * group + kb % group;
+    const bool va = ka < rows_kv, vb = kb < rows_kv;
+    FxScore<F> sca = fx_scorer<F>(feat, D, ha, va, seq, nullptr);
+    FxScore<F> scb = fx_scorer<F>(feat, D, hb, vb, seq, nullptr);
+    sca.last = base + ta;  // ALiBi relative to the row's own position
+    scb.last = base + tb;
+    const int loa = (F & FX_F_WINDOW) ? base + ta + 1 - window : 0;  // the rows' windows
+    const int lob = (F & FX_F_WINDOW) ? base + tb + 1 - window : 0;
+    // steps wholly below `clean` and from `clean_lo` need no per-token check
+    const int clean = base, clean_lo = (F & FX_F_WINDOW) ? seq - window : 0;
+
+    constexpr bool Q_REGS = D <= 128;  // (head_dim 256: q's fragments from shared memory)
+    unsigned qf[Q_REGS ? D / 16 : 1][4];
+    const T* q_w = q_s + warp * 16 * D;
+    const int q_r = ((lane >> 3) & 1) * 8 + (lane & 7), q_c = lane >> 4;
+    if (Q_REGS) {
+#pragma unroll
+        for (int kk = 0; kk < (Q_REGS ? D / 16 : 1); ++kk)
+            fx_ldsm_x4(qf[kk], q_w + fx_rows_at<D>(q_r, 2 * kk + q_c));
+    }
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+    FxRunning rna, rnb;
+
+    const int k_r = lane & 7, k_c = lane >> 3;                      // K: x4 = 4 chunks
+    const int v_r = ((lane >> 3) & 1) * 8 + (lane & 7), v_c = lane >> 4;  // V: tokens x 2
+    for (int j = 0; j < steps; ++j) {
+        fx_cp_async_wait<S - 2>();
+        __syncthreads();  // stage j is in for every thread; stage j - 1 is free
+        issue(j + S - 1);
+        const T* ks = ring + (j % S) * STAGE;
+        const T* vs = ks + TOK * D;
+        const int t0 = start + j * TOK;
+        // ---- S = Q K^T: n-tile nt is tokens t0 + 8 nt .. + 7
+        float s[TOK / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < TOK / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk += 2) {
+            unsigned qa[4], qb[4];
+            if (Q_REGS) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    qa[e] = qf[Q_REGS ? kk : 0][e];
+                    qb[e] = qf[Q_REGS ? kk + 1 : 0][e];
+                }
+            } else {
+                fx_ldsm_x4(qa, q_w + fx_rows_at<D>(q_r, 2 * kk + q_c));
+                fx_ldsm_x4(qb, q_w + fx_rows_at<D>(q_r, 2 * kk + 2 + q_c));
+            }
+#pragma unroll
+            for (int nt = 0; nt < TOK / 8; ++nt) {
+                unsigned b[4];  // tokens 8 nt + g; d 16 kk .. 16 kk + 31
+                fx_ldsm_x4(b, ks + fx_rows_at<D>(nt * 8 + k_r, 2 * kk + k_c));
+                FxMma<T>::run(s[nt][0], s[nt][1], s[nt][2], s[nt][3], qa[0], qa[1], qa[2], qa[3],
+                              b[0], b[1]);
+                FxMma<T>::run(s[nt][0], s[nt][1], s[nt][2], s[nt][3], qb[0], qb[1], qb[2], qb[3],
+                              b[2], b[3]);
+            }
+        }
+        // ---- scores, each row's mask, its online softmax
+        float xa[TOK / 4], xb[TOK / 4];
+        const bool plain = t0 + TOK <= min(end, clean) && (!(F & FX_F_WINDOW) || t0 >= clean_lo);
+#pragma unroll
+        for (int nt = 0; nt < TOK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int tok = t0 + nt * 8 + 2 * tig + e;
+                float sa = sca(s[nt][e], tok), sb = scb(s[nt][2 + e], tok);
+                if (!plain) {
+                    const bool in = tok < end;
+                    const bool na = tok < clean || (tok - base <= qmax &&
+                                                    fx_sees(mask, mask_mode, n_q, ta, tok - base));
+                    const bool nb = tok < clean || (tok - base <= qmax &&
+                                                    fx_sees(mask, mask_mode, n_q, tb, tok - base));
+                    if (!(in && na && va && tok >= loa)) sa = -INFINITY;
+                    if (!(in && nb && vb && tok >= lob)) sb = -INFINITY;
+                }
+                xa[nt * 2 + e] = sa;
+                xb[nt * 2 + e] = sb;
+            }
+        float ma = xa[0], mb = xb[0];
+#pragma unroll
+        for (int i = 1; i < TOK / 4; ++i) {
+            ma = fmaxf(ma, xa[i]);
+            mb = fmaxf(mb, xb[i]);
+        }
+        float pa[TOK / 4], pb[TOK / 4];
+        const float alpha_a = rna.step(fx_lanes_max<1, 4>(ma), xa, pa);
+        const float alpha_b = rnb.step(fx_lanes_max<1, 4>(mb), xb, pb);
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+            o[dn][0] *= alpha_a;
+            o[dn][1] *= alpha_a;
+            o[dn][2] *= alpha_b;
+            o[dn][3] *= alpha_b;
+        }
+        // ---- O += P V: k-step kt is tokens t0 + 16 kt .. + 15 (P from S's accumulators)
+#pragma unroll
+        for (int kt = 0; kt < TOK / 16; ++kt) {
+            const unsigned a0 = fx_pack2<T>(pa[4 * kt], pa[4 * kt + 1]);
+            const unsigned a1 = fx_pack2<T>(pb[4 * kt], pb[4 * kt + 1]);
+            const unsigned a2 = fx_pack2<T>(pa[4 * kt + 2], pa[4 * kt + 3]);
+            const unsigned a3 = fx_pack2<T>(pb[4 * kt + 2], pb[4 * kt + 3]);
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn += 2) {
+                unsigned b[4];  // tokens 16 kt ..; d 8 dn .. 8 dn + 15
+                fx_ldsm_x4_trans(b, vs + fx_rows_at<D>(kt * 16 + v_r, dn + v_c));
+                FxMma<T>::run(o[dn][0], o[dn][1], o[dn][2], o[dn][3], a0, a1, a2, a3, b[0], b[1]);
+                FxMma<T>::run(o[dn + 1][0], o[dn + 1][1], o[dn + 1][2], o[dn + 1][3], a0, a1, a2,
+                              a3, b[2], b[3]);
+            }
+        }
+    }
+    fx_cp_async_wait<0>();  // no copy may land after the block has left
+    fx_let_combine_start<1>();
+
+    // ---- the rows' partials: the lanes' sums added over the quad, by the row's output place
+    rna.l += __shfl_xor_sync(0xffffffffu, rna.l, 1);
+    rna.l += __shfl_xor_sync(0xffffffffu, rna.l, 2);
+    rnb.l += __shfl_xor_sync(0xffffffffu, rnb.l, 1);
+    rnb.l += __shfl_xor_sync(0xffffffffu, rnb.l, 2);
+    const long long pa_at = ((long long)ta * n_heads + ha) * splits + split;
+    const long long pb_at = ((long long)tb * n_heads + hb) * splits + split;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+        const int d = dn * 8 + 2 * tig;
+        if (va) *reinterpret_cast<float2*>(ws_o + pa_at * D + d) = make_float2(o[dn][0], o[dn][1]);
+        if (vb) *reinterpret_cast<float2*>(ws_o + pb_at * D + d) = make_float2(o[dn][2], o[dn][3]);
+    }
+    if (tig == 0) {
+        if (va) *reinterpret_cast<float2*>(ws_ml + 2 * pa_at) = make_float2(rna.m, rna.l);
+        if (vb) *reinterpret_cast<float2*>(ws_ml + 2 * pb_at) = make_float2(rnb.m, rnb.l);
+    }
+}
+
+// The rows' chunks merged (fx_combine_chunks) into out (n_q, n_heads, head_dim): a block per
+// (row t x n_heads + h, 32 columns), with head h's sink and the row's LSE; the chunks
+// gqa_verify_rows wrote for the length, from query 0's window on.
+template <class T, int F>
+__device__ __forceinline__ void gqa_verify_rows_combine(
+    T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+    int head_dim, int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
+    int n_heads, int n_q, const FxFeat feat) {
+    __shared__ float w_s[FX_MAX_SPLITS];
+    __shared__ float red_s[FX_COMBINE_WARPS][32];
+    const int r = blockIdx.x, h = r % n_heads;
+    const int d = blockIdx.y * 32 + (threadIdx.x & 31);
+    const int seq = fx_seq_len(seq_len, seq_len_dev);  // written before the rows kernel ran
+    fx_wait_for_split();
+    T* out_r = out + (long long)r * head_dim;
+    const float sink2 = (F & FX_F_SINKS) ? feat.sinks[h] * FX_LOG2E : 0.f;
+    float* lse_r = (F & FX_F_LSE) && blockIdx.y == 0 ? feat.lse + r : nullptr;
+    const int base = seq - n_q;
+    if (base < 0) {  // (no such verify: a graph's length below its queries) zeros
+        if (threadIdx.x < 32 && d < head_dim) out_r[d] = fx_from_float<T>(0.f);
+        if ((F & FX_F_LSE) && lse_r != nullptr && threadIdx.x == 0)
+            *lse_r = (F & FX_F_SINKS) ? feat.sinks[h] : -INFINITY;
+        return;
+    }
+    const int first = (F & FX_F_WINDOW) ? max(0, base + 1 - feat.window) : 0;
+    const int chunk = fx_chunk(seq - first, splits, tile);
+    const int active = (seq - first + chunk - 1) / chunk;
+    const float* o = ws_o + (long long)r * splits * head_dim;
+    const float* ml = ws_ml + (long long)r * splits * 2;
+    if (active > FX_COMBINE_WARPS * FX_COMBINE_BATCH)
+        fx_combine_chunks<T, FX_COMBINE_MANY, F>(out_r, o, ml, head_dim, d, active, w_s, red_s,
+                                                 sink2, lse_r);
+    else
+        fx_combine_chunks<T, FX_COMBINE_BATCH, F>(out_r, o, ml, head_dim, d, active, w_s, red_s,
+                                                  sink2, lse_r);
+}
+
+// gqa_verify_rows_<dt>_d<D>_w<RW>_x<F>: fp16/bf16 q and cache, head_dim D (64, 128, 256),
+// RW warps of 16 rows, features F (window, cap, ALiBi, scale, head-major).
+#define FX_VERIFY_ROWS_ENTRY(NAME, T, D, RW, F)                                             \
+    extern "C" __global__ void __launch_bounds__(RW * 32) NAME(                             \
+        const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
+        int n_kv_heads, int n_q, int seq_len, const int* seq_len_dev, int splits, int tile, \
+        const unsigned char* mask, int mask_mode, float scale, float cap, int window,       \
+        const float* slopes, long long head_stride) {                                       \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
+        gqa_verify_rows<T, D, RW, F>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, n_q,        \
+                                     seq_len, seq_len_dev, splits, tile, mask, mask_mode,   \
+                                     feat);                                                 \
+    }
+
+// gqa_verify_rows_combine_<dt>_x<F>: window, sinks, LSE.
+#define FX_VERIFY_ROWS_COMBINE_ENTRY(NAME, T, F)                                            \
+    extern "C" __global__ void __launch_bounds__(FX_COMBINE_THREADS) NAME(                  \
+        T* out, const float* ws_o, const float* ws_ml, int head_dim, int seq_len,           \
+        const int* seq_len_dev, int splits, int tile, int n_heads, int n_q, int window,     \
+        const float* sinks, float* lse) {                                                   \
+        const FxFeat feat{0.f, 0.f, window, nullptr, sinks, lse, 0};                        \
+        gqa_verify_rows_combine<T, F>(out, ws_o, ws_ml, head_dim, seq_len, seq_len_dev,     \
+                                      splits, tile, n_heads, n_q, feat);                    \
+    }
