@@ -31,9 +31,10 @@ def main() -> None:
     args = parser.parse_args()
     dev = default_device()
     base = planner.OVERRIDES
-    variants = {"tail": dataclasses.replace(base, verify_rows=False), "rows": base}
+    rows = dataclasses.replace(base, verify_rows=True)
+    variants = {"tail": dataclasses.replace(base, verify_rows=False), "rows": rows}
     for m in args.min_chunk:
-        variants[f"rows/{m}"] = dataclasses.replace(base, rows_min_chunk=m)
+        variants[f"rows/{m}"] = dataclasses.replace(rows, rows_min_chunk=m)
     names = list(variants)
     print(f"{'shape':>9} {'seq':>7} {'n_q':>4} {'1 tok':>7} "
           + " ".join(f"{n:>9}" for n in names) + "  rows plan")  # fmt: skip
@@ -46,7 +47,7 @@ def main() -> None:
                 for name in names:
                     planner.OVERRIDES = variants[name]
                     times.append(measure_verify_point(shape, seq, n_q, args.dtype, 20, dev))  # type: ignore[arg-type]
-                planner.OVERRIDES = base
+                planner.OVERRIDES = rows
                 h, kv, d = shape
                 rp = plan_rows(dev, np.dtype(ml_dtypes.bfloat16), n_q, h, kv, d, seq, True, 0)
                 plan = (
@@ -54,6 +55,7 @@ def main() -> None:
                     if rp is None
                     else (f"warps={rp.spec.row_warps} blocks={rp.row_blocks} splits={rp.splits}")
                 )
+                planner.OVERRIDES = base
                 cells = " ".join(f"{t:6.1f}/{t / one:4.2f}"[:9].rjust(9) for t in times)
                 print(f"{shape_s:>9} {seq:>7} {n_q:>4} {one:7.1f} {cells}  {plan}", flush=True)
 

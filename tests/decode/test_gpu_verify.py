@@ -150,39 +150,81 @@ def test_bad_verify_arguments_are_refused_naming_them(rng):
 
 
 @pytest.fixture
-def split_path(monkeypatch):
-    """The tail, split and combine kernels (split_verify.cuh) where the rows kernel would
-    take the call."""
+def rows_path(monkeypatch):
+    """The rows kernel (split_rows.cuh) where it takes the call (Overrides.verify_rows)."""
     import dataclasses
 
     from ferrox_driver.decode import plan as attention
 
     monkeypatch.setattr(
-        attention, "OVERRIDES", dataclasses.replace(attention.OVERRIDES, verify_rows=False)
+        attention, "OVERRIDES", dataclasses.replace(attention.OVERRIDES, verify_rows=True)
     )
 
 
-@pytest.mark.parametrize("n_q", [1, 2, 5, 16, 33])
-def test_the_split_path_still_verifies(rng, split_path, n_q):
-    for seq in (n_q, 301 + n_q):
+def _rows_planned(n_q, n_heads, n_kv, head_dim, seq, dtype):
+    from ferrox_driver.decode.launches import plan_rows
+    from ferrox_driver.driver.device import default_device
+
+    found = plan_rows(default_device(), DTYPES[dtype], n_q, n_heads, n_kv, head_dim, seq, True, 0)
+    assert found is not None, "the rows kernel takes this call"
+
+
+@pytest.mark.parametrize("n_q", [2, 3, 5, 8, 16, 33, 64, 100])
+def test_the_rows_kernel_matches_the_reference(rng, rows_path, n_q):
+    _rows_planned(n_q, 32, 8, 128, 1000, "bf16")
+    for seq in sorted({n_q, n_q + 1, 301, 1000 + n_q}):
         _check(rng, n_q, 32, 8, 128, seq)
     kw = _features(rng, 16, "window+cap+sinks+alibi+scale")
     _check(rng, n_q, 16, 4, 128, 90 + n_q, kw=kw, layout="HND", tree_mask=_random_tree(rng, n_q))
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("combo", COMBOS)
+def test_the_rows_kernel_every_feature(rng, rows_path, combo, layout):
+    kw = _features(rng, 16, combo)
+    for n_q, seq in ((4, 4), (4, 39), (4, 41), (8, 300), (50, 60), (3, 1234)):
+        _check(rng, n_q, 16, 4, 128, seq, kw=kw, layout=layout)
+
+
+@pytest.mark.parametrize("device_mask", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_rows_kernel_under_tree_masks(rng, rows_path, packed, device_mask):
+    for n_q in (2, 7, 16, 33):
+        for mask in (_random_tree(rng, n_q), np.tril(np.ones((n_q, n_q), bool)),
+                     np.eye(n_q, dtype=bool)):  # fmt: skip
+            m = np.packbits(mask, axis=1, bitorder="little") if packed else mask
+            _check(rng, n_q, 16, 4, 128, 200 + n_q, tree_mask=m, device_mask=device_mask)
+    n_q = 6  # entries above the diagonal honoured, with features
+    mask = _random_tree(rng, n_q) | (rng.random((n_q, n_q)) < 0.3)
+    kw = _features(rng, 16, "window+cap+sinks+alibi+scale")
+    _check(rng, n_q, 16, 4, 128, 90, kw=kw, tree_mask=mask, layout="HND")
+
+
+def test_the_rows_kernel_is_n_q_one_token_decodes(rng, rows_path):
+    n_q, seq = 8, 777
+    q, k, v = _inputs(rng, n_q, 32, 8, 128, seq, "bf16")
+    many = fd.gqa_decode(fd.to_device(q), fd.to_device(k), fd.to_device(v))
+    many = many.to_host().astype(np.float64)
+    for t in range(n_q):
+        n = seq - n_q + t + 1
+        one = fd.gqa_decode(q[t], k[:n], v[:n]).astype(np.float64)
+        assert rel_err(many[t], one) < 1e-2
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_the_rows_kernel_every_warp_count_and_row_block(rng, dtype, head_dim):
+def test_the_rows_kernel_every_warp_count_and_row_block(rng, rows_path, dtype, head_dim):
     """Rows per KV head of 1-8 warps of 16 (the last warp part padding, or whole), and past
     128 rows several blocks; chunks of several steps and a last partial step."""
     for n_q, n_heads, n_kv, seq in ((2, 8, 8, 70), (4, 16, 4, 1000), (3, 28, 4, 4099),
                                     (16, 28, 4, 777), (9, 56, 4, 300), (33, 32, 8, 2000),
                                     (7, 7, 1, 5000)):  # fmt: skip
+        _rows_planned(n_q, n_heads, n_kv, head_dim, seq, dtype)
         _check(rng, n_q, n_heads, n_kv, head_dim, seq, dtype)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_the_rows_kernel_windows_reaching_into_many_chunks(rng, layout):
+def test_the_rows_kernel_windows_reaching_into_many_chunks(rng, rows_path, layout):
     """Windows longer and shorter than a chunk, each row's own first token, with a tree."""
     for window in (1, 31, 500, 3000):
         kw = {"sliding_window": window, "sinks": rng.standard_normal(32).astype(np.float32)}
@@ -190,7 +232,7 @@ def test_the_rows_kernel_windows_reaching_into_many_chunks(rng, layout):
         _check(rng, 5, 32, 8, 128, 2500, kw=kw, layout=layout, tree_mask=_random_tree(rng, 5))
 
 
-def test_the_rows_kernel_with_huge_scores(rng):
+def test_the_rows_kernel_with_huge_scores(rng, rows_path):
     """Scores of 1e4 in one row, tiny in another: no overflow, no NaN."""
     n_q, H, KV, D, seq = 4, 16, 4, 128, 3000
     q, k, v = _inputs(rng, n_q, H, KV, D, seq, "bf16")

@@ -664,8 +664,10 @@ def test_a_verifys_rows_plan_takes_16_rows_a_warp_up_to_8_warps_a_block():
     the tuning's 128 tokens; None where the kernel does not take the call."""
     bf16 = np.dtype(ml_dtypes.bfloat16)
 
+    on = attention.Overrides(verify_rows=True)
+
     def rows(n_q, n_heads=32, n_kv=8, seq=131072, head_dim=128, dtype=bf16, aligned=True,
-             features=0, fp8="", overrides=None, cc=(9, 0)):  # fmt: skip
+             features=0, fp8="", overrides=on, cc=(9, 0)):  # fmt: skip
         found = attention.rows_plan(_traits(cc), dtype, n_q, n_heads, n_kv, head_dim, seq,
                                     aligned, features, fp8, overrides)  # fmt: skip
         return None if found is None else (found.spec.row_warps, found.row_blocks, found.splits)
@@ -679,17 +681,18 @@ def test_a_verifys_rows_plan_takes_16_rows_a_warp_up_to_8_warps_a_block():
     assert rows(33)[:2] == (8, 2)  # 132 rows: two blocks of 8 warps
     assert rows(8, seq=4096)[2] == 4096 // 128  # chunks of at least 128 tokens
     assert rows(8, seq=20)[2] == 1
-    fewer = attention.Overrides(rows_min_chunk=1024)
+    fewer = attention.Overrides(verify_rows=True, rows_min_chunk=1024)
     assert rows(8, seq=4096, overrides=fewer)[2] == 4
     assert rows(8, head_dim=64)[:2] == rows(8, head_dim=256)[:2] == (2, 1)
-    spec = attention.rows_plan(_traits(), bf16, 4, 32, 8, 128, 4096, True, 1 | 8 | 16 | 64)
+    spec = attention.rows_plan(_traits(), bf16, 4, 32, 8, 128, 4096, True, 1 | 8 | 16 | 64,
+                               overrides=on)  # fmt: skip
     assert spec is not None and spec.spec.features == 1 | 64  # sinks and LSE: its combine's
     assert spec.combine_spec().features == 1 | 8 | 16
     assert spec.spec.name == "gqa_verify_rows_bf16_d128_w1_x65"
     assert spec.combine_spec().name == "gqa_verify_rows_combine_bf16_x25"
     for refused in (
         {"fp8": "e4m3"}, {"dtype": np.dtype(np.float32)}, {"head_dim": 80}, {"aligned": False},
-        {"cc": (7, 5)}, {"overrides": attention.Overrides(verify_rows=False)},
+        {"cc": (7, 5)}, {"overrides": attention.Overrides()},  # (off by default, for now)
     ):  # fmt: skip
         assert rows(4, **refused) is None, refused
 
