@@ -21,7 +21,11 @@
 //
 // Shared memory: S stages of [K, V][FX_ROWS_TOKENS][D], then q's rows [16 RW][D], rows
 // XOR-swizzled in 16-byte units (chunk c of row r at c ^ (r & 7)) so that every ldmatrix
-// is free of bank conflicts.
+// is free of bank conflicts. An fp8 cache (Q8): the stages hold the cache's bytes as they
+// are, and each step is widened (exactly) into one more stage of fp16 [K, V] that the warps
+// read as they read a 16-bit cache's; q is converted to fp16, each row scaled by a power of
+// two where it would pass fp16's range (as fx_load_q8 does), the K scale and that power
+// folded into the row's score scale, the V scale applied to the partial once.
 
 __device__ __forceinline__ void fx_ldsm_x4(unsigned (&r)[4], const void* p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -48,20 +52,37 @@ struct FxRowsStages {
         D == 64 ? FX_ROWS_STAGES_D64 : D == 128 ? FX_ROWS_STAGES_D128 : FX_ROWS_STAGES_D256;
 };
 
-template <class T, int D, int RW, int F>
+// the mma's element type: q's, or fp16 for an fp8 cache
+template <class QT, int Q8>
+struct FxRowsMma {
+    using type = fx_half;
+};
+template <class QT>
+struct FxRowsMma<QT, 0> {
+    using type = QT;
+};
+
+template <class QT, int D, int RW, int F, int Q8 = 0>
 __device__ __forceinline__ void gqa_verify_rows(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    float* __restrict__ ws_o, float* __restrict__ ws_ml, int n_heads, int n_kv_heads, int n_q,
-    int seq_len, const int* __restrict__ seq_len_dev, int splits, int tile,
-    const unsigned char* __restrict__ mask, int mask_mode, const FxFeat feat) {
+    const QT* __restrict__ q, const typename FxStore<QT, Q8>::type* __restrict__ k,
+    const typename FxStore<QT, Q8>::type* __restrict__ v, float* __restrict__ ws_o,
+    float* __restrict__ ws_ml, int n_heads, int n_kv_heads, int n_q, int seq_len,
+    const int* __restrict__ seq_len_dev, int splits, int tile,
+    const unsigned char* __restrict__ mask, int mask_mode, const FxFeat feat,
+    const float* __restrict__ kv_scales = nullptr) {
+    using KT = typename FxStore<QT, Q8>::type;  // the cache's element
+    using T = typename FxRowsMma<QT, Q8>::type;
     constexpr int TOK = FX_ROWS_TOKENS, S = FxRowsStages<D>::value;
-    constexpr int THREADS = RW * 32, NCH = D / 8;  // 16-byte chunks per row
+    constexpr int THREADS = RW * 32, NCH = D / 8;  // 16-byte chunks of a row of T
+    constexpr int KCH = D * (int)sizeof(KT) / 16;  // ... of a cache row
     constexpr int STAGE = 2 * TOK * D;             // elements of one stage (K, then V)
     static_assert(TOK % 16 == 0 && D % 64 == 0, "whole mma tiles");
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
-    T* ring = reinterpret_cast<T*>(fx_dyn_smem);
-    T* q_s = ring + S * STAGE;
-    fx_check_launch((S * STAGE + 16 * RW * D) * (unsigned)sizeof(T), THREADS);
+    KT* ring = reinterpret_cast<KT*>(fx_dyn_smem);
+    T* wide = reinterpret_cast<T*>(ring + S * STAGE);  // (Q8: the step widened)
+    T* q_s = wide + (Q8 ? STAGE : 0);
+    fx_check_launch(S * STAGE * sizeof(KT) + ((Q8 ? STAGE : 0) + 16 * RW * D) * sizeof(T),
+                    THREADS);
     fx_let_combine_start<2>();
 
     const int group = n_heads / n_kv_heads, rows_kv = n_q * group;
@@ -80,23 +101,26 @@ __device__ __forceinline__ void gqa_verify_rows(
     const int g = lane >> 2, tig = lane & 3;
     const bool hnd = (F & FX_F_HND) != 0;
     const long long row = hnd ? (long long)D : (long long)n_kv_heads * D;
-    const T* kg = hnd ? k + g_kv * feat.head_stride : k + (long long)g_kv * D;
-    const T* vg = hnd ? v + g_kv * feat.head_stride : v + (long long)g_kv * D;
+    const KT* kg = hnd ? k + g_kv * feat.head_stride : k + (long long)g_kv * D;
+    const KT* vg = hnd ? v + g_kv * feat.head_stride : v + (long long)g_kv * D;
 
     // ---- stage j: tokens start + j TOK .. of K and V (rows past `end`: zeros)
     const int steps = (end - start + TOK - 1) / TOK;
     auto issue = [&](int j) {
         if (j < steps) {
-            T* ks = ring + (j % S) * STAGE;
-            T* vs = ks + TOK * D;
+            KT* ks = ring + (j % S) * STAGE;
+            KT* vs = ks + TOK * D;
             const int t0 = start + j * TOK;
+            constexpr int EPC = 16 / (int)sizeof(KT);  // elements per 16-byte chunk
 #pragma unroll
-            for (int i = threadIdx.x; i < TOK * NCH; i += THREADS) {
-                const int r = i / NCH, c = i % NCH;
+            for (int i = threadIdx.x; i < TOK * KCH; i += THREADS) {
+                const int r = i / KCH, c = i % KCH;
                 const bool ok = t0 + r < end;
-                const long long off = (long long)(ok ? t0 + r : start) * row + c * 8;
-                fx_cp_async16(ks + fx_rows_at<D>(r, c), kg + off, ok);
-                fx_cp_async16(vs + fx_rows_at<D>(r, c), vg + off, ok);
+                const long long off = (long long)(ok ? t0 + r : start) * row + c * EPC;
+                // (Q8: rows as they are, widened below; else swizzled for ldmatrix)
+                const int at = Q8 ? r * D + c * EPC : fx_rows_at<D>(r, c);
+                fx_cp_async16(ks + at, kg + off, ok);
+                fx_cp_async16(vs + at, vg + off, ok);
             }
         }
         fx_cp_async_commit();  // (one group per stage, even empty: the waits count stages)
@@ -105,12 +129,52 @@ __device__ __forceinline__ void gqa_verify_rows(
     for (int j = 0; j < S - 1; ++j) issue(j);
 
     // ---- q's rows: block row i is KV head row r0 + i = t x group + the head of the group
-    for (int i = threadIdx.x; i < 16 * RW * NCH; i += THREADS) {
-        const int r = i / NCH, c = i % NCH, kr = r0 + r;
+    auto q_chunk = [&](int i, int& r, int& c) {
+        r = i / NCH;
+        c = i % NCH;
+        const int kr = r0 + r;
         const bool ok = kr < rows_kv;
-        const long long at = ok ? ((long long)(kr / group) * n_heads + g_kv * group + kr % group)
-                                : 0;
-        *reinterpret_cast<uint4*>(q_s + fx_rows_at<D>(r, c)) = fx_ldg16(q + at * D + c * 8, ok);
+        const long long at =
+            ok ? ((long long)(kr / group) * n_heads + g_kv * group + kr % group) : 0;
+        return fx_ldg16(q + at * D + c * 8, ok);
+    };
+    __shared__ int q_top[16 * RW];  // (Q8: the bits of each row's largest |q|)
+    if (Q8) {
+        for (int i = threadIdx.x; i < 16 * RW; i += THREADS) q_top[i] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < 16 * RW * NCH; i += THREADS) {
+            int r, c;
+            const uint4 w = q_chunk(i, r, c);
+            const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+            float top = 0.f;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 f = fx_unpack2(ws[e], QT{});
+                top = fmaxf(top, fmaxf(fabsf(f.x), fabsf(f.y)));
+            }
+            atomicMax(&q_top[r], __float_as_int(top));
+        }
+        __syncthreads();
+    }
+    auto q_shift = [&](int r) {  // (Q8) e_r: 2^-e_r brings row r within fp16's range
+        const int ex = ((q_top[r] >> 23) & 0xff) - 127;
+        return q_top[r] >= 0x7f800000 || ex < 15 ? 0 : ex - 14;
+    };
+    for (int i = threadIdx.x; i < 16 * RW * NCH; i += THREADS) {
+        int r, c;
+        uint4 w = q_chunk(i, r, c);
+        if (Q8) {
+            const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+            const float down = __int_as_float((127 - q_shift(r)) << 23);
+            unsigned h[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 f = fx_unpack2(ws[e], QT{});
+                h[e] = fx_pack2<fx_half>(f.x * down, f.y * down);
+            }
+            w = make_uint4(h[0], h[1], h[2], h[3]);
+        }
+        *reinterpret_cast<uint4*>(q_s + fx_rows_at<D>(r, c)) = w;
     }
     __syncthreads();
     // this warp's rows g (a) and g + 8 (b): KV head rows, queries, heads, positions
@@ -123,6 +187,11 @@ __device__ __forceinline__ void gqa_verify_rows(
     FxScore<F> scb = fx_scorer<F>(feat, D, hb, vb, seq, nullptr);
     sca.last = base + ta;  // ALiBi relative to the row's own position
     scb.last = base + tb;
+    if (Q8) {  // the K scale and q's power of two
+        const float k_scale = kv_scales[g_kv];
+        sca.fold(k_scale * __int_as_float((127 + q_shift(warp * 16 + g)) << 23));
+        scb.fold(k_scale * __int_as_float((127 + q_shift(warp * 16 + g + 8)) << 23));
+    }
     const int loa = (F & FX_F_WINDOW) ? base + ta + 1 - window : 0;  // the rows' windows
     const int lob = (F & FX_F_WINDOW) ? base + tb + 1 - window : 0;
     // steps wholly below `clean` and from `clean_lo` need no per-token check
@@ -149,7 +218,19 @@ __device__ __forceinline__ void gqa_verify_rows(
         fx_cp_async_wait<S - 2>();
         __syncthreads();  // stage j is in for every thread; stage j - 1 is free
         issue(j + S - 1);
-        const T* ks = ring + (j % S) * STAGE;
+        const T* ks;
+        if constexpr (Q8 != 0) {  // the step's bytes widened into `wide`, swizzled
+            const KT* kb = ring + (j % S) * STAGE;
+            for (int i = threadIdx.x; i < 2 * TOK * NCH; i += THREADS) {
+                const int r = i / NCH, c = i % NCH;  // (rows past TOK: V's)
+                *reinterpret_cast<uint4*>(wide + fx_rows_at<D>(r, c)) =
+                    FxRead<Q8>::at(kb + r * D, c * 8);
+            }
+            __syncthreads();
+            ks = wide;
+        } else {
+            ks = reinterpret_cast<const T*>(ring + (j % S) * STAGE);
+        }
         const T* vs = ks + TOK * D;
         const int t0 = start + j * TOK;
         // ---- S = Q K^T: n-tile nt is tokens t0 + 8 nt .. + 7
@@ -235,6 +316,13 @@ __device__ __forceinline__ void gqa_verify_rows(
     }
     fx_cp_async_wait<0>();  // no copy may land after the block has left
     fx_let_combine_start<1>();
+    if (Q8) {  // the V scale, once
+        const float v_scale = kv_scales[n_kv_heads + g_kv];
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[dn][e] *= v_scale;
+    }
 
     // ---- the rows' partials: the lanes' sums added over the quad, by the row's output place
     rna.l += __shfl_xor_sync(0xffffffffu, rna.l, 1);
@@ -304,6 +392,21 @@ __device__ __forceinline__ void gqa_verify_rows_combine(
         gqa_verify_rows<T, D, RW, F>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, n_q,        \
                                      seq_len, seq_len_dev, splits, tile, mask, mask_mode,   \
                                      feat);                                                 \
+    }
+
+// gqa_verify_rows_<dt>_<e4m3|e5m2>_d<D>_w<RW>_x<F>: an fp8 cache of q's type QT (fp16,
+// bf16), its scales (n_kv_heads K scales, then the V ones) last.
+#define FX_VERIFY_ROWS8_ENTRY(NAME, QT, Q8, D, RW, F)                                      \
+    extern "C" __global__ void __launch_bounds__(RW * 32) NAME(                             \
+        const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
+        float* ws_ml, int n_heads, int n_kv_heads, int n_q, int seq_len,                    \
+        const int* seq_len_dev, int splits, int tile, const unsigned char* mask,            \
+        int mask_mode, float scale, float cap, int window, const float* slopes,             \
+        long long head_stride, const float* kv_scales) {                                    \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
+        gqa_verify_rows<QT, D, RW, F, Q8>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, n_q,   \
+                                          seq_len, seq_len_dev, splits, tile, mask,         \
+                                          mask_mode, feat, kv_scales);                      \
     }
 
 // gqa_verify_rows_combine_<dt>_x<F>: window, sinks, LSE.

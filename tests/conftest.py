@@ -45,3 +45,18 @@ def rng() -> np.random.Generator:
 @pytest.fixture(scope="session")
 def device() -> fd.Device:
     return fd.Device(0)
+
+
+@pytest.fixture(params=["split", "rows"])
+def verify_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A verify's kernels: the tail, split and combine ones (split_verify.cuh), or the rows
+    kernel where it takes the call (split_rows.cuh, Overrides.verify_rows)."""
+    import dataclasses
+
+    from ferrox_driver.decode import plan as attention
+
+    rows = request.param == "rows"
+    monkeypatch.setattr(
+        attention, "OVERRIDES", dataclasses.replace(attention.OVERRIDES, verify_rows=rows)
+    )
+    return str(request.param)

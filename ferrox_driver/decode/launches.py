@@ -245,12 +245,19 @@ def rows_launches(
     features: FeatureArgs,
     mask: DeviceArray | None = None,
     mask_mode: int = 0,
+    kv_scales: DeviceArray | None = None,
 ) -> list[Launch]:
     """The two launches of a verify of ``n_q`` queries on the rows kernel (split_rows.cuh):
     the rows kernel of ``plan`` over every token, each row under its own mask, window and
     ALiBi, its partials into ``workspace`` (``plan.workspace_floats``), then the combine
     merging them into ``out`` (n_q, n_heads, head_dim) with the sinks and the LSE, launched
-    early. ``mask_mode`` as in `verify_launches`."""
+    early. ``mask_mode`` as in `verify_launches`; ``kv_scales``: an fp8 cache's.
+
+    Raises:
+        ValueError: an fp8 plan without ``kv_scales``.
+    """
+    if plan.spec.fp8 and kv_scales is None:
+        raise ValueError("kv_scales: an fp8 plan reads the cache's scales")
     rows = n_q * n_heads
     n_partial = rows * plan.splits
     ws_ml = workspace.view((n_partial * 2,), np.float32, offset=n_partial * head_dim * 4)
@@ -261,6 +268,7 @@ def rows_launches(
         np.int32(seq_len), seq_len_dev, splits, tile, mask, np.int32(mask_mode),
         np.float32(features.scale), np.float32(features.cap), np.int32(features.window),
         features.slopes, np.int64(features.head_stride),
+        *((kv_scales,) if plan.spec.fp8 else ()),
     )  # fmt: skip
     roles: Roles = (*QKV, *(((8, "seq"),) if on_host else ()), (12, "mask"), (17, "slopes"),
                     (18, "heads"))  # fmt: skip

@@ -746,9 +746,12 @@ class RowsPlan:
         return (self.splits, n_kv_heads * self.row_blocks, 1)
 
     def shared_bytes(self, itemsize: int) -> int:
-        """Dynamic shared memory: the ring's steps of K and V, then q's rows."""
-        d = self.spec.head_dim
-        return (ROWS_STAGES[d] * 2 * ROWS_TOKENS * d + 16 * self.spec.row_warps * d) * itemsize
+        """Dynamic shared memory: the ring's steps of K and V (an fp8 cache's bytes, then
+        one step widened to fp16), then q's rows (``itemsize``: q's)."""
+        d, fp8 = self.spec.head_dim, bool(self.spec.fp8)
+        step = 2 * ROWS_TOKENS * d
+        ring = ROWS_STAGES[d] * step * (1 if fp8 else itemsize)
+        return ring + (step * 2 if fp8 else 0) + 16 * self.spec.row_warps * d * itemsize
 
 
 def rows_plan(
@@ -758,8 +761,9 @@ def rows_plan(
 ) -> RowsPlan | None:  # fmt: skip
     """The rows kernel's plan for a verify of ``n_q`` queries of up to ``plan_seq`` tokens
     (the queries' included), or None where it does not take the call (the tail, split and
-    combine kernels do): an fp8 cache, fp32, head_dims other than ROWS_HEAD_DIMS, arrays
-    not 16-byte aligned, GPUs without cp.async, a ring past the block's shared memory.
+    combine kernels do): fp32, head_dims other than ROWS_HEAD_DIMS, arrays not 16-byte
+    aligned, GPUs without cp.async (an fp8 cache, ``fp8``: without fp8 conversions), a
+    ring past the block's shared memory.
 
     A KV head's n_q x group rows take blocks of up to ROWS_MAX_WARPS warps of 16 rows;
     the chunks fill one wave of resident blocks, each of at least the Tuning's
@@ -768,14 +772,16 @@ def rows_plan(
     """
     ov = OVERRIDES if overrides is None else overrides
     name = np.dtype(dtype).name
-    if not ov.verify_rows or fp8 or name not in ("float16", "bfloat16") or not aligned:
+    if not ov.verify_rows or name not in ("float16", "bfloat16") or not aligned:
         return None
     if head_dim not in ROWS_HEAD_DIMS or traits.compute_capability < TENSOR_CORES_FROM:
+        return None
+    if fp8 and (fp8 not in FP8_FORMATS or traits.compute_capability < FP8_FROM):
         return None
     rows_kv = n_q * (n_heads // n_kv_heads)
     warps = min(ROWS_MAX_WARPS, -(-rows_kv // 16))
     row_blocks = -(-rows_kv // (16 * warps))
-    spec = KernelSpec("vrows", kernel_dtype(dtype), head_dim=head_dim, row_warps=warps,
+    spec = KernelSpec("vrows", kernel_dtype(dtype), head_dim=head_dim, row_warps=warps, fp8=fp8,
                       features=features & ~(F_SINKS | F_LSE))  # fmt: skip
     found = RowsPlan(spec, row_blocks, 1, combine_features=features & COMBINE_FEATURES)
     shared = found.shared_bytes(np.dtype(dtype).itemsize)

@@ -346,6 +346,7 @@ def launches_for(
             launches = rows_launches(
                 rows, q, k, v, out, made, n_q=n_q, **dims, seq_len=seq_len,
                 seq_len_dev=seq_len_dev, features=values, mask=mask, mask_mode=mask_mode,
+                kv_scales=kv_scales,
             )  # fmt: skip
             return launches, made
         plan = plan_split(

@@ -12,7 +12,7 @@ The names, as they have been since the kernels were first cached on disk:
                                                                   fp16/bf16 on tensor cores
     gqa_split_combine_<dt>[_x<F>]                                 merges the chunks
     gqa_verify_tail_<dt>[_<fp8>]_x<F>, gqa_verify_combine_<dt>_x<F>  a verify's tail, combine
-    gqa_verify_rows_<dt>_d<D>_w<RW>_x<F>                          a verify's rows kernel
+    gqa_verify_rows_<dt>[_<fp8>]_d<D>_w<RW>_x<F>                  a verify's rows kernel
     gqa_verify_rows_combine_<dt>_x<F>                             ... and its combine
     gqa_decode_<dt>                                               the parity kernel
 
@@ -142,11 +142,13 @@ class KernelSpec:
             return "row_warps (1 to 8) is the rows kernel's, and it needs them"
         if self.family in ("vrows", "vrcombine"):
             others = (self.row_dim, self.heads_per_block, self.vec, self.paired, self.wide,
-                      self.fp8, self.cluster, self.tiles != 1, self.block_tiles != 1)  # fmt: skip
-            if any(others) or (not rows and self.head_dim):
-                return "a verify's rows kernels take dtype, head_dim (the rows') and features"
+                      self.cluster, self.tiles != 1, self.block_tiles != 1)  # fmt: skip
+            if any(others) or (not rows and (self.head_dim or self.fp8)):
+                return "a verify's rows kernels take dtype, head_dim, fp8 (the rows') and features"
             if self.dtype == "f32":
                 return "fp16/bf16"
+            if self.fp8 not in ("", *FP8_FORMATS):
+                return f"fp8 not one of {tuple(FP8_FORMATS)}"
             if rows and (self.head_dim not in ROWS_HEAD_DIMS or self.row_warps > ROWS_MAX_WARPS):
                 return f"head_dim one of {ROWS_HEAD_DIMS}, 1 to {ROWS_MAX_WARPS} row warps"
             if rows and self.features & (F_SINKS | F_LSE):
@@ -237,7 +239,8 @@ class KernelSpec:
         if family == "vcombine":
             return f"gqa_verify_combine_{dt}_x{self.features}"
         if family == "vrows":
-            return f"gqa_verify_rows_{dt}_d{d}_w{self.row_warps}_x{self.features}"
+            fp8 = f"_{self.fp8}" if self.fp8 else ""
+            return f"gqa_verify_rows_{dt}{fp8}_d{d}_w{self.row_warps}_x{self.features}"
         if family == "vrcombine":
             return f"gqa_verify_rows_combine_{dt}_x{self.features}"
         if family == "generic":
@@ -289,6 +292,9 @@ class KernelSpec:
             return f"FX_VERIFY_TAIL_ENTRY({name}, {t}, {kt}, {q8}, {f})"
         if family == "vcombine":
             return f"FX_VERIFY_COMBINE_ENTRY({name}, {t}, {f})"
+        if family == "vrows" and self.fp8:
+            q8 = FP8_FORMATS[self.fp8]
+            return f"FX_VERIFY_ROWS8_ENTRY({name}, {t}, {q8}, {d}, {self.row_warps}, {f})"
         if family == "vrows":
             return f"FX_VERIFY_ROWS_ENTRY({name}, {t}, {d}, {self.row_warps}, {f})"
         if family == "vrcombine":

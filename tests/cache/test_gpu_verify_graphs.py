@@ -68,7 +68,7 @@ def test_a_multi_row_device_append_writes_what_a_host_extend_writes(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_gqa_decode_async_verifies_a_kv_cache_eager_and_captured(rng, dtype):
+def test_gqa_decode_async_verifies_a_kv_cache_eager_and_captured(rng, verify_path, dtype):
     n_q = 5
     k, v = rows(rng, 300)
     with fd.KVCache(KV, D, 512, dtype=dtype) as kv, fd.Stream() as s:
@@ -121,7 +121,7 @@ def test_gqa_decode_async_verifies_a_kv_cache_eager_and_captured(rng, dtype):
             fd.gqa_decode_async(q_d, kv, out, stream=s, out_lse=fd.empty((H,), np.float32))
 
 
-def test_gqa_decode_async_verifies_a_pair_of_either_layout(rng):
+def test_gqa_decode_async_verifies_a_pair_of_either_layout(rng, verify_path):
     n_q, cap, seq = 4, 256, 181
     q = queries(rng, n_q)
     k, v = rows(rng, cap)
@@ -141,7 +141,7 @@ def test_gqa_decode_async_verifies_a_pair_of_either_layout(rng):
         assert rel_err(out.to_host(), ref) < TOL["bf16"]
 
 
-def test_the_torch_op_takes_several_query_tokens(rng):
+def test_the_torch_op_takes_several_query_tokens(rng, verify_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("PyTorch without CUDA")
@@ -173,7 +173,7 @@ def test_the_torch_op_takes_several_query_tokens(rng):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_a_decode_graph_per_n_q_causal_and_tree(rng, dtype):
+def test_a_decode_graph_per_n_q_causal_and_tree(rng, verify_path, dtype):
     n_q = 4
     k, v = rows(rng, 50)
     with fd.KVCache(KV, D, 256, dtype=dtype) as kv:
@@ -206,7 +206,7 @@ def test_a_decode_graph_per_n_q_causal_and_tree(rng, dtype):
         tree.close()
 
 
-def test_a_layer_decode_graph_verifies_every_layer(rng):
+def test_a_layer_decode_graph_verifies_every_layer(rng, verify_path):
     n_layers, n_q = 3, 3
     with fd.LayerKVCache(n_layers, KV, D, 128, dtype=BF16) as layers:
         hist = [rows(rng, 20) for _ in range(n_layers)]
@@ -225,7 +225,7 @@ def test_a_layer_decode_graph_verifies_every_layer(rng):
                     assert rel_err(got[i], ref) < TOL["bf16"]
 
 
-def test_a_captured_draft_verify_rollback_loop_of_1000_steps(rng):
+def test_a_captured_draft_verify_rollback_loop_of_1000_steps(rng, verify_path):
     """Each replay appends 4 draft tokens in one launch, verifies 4 queries under a tree mask
     written on the device, and rolls back to a count read on the device (0-4 drafts kept):
     1,000 replays against the same steps driven on the host, every output and the cache

@@ -116,7 +116,7 @@ def test_a_causal_verify_is_n_q_one_token_decodes(rng):
         assert rel_err(many[t], one) < 1e-2
 
 
-def test_a_kv_cache_verifies_bf16_and_fp8(rng):
+def test_a_kv_cache_verifies_bf16_and_fp8(rng, verify_path):
     n_q, H, KV, D = 5, 32, 8, 128
     bf16 = DTYPES["bf16"]
     k = rng.standard_normal((400, KV, D)).astype(bf16)
@@ -161,11 +161,12 @@ def rows_path(monkeypatch):
     )
 
 
-def _rows_planned(n_q, n_heads, n_kv, head_dim, seq, dtype):
+def _rows_planned(n_q, n_heads, n_kv, head_dim, seq, dtype, fp8=""):
     from ferrox_driver.decode.launches import plan_rows
     from ferrox_driver.driver.device import default_device
 
-    found = plan_rows(default_device(), DTYPES[dtype], n_q, n_heads, n_kv, head_dim, seq, True, 0)
+    found = plan_rows(default_device(), DTYPES[dtype], n_q, n_heads, n_kv, head_dim, seq, True, 0,
+                      fp8)  # fmt: skip
     assert found is not None, "the rows kernel takes this call"
 
 
@@ -242,3 +243,27 @@ def test_the_rows_kernel_with_huge_scores(rng, rows_path):
     got = fd.gqa_decode(q, k, v)
     assert np.isfinite(got).all()
     assert rel_err(got.astype(np.float64), ref) < TOL["bf16"]
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_rows_kernel_reads_an_fp8_cache(rng, rows_path, fmt):
+    """An fp8 KVCache's verify against the reference on its dequantized cache, features and
+    a tree mask included; q scaled into fp16's range where its values pass it."""
+    n_q, H, KV, D = 6, 32, 8, 128
+    bf16 = DTYPES["bf16"]
+    k = rng.standard_normal((3000, KV, D)).astype(bf16)
+    v = rng.standard_normal((3000, KV, D)).astype(bf16)
+    q = rng.standard_normal((n_q, H, D)).astype(bf16)
+    q[2, 5] = (q[2, 5].astype(np.float32) * 2.0**17).astype(bf16)  # past fp16's range
+    with fd.KVCache(KV, D, 4096, dtype=fmt) as kv:
+        kv.extend(k, v)
+        kq, vq = kv.dequantized()
+        _rows_planned(n_q, H, KV, D, 3000, "bf16", {"float8_e4m3fn": "e4m3"}.get(fmt, "e5m2"))
+        kw = _features(rng, H, "window+cap+sinks+alibi")
+        mask = _random_tree(rng, n_q)
+        for extra in ({}, kw, {"tree_mask": mask}):
+            got, lse = kv.decode(q, return_lse=True, **extra)
+            ref, ref_lse = fd.reference_gqa_decode(q, kq, vq, return_lse=True, **extra)
+            assert np.isfinite(got).all()
+            assert rel_err(got, ref) < 2e-2, extra.keys()
+            np.testing.assert_allclose(lse, ref_lse, rtol=3e-2, atol=3e-2)

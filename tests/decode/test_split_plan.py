@@ -690,18 +690,24 @@ def test_a_verifys_rows_plan_takes_16_rows_a_warp_up_to_8_warps_a_block():
     assert spec.combine_spec().features == 1 | 8 | 16
     assert spec.spec.name == "gqa_verify_rows_bf16_d128_w1_x65"
     assert spec.combine_spec().name == "gqa_verify_rows_combine_bf16_x25"
+    # an fp8 cache: a ring of bytes and one step widened, so more blocks fit
+    fp8 = attention.rows_plan(_traits(), bf16, 8, 32, 8, 128, 131072, True, 0, "e4m3", on)
+    assert fp8 is not None and fp8.spec.name == "gqa_verify_rows_bf16_e4m3_d128_w2_x0"
+    assert fp8.shared_bytes(2) == 4 * 2 * 32 * 128 + 2 * 32 * 128 * 2 + 32 * 128 * 2
     for refused in (
-        {"fp8": "e4m3"}, {"dtype": np.dtype(np.float32)}, {"head_dim": 80}, {"aligned": False},
-        {"cc": (7, 5)}, {"overrides": attention.Overrides()},  # (off by default, for now)
+        {"dtype": np.dtype(np.float32)}, {"head_dim": 80}, {"aligned": False}, {"cc": (7, 5)},
+        {"fp8": "e4m3", "cc": (8, 0)}, {"overrides": attention.Overrides()},  # (off for now)
     ):  # fmt: skip
         assert rows(4, **refused) is None, refused
 
 
 def test_the_rows_kernels_compile_for_hopper_without_spills():
-    """Every row-warp count of the rows kernel at head_dim 64 and 128 compiles to a cubin
-    for sm_90 without spilling (256 may spill a little with every feature)."""
-    specs = [KernelSpec("vrows", "bf16", head_dim=d, row_warps=w, features=f)
-             for d in (64, 128) for w in (1, 8) for f in (0, 1 | 2 | 4 | 32 | 64)]  # fmt: skip
+    """The rows kernel of one and eight row warps at head_dim 64 and 128, 16-bit and fp8
+    caches, compiles to a cubin for sm_90 without spilling (256 may spill a little with
+    every feature)."""
+    specs = [KernelSpec("vrows", "bf16", head_dim=d, row_warps=w, features=f, fp8=f8)
+             for d in (64, 128) for w in (1, 8) for f in (0, 1 | 2 | 4 | 32 | 64)
+             for f8 in ("", "e4m3")]  # fmt: skip
     specs.append(KernelSpec("vrcombine", "f16", features=1 | 8 | 16))
     program = launches.split_program(specs, "sm_90")
     for spec in specs:
