@@ -95,6 +95,27 @@ __device__ __forceinline__ void fx_combine_chunks(T* __restrict__ out_h,
     }
 }
 
+// Row `r`'s chunks of tokens [first, seq) (seq > first), as many as a plan of `splits`
+// chunks of whole `tile` tokens made, merged into out_h (ws_o, ws_ml: every row's partials).
+template <class T, int F>
+__device__ __forceinline__ void fx_combine_row(T* __restrict__ out_h,
+                                               const float* __restrict__ ws_o,
+                                               const float* __restrict__ ws_ml, long long r,
+                                               int head_dim, int d, int first, int seq,
+                                               int splits, int tile, float* w_s,
+                                               float (*red_s)[32], float sink2, float* lse_h) {
+    const int chunk = fx_chunk(seq - first, splits, tile);
+    const int active = (seq - first + chunk - 1) / chunk;
+    const float* o = ws_o + r * splits * head_dim;
+    const float* ml = ws_ml + r * splits * 2;
+    if (active > FX_COMBINE_WARPS * FX_COMBINE_BATCH)
+        fx_combine_chunks<T, FX_COMBINE_MANY, F>(out_h, o, ml, head_dim, d, active, w_s, red_s,
+                                                 sink2, lse_h);
+    else
+        fx_combine_chunks<T, FX_COMBINE_BATCH, F>(out_h, o, ml, head_dim, d, active, w_s, red_s,
+                                                  sink2, lse_h);
+}
+
 template <class T, int F = 0>
 __device__ __forceinline__ void gqa_split_combine(
     T* __restrict__ out, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
@@ -117,16 +138,8 @@ __device__ __forceinline__ void gqa_split_combine(
         return;
     }
     const int first = fx_first_token<F>(seq, feat.window);
-    const int chunk = fx_chunk(seq - first, splits, tile);
-    const int active = (seq - first + chunk - 1) / chunk;
-    const float* o = ws_o + (long long)h * splits * head_dim;
-    const float* ml = ws_ml + (long long)h * splits * 2;
-    if (active > FX_COMBINE_WARPS * FX_COMBINE_BATCH)
-        fx_combine_chunks<T, FX_COMBINE_MANY, F>(out_h, o, ml, head_dim, d, active, w_s, red_s,
-                                                 sink2, lse_h);
-    else
-        fx_combine_chunks<T, FX_COMBINE_BATCH, F>(out_h, o, ml, head_dim, d, active, w_s, red_s,
-                                                  sink2, lse_h);
+    fx_combine_row<T, F>(out_h, ws_o, ws_ml, h, head_dim, d, first, seq, splits, tile, w_s,
+                         red_s, sink2, lse_h);
 }
 
 #define FX_COMBINE_ENTRY(NAME, T)                                                           \

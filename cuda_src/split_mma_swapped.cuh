@@ -67,6 +67,36 @@ template <>
 struct FxRead<FX_E4M3> : FxRead8<FX_E4M3> {};
 template <>
 struct FxRead<FX_E5M2> : FxRead8<FX_E5M2> {};
+// q for an fp8 cache's fp16 mmas, eight elements (16 bytes of QT: fp16, bf16) at a time:
+// their largest magnitude; e, where 2^-e brings a row whose largest |q| has the bits `top`
+// within fp16's range (0 where it is, or is inf or NaN); the elements as fp16, times `down`.
+template <class QT>
+__device__ __forceinline__ float fx_top8(uint4 w) {
+    const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+    float top = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float2 f = fx_unpack2(ws[e], QT{});
+        top = fmaxf(top, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+    return top;
+}
+__device__ __forceinline__ int fx_q8_shift(int top) {
+    const int ex = ((top >> 23) & 0xff) - 127;
+    return top >= 0x7f800000 || ex < 15 ? 0 : ex - 14;
+}
+template <class QT>
+__device__ __forceinline__ uint4 fx_half8(uint4 w, float down) {
+    const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+    unsigned h[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float2 f = fx_unpack2(ws[e], QT{});
+        h[e] = fx_pack2<fx_half>(f.x * down, f.y * down);
+    }
+    return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 // fx_load_q for an fp8 cache: q of type QT (fp16, bf16) as fp16, head j scaled by 2^-e_j,
 // e_j > 0 only where its largest |q| would pass 2^15 (so fp16 holds every bf16 q exactly
 // but for the tiniest); mul_a / mul_b: 2^e of heads 2tig and 2tig + 1, to undo it.
@@ -80,32 +110,15 @@ __device__ __forceinline__ FxQ<fx_half, D> fx_load_q8(const QT* q, int h0, int g
     for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
         const int j = i / (D / 8), c = (i % (D / 8)) * 8;
         const uint4 w = fx_ldg16(q + (long long)(h0 + j) * DR + c, j < group && c < DR);
-        const unsigned ws[4] = {w.x, w.y, w.z, w.w};
-        float top = 0.f;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float2 f = fx_unpack2(ws[e], QT{});
-            top = fmaxf(top, fmaxf(fabsf(f.x), fabsf(f.y)));
-        }
-        atomicMax(&q_top[j], __float_as_int(top));
+        atomicMax(&q_top[j], __float_as_int(fx_top8<QT>(w)));
     }
     __syncthreads();
-    auto shift = [&](int j) {  // e_j
-        const int ex = ((q_top[j] >> 23) & 0xff) - 127;
-        return q_top[j] >= 0x7f800000 || ex < 15 ? 0 : ex - 14;
-    };
+    auto shift = [&](int j) { return fx_q8_shift(q_top[j]); };  // e_j
     for (int i = threadIdx.x; i < 8 * (D / 8); i += THREADS) {
         const int j = i / (D / 8), c = (i % (D / 8)) * 8;
         const uint4 w = fx_ldg16(q + (long long)(h0 + j) * DR + c, j < group && c < DR);
-        const unsigned ws[4] = {w.x, w.y, w.z, w.w};
         const float down = __int_as_float((127 - shift(j)) << 23);
-        unsigned h[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float2 f = fx_unpack2(ws[e], QT{});
-            h[e] = fx_pack2<fx_half>(f.x * down, f.y * down);
-        }
-        *reinterpret_cast<uint4*>(&q_s[j][c]) = make_uint4(h[0], h[1], h[2], h[3]);
+        *reinterpret_cast<uint4*>(&q_s[j][c]) = fx_half8<QT>(w, down);
     }
     __syncthreads();
     mul_a = __int_as_float((127 + shift(2 * tig)) << 23);

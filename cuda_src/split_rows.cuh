@@ -145,35 +145,16 @@ __device__ __forceinline__ void gqa_verify_rows(
         for (int i = threadIdx.x; i < 16 * RW * NCH; i += THREADS) {
             int r, c;
             const uint4 w = q_chunk(i, r, c);
-            const unsigned ws[4] = {w.x, w.y, w.z, w.w};
-            float top = 0.f;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float2 f = fx_unpack2(ws[e], QT{});
-                top = fmaxf(top, fmaxf(fabsf(f.x), fabsf(f.y)));
-            }
-            atomicMax(&q_top[r], __float_as_int(top));
+            atomicMax(&q_top[r], __float_as_int(fx_top8<QT>(w)));
         }
         __syncthreads();
     }
-    auto q_shift = [&](int r) {  // (Q8) e_r: 2^-e_r brings row r within fp16's range
-        const int ex = ((q_top[r] >> 23) & 0xff) - 127;
-        return q_top[r] >= 0x7f800000 || ex < 15 ? 0 : ex - 14;
-    };
+    // (Q8) e_r: 2^-e_r brings row r within fp16's range
+    auto q_shift = [&](int r) { return fx_q8_shift(q_top[r]); };
     for (int i = threadIdx.x; i < 16 * RW * NCH; i += THREADS) {
         int r, c;
         uint4 w = q_chunk(i, r, c);
-        if (Q8) {
-            const unsigned ws[4] = {w.x, w.y, w.z, w.w};
-            const float down = __int_as_float((127 - q_shift(r)) << 23);
-            unsigned h[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float2 f = fx_unpack2(ws[e], QT{});
-                h[e] = fx_pack2<fx_half>(f.x * down, f.y * down);
-            }
-            w = make_uint4(h[0], h[1], h[2], h[3]);
-        }
+        if (Q8) w = fx_half8<QT>(w, __int_as_float((127 - q_shift(r)) << 23));
         *reinterpret_cast<uint4*>(q_s + fx_rows_at<D>(r, c)) = w;
     }
     __syncthreads();
@@ -368,16 +349,8 @@ __device__ __forceinline__ void gqa_verify_rows_combine(
         return;
     }
     const int first = (F & FX_F_WINDOW) ? max(0, base + 1 - feat.window) : 0;
-    const int chunk = fx_chunk(seq - first, splits, tile);
-    const int active = (seq - first + chunk - 1) / chunk;
-    const float* o = ws_o + (long long)r * splits * head_dim;
-    const float* ml = ws_ml + (long long)r * splits * 2;
-    if (active > FX_COMBINE_WARPS * FX_COMBINE_BATCH)
-        fx_combine_chunks<T, FX_COMBINE_MANY, F>(out_r, o, ml, head_dim, d, active, w_s, red_s,
-                                                 sink2, lse_r);
-    else
-        fx_combine_chunks<T, FX_COMBINE_BATCH, F>(out_r, o, ml, head_dim, d, active, w_s, red_s,
-                                                  sink2, lse_r);
+    fx_combine_row<T, F>(out_r, ws_o, ws_ml, r, head_dim, d, first, seq, splits, tile, w_s,
+                         red_s, sink2, lse_r);
 }
 
 // gqa_verify_rows_<dt>_d<D>_w<RW>_x<F>: fp16/bf16 q and cache, head_dim D (64, 128, 256),
