@@ -8,6 +8,7 @@ the pointers and launches.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any, cast
@@ -18,6 +19,7 @@ from ..decode.checks import check_dims, dtype_name, q_heads
 from ..decode.features import check_features
 from ..decode.fp8 import ROW_DTYPES, quantize_kernel
 from ..decode.pair import (
+    as_queries,
     checked_operand,
     decode_async_pair,
     device_mask,
@@ -283,6 +285,7 @@ def gqa_decode_async(
     kv_layout: str = "NHD",
     kv_scales: DeviceArrayLike = None,
     tree_mask: DeviceArrayLike = None,
+    n_queries: int | None = None,
 ) -> None:
     """Queue a decode of ``q_dev`` against the cache, reading seq_len on the device.
     No host work: capturable in a graph, valid for every sequence length. Before the
@@ -338,8 +341,13 @@ def gqa_decode_async(
             n_q)`` or bit-packed uint8 ``(n_q, ceil(n_q / 8))`` (see `gqa_decode`), read by
             the kernels at each run (write it in place between replays; its diagonal is
             the caller's to keep set: it is not checked on the host).
+        n_queries: the query tokens q_dev holds (None: read from its shape, 3-D for
+            several): given, q_dev and out_dev may be flat buffers, or ``(n_queries *
+            n_heads, head_dim)``, holding them in ``(n_queries, n_heads, head_dim)`` order.
     """
     stream = call_stream(stream, q_dev)
+    if n_queries is not None:
+        q_dev, out_dev = as_queries(q_dev, out_dev, n_queries, n_heads, _head_dim_of(kv))
     if isinstance(kv, tuple):
         decode_async_pair(
             q_dev, kv, out_dev, n_heads, stream, algorithm, seq_len, kv_layout,
@@ -399,6 +407,19 @@ def gqa_decode_async(
              alibi_slopes=alibi_slopes, scale=scale),
         out_lse, tree_mask,
     )  # fmt: skip
+
+
+def _head_dim_of(kv: Any) -> int | None:
+    """The head_dim of a KVCache, or of a pair's K (None where ``kv`` is neither: its
+    checks name what is wrong)."""
+    if isinstance(kv, KVCache):
+        return kv.head_dim
+    if isinstance(kv, tuple) and kv:
+        with contextlib.suppress(TypeError, ValueError):
+            ref = array_ref(kv[0], "k_cache")
+            if ref is not None and len(ref[1]) >= 2:
+                return int(ref[1][-1])
+    return None
 
 
 def _many(q_dev: Any) -> bool:

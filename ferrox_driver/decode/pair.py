@@ -44,6 +44,7 @@ from .records import store as _records
 from .verify import check_mask
 
 __all__ = [
+    "as_queries",
     "checked_operand",
     "device_mask",
     "decode_async_pair",
@@ -70,6 +71,63 @@ def query_count(q_dev: Any, head_dim: int, n_heads: Any = None) -> int:
         single_query_only(ref[1], "q_dev")  # SDPA's (1, n_heads, n_q, head_dim): n_q > 1
         return 1
     return query_heads(ref[1], head_dim, n_heads, "q_dev").n_q
+
+
+def as_queries(
+    q_dev: Any, out_dev: Any, n_queries: Any, n_heads: Any, head_dim: int | None
+) -> tuple[Any, Any]:
+    """``q_dev`` and ``out_dev`` as ``(n_queries, n_heads, head_dim)`` views where
+    ``n_queries`` says how many query tokens a buffer of another shape holds (a flat one, or
+    ``(n_queries * n_heads, head_dim)``, C-contiguous); as they are where they already have
+    that shape, or hold one token (n_queries 1). ``head_dim``: the cache's (None: not known
+    yet, a bad pair: the arrays go on as they are, for its checks to name).
+
+    Raises:
+        TypeError, ValueError: naming ``n_queries``, ``q_dev`` or ``out_dev``.
+    """
+    if isinstance(n_queries, bool) or not isinstance(n_queries, (int, np.integer)):
+        raise TypeError(f"n_queries: expected an int, got {type(n_queries).__name__}")
+    n = int(n_queries)
+    if n < 1:
+        raise ValueError(f"n_queries: expected at least 1 query token, got {n}")
+    if head_dim is None:
+        return q_dev, out_dev
+    checked: list[tuple[Any, ArrayRef | None, int]] = []  # all checked before any view
+    for obj, name in ((q_dev, "q_dev"), (out_dev, "out_dev")):
+        ref = array_ref(obj, name)
+        if ref is None:
+            raise TypeError(f"{name}: expected a device array, got a numpy array")
+        shape = tuple(ref[1])
+        if len(shape) == 3:
+            if shape[0] != n:
+                raise ValueError(f"n_queries: {n}, but {name} of shape {shape} holds "
+                                 f"{shape[0]} query tokens")  # fmt: skip
+            checked.append((obj, None, 0))
+            continue
+        if n == 1:
+            checked.append((obj, None, 0))
+            continue
+        size = math.prod(shape)
+        if len(shape) == 4 and shape[2] > 1:  # SDPA's (1, n_heads, n_q, head_dim)
+            raise ValueError(f"{name}: shape {shape} holds its queries head by head; pass "
+                             f"(n_q, n_heads, head_dim), or a buffer in that order")  # fmt: skip
+        if size == 0 or size % (n * head_dim) or not ref[4]:
+            raise ValueError(f"{name}: expected a C-contiguous buffer of n_queries ({n}) x "
+                             f"n_heads x head_dim ({head_dim}) elements, got shape "
+                             f"{shape}")  # fmt: skip
+        heads = size // (n * head_dim)
+        if n_heads is not None and n_heads != heads:
+            raise ValueError(f"n_heads: {n_heads}, but {name} holds {heads} heads of "
+                             f"{n} query tokens")  # fmt: skip
+        checked.append((obj, ref, heads))
+    views = [
+        obj if ref is None else DeviceArray._wrap(
+            ref[0], (n, heads, head_dim), ref[2], device_for(ref[3]),
+            obj if ref[5] is None else ref[5],
+        )
+        for obj, ref, heads in checked
+    ]  # fmt: skip
+    return views[0], views[1]
 
 
 def q_heads_of(n_heads: Any, q_dev: Any, head_dim: int) -> Any:

@@ -141,6 +141,41 @@ def test_gqa_decode_async_verifies_a_pair_of_either_layout(rng, verify_path):
         assert rel_err(out.to_host(), ref) < TOL["bf16"]
 
 
+def test_n_queries_reads_flat_buffers_as_the_3d_form(rng, verify_path):
+    """gqa_decode_async's ``n_queries``: a flat q and out (or ``(n_q * n_heads,
+    head_dim)``) of n_q query tokens decode as the ``(n_q, n_heads, head_dim)`` form does,
+    on a KVCache and on a pair, captured too."""
+    n_q = 6
+    k, v = rows(rng, 200)
+    q = queries(rng, n_q)
+    ref = fd.reference_gqa_decode(q, k, v)
+    with fd.KVCache(KV, D, 256, dtype=BF16) as kv, fd.Stream() as s:
+        kv.extend(k, v)
+        for shape in ((n_q * H * D,), (n_q * H, D)):
+            out = poisoned(shape, BF16)
+            fd.gqa_decode_async(fd.to_device(q.reshape(shape)), kv, out, stream=s,
+                                n_queries=n_q)  # fmt: skip
+            s.synchronize()
+            assert rel_err(out.to_host().reshape(q.shape), ref) < TOL["bf16"]
+        q_d, out = fd.to_device(q.reshape(-1)), poisoned((n_q * H * D,), BF16)
+        kv.prepare(H, n_q=n_q)
+        with s.capture() as graph:
+            fd.gqa_decode_async(q_d, kv, out, stream=s, n_queries=n_q)
+        exe = graph.instantiate()
+        graph.close()
+        exe.launch(s)
+        s.synchronize()
+        exe.close()
+        assert rel_err(out.to_host().reshape(q.shape), ref) < TOL["bf16"]
+    pair = (fd.to_device(k), fd.to_device(v))
+    out = poisoned((n_q * H * D,), BF16)
+    with fd.Stream() as s:
+        fd.gqa_decode_async(fd.to_device(q.reshape(-1)), pair, out, stream=s, n_queries=n_q,
+                            seq_len=fd.to_device(np.array([200], np.int32)))  # fmt: skip
+        s.synchronize()
+    assert rel_err(out.to_host().reshape(q.shape), ref) < TOL["bf16"]
+
+
 def test_the_torch_op_takes_several_query_tokens(rng, verify_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -120,3 +120,30 @@ def test_seq_len_and_kv_layout_are_a_pairs_alone():
     for kwargs in ({"seq_len": SEQ}, {"kv_layout": "HND"}):
         with pytest.raises(ValueError, match="only with a \\(k_cache, v_cache\\) pair"):
             fd.gqa_decode_async(Q, object(), Q, n_heads=8, stream=None, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "q,out,n_queries,exc,pattern",
+    [
+        (FakeDevice((4 * 32 * 128,)), FakeDevice((4 * 32 * 128,)), 0, ValueError,
+         "n_queries: expected at least 1"),
+        (FakeDevice((4 * 32 * 128,)), FakeDevice((4 * 32 * 128,)), 2.0, TypeError,
+         "n_queries: expected an int"),
+        (FakeDevice((4, 32, 128)), FakeDevice((4, 32, 128)), 3, ValueError,
+         "n_queries: 3, but q_dev of shape \\(4, 32, 128\\) holds 4"),
+        (FakeDevice((3 * 32 * 128 + 128,)), FakeDevice((4 * 32 * 128,)), 3, ValueError,
+         "q_dev: expected a C-contiguous buffer of n_queries \\(3\\)"),
+        (FakeDevice((1, 32, 4, 128)), FakeDevice((4, 32, 128)), 4, ValueError,
+         "q_dev: shape \\(1, 32, 4, 128\\) holds its queries head by head"),
+        (FakeDevice((4 * 32, 128)), FakeDevice((4 * 32, 128), strides=(512, 2)), 4, ValueError,
+         "out_dev: expected a C-contiguous"),
+        (FakeDevice((4 * 16, 128)), FakeDevice((4 * 16, 128)), 4, ValueError,
+         "n_heads: 32, but q_dev holds 16 heads"),
+    ],
+)  # fmt: skip
+def test_n_queries_reads_a_buffer_of_several_queries_or_names_what_is_wrong(
+    q, out, n_queries, exc, pattern
+):
+    with pytest.raises(exc, match=pattern):
+        fd.gqa_decode_async(q, _pair(), out, n_heads=32, kv_layout="HND", seq_len=SEQ,
+                            stream=None, n_queries=n_queries)  # fmt: skip
