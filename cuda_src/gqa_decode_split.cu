@@ -29,4 +29,5 @@
 #include "split_tc32.cuh"
 #include "split_combine.cuh"
 #include "split_verify.cuh"
+#include "hadamard.cuh"
 #include "split_rows.cuh"

@@ -25,7 +25,12 @@
 // are, and each step is widened (exactly) into one more stage of fp16 [K, V] that the warps
 // read as they read a 16-bit cache's; q is converted to fp16, each row scaled by a power of
 // two where it would pass fp16's range (as fx_load_q8 does), the K scale and that power
-// folded into the row's score scale, the V scale applied to the partial once.
+// folded into the row's score scale, the V scale applied to the partial once. A q4 cache
+// (FX_Q4, kv_quantize4.cu; token-major only): the stages hold each token's nibbles and
+// float16 group scales, widened as ((nibble - 8) * scale) in fp16; with R, K was rotated
+// on append (a Hadamard transform over head_dim) and q is rotated the same way here, in
+// float32, before its conversion to fp16 (the scores are unchanged: the transform is
+// orthonormal).
 
 __device__ __forceinline__ void fx_ldsm_x4(unsigned (&r)[4], const void* p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -52,7 +57,31 @@ struct FxRowsStages {
         D == 64 ? FX_ROWS_STAGES_D64 : D == 128 ? FX_ROWS_STAGES_D128 : FX_ROWS_STAGES_D256;
 };
 
-// the mma's element type: q's, or fp16 for an fp8 cache
+#define FX_Q4 3  // a q4 cache: nibbles and a float16 scale per FX_Q4_GROUP elements
+#define FX_Q4_GROUP 32
+template <class T>
+struct FxStore<T, FX_Q4> {
+    using type = unsigned char;
+};
+// 16-byte chunk c (elements 8c .. 8c + 7) of a q4 row (`nib`: its D / 2 bytes; `sc`: its
+// D / FX_Q4_GROUP float16 scales) as fp16: (nibble - 8) exactly (0x6400 | n is 1024 + n),
+// times the group's scale (rounded once, to fp16).
+__device__ __forceinline__ uint4 fx_widen_q4(const unsigned char* nib, const fx_half* sc,
+                                             int c) {
+    const unsigned w = *reinterpret_cast<const unsigned*>(nib + c * 4);
+    const unsigned s2 = (unsigned)sc[c * 8 / FX_Q4_GROUP].bits * 0x10001u;
+    unsigned r[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned b = (w >> (8 * i)) & 0xffu;
+        const unsigned h = 0x64006400u | (b & 0xfu) | ((b & 0xf0u) << 12);
+        asm("{.reg .b32 t;\n sub.f16x2 t, %1, %2;\n mul.rn.f16x2 %0, t, %3;}"
+            : "=r"(r[i]) : "r"(h), "r"(0x64086408u), "r"(s2));
+    }
+    return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+// the mma's element type: q's, or fp16 for an fp8 or q4 cache
 template <class QT, int Q8>
 struct FxRowsMma {
     using type = fx_half;
@@ -62,27 +91,42 @@ struct FxRowsMma<QT, 0> {
     using type = QT;
 };
 
-template <class QT, int D, int RW, int F, int Q8 = 0>
+// 4 or 8 bytes global -> shared (a q4 step's scales); ok == false writes zeros
+template <int N>
+__device__ __forceinline__ void fx_cp_async_small(void* dst, const void* src, bool ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(N),
+                 "r"(ok ? N : 0)
+                 : "memory");
+}
+
+// Q8: 0 (q's dtype), FX_E4M3, FX_E5M2 or FX_Q4 (k_sc / v_sc its scales); R: q rotated (a
+// q4 cache whose K was)
+template <class QT, int D, int RW, int F, int Q8 = 0, int R = 0>
 __device__ __forceinline__ void gqa_verify_rows(
     const QT* __restrict__ q, const typename FxStore<QT, Q8>::type* __restrict__ k,
     const typename FxStore<QT, Q8>::type* __restrict__ v, float* __restrict__ ws_o,
     float* __restrict__ ws_ml, int n_heads, int n_kv_heads, int n_q, int seq_len,
     const int* __restrict__ seq_len_dev, int splits, int tile,
     const unsigned char* __restrict__ mask, int mask_mode, const FxFeat feat,
-    const float* __restrict__ kv_scales = nullptr) {
+    const float* __restrict__ kv_scales = nullptr, const fx_half* __restrict__ k_sc = nullptr,
+    const fx_half* __restrict__ v_sc = nullptr) {
     using KT = typename FxStore<QT, Q8>::type;  // the cache's element
     using T = typename FxRowsMma<QT, Q8>::type;
+    constexpr bool Q4 = Q8 == FX_Q4;
     constexpr int TOK = FX_ROWS_TOKENS, S = FxRowsStages<D>::value;
     constexpr int THREADS = RW * 32, NCH = D / 8;  // 16-byte chunks of a row of T
-    constexpr int KCH = D * (int)sizeof(KT) / 16;  // ... of a cache row
-    constexpr int STAGE = 2 * TOK * D;             // elements of one stage (K, then V)
+    constexpr int RB = Q4 ? D / 2 : D * (int)sizeof(KT);  // bytes of a cache row
+    constexpr int KCH = RB / 16, SCB = Q4 ? 2 * D / FX_Q4_GROUP : 0;  // (q4: a row's scale bytes)
+    constexpr int STAGE_B = 2 * TOK * (RB + SCB);  // bytes of a step: K, V (q4: then scales)
+    constexpr int STAGE = 2 * TOK * D;             // elements of a step of T (K, then V)
     static_assert(TOK % 16 == 0 && D % 64 == 0, "whole mma tiles");
+    static_assert(!Q4 || SCB == 4 || SCB == 8 || SCB == 16, "q4: head_dim 64, 128 or 256");
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
-    KT* ring = reinterpret_cast<KT*>(fx_dyn_smem);
-    T* wide = reinterpret_cast<T*>(ring + S * STAGE);  // (Q8: the step widened)
+    unsigned char* ring = fx_dyn_smem;
+    T* wide = reinterpret_cast<T*>(ring + S * STAGE_B);  // (Q8: the step widened)
     T* q_s = wide + (Q8 ? STAGE : 0);
-    fx_check_launch(S * STAGE * sizeof(KT) + ((Q8 ? STAGE : 0) + 16 * RW * D) * sizeof(T),
-                    THREADS);
+    fx_check_launch(S * STAGE_B + ((Q8 ? STAGE : 0) + 16 * RW * D) * sizeof(T), THREADS);
     fx_let_combine_start<2>();
 
     const int group = n_heads / n_kv_heads, rows_kv = n_q * group;
@@ -99,17 +143,21 @@ __device__ __forceinline__ void gqa_verify_rows(
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
-    const bool hnd = (F & FX_F_HND) != 0;
-    const long long row = hnd ? (long long)D : (long long)n_kv_heads * D;
-    const KT* kg = hnd ? k + g_kv * feat.head_stride : k + (long long)g_kv * D;
-    const KT* vg = hnd ? v + g_kv * feat.head_stride : v + (long long)g_kv * D;
+    const bool hnd = (F & FX_F_HND) != 0;  // (q4: token-major only)
+    constexpr int RE = Q4 ? D / 2 : D;     // a cache row's elements
+    const long long row = hnd ? (long long)RE : (long long)n_kv_heads * RE;
+    const KT* kg = hnd ? k + g_kv * feat.head_stride : k + (long long)g_kv * RE;
+    const KT* vg = hnd ? v + g_kv * feat.head_stride : v + (long long)g_kv * RE;
+    constexpr int SCE = D / FX_Q4_GROUP;  // (q4: scales of a row)
+    const fx_half* ksg = Q4 ? k_sc + (long long)g_kv * SCE : nullptr;
+    const fx_half* vsg = Q4 ? v_sc + (long long)g_kv * SCE : nullptr;
 
     // ---- stage j: tokens start + j TOK .. of K and V (rows past `end`: zeros)
     const int steps = (end - start + TOK - 1) / TOK;
     auto issue = [&](int j) {
         if (j < steps) {
-            KT* ks = ring + (j % S) * STAGE;
-            KT* vs = ks + TOK * D;
+            KT* ks = reinterpret_cast<KT*>(ring + (j % S) * STAGE_B);
+            KT* vs = ks + TOK * RE;
             const int t0 = start + j * TOK;
             constexpr int EPC = 16 / (int)sizeof(KT);  // elements per 16-byte chunk
 #pragma unroll
@@ -118,9 +166,18 @@ __device__ __forceinline__ void gqa_verify_rows(
                 const bool ok = t0 + r < end;
                 const long long off = (long long)(ok ? t0 + r : start) * row + c * EPC;
                 // (Q8: rows as they are, widened below; else swizzled for ldmatrix)
-                const int at = Q8 ? r * D + c * EPC : fx_rows_at<D>(r, c);
+                const int at = Q8 ? r * RE + c * EPC : fx_rows_at<D>(r, c);
                 fx_cp_async16(ks + at, kg + off, ok);
                 fx_cp_async16(vs + at, vg + off, ok);
+            }
+            if constexpr (Q4) {  // the rows' scales, after the values: K's, then V's
+                fx_half* kss = reinterpret_cast<fx_half*>(ring + (j % S) * STAGE_B + 2 * TOK * RB);
+                for (int r = threadIdx.x; r < TOK; r += THREADS) {
+                    const bool ok = t0 + r < end;
+                    const long long off = (long long)(ok ? t0 + r : start) * n_kv_heads * SCE;
+                    fx_cp_async_small<SCB>(kss + r * SCE, ksg + off, ok);
+                    fx_cp_async_small<SCB>(kss + (TOK + r) * SCE, vsg + off, ok);
+                }
             }
         }
         fx_cp_async_commit();  // (one group per stage, even empty: the waits count stages)
@@ -139,7 +196,30 @@ __device__ __forceinline__ void gqa_verify_rows(
         return fx_ldg16(q + at * D + c * 8, ok);
     };
     __shared__ int q_top[16 * RW];  // (Q8: the bits of each row's largest |q|)
-    if (Q8) {
+    if constexpr (R != 0) {  // q rotated in float32 (as K was), a warp per row
+        constexpr int E = D / 32;
+        for (int r = warp; r < 16 * RW; r += RW) {
+            const int kr = r0 + r;
+            const bool ok = kr < rows_kv;
+            const long long at =
+                ok ? ((long long)(kr / group) * n_heads + g_kv * group + kr % group) : 0;
+            float x[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) x[e] = ok ? fx_to_float(q[at * D + lane * E + e]) : 0.f;
+            fx_hadamard_lanes<E>(x, lane, D, fx_inv_sqrt<D>());
+            float top = 0.f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) top = fmaxf(top, fabsf(x[e]));
+            top = fx_lanes_max<1, 32>(top);
+            const int ex = fx_q8_shift(__float_as_int(top));
+            const float down = __int_as_float((127 - ex) << 23);
+            if (lane == 0) q_top[r] = __float_as_int(top);
+            fx_half* dst = reinterpret_cast<fx_half*>(q_s) +
+                           fx_rows_at<D>(r, lane * E / 8) + (lane * E) % 8;
+#pragma unroll
+            for (int e = 0; e < E; ++e) dst[e] = fx_from_float<fx_half>(x[e] * down);
+        }
+    } else if (Q8) {
         for (int i = threadIdx.x; i < 16 * RW; i += THREADS) q_top[i] = 0;
         __syncthreads();
         for (int i = threadIdx.x; i < 16 * RW * NCH; i += THREADS) {
@@ -151,7 +231,7 @@ __device__ __forceinline__ void gqa_verify_rows(
     }
     // (Q8) e_r: 2^-e_r brings row r within fp16's range
     auto q_shift = [&](int r) { return fx_q8_shift(q_top[r]); };
-    for (int i = threadIdx.x; i < 16 * RW * NCH; i += THREADS) {
+    for (int i = threadIdx.x; i < (R ? 0 : 16 * RW * NCH); i += THREADS) {
         int r, c;
         uint4 w = q_chunk(i, r, c);
         if (Q8) w = fx_half8<QT>(w, __int_as_float((127 - q_shift(r)) << 23));
@@ -168,8 +248,8 @@ __device__ __forceinline__ void gqa_verify_rows(
     FxScore<F> scb = fx_scorer<F>(feat, D, hb, vb, seq, nullptr);
     sca.last = base + ta;  // ALiBi relative to the row's own position
     scb.last = base + tb;
-    if (Q8) {  // the K scale and q's power of two
-        const float k_scale = kv_scales[g_kv];
+    if (Q8) {  // the K scale (fp8) and q's power of two
+        const float k_scale = Q4 ? 1.f : kv_scales[g_kv];
         sca.fold(k_scale * __int_as_float((127 + q_shift(warp * 16 + g)) << 23));
         scb.fold(k_scale * __int_as_float((127 + q_shift(warp * 16 + g + 8)) << 23));
     }
@@ -200,8 +280,18 @@ __device__ __forceinline__ void gqa_verify_rows(
         __syncthreads();  // stage j is in for every thread; stage j - 1 is free
         issue(j + S - 1);
         const T* ks;
-        if constexpr (Q8 != 0) {  // the step's bytes widened into `wide`, swizzled
-            const KT* kb = ring + (j % S) * STAGE;
+        if constexpr (Q4) {  // the step's nibbles and scales widened into `wide`
+            const unsigned char* nb = ring + (j % S) * STAGE_B;
+            const fx_half* sb = reinterpret_cast<const fx_half*>(nb + 2 * TOK * RB);
+            for (int i = threadIdx.x; i < 2 * TOK * NCH; i += THREADS) {
+                const int r = i / NCH, c = i % NCH;  // (rows past TOK: V's)
+                *reinterpret_cast<uint4*>(wide + fx_rows_at<D>(r, c)) =
+                    fx_widen_q4(nb + r * RB, sb + r * SCE, c);
+            }
+            __syncthreads();
+            ks = wide;
+        } else if constexpr (Q8 != 0) {  // the step's bytes widened into `wide`, swizzled
+            const KT* kb = reinterpret_cast<const KT*>(ring + (j % S) * STAGE_B);
             for (int i = threadIdx.x; i < 2 * TOK * NCH; i += THREADS) {
                 const int r = i / NCH, c = i % NCH;  // (rows past TOK: V's)
                 *reinterpret_cast<uint4*>(wide + fx_rows_at<D>(r, c)) =
@@ -210,7 +300,7 @@ __device__ __forceinline__ void gqa_verify_rows(
             __syncthreads();
             ks = wide;
         } else {
-            ks = reinterpret_cast<const T*>(ring + (j % S) * STAGE);
+            ks = reinterpret_cast<const T*>(ring + (j % S) * STAGE_B);
         }
         const T* vs = ks + TOK * D;
         const int t0 = start + j * TOK;
@@ -297,7 +387,7 @@ __device__ __forceinline__ void gqa_verify_rows(
     }
     fx_cp_async_wait<0>();  // no copy may land after the block has left
     fx_let_combine_start<1>();
-    if (Q8) {  // the V scale, once
+    if (Q8 && !Q4) {  // the V scale, once
         const float v_scale = kv_scales[n_kv_heads + g_kv];
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn)
@@ -380,6 +470,23 @@ __device__ __forceinline__ void gqa_verify_rows_combine(
         gqa_verify_rows<QT, D, RW, F, Q8>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, n_q,   \
                                           seq_len, seq_len_dev, splits, tile, mask,         \
                                           mask_mode, feat, kv_scales);                      \
+    }
+
+// gqa_verify_rows_<dt>_q4[r]_d<D>_w<RW>_x<F>: a q4 cache (values: nibbles [token][n_kv]
+// [D / 2], scales: float16 [token][n_kv][D / FX_Q4_GROUP]), q of type QT (fp16, bf16); R: K
+// was rotated on append, q is here.
+#define FX_VERIFY_ROWS4_ENTRY(NAME, QT, D, RW, F, R)                                        \
+    extern "C" __global__ void __launch_bounds__(RW * 32) NAME(                             \
+        const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
+        float* ws_ml, int n_heads, int n_kv_heads, int n_q, int seq_len,                    \
+        const int* seq_len_dev, int splits, int tile, const unsigned char* mask,            \
+        int mask_mode, float scale, float cap, int window, const float* slopes,             \
+        long long head_stride, const fx_half* k_scales, const fx_half* v_scales) {          \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
+        gqa_verify_rows<QT, D, RW, F, FX_Q4, R>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads,  \
+                                                n_q, seq_len, seq_len_dev, splits, tile,    \
+                                                mask, mask_mode, feat, nullptr, k_scales,   \
+                                                v_scales);                                  \
     }
 
 // gqa_verify_rows_combine_<dt>_x<F>: window, sinks, LSE.

@@ -27,7 +27,7 @@ from ..kernels.abi import (
     roles_at,
 )
 from ..kernels.catalogue import kernel_source, split_kernel
-from ..kernels.spec import SPLIT_FILE, KernelSpec, kernel_dtype
+from ..kernels.spec import Q4_FORMAT, SPLIT_FILE, KernelSpec, kernel_dtype
 from ..kernels.traits import (
     COMBINE_FEATURES,
     F_ALIBI,
@@ -207,20 +207,20 @@ _rows_plans: dict[tuple[Any, ...], RowsPlan | None] = {}
 
 def plan_rows(
     device: Device, dtype: Any, n_q: int, n_heads: int, n_kv_heads: int, head_dim: int,
-    plan_seq: int, aligned: bool, features: int, fp8: str = "",
+    plan_seq: int, aligned: bool, features: int, fp8: str = "", rotate: bool = False,
 ) -> RowsPlan | None:  # fmt: skip
     """The rows kernel's plan (``plan.rows_plan``) for a verify on ``device``, or None where
     that kernel does not take it; its kernels loaded, memoised like ``plan_split``."""
     overrides = planner.OVERRIDES
     key = (device.context_handle, np.dtype(dtype), n_q, n_heads, n_kv_heads, head_dim, plan_seq,
-           aligned, features, fp8, overrides)  # fmt: skip
+           aligned, features, fp8, overrides, rotate)  # fmt: skip
     if key in _rows_plans:
         return _rows_plans[key]
     if len(_rows_plans) >= _MAX_PLANS:
         _rows_plans.clear()
     found = _rows_plans[key] = planner.rows_plan(
         device_traits(device), dtype, n_q, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
-        features, fp8, overrides,
+        features, fp8, overrides, rotate,
     )  # fmt: skip
     if found is not None:
         split_kernel(found.spec, device)
@@ -246,29 +246,37 @@ def rows_launches(
     mask: DeviceArray | None = None,
     mask_mode: int = 0,
     kv_scales: DeviceArray | None = None,
+    q4_scales: tuple[DeviceArray, DeviceArray] | None = None,
 ) -> list[Launch]:
     """The two launches of a verify of ``n_q`` queries on the rows kernel (split_rows.cuh):
     the rows kernel of ``plan`` over every token, each row under its own mask, window and
     ALiBi, its partials into ``workspace`` (``plan.workspace_floats``), then the combine
     merging them into ``out`` (n_q, n_heads, head_dim) with the sinks and the LSE, launched
-    early. ``mask_mode`` as in `verify_launches`; ``kv_scales``: an fp8 cache's.
+    early. ``mask_mode`` as in `verify_launches`; ``kv_scales``: an fp8 cache's;
+    ``q4_scales``: a q4 cache's K and V scales (float16 per group of its rows).
 
     Raises:
-        ValueError: an fp8 plan without ``kv_scales``.
+        ValueError: an fp8 plan without ``kv_scales``, a q4 one without ``q4_scales``.
     """
-    if plan.spec.fp8 and kv_scales is None:
+    q4 = plan.spec.fp8 == Q4_FORMAT
+    if q4 and q4_scales is None:
+        raise ValueError("q4_scales: a q4 plan reads the cache's scales")
+    if plan.spec.fp8 and not q4 and kv_scales is None:
         raise ValueError("kv_scales: an fp8 plan reads the cache's scales")
     rows = n_q * n_heads
     n_partial = rows * plan.splits
     ws_ml = workspace.view((n_partial * 2,), np.float32, offset=n_partial * head_dim * 4)
     on_host = seq_len_dev is None
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
+    scales: tuple[Any, ...] = (
+        tuple(q4_scales or ()) if q4 else (kv_scales,) if plan.spec.fp8 else ()
+    )
     args = (
         q, k, v, workspace, ws_ml, np.int32(n_heads), np.int32(n_kv_heads), np.int32(n_q),
         np.int32(seq_len), seq_len_dev, splits, tile, mask, np.int32(mask_mode),
         np.float32(features.scale), np.float32(features.cap), np.int32(features.window),
         features.slopes, np.int64(features.head_stride),
-        *((kv_scales,) if plan.spec.fp8 else ()),
+        *scales,
     )  # fmt: skip
     roles: Roles = (*QKV, *(((8, "seq"),) if on_host else ()), (12, "mask"), (17, "slopes"),
                     (18, "heads"))  # fmt: skip

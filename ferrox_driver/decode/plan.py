@@ -23,6 +23,7 @@ from ..archs import ARCHS, FP8_FROM, TENSOR_CORES_FROM
 from ..kernels.spec import (
     FP8_FORMATS,
     MMA_HEAD_DIMS,
+    Q4_FORMAT,
     ROWS_HEAD_DIMS,
     ROWS_MAX_WARPS,
     SPLIT_FILE,
@@ -31,7 +32,14 @@ from ..kernels.spec import (
     KernelSpec,
     kernel_dtype,
 )
-from ..kernels.traits import COMBINE_FEATURES, F_LSE, F_SINKS, SPLIT_TRAITS, padded_stages
+from ..kernels.traits import (
+    COMBINE_FEATURES,
+    F_HND,
+    F_LSE,
+    F_SINKS,
+    SPLIT_TRAITS,
+    padded_stages,
+)
 
 __all__ = [
     "ALGORITHMS",
@@ -711,6 +719,7 @@ def cuda_core_tile(lanes_per_token: int) -> int:
 # A verify's rows kernel (split_rows.cuh): tokens per step of its block's ring, steps by
 # head_dim
 ROWS_TOKENS = kernel_define("FX_ROWS_TOKENS")
+Q4_GROUP = 32  # a q4 cache's elements per scale (FX_Q4_GROUP in split_rows.cuh)
 ROWS_STAGES = {d: kernel_define(f"FX_ROWS_STAGES_D{d}") for d in ROWS_HEAD_DIMS}
 
 
@@ -746,24 +755,28 @@ class RowsPlan:
         return (self.splits, n_kv_heads * self.row_blocks, 1)
 
     def shared_bytes(self, itemsize: int) -> int:
-        """Dynamic shared memory: the ring's steps of K and V (an fp8 cache's bytes, then
-        one step widened to fp16), then q's rows (``itemsize``: q's)."""
-        d, fp8 = self.spec.head_dim, bool(self.spec.fp8)
+        """Dynamic shared memory: the ring's steps of K and V (an fp8 cache's bytes, a q4
+        cache's nibbles and scales; then one step widened to fp16), then q's rows
+        (``itemsize``: q's)."""
+        d, fmt = self.spec.head_dim, self.spec.fp8
         step = 2 * ROWS_TOKENS * d
-        ring = ROWS_STAGES[d] * step * (1 if fp8 else itemsize)
-        return ring + (step * 2 if fp8 else 0) + 16 * self.spec.row_warps * d * itemsize
+        step_bytes = {"": step * itemsize, Q4_FORMAT: step // 2 + step * 2 // Q4_GROUP}.get(
+            fmt, step)  # fmt: skip
+        ring = ROWS_STAGES[d] * step_bytes
+        return ring + (step * 2 if fmt else 0) + 16 * self.spec.row_warps * d * itemsize
 
 
 def rows_plan(
     traits: DeviceTraits, dtype: Any, n_q: int, n_heads: int, n_kv_heads: int, head_dim: int,
     plan_seq: int, aligned: bool, features: int, fp8: str = "",
-    overrides: Overrides | None = None,
+    overrides: Overrides | None = None, rotate: bool = False,
 ) -> RowsPlan | None:  # fmt: skip
     """The rows kernel's plan for a verify of ``n_q`` queries of up to ``plan_seq`` tokens
     (the queries' included), or None where it does not take the call (the tail, split and
     combine kernels do): fp32, head_dims other than ROWS_HEAD_DIMS, arrays not 16-byte
     aligned, GPUs without cp.async (an fp8 cache, ``fp8``: without fp8 conversions), a
-    ring past the block's shared memory.
+    ring past the block's shared memory. ``fp8`` "q4": a q4 cache (its only kernels, taken
+    whatever ``Overrides.verify_rows`` says), K rotated where ``rotate``.
 
     A KV head's n_q x group rows take blocks of up to ROWS_MAX_WARPS warps of 16 rows;
     the chunks fill one wave of resident blocks, each of at least the Tuning's
@@ -772,17 +785,21 @@ def rows_plan(
     """
     ov = OVERRIDES if overrides is None else overrides
     name = np.dtype(dtype).name
-    if not ov.verify_rows or name not in ("float16", "bfloat16") or not aligned:
+    q4 = fp8 == Q4_FORMAT  # (a q4 cache has no other kernels: the override is not asked)
+    if not (ov.verify_rows or q4) or name not in ("float16", "bfloat16") or not aligned:
         return None
     if head_dim not in ROWS_HEAD_DIMS or traits.compute_capability < TENSOR_CORES_FROM:
         return None
-    if fp8 and (fp8 not in FP8_FORMATS or traits.compute_capability < FP8_FROM):
+    if fp8 == Q4_FORMAT:
+        if features & F_HND:  # (a q4 cache is a KVCache's: token-major)
+            return None
+    elif fp8 and (fp8 not in FP8_FORMATS or traits.compute_capability < FP8_FROM):
         return None
     rows_kv = n_q * (n_heads // n_kv_heads)
     warps = min(ROWS_MAX_WARPS, -(-rows_kv // 16))
     row_blocks = -(-rows_kv // (16 * warps))
     spec = KernelSpec("vrows", kernel_dtype(dtype), head_dim=head_dim, row_warps=warps, fp8=fp8,
-                      features=features & ~(F_SINKS | F_LSE))  # fmt: skip
+                      features=features & ~(F_SINKS | F_LSE), rotate=rotate)  # fmt: skip
     found = RowsPlan(spec, row_blocks, 1, combine_features=features & COMBINE_FEATURES)
     shared = found.shared_bytes(np.dtype(dtype).itemsize)
     if shared > traits.shared_per_block:

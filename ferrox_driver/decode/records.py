@@ -24,6 +24,7 @@ from ..driver.launch import LaunchSequence
 from ..driver.memory import DeviceArray
 from ..driver.stream import Stream, stream_handle, stream_key
 from ..kernels.abi import FeatureArgs, Launch
+from ..kernels.spec import Q4_FORMAT
 from . import plan as attention
 from .checks import MAX_TOKENS
 from .launches import (
@@ -318,6 +319,8 @@ def launches_for(
     n_q: int = 1,
     mask: DeviceArray | None = None,
     mask_mode: int = 0,
+    q4_scales: tuple[DeviceArray, DeviceArray] | None = None,
+    rotate: bool = False,
 ) -> tuple[list[Launch], DeviceArray | None]:
     """THE plan -> workspace -> launches assembly that every decode entry point uses.
 
@@ -326,18 +329,32 @@ def launches_for(
     the launches with the workspace they write. ``seq_len_dev``: an int32 device scalar the
     kernels read instead of ``seq_len``, which then bounds the tokens a launch may see.
     ``n_q`` > 1: a verify of n_q queries (`launches.verify_launches`; ``mask``/``mask_mode``
-    its tree mask), planned for n_q x n_heads rows over ``plan_seq`` - n_q tokens.
+    its tree mask), planned for n_q x n_heads rows over ``plan_seq`` - n_q tokens. ``fp8``
+    "q4" (a q4 cache, ``q4_scales`` its scales, K rotated where ``rotate``): the rows
+    kernel, whatever n_q.
+
+    Raises:
+        ValueError: a q4 decode the rows kernel does not take (a head_dim other than 64,
+            128 or 256, fp32 q, a head-major cache).
     """
     dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
-    if n_q > 1:
+    q4 = fp8 == Q4_FORMAT
+    if n_q > 1 or q4:
         if algorithm == "parity":
-            raise ValueError("algorithm: a decode of several queries needs the split kernels")
+            what = "a q4 cache" if q4 else "a decode of several queries"
+            raise ValueError(f"algorithm: {what} needs the split kernels")
         qdt = q.dtype if dtype is None else dtype
         values = features or FeatureArgs(scale=head_dim**-0.5)
         rows = plan_rows(
             q.device, qdt, n_q, n_heads, n_kv_heads, head_dim, max(1, plan_seq), aligned,
-            bits, fp8,
+            bits, fp8, rotate,
         )  # fmt: skip
+        if rows is None and q4:
+            raise ValueError(
+                f"dtype: a q4 cache is read by the rows kernel alone, which takes fp16/bf16 "
+                f"q, head_dim 64, 128 or 256 and token-major rows (got q {np.dtype(qdt)}, "
+                f"head_dim {head_dim})"
+            )
         if rows is not None:
             made = workspace(rows.workspace_floats(n_q * n_heads, head_dim)) if callable(
                 workspace) else workspace  # fmt: skip
@@ -346,7 +363,7 @@ def launches_for(
             launches = rows_launches(
                 rows, q, k, v, out, made, n_q=n_q, **dims, seq_len=seq_len,
                 seq_len_dev=seq_len_dev, features=values, mask=mask, mask_mode=mask_mode,
-                kv_scales=kv_scales,
+                kv_scales=kv_scales, q4_scales=q4_scales,
             )  # fmt: skip
             return launches, made
         plan = plan_split(

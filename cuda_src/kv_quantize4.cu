@@ -1,0 +1,97 @@
+// 4-bit KV caches, "q4" (decode/kv4.py has the format and its host twin): float32, float16
+// or bfloat16 rows quantized on the device, bit for bit as `kv4.quantize_q4` (of
+// `kv4.hadamard(rows)` where K is rotated) does on the host.
+//
+// A row (one token's KV head, head_dim D = 64, 128 or 256) is one warp's: lane l holds
+// elements l E .. l E + E - 1 (E = D / 32). The rotation is the host's butterflies in the
+// host's order: for h = 1, 2, 4, .. below the block b (the largest power of two dividing D:
+// D itself here), the pair (i, i + h) becomes (a + b, a - b), in registers for h < E and
+// across lanes (shuffles) above; then one multiplication by float32(1 / sqrt(b)), which the
+// host passes (`inv_sqrt_b`) as numpy computes it. A group of G elements takes G / E
+// lanes: its largest magnitude over them (shuffles), the float16 scale amax / 7 (an IEEE
+// division, saturated at 65504, rounded to nearest even), codes rint(x / scale) (ties to
+// even) clipped to +-7, stored as nibbles code + 8, element 2i in the low half of byte i.
+// A scale of 0 stores codes 0.
+
+#include "hadamard.cuh"
+
+// This lane's E values of a row as q4: nibbles into `vals` (the row's D / 2 bytes) and, by
+// the group's first lane, the float16 scale into `scales` (the row's D / G).
+template <int E, int G>
+__device__ __forceinline__ void fx_quantize_q4_lanes(const float (&x)[E], int lane,
+                                                     unsigned char* __restrict__ vals,
+                                                     fx_half* __restrict__ scales) {
+    static_assert(G % E == 0 && G / E <= 32, "a group of whole lanes");
+    float amax = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(x[e]));
+#pragma unroll
+    for (int o = 1; o < G / E; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const fx_half scale = fx_from_float<fx_half>(fminf(__fdiv_rn(amax, 7.f), 65504.f));
+    const float s = fx_to_float(scale);
+    unsigned char nib[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const int code = s > 0.f ? __float2int_rn(__fdiv_rn(x[e], s)) : 0;
+        nib[e] = (unsigned char)(min(7, max(-7, code)) + 8);
+    }
+    if (lane % (G / E) == 0) scales[lane * E / G] = scale;
+#pragma unroll
+    for (int e = 0; e < E; e += 2) vals[(lane * E + e) / 2] = nib[e] | (nib[e + 1] << 4);
+}
+
+// Rows [first, first + n_rows) of a q4 cache (values [token][n_kv][D / 2], scales [token]
+// [n_kv][D / G]) from rows k_src, v_src of type QT ([n_rows][n_kv][D]), K rotated where
+// ROT_K; first as fx_quantize_rows's (kv_quantize.cu): -1, one row at the device's length
+// state[0], then bumped (ONE block); -2, n_rows rows at the device's length, not bumped
+// (rows past `capacity`: nothing written, the overflow flag state[1] set). A warp per
+// (row, KV head).
+template <class QT, int D, int G, bool ROT_K>
+__device__ __forceinline__ void fx_quantize_q4_rows(
+    const QT* __restrict__ k_src, const QT* __restrict__ v_src, unsigned char* __restrict__ k_vals,
+    unsigned char* __restrict__ v_vals, fx_half* __restrict__ k_scales,
+    fx_half* __restrict__ v_scales, int n_kv, int n_rows, int first, int* __restrict__ state,
+    int capacity, float inv_sqrt_b) {
+    constexpr int E = D / 32;
+    static_assert(D % 32 == 0 && (E & (E - 1)) == 0, "head_dim 32 x a power of two");
+    const bool on_device = first < 0, bump = first == -1;
+    int row0 = first;
+    if (on_device) {
+        row0 = state[0];
+        if (bump) __syncthreads();  // every thread has read the length before the bump
+        if (row0 < 0 || row0 > capacity - n_rows) {
+            if (threadIdx.x == 0 && blockIdx.x == 0) state[1] = 1;
+            return;
+        }
+    }
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (long long w = (long long)blockIdx.x * warps + (threadIdx.x >> 5);
+         w < (long long)n_rows * n_kv; w += (long long)gridDim.x * warps) {
+        const long long at = (long long)row0 * n_kv + w;  // the cache's (token, KV head) row
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+            const QT* src = (kv ? v_src : k_src) + w * D + lane * E;
+            float x[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) x[e] = fx_to_float(src[e]);
+            if (ROT_K && kv == 0) fx_hadamard_lanes<E>(x, lane, D, inv_sqrt_b);
+            fx_quantize_q4_lanes<E, G>(x, lane, (kv ? v_vals : k_vals) + at * (D / 2),
+                                       (kv ? v_scales : k_scales) + at * (D / G));
+        }
+    }
+    if (bump) {
+        __syncthreads();
+        if (threadIdx.x == 0) state[0] = row0 + 1;
+    }
+}
+
+// kv_quantize_q4_<f32|f16|bf16>_d<D>_g<G>[_rk]: _rk, K rotated
+#define FX_QUANTIZE_Q4_ENTRY(NAME, QT, D, G, ROT_K)                                         \
+    extern "C" __global__ void NAME(const QT* k_src, const QT* v_src, unsigned char* k_vals,  \
+                                    unsigned char* v_vals, fx_half* k_scales,               \
+                                    fx_half* v_scales, int n_kv, int n_rows, int first,     \
+                                    int* state, int capacity, float inv_sqrt_b) {           \
+        fx_quantize_q4_rows<QT, D, G, ROT_K>(k_src, v_src, k_vals, v_vals, k_scales,         \
+                                             v_scales, n_kv, n_rows, first, state,          \
+                                             capacity, inv_sqrt_b);                         \
+    }

@@ -1,0 +1,105 @@
+"""4-bit (q4) caches on the device (issue 49, groundwork): rows quantized by the device bit
+for bit as `kv4.quantize_q4` (of `kv4.hadamard(rows)` for a rotated K) does on the host, and
+a decode of the q4 buffers by the rows kernels against the float64 reference on the
+dequantized cache (K rotated back: the scores are unchanged), one query token and several,
+with features, fresh random inputs, outputs poisoned."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ferrox_driver as fd
+from ferrox_driver.decode import kv4
+from ferrox_driver.decode.kv4_device import quantize_q4_async
+from ferrox_driver.decode.records import launches_for
+from ferrox_driver.kernels.abi import FeatureArgs, feature_bits
+
+from ..helpers.gpu_helpers import DTYPES, poisoned, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+def _q4_cache(rng, n, n_kv, d, rows_dtype, rotate_k, stream):
+    """Rows quantized on the device: (rows, device buffers) of a q4 cache of ``n`` tokens."""
+    dt = DTYPES[rows_dtype]
+    k = (rng.standard_normal((n, n_kv, d)) * rng.uniform(0.1, 4)).astype(dt)
+    v = rng.standard_normal((n, n_kv, d)).astype(dt)
+    k[:, :, rng.choice(d, 3, replace=False)] *= 20  # outlier channels
+    vals, scales = (n, n_kv, d // 2), (n, n_kv, d // 32)
+    bufs = {
+        "k_vals": fd.zeros(vals, np.uint8), "v_vals": fd.zeros(vals, np.uint8),
+        "k_scales": fd.zeros(scales, np.float16), "v_scales": fd.zeros(scales, np.float16),
+    }  # fmt: skip
+    quantize_q4_async(fd.to_device(k), fd.to_device(v), **bufs, first=0, stream=stream,
+                      rotate_k=rotate_k)  # fmt: skip
+    stream.synchronize()
+    return k, v, bufs
+
+
+@pytest.mark.parametrize("rows_dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("rotate_k", [False, True])
+def test_rows_are_quantized_as_the_host_helpers_do_bit_for_bit(rng, rows_dtype, head_dim,
+                                                               rotate_k):  # fmt: skip
+    with fd.Stream() as s:
+        k, v, bufs = _q4_cache(rng, 37, 3, head_dim, rows_dtype, rotate_k, s)
+    kf = k.astype(np.float32)
+    k_vals, k_scales = kv4.quantize_q4(kv4.hadamard(kf) if rotate_k else kf)
+    v_vals, v_scales = kv4.quantize_q4(v)
+    np.testing.assert_array_equal(bufs["k_vals"].to_host(), k_vals)
+    np.testing.assert_array_equal(bufs["v_vals"].to_host(), v_vals)
+    np.testing.assert_array_equal(bufs["k_scales"].to_host().view(np.uint16),
+                                  k_scales.view(np.uint16))  # fmt: skip
+    np.testing.assert_array_equal(bufs["v_scales"].to_host().view(np.uint16),
+                                  v_scales.view(np.uint16))  # fmt: skip
+
+
+def _decode(q_d, bufs, n_q, n_heads, n_kv, d, seq, rotate, stream, **feats):
+    out = poisoned(q_d.shape, q_d.dtype)
+    lse = fd.empty((n_q * n_heads,), np.float32)
+    window = feats.get("sliding_window")
+    bits = feature_bits(window is not None, False, False, False, True, False)
+    values = FeatureArgs(scale=d**-0.5, window=window or 0, lse=lse)
+    launches, _ = launches_for(
+        q_d, bufs["k_vals"], bufs["v_vals"], out, n_heads=n_heads, n_kv_heads=n_kv,
+        head_dim=d, seq_len=seq, plan_seq=seq, aligned=True, bits=bits, fp8="q4",
+        features=values, n_q=n_q, q4_scales=(bufs["k_scales"], bufs["v_scales"]),
+        rotate=rotate, workspace=lambda floats: fd.empty((floats,), np.float32),
+    )  # fmt: skip
+    for launch in launches:
+        launch.run(stream, q_d.device)
+    stream.synchronize()
+    return out.to_host().astype(np.float64), lse.to_host().reshape(n_q, n_heads)
+
+
+@pytest.mark.parametrize("qdt", ["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_a_q4_cache_decodes_as_the_reference_on_its_dequantized_rows(rng, qdt, head_dim):
+    n_kv, seq = 4, 1537
+    with fd.Stream() as s:
+        _, _, bufs = _q4_cache(rng, seq, n_kv, head_dim, qdt, True, s)
+        kq = kv4.dequantize_q4(bufs["k_vals"].to_host(), bufs["k_scales"].to_host())
+        kd = kv4.hadamard(kq)  # (its own inverse: K as the scores see it)
+        vd = kv4.dequantize_q4(bufs["v_vals"].to_host(), bufs["v_scales"].to_host())
+        for n_q, n_heads, feats in ((1, 16, {}), (1, 4, {}), (4, 28, {}), (16, 32, {}),
+                                    (5, 16, {"sliding_window": 300})):  # fmt: skip
+            n_heads -= n_heads % n_kv
+            q = rng.standard_normal((n_q, n_heads, head_dim)).astype(DTYPES[qdt])
+            got, lse = _decode(fd.to_device(q), bufs, n_q, n_heads, n_kv, head_dim, seq, True,
+                               s, **feats)  # fmt: skip
+            ref, ref_lse = fd.reference_gqa_decode(q, kd, vd, return_lse=True, **feats)
+            assert np.isfinite(got).all()
+            assert rel_err(got, ref) < 2e-2, (n_q, n_heads, feats)
+            np.testing.assert_allclose(lse, ref_lse, rtol=3e-2, atol=3e-2)
+
+
+def test_an_unrotated_q4_cache_decodes_too(rng):
+    n_kv, d, seq = 2, 128, 700
+    with fd.Stream() as s:
+        _, _, bufs = _q4_cache(rng, seq, n_kv, d, "bf16", False, s)
+        kd = kv4.dequantize_q4(bufs["k_vals"].to_host(), bufs["k_scales"].to_host())
+        vd = kv4.dequantize_q4(bufs["v_vals"].to_host(), bufs["v_scales"].to_host())
+        q = rng.standard_normal((3, 8, d)).astype(DTYPES["bf16"])
+        got, _ = _decode(fd.to_device(q), bufs, 3, 8, n_kv, d, seq, False, s)
+    assert rel_err(got, fd.reference_gqa_decode(q, kd, vd)) < 2e-2

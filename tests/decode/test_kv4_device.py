@@ -1,0 +1,66 @@
+"""4-bit (q4) caches' device kernels, on the CPU: they compile for Hopper without spills,
+and the rows kernels' plans take every q4 decode they can read and refuse the others."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ferrox_driver.decode import plan as attention
+from ferrox_driver.decode.launches import split_program
+from ferrox_driver.driver.compiler import compile_source
+from ferrox_driver.kernels.catalogue import kernel_source
+from ferrox_driver.kernels.spec import KernelSpec
+from ferrox_driver.kernels.traits import F_HND, F_LSE, F_WINDOW
+
+from .test_split_plan import _traits
+
+
+def test_the_quantizing_kernels_compile_without_spills():
+    names = []
+    for rows, c_type in (("f32", "float"), ("bf16", "fx_bf16")):
+        for d in (64, 128, 256):
+            name = f"kv_quantize_q4_{rows}_d{d}_g32_rk"
+            names.append((name, f"FX_QUANTIZE_Q4_ENTRY({name}, {c_type}, {d}, 32, true)"))
+    source = "#define FX_SELECTED 1\n" + kernel_source("kv_quantize4.cu") + "\n"
+    program = compile_source(source + "\n".join(e for _, e in names) + "\n", arch="sm_90")
+    for name, _ in names:
+        assert program.resources[name].spill_stores == 0, name
+
+
+def test_the_q4_rows_kernels_compile_without_spills():
+    specs = [KernelSpec("vrows", "bf16", head_dim=d, row_warps=w, fp8="q4", rotate=True,
+                        features=f) for d in (64, 128) for w in (1, 8)
+             for f in (0, F_WINDOW | 2 | 4 | 32)]  # fmt: skip
+    program = split_program(specs, "sm_90")
+    for spec in specs:
+        assert program.resources[spec.name].spill_stores == 0, spec.name
+
+
+def test_a_q4_decode_takes_the_rows_kernel_whatever_the_override_says():
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    off = attention.Overrides(verify_rows=False)
+
+    def rows(n_q=1, dtype=bf16, head_dim=128, features=0, rotate=True):
+        return attention.rows_plan(_traits(), dtype, n_q, 32, 8, head_dim, 32768, True,
+                                   features, "q4", off, rotate)  # fmt: skip
+
+    one = rows()
+    assert one is not None and one.spec.name == "gqa_verify_rows_bf16_q4r_d128_w1_x0"
+    assert rows(8, features=F_LSE).spec.row_warps == 2
+    # a step of 32 tokens of nibbles and scales (K and V), its widened twin, q's rows
+    assert one.shared_bytes(2) == 4 * (2 * 32 * (64 + 8)) + 2 * 32 * 128 * 2 + 16 * 128 * 2
+    assert rows(rotate=False).spec.name == "gqa_verify_rows_bf16_q4_d128_w1_x0"
+    for refused in ({"dtype": np.dtype(np.float32)}, {"head_dim": 80}, {"features": F_HND}):
+        assert rows(**refused) is None, refused
+
+
+MMA = {"family": "mma", "row_warps": 0, "head_dim": 128}
+
+
+@pytest.mark.parametrize("changes", [{"rotate": True, "fp8": ""}, {"rotate": True, **MMA}])
+def test_only_a_q4_rows_kernel_rotates(changes):
+    base = KernelSpec("vrows", "bf16", head_dim=128, row_warps=1, fp8="q4")
+    with pytest.raises(ValueError, match="rotate"):
+        base.but(**changes)
