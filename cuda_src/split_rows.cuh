@@ -446,7 +446,7 @@ __device__ __forceinline__ void gqa_verify_rows_combine(
 // gqa_verify_rows_<dt>_d<D>_w<RW>_x<F>: fp16/bf16 q and cache, head_dim D (64, 128, 256),
 // RW warps of 16 rows, features F (window, cap, ALiBi, scale, head-major).
 #define FX_VERIFY_ROWS_ENTRY(NAME, T, D, RW, F)                                             \
-    extern "C" __global__ void __launch_bounds__(RW * 32) NAME(                             \
+    extern "C" __global__ void __launch_bounds__(RW * 32, 1) NAME(                             \
         const T* q, const T* k, const T* v, float* ws_o, float* ws_ml, int n_heads,         \
         int n_kv_heads, int n_q, int seq_len, const int* seq_len_dev, int splits, int tile, \
         const unsigned char* mask, int mask_mode, float scale, float cap, int window,       \
@@ -460,7 +460,7 @@ __device__ __forceinline__ void gqa_verify_rows_combine(
 // gqa_verify_rows_<dt>_<e4m3|e5m2>_d<D>_w<RW>_x<F>: an fp8 cache of q's type QT (fp16,
 // bf16), its scales (n_kv_heads K scales, then the V ones) last.
 #define FX_VERIFY_ROWS8_ENTRY(NAME, QT, Q8, D, RW, F)                                      \
-    extern "C" __global__ void __launch_bounds__(RW * 32) NAME(                             \
+    extern "C" __global__ void __launch_bounds__(RW * 32, 1) NAME(                             \
         const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
         float* ws_ml, int n_heads, int n_kv_heads, int n_q, int seq_len,                    \
         const int* seq_len_dev, int splits, int tile, const unsigned char* mask,            \
@@ -476,7 +476,7 @@ __device__ __forceinline__ void gqa_verify_rows_combine(
 // [D / 2], scales: float16 [token][n_kv][D / FX_Q4_GROUP]), q of type QT (fp16, bf16); R: K
 // was rotated on append, q is here.
 #define FX_VERIFY_ROWS4_ENTRY(NAME, QT, D, RW, F, R)                                        \
-    extern "C" __global__ void __launch_bounds__(RW * 32) NAME(                             \
+    extern "C" __global__ void __launch_bounds__(RW * 32, 1) NAME(                             \
         const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
         float* ws_ml, int n_heads, int n_kv_heads, int n_q, int seq_len,                    \
         const int* seq_len_dev, int splits, int tile, const unsigned char* mask,            \
