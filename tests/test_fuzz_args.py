@@ -556,6 +556,8 @@ def test_reference_computes_or_refuses_the_bad_argument(call):
     args, defect = call
     args["k"], args["v"] = args.pop("k_cache"), args.pop("v_cache")
     defect = defect and tuple({"k_cache": "k", "v_cache": "v"}.get(n, n) for n in defect)
+    if defect == ("head_dim",):  # 257 or 512: past the kernels', within the reference's 1024
+        defect = None
     results = []
     expect(lambda: results.append(fd.reference_gqa_decode(**args)), defect, args)
     if results:

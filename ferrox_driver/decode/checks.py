@@ -11,6 +11,7 @@ from ..driver.dtypes import DTypeTable
 from ..driver.memory import as_dtype
 
 __all__ = [
+    "REFERENCE_MAX_HEAD_DIM",
     "DecodeSpec",
     "SUPPORTED_DTYPES",
     "check_decode_args",
@@ -20,6 +21,8 @@ __all__ = [
 ]
 
 MAX_HEAD_DIM = 256
+# the float64 reference's widest head (MLA's 576 = 512 + 64 rope dims, and room past it)
+REFERENCE_MAX_HEAD_DIM = 1024
 # The kernels take their counts as 32-bit ints (tokens, heads, head_dim; a cache's length
 # on the device is an int32) and, past a sequence's end, reach at most one chunk of
 # tokens further in 32 bits (FX_MAX_SPLITS x (FX_TILE + 1) plus a ring's steps, under 2^17
@@ -48,11 +51,14 @@ def check_int(value: Any, name: str, low: int = 1, high: int | None = None) -> i
     return int(value)
 
 
-def check_dims(n_heads: Any, n_kv_heads: Any, head_dim: Any) -> tuple[int, int, int]:
-    """Validate the attention shape (before any device work)."""
+def check_dims(
+    n_heads: Any, n_kv_heads: Any, head_dim: Any, max_head_dim: int = MAX_HEAD_DIM
+) -> tuple[int, int, int]:
+    """Validate the attention shape (before any device work; ``max_head_dim``: the widest
+    head the caller takes, the kernels' unless the float64 reference asks)."""
     n_heads = check_int(n_heads, "n_heads", 1, MAX_INT32)
     n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1, MAX_KV_HEADS)
-    head_dim = check_int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
+    head_dim = check_int(head_dim, "head_dim", 1, max_head_dim)
     if n_heads % n_kv_heads:
         raise ValueError(
             f"n_heads: must be a multiple of n_kv_heads, got n_heads={n_heads}, "
@@ -211,6 +217,7 @@ def read_dims(
     *,
     layout: str = "NHD",
     names: tuple[str, str] = ("q", "k_cache"),
+    max_head_dim: int = MAX_HEAD_DIM,
 ) -> tuple[int, int, int]:
     """``(n_heads, n_kv_heads, head_dim)`` of a decode: each given one checked (an int in
     range; the three together as `check_dims`), the others read from the shapes: K's
@@ -221,9 +228,9 @@ def read_dims(
     q_name, k_name = names
     n_heads = None if n_heads is None else check_int(n_heads, "n_heads")
     n_kv_heads = None if n_kv_heads is None else check_int(n_kv_heads, "n_kv_heads")
-    head_dim = None if head_dim is None else check_int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
+    head_dim = None if head_dim is None else check_int(head_dim, "head_dim", 1, max_head_dim)
     if n_heads is not None and n_kv_heads is not None and head_dim is not None:
-        check_dims(n_heads, n_kv_heads, head_dim)  # the given ones agree among themselves
+        check_dims(n_heads, n_kv_heads, head_dim, max_head_dim)  # (agree among themselves)
     ks, qs = tuple(k_shape), tuple(q_shape)
     if layout == "NHD" and len(ks) == 4:
         raise ValueError(
@@ -262,13 +269,13 @@ def read_dims(
         raise TypeError(f"n_kv_heads: required: a flat {k_name} (shape {ks}) does not say it")
     for value, name, high in (
         (n_kv_heads, "n_kv_heads", None),
-        (head_dim, "head_dim", MAX_HEAD_DIM),
+        (head_dim, "head_dim", max_head_dim),
     ):
         if value < 1 or (high is not None and value > high):
             bound = f"1..{high}" if high is not None else ">= 1"
             raise ValueError(f"{name}: expected {bound}, got {value} ({where})")
     n_heads = q_heads(qs, head_dim, n_heads, q_name)
-    return check_dims(n_heads, n_kv_heads, head_dim)
+    return check_dims(n_heads, n_kv_heads, head_dim, max_head_dim)
 
 
 def kv_rows(info: ArrayInfo, n_kv_heads: int, head_dim: int, name: str) -> int:
@@ -309,7 +316,8 @@ def check_decode_args(
     if not allow_device:
         for info, name in zip((qi, ki, vi), names, strict=True):
             _check_float(info, name)
-        dims = read_dims(qi.shape, ki.shape, n_heads, n_kv_heads, head_dim, names=names[:2])
+        dims = read_dims(qi.shape, ki.shape, n_heads, n_kv_heads, head_dim, names=names[:2],
+                         max_head_dim=REFERENCE_MAX_HEAD_DIM)  # fmt: skip
         return _check_shapes(qi, ki, vi, *dims, qi.dtype, names)
     if not qi.on_device == ki.on_device == vi.on_device:
         raise TypeError(
@@ -497,6 +505,7 @@ def check_head_major_args(
     n_heads, n_kv_heads, head_dim = read_dims(
         qi.shape, _shape(k, k_name, allow_device), n_heads, n_kv_heads, head_dim,
         layout="HND", names=(q_name, k_name),
+        max_head_dim=MAX_HEAD_DIM if allow_device else REFERENCE_MAX_HEAD_DIM,
     )  # fmt: skip
     ki, seq_k, stride_k = head_major_rows(
         k, k_name, n_kv_heads, head_dim, allow_device=allow_device

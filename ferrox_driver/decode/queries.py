@@ -82,6 +82,7 @@ def read_query_dims(
     *,
     layout: str = "NHD",
     names: tuple[str, str] = ("q", "k_cache"),
+    max_head_dim: int = MAX_HEAD_DIM,
 ) -> tuple[Queries, tuple[int, int, int]]:
     """`checks.read_dims` for every accepted q shape: the queries and ``(n_heads,
     n_kv_heads, head_dim)``, each given value checked, the others read from the shapes. A
@@ -96,13 +97,14 @@ def read_query_dims(
     n_q, token = split_queries(qs, q_name)
     if len(qs) == 3:
         if head_dim is not None:
-            hd = check_int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
+            hd = check_int(head_dim, "head_dim", 1, max_head_dim)
             _agree(qs, hd, "given", n_heads, q_name)
         elif (found := _k_head_dim(ks, layout)) is not None:
             _agree(qs, found, f"read from {k_name}'s shape {ks}", n_heads, q_name)
         else:
             _agree(qs, qs[2], "", n_heads, q_name)
-    dims = read_dims(token, ks, n_heads, n_kv_heads, head_dim, layout=layout, names=names)
+    dims = read_dims(token, ks, n_heads, n_kv_heads, head_dim, layout=layout, names=names,
+                     max_head_dim=max_head_dim)  # fmt: skip
     return Queries(n_q, dims[0], dims[2], token), dims
 
 

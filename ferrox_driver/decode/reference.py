@@ -9,10 +9,12 @@ import numpy as np
 
 from ..types import HostArrayLike
 from .checks import (
+    REFERENCE_MAX_HEAD_DIM,
     _check_float,
     array_info,
     check_decode_args,
     check_head_major_args,
+    check_int,
     check_kv_layout,
 )
 from .features import Features, check_features
@@ -25,7 +27,7 @@ __all__ = ["merge_states_host", "reference_gqa_decode"]
 def reference_gqa_decode(
     q: HostArrayLike,
     k: HostArrayLike,
-    v: HostArrayLike,
+    v: HostArrayLike | None,
     *,
     n_heads: int | None = None,
     n_kv_heads: int | None = None,
@@ -38,12 +40,13 @@ def reference_gqa_decode(
     return_lse: Literal[False] = False,
     kv_layout: str = "NHD",
     tree_mask: HostArrayLike | None = None,
+    head_dim_v: int | None = None,
 ) -> np.ndarray: ...
 @overload
 def reference_gqa_decode(
     q: HostArrayLike,
     k: HostArrayLike,
-    v: HostArrayLike,
+    v: HostArrayLike | None,
     *,
     n_heads: int | None = None,
     n_kv_heads: int | None = None,
@@ -56,12 +59,13 @@ def reference_gqa_decode(
     return_lse: Literal[True],
     kv_layout: str = "NHD",
     tree_mask: HostArrayLike | None = None,
+    head_dim_v: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 @overload
 def reference_gqa_decode(
     q: HostArrayLike,
     k: HostArrayLike,
-    v: HostArrayLike,
+    v: HostArrayLike | None,
     *,
     n_heads: int | None = None,
     n_kv_heads: int | None = None,
@@ -74,11 +78,12 @@ def reference_gqa_decode(
     return_lse: bool,
     kv_layout: str = "NHD",
     tree_mask: HostArrayLike | None = None,
+    head_dim_v: int | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]: ...
 def reference_gqa_decode(
     q: HostArrayLike,
     k: HostArrayLike,
-    v: HostArrayLike,
+    v: HostArrayLike | None,
     *,
     n_heads: int | None = None,
     n_kv_heads: int | None = None,
@@ -91,6 +96,7 @@ def reference_gqa_decode(
     return_lse: bool = False,
     kv_layout: str = "NHD",
     tree_mask: HostArrayLike | None = None,
+    head_dim_v: int | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Attention of one query token, or of n_q query tokens (speculative verify), over a
     KV cache, in float64 on the CPU: the definition the kernels are tested against.
@@ -130,6 +136,12 @@ def reference_gqa_decode(
         return_lse: also return the log-sum-exp per query head.
         kv_layout: ``"NHD"`` (``k`` as above) or ``"HND"``: ``(n_kv_heads, seq_len,
             head_dim)`` or ``(1, n_kv_heads, seq_len, head_dim)``, as `gqa_decode`.
+        head_dim_v: the value rows' width, where it is not ``head_dim``: ``v`` then has
+            rows of ``head_dim_v`` elements in K's layout, and the result's heads are
+            ``head_dim_v`` wide. With ``v`` None (multi-head latent attention: one latent
+            KV head whose first ``head_dim_v`` columns are the values, e.g. 576 and 512),
+            V is K's first ``head_dim_v`` columns. The reference takes head_dim up to
+            1024 (the kernels, today, up to 256).
         tree_mask: with a 3-D q only: which new tokens each query sees (a draft tree: its
             ancestors and itself), a numpy bool ``(n_q, n_q)`` array, or the same
             bit-packed: uint8 ``(n_q, ceil(n_q/8))``, bit ``u % 8`` (least significant
@@ -149,11 +161,14 @@ def reference_gqa_decode(
             bits, or given with a one-token q) naming ``tree_mask``.
     """
     names = ("q", "k", "v")
+    values = (v, head_dim_v)  # V of a width of its own, or K's columns: read after the checks
+    if v is None or head_dim_v is not None:
+        v = k  # (the checks see K twice)
     if isinstance(q, np.ndarray) and q.ndim == 3:  # (n_q, n_heads, head_dim)
         return _reference_queries(
             q, k, v, n_heads, n_kv_heads, head_dim, check_kv_layout(kv_layout), tree_mask,
             dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                 alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse),
+                 alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse), values,
         )  # fmt: skip
     if check_kv_layout(kv_layout) == "HND":
         spec, _ = check_head_major_args(
@@ -176,14 +191,51 @@ def reference_gqa_decode(
     seq = spec.seq_len
     qh = np.asarray(q, dtype=np.float64).reshape(n_heads, head_dim)
     kh, vh = _token_major(k, v, kv_layout, seq, n_kv_heads, head_dim)
+    vh = _values(values, kh, vh, kv_layout)
     out, lse = _attend(qh, kh, vh, feats.window_start(seq), seq, seq - 1, None, feats)
-    out = out.reshape(spec.q_shape)
+    out = out.reshape(_out_shape(spec.q_shape, head_dim, vh.shape[-1]))
     return (out, lse) if feats.return_lse else out
+
+
+def _values(values: tuple[Any, Any], kh: np.ndarray, vh: np.ndarray, layout: str) -> np.ndarray:
+    """V as the reference reads it, float64 ``(seq_len, n_kv_heads, head_dim_v)``: ``vh``
+    (V of K's shape, checked with it) unless ``values`` = (v, head_dim_v) asks for V of a
+    width of its own, or for K's first head_dim_v columns (v None: MLA's latent rows).
+
+    Raises:
+        TypeError, ValueError: naming ``v`` or ``head_dim_v``.
+    """
+    v, head_dim_v = values
+    if v is not None and head_dim_v is None:
+        return vh
+    seq, n_kv, head_dim = kh.shape
+    if head_dim_v is None:
+        raise TypeError("v, head_dim_v: v None needs head_dim_v (V is then K's first "
+                        "head_dim_v columns, as multi-head latent attention stores it)")  # fmt: skip
+    dv = check_int(head_dim_v, "head_dim_v", 1, head_dim if v is None else REFERENCE_MAX_HEAD_DIM)
+    if v is None:
+        return kh[..., :dv]
+    if not isinstance(v, np.ndarray):
+        raise TypeError(f"v: expected a numpy array, got {type(v).__name__}")
+    _check_float(array_info(v, "v", allow_device=False), "v")
+    shapes = ((seq, n_kv, dv),) if layout == "NHD" else ((n_kv, seq, dv), (1, n_kv, seq, dv))
+    if v.shape not in (*shapes, (seq * n_kv * dv,)):
+        forms = " or ".join(str(f) for f in (*shapes, (seq * n_kv * dv,)))
+        raise ValueError(f"v: expected {forms} (K's tokens and KV heads, head_dim_v {dv} "
+                         f"elements each), got {v.shape}")  # fmt: skip
+    return _token_major(v, v, layout, seq, n_kv, dv)[0]
+
+
+def _out_shape(q_shape: tuple[int, ...], head_dim: int, head_dim_v: int) -> tuple[int, ...]:
+    """q's shape with each head ``head_dim_v`` wide (a flat q: as many heads, flat)."""
+    if len(q_shape) == 1:
+        return (q_shape[0] // head_dim * head_dim_v,)
+    return (*q_shape[:-1], head_dim_v)
 
 
 def _reference_queries(
     q: np.ndarray, k: Any, v: Any, n_heads: Any, n_kv_heads: Any, head_dim: Any, layout: str,
-    tree_mask: Any, features: dict[str, Any],
+    tree_mask: Any, features: dict[str, Any], values: tuple[Any, Any] = (None, None),
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """The reference for q ``(n_q, n_heads, head_dim)``: the cache's last n_q tokens, query
     t at position ``seq_len - n_q + t``, each attending as one query would (`_attend`) to
@@ -195,7 +247,14 @@ def _reference_queries(
     if not isinstance(k, np.ndarray):
         raise TypeError(f"k: expected a numpy array, got {type(k).__name__}")
     queries, _ = read_query_dims(
-        qi.shape, k.shape, n_heads, n_kv_heads, head_dim, layout=layout, names=names[:2]
+        qi.shape,
+        k.shape,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        layout=layout,
+        names=names[:2],
+        max_head_dim=REFERENCE_MAX_HEAD_DIM,
     )
     # q's shape agrees with the dims now: the one-token checks read its first token
     if layout == "HND":
@@ -213,8 +272,9 @@ def _reference_queries(
     mask = None if tree_mask is None else check_tree_mask(tree_mask, n_q)
     qh = np.asarray(q, dtype=np.float64).reshape(n_q, n_heads, head_dim)
     kh, vh = _token_major(k, v, layout, seq, n_kv_heads, head_dim)
+    vh = _values(values, kh, vh, layout)
     base = seq - n_q  # the tokens before the queries', which every query sees
-    out = np.empty((n_q, n_heads, head_dim))
+    out = np.empty((n_q, n_heads, vh.shape[-1]))
     lse = np.empty((n_q, n_heads))
     for t in range(n_q):
         position = base + t
@@ -271,7 +331,7 @@ def _attend(
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.where(total == 0, 0.0, weights[:, :, :-1] / total)  # (NaN stays NaN)
         lse = (top + np.log(total)).reshape(n_heads)  # log(0) = -inf: no token, no sink
-    out = np.einsum("gjs,sgd->gjd", p, vh).reshape(n_heads, head_dim)
+    out = np.einsum("gjs,sgd->gjd", p, vh).reshape(n_heads, vh.shape[-1])
     return out, lse
 
 
