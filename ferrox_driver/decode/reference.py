@@ -210,8 +210,10 @@ def _values(values: tuple[Any, Any], kh: np.ndarray, vh: np.ndarray, layout: str
         return vh
     seq, n_kv, head_dim = kh.shape
     if head_dim_v is None:
-        raise TypeError("v, head_dim_v: v None needs head_dim_v (V is then K's first "
-                        "head_dim_v columns, as multi-head latent attention stores it)")  # fmt: skip
+        raise TypeError(
+            "v, head_dim_v: v None needs head_dim_v (V is then K's first head_dim_v "
+            "columns, as multi-head latent attention stores it)"
+        )
     dv = check_int(head_dim_v, "head_dim_v", 1, head_dim if v is None else REFERENCE_MAX_HEAD_DIM)
     if v is None:
         return kh[..., :dv]
