@@ -1,6 +1,7 @@
-// 4-bit KV caches, "q4" (decode/kv4.py has the format and its host twin): float32, float16
-// or bfloat16 rows quantized on the device, bit for bit as `kv4.quantize_q4` (of
-// `kv4.hadamard(rows)` where K is rotated) does on the host.
+// 4-bit KV caches, "q4" and "nvfp4" (decode/kv4.py has the formats and their host twins):
+// float32, float16 or bfloat16 rows quantized on the device, bit for bit as
+// `kv4.quantize_q4` / `kv4.quantize_nvfp4` (of `kv4.hadamard(rows)` where K is rotated) do
+// on the host.
 //
 // A row (one token's KV head, head_dim D = 64, 128 or 256) is one warp's: lane l holds
 // elements l E .. l E + E - 1 (E = D / 32). The rotation is the host's butterflies in the
@@ -40,18 +41,56 @@ __device__ __forceinline__ void fx_quantize_q4_lanes(const float (&x)[E], int la
     for (int e = 0; e < E; e += 2) vals[(lane * E + e) / 2] = nib[e] | (nib[e + 1] << 4);
 }
 
+// This lane's E values of a row as nvfp4 (kv4.quantize_nvfp4): `g` the row's KV head's
+// float32 scale; a block of 16 takes 16 / E lanes: its e4m3 scale min(amax / 6 / g, 448)
+// (two IEEE divisions, rounded to nearest even), values x / (scale * g) (0 where that is
+// 0) clipped to +-6 and rounded to the nearest even e2m1 (magnitudes 0, 0.5, 1, 1.5, 2, 3,
+// 4, 6: a tie goes to the even code), the sign from the quotient's (-0 kept).
+template <int E>
+__device__ __forceinline__ void fx_quantize_nvfp4_lanes(const float (&x)[E], int lane, float g,
+                                                        unsigned char* __restrict__ vals,
+                                                        unsigned char* __restrict__ scales) {
+    static_assert(16 % E == 0, "a block of whole lanes");
+    float amax = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(x[e]));
+#pragma unroll
+    for (int o = 1; o < 16 / E; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = fminf(__fdiv_rn(__fdiv_rn(amax, 6.f), g), 448.f);
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;" : "=h"(pair) : "f"(s));
+    const unsigned char bs = (unsigned char)(pair & 0xffu);
+    unsigned h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)(bs * 0x101u)));
+    const float denom = fx_to_float(fx_half{(unsigned short)(h2 & 0xffffu)}) * g;
+    unsigned char nib[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const float y = denom > 0.f ? fminf(6.f, fmaxf(-6.f, __fdiv_rn(x[e], denom))) : 0.f;
+        const float m = fabsf(y);
+        const int code = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) +
+                         (m > 2.5f) + (m >= 3.5f) + (m > 5.f);
+        nib[e] = (unsigned char)(code | ((__float_as_uint(y) >> 31) << 3));
+    }
+    if (lane % (16 / E) == 0) scales[lane * E / 16] = bs;
+#pragma unroll
+    for (int e = 0; e < E; e += 2) vals[(lane * E + e) / 2] = nib[e] | (nib[e + 1] << 4);
+}
+
 // Rows [first, first + n_rows) of a q4 cache (values [token][n_kv][D / 2], scales [token]
 // [n_kv][D / G]) from rows k_src, v_src of type QT ([n_rows][n_kv][D]), K rotated where
 // ROT_K; first as fx_quantize_rows's (kv_quantize.cu): -1, one row at the device's length
 // state[0], then bumped (ONE block); -2, n_rows rows at the device's length, not bumped
 // (rows past `capacity`: nothing written, the overflow flag state[1] set). A warp per
 // (row, KV head).
+// G 0: nvfp4 (scales e4m3 bytes [token][n_kv][D / 16], `globals` the KV heads' float32
+// scales, K's then V's), else q4 in groups of G (scales float16).
 template <class QT, int D, int G, bool ROT_K>
 __device__ __forceinline__ void fx_quantize_q4_rows(
     const QT* __restrict__ k_src, const QT* __restrict__ v_src, unsigned char* __restrict__ k_vals,
-    unsigned char* __restrict__ v_vals, fx_half* __restrict__ k_scales,
-    fx_half* __restrict__ v_scales, int n_kv, int n_rows, int first, int* __restrict__ state,
-    int capacity, float inv_sqrt_b) {
+    unsigned char* __restrict__ v_vals, void* __restrict__ k_scales, void* __restrict__ v_scales,
+    int n_kv, int n_rows, int first, int* __restrict__ state, int capacity, float inv_sqrt_b,
+    const float* __restrict__ globals = nullptr) {
     constexpr int E = D / 32;
     static_assert(D % 32 == 0 && (E & (E - 1)) == 0, "head_dim 32 x a power of two");
     const bool on_device = first < 0, bump = first == -1;
@@ -75,8 +114,17 @@ __device__ __forceinline__ void fx_quantize_q4_rows(
 #pragma unroll
             for (int e = 0; e < E; ++e) x[e] = fx_to_float(src[e]);
             if (ROT_K && kv == 0) fx_hadamard_lanes<E>(x, lane, D, inv_sqrt_b);
-            fx_quantize_q4_lanes<E, G>(x, lane, (kv ? v_vals : k_vals) + at * (D / 2),
-                                       (kv ? v_scales : k_scales) + at * (D / G));
+            unsigned char* vals = (kv ? v_vals : k_vals) + at * (D / 2);
+            if constexpr (G == 0) {
+                const float g = globals[kv * n_kv + (int)(w % n_kv)];
+                fx_quantize_nvfp4_lanes<E>(x, lane, g, vals,
+                                           static_cast<unsigned char*>(kv ? v_scales : k_scales) +
+                                               at * (D / 16));
+            } else {
+                fx_quantize_q4_lanes<E, G>(x, lane, vals,
+                                           static_cast<fx_half*>(kv ? v_scales : k_scales) +
+                                               at * (D / G));
+            }
         }
     }
     if (bump) {
@@ -94,4 +142,16 @@ __device__ __forceinline__ void fx_quantize_q4_rows(
         fx_quantize_q4_rows<QT, D, G, ROT_K>(k_src, v_src, k_vals, v_vals, k_scales,         \
                                              v_scales, n_kv, n_rows, first, state,          \
                                              capacity, inv_sqrt_b);                         \
+    }
+
+// kv_quantize_nvfp4_<f32|f16|bf16>_d<D>[_rk]: globals, the KV heads' K then V scales
+#define FX_QUANTIZE_NVFP4_ENTRY(NAME, QT, D, ROT_K)                                         \
+    extern "C" __global__ void NAME(const QT* k_src, const QT* v_src, unsigned char* k_vals,  \
+                                    unsigned char* v_vals, unsigned char* k_scales,         \
+                                    unsigned char* v_scales, int n_kv, int n_rows,          \
+                                    int first, int* state, int capacity, float inv_sqrt_b,  \
+                                    const float* globals) {                                 \
+        fx_quantize_q4_rows<QT, D, 0, ROT_K>(k_src, v_src, k_vals, v_vals, k_scales,         \
+                                             v_scales, n_kv, n_rows, first, state,          \
+                                             capacity, inv_sqrt_b, globals);                \
     }

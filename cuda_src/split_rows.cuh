@@ -27,7 +27,9 @@
 // two where it would pass fp16's range (as fx_load_q8 does), the K scale and that power
 // folded into the row's score scale, the V scale applied to the partial once. A q4 cache
 // (FX_Q4, kv_quantize4.cu; token-major only): the stages hold each token's nibbles and
-// float16 group scales, widened as ((nibble - 8) * scale) in fp16; with R, K was rotated
+// float16 group scales, widened as ((nibble - 8) * scale) in fp16. An nvfp4 cache
+// (FX_NVFP4): e2m1 nibbles and an e4m3 scale per 16, widened exactly (their product has at
+// most 6 significant bits), the KV head's float32 scales folded as an fp8 cache's. With R, K was rotated
 // on append (a Hadamard transform over head_dim) and q is rotated the same way here, in
 // float32, before its conversion to fp16 (the scores are unchanged: the transform is
 // orthonormal).
@@ -59,17 +61,23 @@ struct FxRowsStages {
 
 #define FX_Q4 3  // a q4 cache: nibbles and a float16 scale per FX_Q4_GROUP elements
 #define FX_Q4_GROUP 32
+#define FX_NVFP4 4  // an nvfp4 cache: e2m1 nibbles, an e4m3 scale per 16, a float32 per head
 template <class T>
 struct FxStore<T, FX_Q4> {
     using type = unsigned char;
 };
+template <class T>
+struct FxStore<T, FX_NVFP4> {
+    using type = unsigned char;
+};
 // 16-byte chunk c (elements 8c .. 8c + 7) of a q4 row (`nib`: its D / 2 bytes; `sc`: its
-// D / FX_Q4_GROUP float16 scales) as fp16: (nibble - 8) exactly (0x6400 | n is 1024 + n),
-// times the group's scale (rounded once, to fp16).
-__device__ __forceinline__ uint4 fx_widen_q4(const unsigned char* nib, const fx_half* sc,
+// D / FX_Q4_GROUP float16 scales, as bytes) as fp16: (nibble - 8) exactly (0x6400 | n is
+// 1024 + n), times the group's scale (rounded once, to fp16).
+__device__ __forceinline__ uint4 fx_widen_q4(const unsigned char* nib, const unsigned char* sc,
                                              int c) {
     const unsigned w = *reinterpret_cast<const unsigned*>(nib + c * 4);
-    const unsigned s2 = (unsigned)sc[c * 8 / FX_Q4_GROUP].bits * 0x10001u;
+    const unsigned s2 =
+        (unsigned)reinterpret_cast<const unsigned short*>(sc)[c * 8 / FX_Q4_GROUP] * 0x10001u;
     unsigned r[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -77,6 +85,27 @@ __device__ __forceinline__ uint4 fx_widen_q4(const unsigned char* nib, const fx_
         const unsigned h = 0x64006400u | (b & 0xfu) | ((b & 0xf0u) << 12);
         asm("{.reg .b32 t;\n sub.f16x2 t, %1, %2;\n mul.rn.f16x2 %0, t, %3;}"
             : "=r"(r[i]) : "r"(h), "r"(0x64086408u), "r"(s2));
+    }
+    return make_uint4(r[0], r[1], r[2], r[3]);
+}
+// ... of an nvfp4 row (`sc`: its D / 16 e4m3 scales): each e2m1 nibble's magnitude (bits
+// 0-2: 0, 0.5, 1, 1.5, 2, 3, 4, 6) as its fp16's high byte (the low byte is 0 for all of
+// them), its sign bit 3 as fp16's bit 15, times the block's scale: exact.
+__device__ __forceinline__ uint4 fx_widen_nvfp4(const unsigned char* nib,
+                                                const unsigned char* sc, int c) {
+    const unsigned w = *reinterpret_cast<const unsigned*>(nib + c * 4);
+    unsigned s2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(s2) : "h"((unsigned short)(sc[c / 2] * 0x101u)));
+    unsigned r[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned b = (w >> (8 * i)) & 0xffu;
+        const unsigned lo = b & 0xfu, hi = b >> 4;
+        // bytes 0-7 of (0x3e3c3800, 0x46444240): the magnitudes' high bytes
+        const unsigned mlo = __byte_perm(0x3e3c3800u, 0x46444240u, lo & 7u) & 0xffu;
+        const unsigned mhi = __byte_perm(0x3e3c3800u, 0x46444240u, hi & 7u) & 0xffu;
+        const unsigned h = (mlo << 8) | ((lo & 8u) << 12) | (mhi << 24) | ((hi & 8u) << 28);
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r[i]) : "r"(h), "r"(s2));
     }
     return make_uint4(r[0], r[1], r[2], r[3]);
 }
@@ -100,8 +129,8 @@ __device__ __forceinline__ void fx_cp_async_small(void* dst, const void* src, bo
                  : "memory");
 }
 
-// Q8: 0 (q's dtype), FX_E4M3, FX_E5M2 or FX_Q4 (k_sc / v_sc its scales); R: q rotated (a
-// q4 cache whose K was)
+// Q8: 0 (q's dtype), FX_E4M3, FX_E5M2, FX_Q4 or FX_NVFP4 (k_sc / v_sc: the 4-bit formats'
+// scales per block, as bytes; nvfp4's per head in kv_scales); R: q rotated (K was)
 template <class QT, int D, int RW, int F, int Q8 = 0, int R = 0>
 __device__ __forceinline__ void gqa_verify_rows(
     const QT* __restrict__ q, const typename FxStore<QT, Q8>::type* __restrict__ k,
@@ -109,19 +138,20 @@ __device__ __forceinline__ void gqa_verify_rows(
     float* __restrict__ ws_ml, int n_heads, int n_kv_heads, int n_q, int seq_len,
     const int* __restrict__ seq_len_dev, int splits, int tile,
     const unsigned char* __restrict__ mask, int mask_mode, const FxFeat feat,
-    const float* __restrict__ kv_scales = nullptr, const fx_half* __restrict__ k_sc = nullptr,
-    const fx_half* __restrict__ v_sc = nullptr) {
+    const float* __restrict__ kv_scales = nullptr,
+    const unsigned char* __restrict__ k_sc = nullptr,
+    const unsigned char* __restrict__ v_sc = nullptr) {
     using KT = typename FxStore<QT, Q8>::type;  // the cache's element
     using T = typename FxRowsMma<QT, Q8>::type;
-    constexpr bool Q4 = Q8 == FX_Q4;
+    constexpr bool Q4 = Q8 == FX_Q4, NIB = Q4 || Q8 == FX_NVFP4;  // (NIB: 4-bit values)
     constexpr int TOK = FX_ROWS_TOKENS, S = FxRowsStages<D>::value;
     constexpr int THREADS = RW * 32, NCH = D / 8;  // 16-byte chunks of a row of T
-    constexpr int RB = Q4 ? D / 2 : D * (int)sizeof(KT);  // bytes of a cache row
-    constexpr int KCH = RB / 16, SCB = Q4 ? 2 * D / FX_Q4_GROUP : 0;  // (q4: a row's scale bytes)
+    constexpr int RB = NIB ? D / 2 : D * (int)sizeof(KT);  // bytes of a cache row
+    constexpr int KCH = RB / 16, SCB = NIB ? D / 16 : 0;  // (4-bit: a row's scale bytes)
     constexpr int STAGE_B = 2 * TOK * (RB + SCB);  // bytes of a step: K, V (q4: then scales)
     constexpr int STAGE = 2 * TOK * D;             // elements of a step of T (K, then V)
     static_assert(TOK % 16 == 0 && D % 64 == 0, "whole mma tiles");
-    static_assert(!Q4 || SCB == 4 || SCB == 8 || SCB == 16, "q4: head_dim 64, 128 or 256");
+    static_assert(!NIB || SCB == 4 || SCB == 8 || SCB == 16, "4-bit: head_dim 64, 128, 256");
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
     unsigned char* ring = fx_dyn_smem;
     T* wide = reinterpret_cast<T*>(ring + S * STAGE_B);  // (Q8: the step widened)
@@ -144,13 +174,12 @@ __device__ __forceinline__ void gqa_verify_rows(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const bool hnd = (F & FX_F_HND) != 0;  // (q4: token-major only)
-    constexpr int RE = Q4 ? D / 2 : D;     // a cache row's elements
+    constexpr int RE = NIB ? D / 2 : D;    // a cache row's elements
     const long long row = hnd ? (long long)RE : (long long)n_kv_heads * RE;
     const KT* kg = hnd ? k + g_kv * feat.head_stride : k + (long long)g_kv * RE;
     const KT* vg = hnd ? v + g_kv * feat.head_stride : v + (long long)g_kv * RE;
-    constexpr int SCE = D / FX_Q4_GROUP;  // (q4: scales of a row)
-    const fx_half* ksg = Q4 ? k_sc + (long long)g_kv * SCE : nullptr;
-    const fx_half* vsg = Q4 ? v_sc + (long long)g_kv * SCE : nullptr;
+    const unsigned char* ksg = NIB ? k_sc + (long long)g_kv * SCB : nullptr;  // (bytes)
+    const unsigned char* vsg = NIB ? v_sc + (long long)g_kv * SCB : nullptr;
 
     // ---- stage j: tokens start + j TOK .. of K and V (rows past `end`: zeros)
     const int steps = (end - start + TOK - 1) / TOK;
@@ -170,13 +199,13 @@ __device__ __forceinline__ void gqa_verify_rows(
                 fx_cp_async16(ks + at, kg + off, ok);
                 fx_cp_async16(vs + at, vg + off, ok);
             }
-            if constexpr (Q4) {  // the rows' scales, after the values: K's, then V's
-                fx_half* kss = reinterpret_cast<fx_half*>(ring + (j % S) * STAGE_B + 2 * TOK * RB);
+            if constexpr (NIB) {  // the rows' scales, after the values: K's, then V's
+                unsigned char* kss = ring + (j % S) * STAGE_B + 2 * TOK * RB;
                 for (int r = threadIdx.x; r < TOK; r += THREADS) {
                     const bool ok = t0 + r < end;
-                    const long long off = (long long)(ok ? t0 + r : start) * n_kv_heads * SCE;
-                    fx_cp_async_small<SCB>(kss + r * SCE, ksg + off, ok);
-                    fx_cp_async_small<SCB>(kss + (TOK + r) * SCE, vsg + off, ok);
+                    const long long off = (long long)(ok ? t0 + r : start) * n_kv_heads * SCB;
+                    fx_cp_async_small<SCB>(kss + r * SCB, ksg + off, ok);
+                    fx_cp_async_small<SCB>(kss + (TOK + r) * SCB, vsg + off, ok);
                 }
             }
         }
@@ -249,7 +278,7 @@ __device__ __forceinline__ void gqa_verify_rows(
     sca.last = base + ta;  // ALiBi relative to the row's own position
     scb.last = base + tb;
     if (Q8) {  // the K scale (fp8) and q's power of two
-        const float k_scale = Q4 ? 1.f : kv_scales[g_kv];
+        const float k_scale = Q4 ? 1.f : kv_scales[g_kv];  // (nvfp4: the head's)
         sca.fold(k_scale * __int_as_float((127 + q_shift(warp * 16 + g)) << 23));
         scb.fold(k_scale * __int_as_float((127 + q_shift(warp * 16 + g + 8)) << 23));
     }
@@ -280,13 +309,14 @@ __device__ __forceinline__ void gqa_verify_rows(
         __syncthreads();  // stage j is in for every thread; stage j - 1 is free
         issue(j + S - 1);
         const T* ks;
-        if constexpr (Q4) {  // the step's nibbles and scales widened into `wide`
+        if constexpr (NIB) {  // the step's nibbles and scales widened into `wide`
             const unsigned char* nb = ring + (j % S) * STAGE_B;
-            const fx_half* sb = reinterpret_cast<const fx_half*>(nb + 2 * TOK * RB);
+            const unsigned char* sb = nb + 2 * TOK * RB;
             for (int i = threadIdx.x; i < 2 * TOK * NCH; i += THREADS) {
                 const int r = i / NCH, c = i % NCH;  // (rows past TOK: V's)
                 *reinterpret_cast<uint4*>(wide + fx_rows_at<D>(r, c)) =
-                    fx_widen_q4(nb + r * RB, sb + r * SCE, c);
+                    Q4 ? fx_widen_q4(nb + r * RB, sb + r * SCB, c)
+                       : fx_widen_nvfp4(nb + r * RB, sb + r * SCB, c);
             }
             __syncthreads();
             ks = wide;
@@ -387,7 +417,7 @@ __device__ __forceinline__ void gqa_verify_rows(
     }
     fx_cp_async_wait<0>();  // no copy may land after the block has left
     fx_let_combine_start<1>();
-    if (Q8 && !Q4) {  // the V scale, once
+    if (Q8 && !Q4) {  // the V scale (fp8, nvfp4: the head's), once
         const float v_scale = kv_scales[n_kv_heads + g_kv];
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn)
@@ -483,10 +513,28 @@ __device__ __forceinline__ void gqa_verify_rows_combine(
         int mask_mode, float scale, float cap, int window, const float* slopes,             \
         long long head_stride, const fx_half* k_scales, const fx_half* v_scales) {          \
         const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
-        gqa_verify_rows<QT, D, RW, F, FX_Q4, R>(q, k, v, ws_o, ws_ml, n_heads, n_kv_heads,  \
-                                                n_q, seq_len, seq_len_dev, splits, tile,    \
-                                                mask, mask_mode, feat, nullptr, k_scales,   \
-                                                v_scales);                                  \
+        gqa_verify_rows<QT, D, RW, F, FX_Q4, R>(                                            \
+            q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, n_q, seq_len, seq_len_dev, splits,   \
+            tile, mask, mask_mode, feat, nullptr,                                           \
+            reinterpret_cast<const unsigned char*>(k_scales),                               \
+            reinterpret_cast<const unsigned char*>(v_scales));                              \
+    }
+
+// gqa_verify_rows_<dt>_nvfp4[r]_d<D>_w<RW>_x<F>: an nvfp4 cache (values: e2m1 nibbles
+// [token][n_kv][D / 2], block_scales: e4m3 [token][n_kv][D / 16], kv_scales: float32, the
+// KV heads' K scales then their V ones), q of type QT; R: K was rotated on append.
+#define FX_VERIFY_ROWS_NVFP4_ENTRY(NAME, QT, D, RW, F, R)                                   \
+    extern "C" __global__ void __launch_bounds__(RW * 32, 1) NAME(                          \
+        const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
+        float* ws_ml, int n_heads, int n_kv_heads, int n_q, int seq_len,                    \
+        const int* seq_len_dev, int splits, int tile, const unsigned char* mask,            \
+        int mask_mode, float scale, float cap, int window, const float* slopes,             \
+        long long head_stride, const unsigned char* k_scales,                               \
+        const unsigned char* v_scales, const float* kv_scales) {                            \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
+        gqa_verify_rows<QT, D, RW, F, FX_NVFP4, R>(                                         \
+            q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, n_q, seq_len, seq_len_dev, splits,   \
+            tile, mask, mask_mode, feat, kv_scales, k_scales, v_scales);                    \
     }
 
 // gqa_verify_rows_combine_<dt>_x<F>: window, sinks, LSE.

@@ -1,11 +1,13 @@
-"""4-bit (q4) caches on the device, groundwork for the cache that will hold them: rows
-quantized by ``cuda_src/kv_quantize4.cu`` bit for bit as `kv4.quantize_q4` does on the host
-(K rotated first where asked, as `kv4.hadamard`), and decoded by the rows kernels
-(``records.launches_for(..., fp8="q4", q4_scales=..., rotate=...)``).
+"""4-bit caches (q4, nvfp4) on the device, groundwork for the cache that will hold them:
+rows quantized by ``cuda_src/kv_quantize4.cu`` bit for bit as `kv4.quantize_q4` and
+`kv4.quantize_nvfp4` do on the host (K rotated first where asked, as `kv4.hadamard`), and
+decoded by the rows kernels (``records.launches_for(..., fp8="q4" or "nvfp4",
+q4_scales=..., rotate=...)``, an nvfp4 cache's per-head scales as ``kv_scales``).
 
-Internal: a KVCache of ``dtype="int4"`` comes with these (its storage: values ``uint8
-(capacity, n_kv_heads, head_dim // 2)`` and float16 scales ``(capacity, n_kv_heads,
-head_dim // 32)`` for K and for V).
+Internal: a KVCache of ``dtype="int4"`` or ``"nvfp4"`` comes with these (its storage:
+values ``uint8 (capacity, n_kv_heads, head_dim // 2)`` for K and for V, and scales
+``(capacity, n_kv_heads, head_dim // 32)`` float16 for q4, ``(capacity, n_kv_heads,
+head_dim // 16)`` e4m3 bytes for nvfp4).
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from ..driver.memory import DeviceArray
 from ..kernels.catalogue import get_kernel
 from .checks import dtype_name
 
-__all__ = ["Q4_FILE", "Q4_HEAD_DIMS", "q4_quantize_kernel", "quantize_q4_async"]
+__all__ = [
+    "Q4_FILE",
+    "Q4_HEAD_DIMS",
+    "nvfp4_quantize_kernel",
+    "q4_quantize_kernel",
+    "quantize_4bit_async",
+]
 
 Q4_FILE = "kv_quantize4.cu"
 Q4_HEAD_DIMS = (64, 128, 256)  # a row a warp, 32 x a power of two (the rows kernels' too)
@@ -42,24 +50,45 @@ def q4_quantize_kernel(
     return get_kernel(Q4_FILE, name, device, select=entry)
 
 
-def quantize_q4_async(
+def nvfp4_quantize_kernel(device: Device, rows: str, head_dim: int, rotate_k: bool) -> Kernel:
+    """The kernel quantizing rows of kernel dtype ``rows`` into an nvfp4 cache of
+    ``head_dim``, K rotated where ``rotate_k``."""
+    name = f"kv_quantize_nvfp4_{rows}_d{head_dim}" + ("_rk" if rotate_k else "")
+    entry = (
+        f"FX_QUANTIZE_NVFP4_ENTRY({name}, {_C_TYPES[rows]}, {head_dim}, "
+        f"{'true' if rotate_k else 'false'})"
+    )
+    return get_kernel(Q4_FILE, name, device, select=entry)
+
+
+def quantize_4bit_async(
     k_rows: DeviceArray, v_rows: DeviceArray, k_vals: DeviceArray, v_vals: DeviceArray,
     k_scales: DeviceArray, v_scales: DeviceArray, *, first: int, stream: Any,
     rotate_k: bool = True, state: DeviceArray | None = None, capacity: int = 0,
+    globals_: DeviceArray | None = None,
 ) -> None:  # fmt: skip
     """Queue the quantization of rows ``(n, n_kv_heads, head_dim)`` of K and V (float32,
-    float16, bfloat16, C-contiguous, validated by the caller) into rows ``first ..`` of a q4
-    cache's values and scales (``first`` -1: one row at the device length ``state[0]``,
-    then bumped; -2: at the device length, not bumped; ``capacity`` bounds both, past it
-    the overflow flag ``state[1]`` is set and nothing written)."""
+    float16, bfloat16, C-contiguous, validated by the caller) into rows ``first ..`` of a
+    4-bit cache's values and block scales: q4 where the scales are float16, nvfp4 where
+    they are e4m3 bytes (``globals_``: its float32 scales per KV head, K's then V's).
+    ``first`` -1: one row at the device length ``state[0]``, then bumped; -2: at the device
+    length, not bumped; ``capacity`` bounds both, past it the overflow flag ``state[1]`` is
+    set and nothing written."""
     n, n_kv, d = k_rows.shape
-    kernel = q4_quantize_kernel(
-        k_rows.device, dtype_name(k_rows.dtype), d, d // k_scales.shape[-1], rotate_k
-    )
+    rows, dev = dtype_name(k_rows.dtype), k_rows.device
+    nvfp4 = k_scales.dtype.itemsize == 1
+    if nvfp4 and globals_ is None:
+        raise ValueError("globals_: an nvfp4 cache's scales per KV head are needed")
+    kernel = (
+        nvfp4_quantize_kernel(dev, rows, d, rotate_k) if nvfp4
+        else q4_quantize_kernel(dev, rows, d, d // k_scales.shape[-1], rotate_k)
+    )  # fmt: skip
     warps = n * n_kv
     grid = 1 if first == -1 else max(1, -(-warps // _WARPS))
-    args = (
+    args: tuple[Any, ...] = (
         k_rows, v_rows, k_vals, v_vals, k_scales, v_scales, np.int32(n_kv), np.int32(n),
         np.int32(first), state, np.int32(capacity), np.float32(1.0 / math.sqrt(d)),
     )  # fmt: skip
+    if nvfp4:
+        args += (globals_,)
     kernel.launch((grid, 1, 1), (32 * _WARPS, 1, 1), args, stream=stream)

@@ -27,7 +27,14 @@ from ..kernels.abi import (
     roles_at,
 )
 from ..kernels.catalogue import kernel_source, split_kernel
-from ..kernels.spec import Q4_FORMAT, SPLIT_FILE, KernelSpec, kernel_dtype
+from ..kernels.spec import (
+    FOUR_BIT_FORMATS,
+    NVFP4_FORMAT,
+    Q4_FORMAT,
+    SPLIT_FILE,
+    KernelSpec,
+    kernel_dtype,
+)
 from ..kernels.traits import (
     COMBINE_FEATURES,
     F_ALIBI,
@@ -252,24 +259,30 @@ def rows_launches(
     the rows kernel of ``plan`` over every token, each row under its own mask, window and
     ALiBi, its partials into ``workspace`` (``plan.workspace_floats``), then the combine
     merging them into ``out`` (n_q, n_heads, head_dim) with the sinks and the LSE, launched
-    early. ``mask_mode`` as in `verify_launches`; ``kv_scales``: an fp8 cache's;
-    ``q4_scales``: a q4 cache's K and V scales (float16 per group of its rows).
+    early. ``mask_mode`` as in `verify_launches`; ``kv_scales``: an fp8 cache's, an nvfp4
+    cache's per KV head; ``q4_scales``: a 4-bit cache's K and V scales per block of its
+    rows (q4: float16 per 32, nvfp4: e4m3 per 16).
 
     Raises:
-        ValueError: an fp8 plan without ``kv_scales``, a q4 one without ``q4_scales``.
+        ValueError: a plan without the scales its cache has.
     """
-    q4 = plan.spec.fp8 == Q4_FORMAT
-    if q4 and q4_scales is None:
-        raise ValueError("q4_scales: a q4 plan reads the cache's scales")
-    if plan.spec.fp8 and not q4 and kv_scales is None:
-        raise ValueError("kv_scales: an fp8 plan reads the cache's scales")
+    fmt = plan.spec.fp8
+    four_bit = fmt in FOUR_BIT_FORMATS
+    if four_bit and q4_scales is None:
+        raise ValueError("q4_scales: a 4-bit plan reads the cache's block scales")
+    if fmt and fmt != Q4_FORMAT and kv_scales is None:
+        raise ValueError("kv_scales: an fp8 or nvfp4 plan reads the cache's scales")
     rows = n_q * n_heads
     n_partial = rows * plan.splits
     ws_ml = workspace.view((n_partial * 2,), np.float32, offset=n_partial * head_dim * 4)
     on_host = seq_len_dev is None
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
     scales: tuple[Any, ...] = (
-        tuple(q4_scales or ()) if q4 else (kv_scales,) if plan.spec.fp8 else ()
+        (*(q4_scales or ()), *((kv_scales,) if fmt == NVFP4_FORMAT else ()))
+        if four_bit
+        else (kv_scales,)
+        if fmt
+        else ()
     )
     args = (
         q, k, v, workspace, ws_ml, np.int32(n_heads), np.int32(n_kv_heads), np.int32(n_q),

@@ -21,9 +21,10 @@ import numpy as np
 
 from ..archs import ARCHS, FP8_FROM, TENSOR_CORES_FROM
 from ..kernels.spec import (
+    FOUR_BIT_FORMATS,
     FP8_FORMATS,
     MMA_HEAD_DIMS,
-    Q4_FORMAT,
+    NVFP4_FORMAT,
     ROWS_HEAD_DIMS,
     ROWS_MAX_WARPS,
     SPLIT_FILE,
@@ -719,7 +720,6 @@ def cuda_core_tile(lanes_per_token: int) -> int:
 # A verify's rows kernel (split_rows.cuh): tokens per step of its block's ring, steps by
 # head_dim
 ROWS_TOKENS = kernel_define("FX_ROWS_TOKENS")
-Q4_GROUP = 32  # a q4 cache's elements per scale (FX_Q4_GROUP in split_rows.cuh)
 ROWS_STAGES = {d: kernel_define(f"FX_ROWS_STAGES_D{d}") for d in ROWS_HEAD_DIMS}
 
 
@@ -760,8 +760,8 @@ class RowsPlan:
         (``itemsize``: q's)."""
         d, fmt = self.spec.head_dim, self.spec.fp8
         step = 2 * ROWS_TOKENS * d
-        step_bytes = {"": step * itemsize, Q4_FORMAT: step // 2 + step * 2 // Q4_GROUP}.get(
-            fmt, step)  # fmt: skip
+        four_bit = step // 2 + step // 16  # nibbles and a scale byte per 16 (q4: 2 per 32)
+        step_bytes = step * itemsize if not fmt else four_bit if fmt in FOUR_BIT_FORMATS else step
         ring = ROWS_STAGES[d] * step_bytes
         return ring + (step * 2 if fmt else 0) + 16 * self.spec.row_warps * d * itemsize
 
@@ -775,8 +775,8 @@ def rows_plan(
     (the queries' included), or None where it does not take the call (the tail, split and
     combine kernels do): fp32, head_dims other than ROWS_HEAD_DIMS, arrays not 16-byte
     aligned, GPUs without cp.async (an fp8 cache, ``fp8``: without fp8 conversions), a
-    ring past the block's shared memory. ``fp8`` "q4": a q4 cache (its only kernels, taken
-    whatever ``Overrides.verify_rows`` says), K rotated where ``rotate``.
+    ring past the block's shared memory. ``fp8`` "q4" or "nvfp4": a 4-bit cache (its only
+    kernels, taken whatever ``Overrides.verify_rows`` says), K rotated where ``rotate``.
 
     A KV head's n_q x group rows take blocks of up to ROWS_MAX_WARPS warps of 16 rows;
     the chunks fill one wave of resident blocks, each of at least the Tuning's
@@ -785,13 +785,15 @@ def rows_plan(
     """
     ov = OVERRIDES if overrides is None else overrides
     name = np.dtype(dtype).name
-    q4 = fp8 == Q4_FORMAT  # (a q4 cache has no other kernels: the override is not asked)
-    if not (ov.verify_rows or q4) or name not in ("float16", "bfloat16") or not aligned:
+    four_bit = fp8 in FOUR_BIT_FORMATS  # (no other kernels: the override is not asked)
+    if not (ov.verify_rows or four_bit) or name not in ("float16", "bfloat16") or not aligned:
         return None
     if head_dim not in ROWS_HEAD_DIMS or traits.compute_capability < TENSOR_CORES_FROM:
         return None
-    if fp8 == Q4_FORMAT:
-        if features & F_HND:  # (a q4 cache is a KVCache's: token-major)
+    if fp8 in FOUR_BIT_FORMATS:
+        if features & F_HND:  # (a 4-bit cache is a KVCache's: token-major)
+            return None
+        if fp8 == NVFP4_FORMAT and traits.compute_capability < FP8_FROM:  # (e4m3 scales)
             return None
     elif fp8 and (fp8 not in FP8_FORMATS or traits.compute_capability < FP8_FROM):
         return None

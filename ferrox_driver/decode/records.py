@@ -24,7 +24,7 @@ from ..driver.launch import LaunchSequence
 from ..driver.memory import DeviceArray
 from ..driver.stream import Stream, stream_handle, stream_key
 from ..kernels.abi import FeatureArgs, Launch
-from ..kernels.spec import Q4_FORMAT
+from ..kernels.spec import FOUR_BIT_FORMATS
 from . import plan as attention
 from .checks import MAX_TOKENS
 from .launches import (
@@ -330,18 +330,18 @@ def launches_for(
     kernels read instead of ``seq_len``, which then bounds the tokens a launch may see.
     ``n_q`` > 1: a verify of n_q queries (`launches.verify_launches`; ``mask``/``mask_mode``
     its tree mask), planned for n_q x n_heads rows over ``plan_seq`` - n_q tokens. ``fp8``
-    "q4" (a q4 cache, ``q4_scales`` its scales, K rotated where ``rotate``): the rows
-    kernel, whatever n_q.
+    "q4" or "nvfp4" (a 4-bit cache, ``q4_scales`` its block scales, an nvfp4 cache's per
+    head ``kv_scales``, K rotated where ``rotate``): the rows kernel, whatever n_q.
 
     Raises:
-        ValueError: a q4 decode the rows kernel does not take (a head_dim other than 64,
-            128 or 256, fp32 q, a head-major cache).
+        ValueError: a 4-bit decode the rows kernel does not take (a head_dim other than
+            64, 128 or 256, fp32 q, a head-major cache).
     """
     dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
-    q4 = fp8 == Q4_FORMAT
-    if n_q > 1 or q4:
+    four_bit = fp8 in FOUR_BIT_FORMATS
+    if n_q > 1 or four_bit:
         if algorithm == "parity":
-            what = "a q4 cache" if q4 else "a decode of several queries"
+            what = "a 4-bit cache" if four_bit else "a decode of several queries"
             raise ValueError(f"algorithm: {what} needs the split kernels")
         qdt = q.dtype if dtype is None else dtype
         values = features or FeatureArgs(scale=head_dim**-0.5)
@@ -349,11 +349,11 @@ def launches_for(
             q.device, qdt, n_q, n_heads, n_kv_heads, head_dim, max(1, plan_seq), aligned,
             bits, fp8, rotate,
         )  # fmt: skip
-        if rows is None and q4:
+        if rows is None and four_bit:
             raise ValueError(
-                f"dtype: a q4 cache is read by the rows kernel alone, which takes fp16/bf16 "
-                f"q, head_dim 64, 128 or 256 and token-major rows (got q {np.dtype(qdt)}, "
-                f"head_dim {head_dim})"
+                f"dtype: a 4-bit cache is read by the rows kernel alone, which takes "
+                f"fp16/bf16 q, head_dim 64, 128 or 256 and token-major rows (nvfp4: compute "
+                f"capability 8.9 and up; got q {np.dtype(qdt)}, head_dim {head_dim})"
             )
         if rows is not None:
             made = workspace(rows.workspace_floats(n_q * n_heads, head_dim)) if callable(

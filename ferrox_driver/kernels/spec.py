@@ -38,6 +38,8 @@ __all__ = [
     "KernelSpec",
     "MMA_HEAD_DIMS",
     "PARITY_FILE",
+    "FOUR_BIT_FORMATS",
+    "NVFP4_FORMAT",
     "Q4_FORMAT",
     "ROWS_HEAD_DIMS",
     "ROWS_MAX_WARPS",
@@ -56,7 +58,9 @@ KERNEL_DTYPE_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 ENTRY_TYPES = {"f32": "float", "f16": "fx_half", "bf16": "fx_bf16"}
 # fp8 caches (KVCache dtype float8_e4m3fn / float8_e5m2): the kernels' Q8 (FX_E4M3, FX_E5M2)
 FP8_FORMATS = {"e4m3": 1, "e5m2": 2}
-Q4_FORMAT = "q4"  # a 4-bit cache (decode/kv4.py), read by the rows kernels (FX_Q4)
+Q4_FORMAT = "q4"  # 4-bit caches (decode/kv4.py), read by the rows kernels (FX_Q4, FX_NVFP4)
+NVFP4_FORMAT = "nvfp4"
+FOUR_BIT_FORMATS = (Q4_FORMAT, NVFP4_FORMAT)
 MMA_HEAD_DIMS = (64, 128, 256)  # the fp16/bf16 tensor-core kernels' own head_dims
 TC32_HEAD_DIMS = (64, 128, 256)  # the fp32 tensor-core (split TF32) kernels'
 WIDE_HEAD_DIM = 128  # the wide cluster kernels'
@@ -102,8 +106,8 @@ class KernelSpec:
         fp8: mma: an fp8 cache's format (FP8_FORMATS), or "" for a cache of q's dtype.
         features: the F_* bits compiled in (kernels.traits).
         row_warps: vrows: warps per block, 16 rows each.
-        rotate: vrows of a q4 cache (fp8 "q4"): K was rotated on append, q is rotated
-            by the kernel.
+        rotate: vrows of a 4-bit cache (fp8 "q4" or "nvfp4"): K was rotated on append,
+            q is rotated by the kernel.
         cluster: the twin whose blocks merge a KV head's chunks on chip.
 
     Raises:
@@ -154,12 +158,12 @@ class KernelSpec:
                 return "a verify's rows kernels take dtype, head_dim, fp8 (the rows') and features"
             if self.dtype == "f32":
                 return "fp16/bf16"
-            if self.fp8 not in ("", *FP8_FORMATS, Q4_FORMAT):
-                return f"fp8 not one of {(*FP8_FORMATS, Q4_FORMAT)}"
-            if self.rotate and self.fp8 != Q4_FORMAT:
-                return "rotate is a q4 cache's"
-            if self.fp8 == Q4_FORMAT and self.features & F_HND:
-                return "a q4 cache is token-major"
+            if self.fp8 not in ("", *FP8_FORMATS, *FOUR_BIT_FORMATS):
+                return f"fp8 not one of {(*FP8_FORMATS, *FOUR_BIT_FORMATS)}"
+            if self.rotate and self.fp8 not in FOUR_BIT_FORMATS:
+                return "rotate is a 4-bit cache's"
+            if self.fp8 in FOUR_BIT_FORMATS and self.features & F_HND:
+                return "a 4-bit cache is token-major"
             if rows and (self.head_dim not in ROWS_HEAD_DIMS or self.row_warps > ROWS_MAX_WARPS):
                 return f"head_dim one of {ROWS_HEAD_DIMS}, 1 to {ROWS_MAX_WARPS} row warps"
             if rows and self.features & (F_SINKS | F_LSE):
@@ -303,9 +307,11 @@ class KernelSpec:
             return f"FX_VERIFY_TAIL_ENTRY({name}, {t}, {kt}, {q8}, {f})"
         if family == "vcombine":
             return f"FX_VERIFY_COMBINE_ENTRY({name}, {t}, {f})"
-        if family == "vrows" and self.fp8 == Q4_FORMAT:
-            r = int(self.rotate)
-            return f"FX_VERIFY_ROWS4_ENTRY({name}, {t}, {d}, {self.row_warps}, {f}, {r})"
+        if family == "vrows" and self.fp8 in FOUR_BIT_FORMATS:
+            macro = (
+                "FX_VERIFY_ROWS4_ENTRY" if self.fp8 == Q4_FORMAT else "FX_VERIFY_ROWS_NVFP4_ENTRY"
+            )
+            return f"{macro}({name}, {t}, {d}, {self.row_warps}, {f}, {int(self.rotate)})"
         if family == "vrows" and self.fp8:
             q8 = FP8_FORMATS[self.fp8]
             return f"FX_VERIFY_ROWS8_ENTRY({name}, {t}, {q8}, {d}, {self.row_warps}, {f})"

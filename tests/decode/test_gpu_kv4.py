@@ -1,8 +1,8 @@
-"""4-bit (q4) caches on the device (issue 49, groundwork): rows quantized by the device bit
-for bit as `kv4.quantize_q4` (of `kv4.hadamard(rows)` for a rotated K) does on the host, and
-a decode of the q4 buffers by the rows kernels against the float64 reference on the
-dequantized cache (K rotated back: the scores are unchanged), one query token and several,
-with features, fresh random inputs, outputs poisoned."""
+"""4-bit caches on the device (issue 49, groundwork): rows quantized by the device bit for
+bit as `kv4.quantize_q4` / `kv4.quantize_nvfp4` (of `kv4.hadamard(rows)` for a rotated K) do
+on the host, and a decode of the 4-bit buffers by the rows kernels against the float64
+reference on the dequantized cache (K rotated back: the scores are unchanged), one query
+token and several, with features, fresh random inputs, outputs poisoned."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 import ferrox_driver as fd
 from ferrox_driver.decode import kv4
-from ferrox_driver.decode.kv4_device import quantize_q4_async
+from ferrox_driver.decode.kv4_device import quantize_4bit_async
 from ferrox_driver.decode.records import launches_for
 from ferrox_driver.kernels.abi import FeatureArgs, feature_bits
 
@@ -20,19 +20,32 @@ from ..helpers.gpu_helpers import DTYPES, poisoned, rel_err
 pytestmark = pytest.mark.gpu
 
 
-def _q4_cache(rng, n, n_kv, d, rows_dtype, rotate_k, stream):
-    """Rows quantized on the device: (rows, device buffers) of a q4 cache of ``n`` tokens."""
+E4M3 = np.dtype("float8_e4m3fn")
+
+
+def _q4_cache(rng, n, n_kv, d, rows_dtype, rotate_k, stream, fmt="q4"):
+    """Rows quantized on the device: (rows, device buffers) of a 4-bit cache of ``n``
+    tokens (nvfp4: its scales per KV head in ``"globals"``, host and device)."""
     dt = DTYPES[rows_dtype]
     k = (rng.standard_normal((n, n_kv, d)) * rng.uniform(0.1, 4)).astype(dt)
     v = rng.standard_normal((n, n_kv, d)).astype(dt)
     k[:, :, rng.choice(d, 3, replace=False)] *= 20  # outlier channels
-    vals, scales = (n, n_kv, d // 2), (n, n_kv, d // 32)
+    nv = fmt == "nvfp4"
+    vals, scales = (n, n_kv, d // 2), (n, n_kv, d // (16 if nv else 32))
+    sdt = np.uint8 if nv else np.float16
     bufs = {
         "k_vals": fd.zeros(vals, np.uint8), "v_vals": fd.zeros(vals, np.uint8),
-        "k_scales": fd.zeros(scales, np.float16), "v_scales": fd.zeros(scales, np.float16),
+        "k_scales": fd.zeros(scales, sdt), "v_scales": fd.zeros(scales, sdt),
     }  # fmt: skip
-    quantize_q4_async(fd.to_device(k), fd.to_device(v), **bufs, first=0, stream=stream,
-                      rotate_k=rotate_k)  # fmt: skip
+    kw = {}
+    if nv:  # the scales a cache would fix from its first rows: amax / (6 * 448) per head
+        kf = kv4.hadamard(k.astype(np.float32)) if rotate_k else k.astype(np.float32)
+        g = [np.abs(a).max(axis=(0, 2)) / np.float32(6 * 448) for a in (kf, v.astype(np.float32))]
+        bufs["globals"] = np.concatenate(g).astype(np.float32)
+        kw["globals_"] = fd.to_device(bufs["globals"])
+    quantize_4bit_async(fd.to_device(k), fd.to_device(v), *(bufs[n_] for n_ in
+                        ("k_vals", "v_vals", "k_scales", "v_scales")), first=0, stream=stream,
+                        rotate_k=rotate_k, **kw)  # fmt: skip
     stream.synchronize()
     return k, v, bufs
 
@@ -55,7 +68,8 @@ def test_rows_are_quantized_as_the_host_helpers_do_bit_for_bit(rng, rows_dtype, 
                                   v_scales.view(np.uint16))  # fmt: skip
 
 
-def _decode(q_d, bufs, n_q, n_heads, n_kv, d, seq, rotate, stream, **feats):
+def _decode(q_d, bufs, n_q, n_heads, n_kv, d, seq, rotate, stream, fmt="q4", kv_scales=None,
+            **feats):  # fmt: skip
     out = poisoned(q_d.shape, q_d.dtype)
     lse = fd.empty((n_q * n_heads,), np.float32)
     window = feats.get("sliding_window")
@@ -63,8 +77,9 @@ def _decode(q_d, bufs, n_q, n_heads, n_kv, d, seq, rotate, stream, **feats):
     values = FeatureArgs(scale=d**-0.5, window=window or 0, lse=lse)
     launches, _ = launches_for(
         q_d, bufs["k_vals"], bufs["v_vals"], out, n_heads=n_heads, n_kv_heads=n_kv,
-        head_dim=d, seq_len=seq, plan_seq=seq, aligned=True, bits=bits, fp8="q4",
+        head_dim=d, seq_len=seq, plan_seq=seq, aligned=True, bits=bits, fp8=fmt,
         features=values, n_q=n_q, q4_scales=(bufs["k_scales"], bufs["v_scales"]),
+        kv_scales=kv_scales,
         rotate=rotate, workspace=lambda floats: fd.empty((floats,), np.float32),
     )  # fmt: skip
     for launch in launches:
@@ -103,3 +118,40 @@ def test_an_unrotated_q4_cache_decodes_too(rng):
         q = rng.standard_normal((3, 8, d)).astype(DTYPES["bf16"])
         got, _ = _decode(fd.to_device(q), bufs, 3, 8, n_kv, d, seq, False, s)
     assert rel_err(got, fd.reference_gqa_decode(q, kd, vd)) < 2e-2
+
+
+@pytest.mark.parametrize("rows_dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("rotate_k", [False, True])
+def test_nvfp4_rows_are_quantized_as_the_host_helper_does(rng, rows_dtype, head_dim, rotate_k):
+    n_kv = 3
+    with fd.Stream() as s:
+        k, v, bufs = _q4_cache(rng, 37, n_kv, head_dim, rows_dtype, rotate_k, s, "nvfp4")
+    kf = k.astype(np.float32)
+    g = bufs["globals"]
+    k_vals, k_bs, _ = kv4.quantize_nvfp4(kv4.hadamard(kf) if rotate_k else kf, g[:n_kv])
+    v_vals, v_bs, _ = kv4.quantize_nvfp4(v, g[n_kv:])
+    np.testing.assert_array_equal(bufs["k_vals"].to_host(), k_vals)
+    np.testing.assert_array_equal(bufs["v_vals"].to_host(), v_vals)
+    np.testing.assert_array_equal(bufs["k_scales"].to_host(), k_bs.view(np.uint8))
+    np.testing.assert_array_equal(bufs["v_scales"].to_host(), v_bs.view(np.uint8))
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_an_nvfp4_cache_decodes_as_the_reference_on_its_dequantized_rows(rng, rotate):
+    n_kv, d, seq = 2, 128, 900
+    with fd.Stream() as s:
+        _, _, bufs = _q4_cache(rng, seq, n_kv, d, "bf16", rotate, s, "nvfp4")
+        g = bufs["globals"]
+        kd = kv4.dequantize_nvfp4(bufs["k_vals"].to_host(),
+                                  bufs["k_scales"].to_host().view(E4M3), g[:n_kv])  # fmt: skip
+        kd = kv4.hadamard(kd) if rotate else kd
+        vd = kv4.dequantize_nvfp4(bufs["v_vals"].to_host(),
+                                  bufs["v_scales"].to_host().view(E4M3), g[n_kv:])  # fmt: skip
+        for n_q in (1, 6):
+            q = rng.standard_normal((n_q, 8, d)).astype(DTYPES["bf16"])
+            got, lse = _decode(fd.to_device(q), bufs, n_q, 8, n_kv, d, seq, rotate, s,
+                               fmt="nvfp4", kv_scales=fd.to_device(g))  # fmt: skip
+            ref, ref_lse = fd.reference_gqa_decode(q, kd, vd, return_lse=True)
+            assert rel_err(got, ref) < 2e-2, n_q
+            np.testing.assert_allclose(lse, ref_lse, rtol=3e-2, atol=3e-2)

@@ -23,6 +23,8 @@ def test_the_quantizing_kernels_compile_without_spills():
         for d in (64, 128, 256):
             name = f"kv_quantize_q4_{rows}_d{d}_g32_rk"
             names.append((name, f"FX_QUANTIZE_Q4_ENTRY({name}, {c_type}, {d}, 32, true)"))
+            name = f"kv_quantize_nvfp4_{rows}_d{d}_rk"
+            names.append((name, f"FX_QUANTIZE_NVFP4_ENTRY({name}, {c_type}, {d}, true)"))
     source = "#define FX_SELECTED 1\n" + kernel_source("kv_quantize4.cu") + "\n"
     program = compile_source(source + "\n".join(e for _, e in names) + "\n", arch="sm_90")
     for name, _ in names:
@@ -30,9 +32,9 @@ def test_the_quantizing_kernels_compile_without_spills():
 
 
 def test_the_q4_rows_kernels_compile_without_spills():
-    specs = [KernelSpec("vrows", "bf16", head_dim=d, row_warps=w, fp8="q4", rotate=True,
+    specs = [KernelSpec("vrows", "bf16", head_dim=d, row_warps=w, fp8=fmt, rotate=True,
                         features=f) for d in (64, 128) for w in (1, 8)
-             for f in (0, F_WINDOW | 2 | 4 | 32)]  # fmt: skip
+             for f in (0, F_WINDOW | 2 | 4 | 32) for fmt in ("q4", "nvfp4")]  # fmt: skip
     program = split_program(specs, "sm_90")
     for spec in specs:
         assert program.resources[spec.name].spill_stores == 0, spec.name
@@ -54,6 +56,11 @@ def test_a_q4_decode_takes_the_rows_kernel_whatever_the_override_says():
     assert rows(rotate=False).spec.name == "gqa_verify_rows_bf16_q4_d128_w1_x0"
     for refused in ({"dtype": np.dtype(np.float32)}, {"head_dim": 80}, {"features": F_HND}):
         assert rows(**refused) is None, refused
+    nv = attention.rows_plan(_traits(), bf16, 1, 32, 8, 128, 32768, True, 0, "nvfp4", off)
+    assert nv is not None and nv.spec.name == "gqa_verify_rows_bf16_nvfp4_d128_w1_x0"
+    assert nv.shared_bytes(2) == one.shared_bytes(2)  # (a scale byte per 16: q4's 2 per 32)
+    assert attention.rows_plan(_traits((8, 0)), bf16, 1, 32, 8, 128, 32768, True, 0, "nvfp4",
+                               off) is None  # e4m3 scales: compute capability 8.9  # fmt: skip
 
 
 MMA = {"family": "mma", "row_warps": 0, "head_dim": 128}
