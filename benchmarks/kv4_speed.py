@@ -1,13 +1,14 @@
-"""A q4 cache's decode (the rows kernels over raw q4 buffers: nibbles and float16 scales per
-32, K rotated) against our fp8 and bf16 decodes of the same shape and length, in one
-process, graph-replayed over sets rotated past L2: what issue 49's speed targets ask of it
-(1.7x fp8 and 3.2x bf16 at 32/8/128 from 32768 tokens) before the cache holds it.
+"""The 4-bit caches' decodes (the rows kernels over raw buffers: q4, nibbles and float16
+scales per 32, K rotated; nvfp4, e2m1 nibbles and e4m3 scales per 16) against our fp8 and
+bf16 decodes of the same shape and length, in one process, graph-replayed over sets
+rotated past L2: what issue 49's speed targets ask of them (1.7x fp8 and 3.2x bf16 at
+32/8/128 from 32768 tokens) before the cache holds them.
 
     PYTHONPATH=. python benchmarks/kv4_speed.py [--shapes 32/8/128 28/4/128 8/1/256]
         [--seqs 4096 32768 131072] [--n-q 1]
 
-Prints us per decode, the q4 cache's TB/s (values and scales) and its speed-up over fp8 and
-bf16.
+Prints us per decode, each 4-bit cache's TB/s (values and scales) and its speed-up over
+fp8 and bf16.
 """
 
 from __future__ import annotations
@@ -32,16 +33,22 @@ from ferrox_driver.driver.memory import DeviceArray, empty, zeros
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def q4_us(shape: tuple[int, int, int], seq: int, n_q: int, iters: int = 20) -> tuple[float, int]:
-    """Graph-replayed us of a q4 decode and the bytes it reads."""
+def four_bit_us(
+    shape: tuple[int, int, int], seq: int, n_q: int, fmt: str, iters: int = 20
+) -> tuple[float, int]:
+    """Graph-replayed us of a 4-bit (``fmt``: q4, nvfp4) decode and the bytes it reads."""
     n_heads, n_kv, d = shape
     dev = default_device()
     stream = bench_stream(dev)
     q = empty((n_q, n_heads, d), BF16, device=dev)
     out = empty((n_q, n_heads, d), BF16, device=dev)
     fill_uniform(q, 7, stream)
-    vals, scales = (seq, n_kv, d // 2), (seq, n_kv, d // 32)
-    one = seq * n_kv * (d // 2 + 2 * (d // 32))  # bytes of K (or V): values and scales
+    nv = fmt == "nvfp4"
+    sdt = np.uint8 if nv else np.float16
+    vals, scales = (seq, n_kv, d // 2), (seq, n_kv, d // (16 if nv else 32))
+    one = seq * n_kv * (d // 2 + d // 16)  # bytes of K (or V): values and scales
+    globals_ = zeros((2 * n_kv,), np.float32, device=dev)
+    globals_.copy_from_host(np.ones(2 * n_kv, np.float32), stream)
     n_sets, chain = rotation(2 * one)
     pool = empty((2 * n_sets * one,), np.uint8, device=dev)
     sets = []
@@ -49,7 +56,7 @@ def q4_us(shape: tuple[int, int, int], seq: int, n_q: int, iters: int = 20) -> t
         at = 2 * i * one
         parts = []
         for j, (shape_j, dt) in enumerate(
-            ((vals, np.uint8), (vals, np.uint8), (scales, np.float16), (scales, np.float16))
+            ((vals, np.uint8), (vals, np.uint8), (scales, sdt), (scales, sdt))
         ):
             size = int(np.prod(shape_j)) * np.dtype(dt).itemsize
             parts.append(pool.view(shape_j, dt, offset=at))
@@ -67,8 +74,8 @@ def q4_us(shape: tuple[int, int, int], seq: int, n_q: int, iters: int = 20) -> t
         kv_, vv, ks, vs = sets[i % len(sets)]
         launches = launches_for(
             q, kv_, vv, out, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, seq_len=seq,
-            plan_seq=seq, aligned=True, dtype=BF16, fp8="q4", q4_scales=(ks, vs), rotate=True,
-            workspace=workspace, n_q=n_q,
+            plan_seq=seq, aligned=True, dtype=BF16, fp8=fmt, q4_scales=(ks, vs), rotate=not nv,
+            kv_scales=globals_, workspace=workspace, n_q=n_q,
         )[0]  # fmt: skip
         for launch in launches:
             launch.run(stream, dev)
@@ -77,7 +84,7 @@ def q4_us(shape: tuple[int, int, int], seq: int, n_q: int, iters: int = 20) -> t
     rotated.sets.extend((s[0], s[1]) for s in sets)  # (the harness counts the sets)
     us = rotated_graph_us(eager, rotated, stream, iters)
     rotated.close()
-    for arr in (q, out, *held):
+    for arr in (q, out, globals_, *held):
         arr.close()
     return us, 2 * one
 
@@ -89,19 +96,20 @@ def main() -> None:
     parser.add_argument("--n-q", type=int, default=1)
     args = parser.parse_args()
     dev = default_device()
-    print(f"{'shape':>9} {'seq':>7} {'bf16 us':>8} {'fp8 us':>8} {'q4 us':>8} {'q4 TB/s':>8} "
-          f"{'vs fp8':>7} {'vs bf16':>8}")  # fmt: skip
+    print(f"{'shape':>9} {'seq':>7} {'bf16 us':>8} {'fp8 us':>8} {'format':>6} {'us':>8} "
+          f"{'TB/s':>6} {'vs fp8':>7} {'vs bf16':>8}")  # fmt: skip
     for shape_s in args.shapes:
         shape = tuple(int(x) for x in shape_s.split("/"))
         for seq in args.seqs:
             bf16 = measure_verify_point(shape, seq, args.n_q, "bf16", 20, dev)  # type: ignore[arg-type]
             fp8 = measure_verify_point(shape, seq, args.n_q, "fp8", 20, dev)  # type: ignore[arg-type]
-            q4, nbytes = q4_us(shape, seq, args.n_q)  # type: ignore[arg-type]
-            print(
-                f"{shape_s:>9} {seq:>7} {bf16:8.1f} {fp8:8.1f} {q4:8.1f} "
-                f"{nbytes / q4 / 1e6:8.2f} {fp8 / q4:6.2f}x {bf16 / q4:7.2f}x",
-                flush=True,
-            )
+            for fmt in ("q4", "nvfp4"):
+                us, nbytes = four_bit_us(shape, seq, args.n_q, fmt)  # type: ignore[arg-type]
+                print(
+                    f"{shape_s:>9} {seq:>7} {bf16:8.1f} {fp8:8.1f} {fmt:>6} {us:8.1f} "
+                    f"{nbytes / us / 1e6:6.2f} {fp8 / us:6.2f}x {bf16 / us:7.2f}x",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
