@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU suite (`pytest -m gpu`) in PARTS processes at once on one GPU, for a device lease
+# of minutes: the test files that hold GPU tests dealt out by size, each part's log in
+# $LOGS (default ${OUT:-/tmp}/gpu_suite), then each part's summary line and the exit status
+# of the worst. Run from the checkout:
+#
+#     PARTS=6 bash benchmarks/gpu_suite.sh [pytest args, e.g. -k verify]
+#
+# (FERROX_REQUIRE_GPU=1 is set: a GPU test that would skip fails.)
+set -u
+cd "$(dirname "$0")/.."
+PARTS=${PARTS:-6}
+LOGS=${LOGS:-${OUT:-/tmp}/gpu_suite}
+mkdir -p "$LOGS"
+mapfile -t files < <(grep -rl "mark.gpu" tests --include='test_*.py' | xargs ls -S)
+pids=()
+for ((p = 0; p < PARTS; p++)); do
+  part=()
+  for ((i = p; i < ${#files[@]}; i += PARTS)); do part+=("${files[i]}"); done
+  [ ${#part[@]} -gt 0 ] || continue
+  PYTHONPATH=. FERROX_REQUIRE_GPU=1 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    "${part[@]}" "$@" >"$LOGS/part$p.log" 2>&1 &
+  pids+=("$!")
+done
+worst=0
+for pid in "${pids[@]}"; do
+  wait "$pid"
+  rc=$?
+  [ "$rc" -gt "$worst" ] && worst=$rc
+done
+for log in "$LOGS"/part*.log; do
+  echo "$(basename "$log"): $(tail -n 1 "$log")"
+done
+grep -h "^FAILED\|^ERROR" "$LOGS"/part*.log | head -50
+exit "$worst"
