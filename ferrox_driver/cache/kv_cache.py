@@ -37,6 +37,8 @@ from .staging import STAGING_SLOTS, StagingRing
 
 __all__ = ["KVCache", "append_kernel", "check_cache", "check_kv_shape", "truncate_kernel"]
 
+FOUR_BIT_NAMES = ("int4", "nvfp4", "q4")  # DESIGN.md's 4-bit cache dtypes (decode/kv4.py)
+
 
 def check_kv_shape(n_kv_heads: Any, head_dim: Any) -> tuple[int, int]:
     """Validate the per-token KV shape."""
@@ -63,6 +65,11 @@ class KVCache(Appends, Decodes):
         device: the device: a Device, an int, a ``torch.device`` or ``"cuda:N"``
             (default: device 0).
         stream: the stream appends and decodes run on (default: a stream of its own).
+        v_dtype: V's format where it is not K's (None: as K's). Only None, or K's dtype,
+            until the 4-bit caches come (``dtype="int4"`` or ``"nvfp4"``, refused today
+            with a sentence).
+        rotate: a 4-bit cache's Hadamard rotation of K; None or False for every cache
+            today.
 
     Appends stage each row in page-locked memory and queue one ``cuMemcpyHtoDAsync`` per
     row (K and V): the host never waits, except when all staging slots are still in flight.
@@ -89,9 +96,24 @@ class KVCache(Appends, Decodes):
         device: DeviceLike = None,
         stream: Stream | None = None,
         staging_slots: int = STAGING_SLOTS,
+        v_dtype: DTypeLike = None,
+        rotate: bool | None = None,
     ) -> None:
         self.n_kv_heads, self.head_dim = check_kv_shape(n_kv_heads, head_dim)
         self.capacity = check_int(capacity, "capacity", 1, MAX_TOKENS)
+        if isinstance(dtype, str) and dtype in FOUR_BIT_NAMES:
+            raise ValueError(
+                f"dtype: {dtype!r} is a 4-bit cache, which KVCache does not hold yet (its "
+                f"kernels are built, the cache is not); the smallest cache today is "
+                f"ml_dtypes.float8_e4m3fn"
+            )
+        if v_dtype is not None and as_dtype(v_dtype, "v_dtype") != as_dtype(dtype, "dtype"):
+            raise ValueError(
+                "v_dtype: K and V in formats of their own come with the 4-bit caches; pass "
+                "None (V as K)"
+            )
+        if rotate:
+            raise ValueError("rotate: only the 4-bit caches rotate K; pass None or False")
         dt = as_dtype(dtype, "dtype")
         self.fp8 = FP8_DTYPES.get(dt, "")  # "e4m3", "e5m2" or "" (attention.FP8_FORMATS)
         self.dtype = dt if self.fp8 else check_dtype(dt, "dtype")

@@ -19,6 +19,10 @@ import ferrox_driver as fd
         ((8, 128, 16), {"dtype": np.float64}, TypeError, "dtype"),
         ((8, 128, 16), {"dtype": np.int8}, TypeError, "dtype"),
         ((8, 128, 16), {"stream": 5}, TypeError, "stream"),
+        ((8, 128, 16), {"dtype": "int4"}, ValueError, "dtype: 'int4' is a 4-bit cache"),
+        ((8, 128, 16), {"dtype": "nvfp4"}, ValueError, "dtype: 'nvfp4' is a 4-bit cache"),
+        ((8, 128, 16), {"dtype": np.float16, "v_dtype": np.float32}, ValueError, "v_dtype"),
+        ((8, 128, 16), {"rotate": True}, ValueError, "rotate: only the 4-bit caches"),
     ],
 )
 def test_kv_cache_bad_construction_names_the_argument(args, kwargs, exc, pattern):
