@@ -23,17 +23,14 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
 // score scale and applied to the output once.
 #define FX_E4M3 1  // Q8: float8_e4m3fn
 #define FX_E5M2 2  // Q8: float8_e5m2
+// (any quantized format, fp8 or 4-bit, is stored as bytes)
 template <class T, int Q8>
 struct FxStore {
+    using type = unsigned char;
+};
+template <class T>
+struct FxStore<T, 0> {
     using type = T;
-};
-template <class T>
-struct FxStore<T, FX_E4M3> {
-    using type = unsigned char;
-};
-template <class T>
-struct FxStore<T, FX_E5M2> {
-    using type = unsigned char;
 };
 // Eight elements of a ring row from offset `off`: 16 bytes as they are, or (Q8) eight fp8
 // values, 8 bytes, as eight fp16 ones (exact).

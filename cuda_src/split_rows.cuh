@@ -62,14 +62,6 @@ struct FxRowsStages {
 #define FX_Q4 3  // a q4 cache: nibbles and a float16 scale per FX_Q4_GROUP elements
 #define FX_Q4_GROUP 32
 #define FX_NVFP4 4  // an nvfp4 cache: e2m1 nibbles, an e4m3 scale per 16, a float32 per head
-template <class T>
-struct FxStore<T, FX_Q4> {
-    using type = unsigned char;
-};
-template <class T>
-struct FxStore<T, FX_NVFP4> {
-    using type = unsigned char;
-};
 // 16-byte chunk c (elements 8c .. 8c + 7) of a q4 row (`nib`: its D / 2 bytes; `sc`: its
 // D / FX_Q4_GROUP float16 scales, as bytes) as fp16: (nibble - 8) exactly (0x6400 | n is
 // 1024 + n), times the group's scale (rounded once, to fp16).
