@@ -15,6 +15,13 @@ from .cache.layers import LayerKVCache
 from .cache.resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
 from .decode.eager import gqa_decode
 from .decode.fp8 import quantize_fp8
+from .decode.kv4 import (
+    dequantize_int4,
+    dequantize_nvfp4,
+    hadamard,
+    quantize_int4,
+    quantize_nvfp4,
+)
 from .decode.merge import merge_states
 from .decode.reference import reference_gqa_decode
 from .driver.compiler import KernelResources, Program, compile_source
@@ -64,17 +71,22 @@ __all__ = [
     "compile_source",
     "cuda_available",
     "device_count",
+    "dequantize_int4",
+    "dequantize_nvfp4",
     "empty",
     "ensure_layer_kv",
     "ensure_module_loaded",
     "from_dlpack",
     "gqa_decode",
+    "hadamard",
     "gqa_decode_async",
     "gqa_decode_resident",
     "kv_append_async",
     "kv_truncate_async",
     "merge_states",
     "quantize_fp8",
+    "quantize_int4",
+    "quantize_nvfp4",
     "pinned_empty",
     "reference_gqa_decode",
     "to_device",

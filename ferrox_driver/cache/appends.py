@@ -163,6 +163,8 @@ class Appends(CacheState):
             ClosedError: the cache or its stream was closed.
         """
         if self.fp8:
+            if self.four_bit is not None:
+                return self._append_4bit(k_tok, v_tok, stream)
             return self._append_fp8(k_tok, v_tok, stream)
         shapes = self._row_shapes
         if not (
@@ -260,6 +262,54 @@ class Appends(CacheState):
                 self._device_seq_current = False
             self._done_slot(slot)
 
+    def _append_4bit(self, k_tok: Any, v_tok: Any, stream: Any) -> None:
+        """``append`` into a 4-bit cache: the rows (in their dtype; float32 when K's and
+        V's differ) staged, copied to the device in one copy, then quantized into the cache
+        by one launch."""
+        four = self.four_bit
+        assert four is not None
+        shapes = self._row_shapes
+        if not (
+            type(k_tok) is np.ndarray
+            and type(v_tok) is np.ndarray
+            and k_tok.dtype in four.appends  # (keyed by ROW_DTYPES: a dict lookup)
+            and v_tok.dtype in four.appends
+            and k_tok.shape in shapes
+            and v_tok.shape in shapes
+        ):  # fmt: skip  (the full checks only where the quick one fails, as in append)
+            if not (isinstance(k_tok, np.ndarray) and isinstance(v_tok, np.ndarray)):
+                return self._extend_device(k_tok, v_tok, ("k_tok", "v_tok"), True, stream)
+            self._check_rows(k_tok, "k_tok", one=True)
+            self._check_rows(v_tok, "v_tok", one=True)
+        check_host_extent(k_tok, "k_tok")
+        check_host_extent(v_tok, "v_tok")
+        with self.lock:
+            if self._closed or self.stream._closed:
+                self.check_open()
+            seq = self._seq_len if self._host_seq_valid else self.seq_len
+            if seq >= self.capacity:
+                raise KVCapacityError(seq, self.capacity)
+            self.device.activate()
+            dt = k_tok.dtype if k_tok.dtype == v_tok.dtype else ROW_DTYPES[0]
+            slot = self._take_slot()
+            ring, launch = four.appends[dt]
+            stage = ring[slot]
+            stage[0] = k_tok.reshape(-1)
+            stage[1] = v_tok.reshape(-1)
+            n, h = 2 * self.row_elems * dt.itemsize, self._h
+            at = slot * four.slot_bytes
+            src = four.dev_stage.ptr + at
+            check(_memcpy_htod(src, self._stage_kv_addr + at, n, h), "cuMemcpyHtoDAsync")
+            launch.slots[0], launch.slots[1], launch.slots[8] = src, src + n // 2, seq
+            launch()
+            self._seq_len = seq + 1
+            if self._eager_seq:
+                self._stage_seq[slot] = seq + 1
+                drv("cuMemcpyHtoDAsync", self.state.ptr, self._stage_seq_addr + 4 * slot, 4, h)
+            else:
+                self._device_seq_current = False
+            self._done_slot(slot)
+
     def _extend_fp8(self, seq: int, k_rows: np.ndarray, v_rows: np.ndarray, n: int) -> None:
         """``extend``'s copies for an fp8 cache: the rows in their dtype (float32 when K's
         and V's differ) to the device, quantized there into tokens seq .. seq + n (waits
@@ -275,7 +325,10 @@ class Appends(CacheState):
 
     def _quantize_rows(self, k_dev: DeviceArray, v_dev: DeviceArray, n: int, seq: int) -> None:
         """Quantize ``n`` device rows of K and V (float32, float16 or bfloat16) into tokens
-        seq .. seq + n of an fp8 cache, on the cache's stream."""
+        seq .. seq + n of an fp8 or 4-bit cache, on the cache's stream."""
+        if self.four_bit is not None:
+            self.four_bit.quantize(self, k_dev, v_dev, n, seq)
+            return
         blocks = min(1024, -(-n * self.row_elems // 256))
         quantize_kernel(self.fp8, self.device, dtype_name(k_dev.dtype)).launch(
             blocks, 256,
@@ -408,23 +461,56 @@ class Appends(CacheState):
 
     def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
         """K and V as float32, as the kernels read them: an fp8 cache's values times each
-        KV head's scale (a float32 product); the values themselves for other dtypes."""
+        KV head's scale (a float32 product); a 4-bit cache's decoded (`dequantize_int4`,
+        `dequantize_nvfp4`) with K's rotation undone; the values themselves for other
+        dtypes."""
         k, v = self.to_host()
+        if self.four_bit is not None:
+            with self.lock:
+                return self.four_bit.dequantized(self, k, v, self._scales)
         if not self.fp8:
             return k.astype(np.float32), v.astype(np.float32)
         n = self.n_kv_heads
         ks, vs = self._scales[:n, None], self._scales[n:, None]
         return k.astype(np.float32) * ks, v.astype(np.float32) * vs
 
+    def block_scales(self) -> tuple[np.ndarray, np.ndarray]:
+        """A 4-bit cache's block scales of its ``seq_len`` tokens, K's and V's: float16
+        ``(seq_len, n_kv_heads, head_dim // 32)`` (int4) or ``ml_dtypes.float8_e4m3fn``
+        ``(seq_len, n_kv_heads, head_dim // 16)`` (nvfp4), as `quantize_int4` and
+        `quantize_nvfp4` return them.
+
+        Raises:
+            ValueError: not a 4-bit cache.
+        """
+        four = self.four_bit
+        if four is None:
+            raise ValueError("block_scales: only 4-bit caches (dtype 'int4', 'nvfp4') have them")
+        with self.lock:
+            seq = self.seq_len
+            shape = (seq, *four.k_scales.shape[1:])
+            if seq == 0:
+                ks = vs = np.zeros(shape, four.k_scales.dtype)
+            else:
+                ks = four.k_scales.view(shape).to_host(self.stream)
+                vs = four.v_scales.view(shape).to_host(self.stream)
+        if four.fmt != "q4":
+            import ml_dtypes
+
+            ks, vs = ks.view(ml_dtypes.float8_e4m3fn), vs.view(ml_dtypes.float8_e4m3fn)
+        return ks, vs
+
     @property
     def k_scale(self) -> np.ndarray | None:
-        """An fp8 cache's K scales (float32, one per KV head; None for other dtypes)."""
-        return self._scales[: self.n_kv_heads].copy() if self.fp8 else None
+        """An fp8 or nvfp4 cache's K scales (float32, one per KV head; None for other
+        dtypes)."""
+        return self._scales[: self.n_kv_heads].copy() if self.kv_scales is not None else None
 
     @property
     def v_scale(self) -> np.ndarray | None:
-        """An fp8 cache's V scales (float32, one per KV head; None for other dtypes)."""
-        return self._scales[self.n_kv_heads :].copy() if self.fp8 else None
+        """An fp8 or nvfp4 cache's V scales (float32, one per KV head; None for other
+        dtypes)."""
+        return self._scales[self.n_kv_heads :].copy() if self.kv_scales is not None else None
 
     def set_scales(self, k_scale: HostArrayLike = None, v_scale: HostArrayLike = None) -> None:
         """Replace an fp8 cache's K and/or V scales (None: keep), on the device in stream
@@ -434,8 +520,8 @@ class Appends(CacheState):
         Raises:
             ValueError: not an fp8 cache, or scales not positive, finite, one per KV head.
         """
-        if not self.fp8:
-            raise ValueError("k_scale: only fp8 caches take scales")
+        if self.kv_scales is None:
+            raise ValueError("k_scale: only fp8 and nvfp4 caches take scales")
         n = self.n_kv_heads
         new = self._scales.copy()
         if k_scale is not None:

@@ -276,8 +276,17 @@ class Decodes(CacheState):
                 dtype=q_dev.dtype if self.fp8 else self.dtype, bits=bits, fp8=self.fp8,
                 features=fargs, kv_scales=self.kv_scales, n_q=n_q, mask=mask, mask_mode=mask_mode,
                 workspace=lambda floats: self.split_workspace(n_q * n_heads, floats),
+                **self.four_bit_args(),
             ))  # fmt: skip
         return record
+
+    def four_bit_args(self) -> dict[str, Any]:
+        """`launches_for`'s arguments for a 4-bit cache (its block scales, its rotation);
+        none for other caches."""
+        four = self.four_bit
+        if four is None:
+            return {}
+        return {"q4_scales": (four.k_scales, four.v_scales), "rotate": four.rotate}
 
     def launch_decode(
         self,
@@ -337,7 +346,8 @@ class Decodes(CacheState):
             raise ValueError("algorithm: a decode of several queries needs the split kernels")
         with self.lock:
             self._prepare(n_heads, algorithm, bits, feats.sliding_window, qdt)
-            if n_q > 1:  # the verify's kernels and scratch: a record made, never run
+            if n_q > 1 or self.four_bit is not None:  # the rows kernels' record and scratch
+                # (made, never run; a 4-bit cache's one-query decodes are rows decodes too)
                 with empty((n_q * n_heads * self.head_dim,), qdt, device=self.device) as probe:
                     self.decode_record(
                         probe, probe, n_heads, algorithm, self.stream, length_on_device=True,
@@ -370,7 +380,9 @@ class Decodes(CacheState):
     ) -> None:  # fmt: skip
         self.check_open()
         qdt = self.dtype if q_dtype is None else q_dtype
-        if self.fp8:
+        if self.four_bit is not None:
+            pass  # (its appends' kernels were loaded with the cache)
+        elif self.fp8:
             quantize_kernel(self.fp8, self.device)  # (one module: every row dtype's kernel)
         else:
             append_kernel(self.device)
@@ -380,7 +392,7 @@ class Decodes(CacheState):
             with empty((n_heads * self.head_dim,), qdt, device=self.device) as probe:
                 self.decode_record(probe, probe, n_heads, algorithm, self.stream,
                                    length_on_device=True)  # fmt: skip
-        if algorithm != "parity":
+        if algorithm != "parity" and self.four_bit is None:  # (4-bit: the rows plan above)
             aligned = ((self._k_ptr | self._v_ptr) & 15) == 0
             plan_seq = self.capacity if window is None else min(self.capacity, window)
             plan, _ = planned(

@@ -93,6 +93,10 @@ class _Appender:
 
     def __init__(self, kv: KVCache, stream: Any, foreign: bool, rows: Any = None) -> None:
         args: tuple[Any, ...]
+        self.foreign = foreign
+        if kv.four_bit is not None:  # quantized at the device's length, which it bumps
+            self.sequence = kv.four_bit.device_append(kv, np.dtype(rows), 1, stream)
+            return
         if kv.fp8:  # quantized on the way in, at the device's length (first = -1)
             args = (None, None, kv.k_buffer, kv.v_buffer, kv.kv_scales,
                     np.int32(kv.n_kv_heads), np.int32(kv.head_dim), np.int32(1), np.int32(-1),
@@ -113,6 +117,10 @@ class _RowsAppender:
     (`pair_append`), so its launches are the pair's."""
 
     def __init__(self, kv: KVCache, stream: Any, foreign: bool, n: int, rows: Any) -> None:
+        self.foreign = foreign
+        if kv.four_bit is not None:  # quantized at the device's length, then the bump
+            self.sequence = kv.four_bit.device_append(kv, np.dtype(rows), n, stream)
+            return
         refs = [array_ref(a, "kv") for a in (kv.k_buffer, kv.v_buffer)]
         shape = (kv.capacity, kv.n_kv_heads, kv.head_dim)
         kc, vc = ((r[0], shape, *r[2:]) for r in refs if r is not None)
@@ -636,6 +644,7 @@ def decode_many(
                 dtype=np.dtype(dtype), bits=bits, fp8=kv.fp8, features=values,
                 kv_scales=kv.kv_scales, n_q=n_q, mask=mask_d, mask_mode=mask_mode,
                 workspace=lambda floats: _stream_buffer(dev, s._handle_int, "verify", floats),
+                **kv.four_bit_args(),
             )  # fmt: skip
             for launch in launches:
                 launch.run(s, dev)

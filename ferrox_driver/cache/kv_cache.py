@@ -29,15 +29,23 @@ from ..decode.records import Kept
 from ..driver.device import resolve
 from ..driver.memory import DeviceArray, as_dtype, empty
 from ..driver.stream import Event, Stream, stream_handle
+from ..kernels.spec import NVFP4_FORMAT, Q4_FORMAT
 from ..types import DeviceLike, DTypeLike, HostArrayLike
 from .appends import Appends, append_kernel, truncate_kernel
 from .decoding import Decodes
+from .four_bit import FourBitStore, check_four_bit, check_four_bit_device, four_bit_format
 from .host_decode import HostDecoder
 from .staging import STAGING_SLOTS, StagingRing
 
 __all__ = ["KVCache", "append_kernel", "check_cache", "check_kv_shape", "truncate_kernel"]
 
-FOUR_BIT_NAMES = ("int4", "nvfp4", "q4")  # DESIGN.md's 4-bit cache dtypes (decode/kv4.py)
+
+def _four_bit_np(fmt: str) -> np.dtype:
+    """A 4-bit format's numpy name (``ml_dtypes.int4``, ``float4_e2m1fn``): what the cache's
+    ``dtype`` says (its bytes are decode/kv4.py's, two values to a byte)."""
+    import ml_dtypes  # on first use: importing ferrox_driver does not import it
+
+    return np.dtype(ml_dtypes.int4 if fmt == Q4_FORMAT else ml_dtypes.float4_e2m1fn)
 
 
 def check_kv_shape(n_kv_heads: Any, head_dim: Any) -> tuple[int, int]:
@@ -51,25 +59,33 @@ class KVCache(Appends, Decodes):
 
     Args:
         n_kv_heads: KV heads per token.
-        head_dim: elements per head, 1 to 256.
+        head_dim: elements per head, 1 to 256 (4-bit caches: 64, 128 or 256).
         capacity: the most tokens it will hold (memory is allocated once, up front).
         dtype: float32 (as ferrox-cuda), float16 or ``ml_dtypes.bfloat16``; or an fp8 cache,
             ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` (compute capability 8.9 and up,
             head_dim a multiple of 8): appended rows (float32, float16, bfloat16) are
             quantized on the device (as `quantize_fp8`), and decodes take
-            float16 or bfloat16 q (the output in q's dtype).
+            float16 or bfloat16 q (the output in q's dtype). Or a 4-bit cache (head_dim
+            64, 128 or 256; docs/kv4.md says which to choose): ``"int4"`` (q4: 4-bit codes
+            and a float16 scale per 32 elements, 4.5 bits an element; compute capability
+            8.0 and up) or ``"nvfp4"`` (e2m1 values, an e4m3 scale per 16 and a float32
+            scale per KV head, ``k_scale``/``v_scale``; 8.9 and up), quantized on the
+            device as `quantize_int4`/`quantize_nvfp4` do on the host.
         k_scale: an fp8 cache's K scale (float32, a scalar or one per KV head; default
             1): it stores ``x / k_scale`` and the kernels read ``byte * k_scale``
-            (``set_scales`` changes it; the scales apply to every token, stored ones too).
+            (``set_scales`` changes it; the scales apply to every token, stored ones too);
+            an nvfp4 cache's per-head scale (its blocks' e4m3 scales count in units of it:
+            default 1 holds blocks whose largest magnitude lies in about 0.01 .. 2688).
         v_scale: the same for V.
         device: the device: a Device, an int, a ``torch.device`` or ``"cuda:N"``
             (default: device 0).
         stream: the stream appends and decodes run on (default: a stream of its own).
-        v_dtype: V's format where it is not K's (None: as K's). Only None, or K's dtype,
-            until the 4-bit caches come (``dtype="int4"`` or ``"nvfp4"``, refused today
-            with a sentence).
-        rotate: a 4-bit cache's Hadamard rotation of K; None or False for every cache
-            today.
+        v_dtype: V's format where it is not K's (None: as K's). Only None, or K's dtype:
+            K and V in formats of their own are not built yet.
+        rotate: a 4-bit cache's Hadamard rotation of K over the head_dim (q is rotated
+            the same way in the decode, so the scores are unchanged; it spreads outlier
+            channels before they are quantized). None: the measured default, on for
+            int4, off for nvfp4. Other caches take None or False.
 
     Appends stage each row in page-locked memory and queue one ``cuMemcpyHtoDAsync`` per
     row (K and V): the host never waits, except when all staging slots are still in flight.
@@ -101,25 +117,29 @@ class KVCache(Appends, Decodes):
     ) -> None:
         self.n_kv_heads, self.head_dim = check_kv_shape(n_kv_heads, head_dim)
         self.capacity = check_int(capacity, "capacity", 1, MAX_TOKENS)
-        if isinstance(dtype, str) and dtype in FOUR_BIT_NAMES:
-            raise ValueError(
-                f"dtype: {dtype!r} is a 4-bit cache, which KVCache does not hold yet (its "
-                f"kernels are built, the cache is not); the smallest cache today is "
-                f"ml_dtypes.float8_e4m3fn"
-            )
-        if v_dtype is not None and as_dtype(v_dtype, "v_dtype") != as_dtype(dtype, "dtype"):
-            raise ValueError(
-                "v_dtype: K and V in formats of their own come with the 4-bit caches; pass "
-                "None (V as K)"
-            )
-        if rotate:
-            raise ValueError("rotate: only the 4-bit caches rotate K; pass None or False")
-        dt = as_dtype(dtype, "dtype")
-        self.fp8 = FP8_DTYPES.get(dt, "")  # "e4m3", "e5m2" or "" (attention.FP8_FORMATS)
-        self.dtype = dt if self.fp8 else check_dtype(dt, "dtype")
+        four = four_bit_format(dtype)
+        if v_dtype is not None:
+            same = (four_bit_format(v_dtype) == four) if four or isinstance(v_dtype, str) else (
+                as_dtype(v_dtype, "v_dtype") == as_dtype(dtype, "dtype"))  # fmt: skip
+            if not same:
+                raise ValueError(
+                    f"v_dtype: K and V in formats of their own are not built yet (the rows "
+                    f"kernels read one format for both); pass None (V as K's {dtype!r})"
+                )
+        if rotate and not four:
+            raise ValueError("rotate: only the 4-bit caches (dtype 'int4' or 'nvfp4') rotate K; "
+                             "pass None or False")  # fmt: skip
+        rotated = check_four_bit(four, self.head_dim, rotate) if four else False
+        dt = np.dtype(np.uint8) if four else as_dtype(dtype, "dtype")
+        self.fp8 = four or FP8_DTYPES.get(dt, "")  # "e4m3", "e5m2", "q4", "nvfp4" or ""
+        self.dtype = (_four_bit_np(four) if four else dt if self.fp8
+                      else check_dtype(dt, "dtype"))  # fmt: skip
         if not self.fp8 and (k_scale is not None or v_scale is not None):
-            raise ValueError("k_scale: only fp8 caches take scales")
-        if self.fp8 and self.head_dim % 8:
+            raise ValueError("k_scale: only fp8 and nvfp4 caches take scales")
+        if four == Q4_FORMAT and (k_scale is not None or v_scale is not None):
+            raise ValueError("k_scale: an int4 cache scales each group of 32 itself; only fp8 "
+                             "and nvfp4 caches take scales")  # fmt: skip
+        if self.fp8 and not four and self.head_dim % 8:
             raise ValueError(
                 f"head_dim: fp8 caches take head_dims that are multiples of 8, got {self.head_dim}"
             )
@@ -129,7 +149,9 @@ class KVCache(Appends, Decodes):
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream: expected a ferrox_driver.Stream, got {type(stream)}")
         self.device = resolve(device)
-        if self.fp8 and self.device.compute_capability < MIN_COMPUTE_CAPABILITY:
+        if four:
+            check_four_bit_device(four, self.device.compute_capability)
+        if self.fp8 and not four and self.device.compute_capability < MIN_COMPUTE_CAPABILITY:
             raise ValueError(
                 f"dtype: fp8 caches need compute capability 8.9 or newer; device "
                 f"{self.device.ordinal} has {self.device.compute_capability}"
@@ -138,13 +160,15 @@ class KVCache(Appends, Decodes):
         self.stream = Stream(self.device) if stream is None else stream
         self._h = stream_handle(self.stream)
         self.row_elems = self.n_kv_heads * self.head_dim
-        self.row_bytes = self.row_elems * self.dtype.itemsize
+        # bytes a token stores in K (and in V): a 4-bit cache's values, two to a byte
+        self.row_bytes = self.row_elems // 2 if four else self.row_elems * self.dtype.itemsize
         # one token's rows: flat, (n_kv_heads, head_dim), or SDPA's (1, n_kv_heads, 1, head_dim)
         self._row_shapes = ((self.row_elems,), (self.n_kv_heads, self.head_dim),
                             (1, self.n_kv_heads, 1, self.head_dim))  # fmt: skip
         shape = (self.capacity, self.n_kv_heads, self.head_dim)
-        self._k = empty(shape, self.dtype, device=self.device)
-        self._v = empty(shape, self.dtype, device=self.device)
+        store = (self.capacity, self.n_kv_heads, self.head_dim // 2) if four else shape
+        self._k = empty(store, np.uint8 if four else self.dtype, device=self.device)
+        self._v = empty(store, np.uint8 if four else self.dtype, device=self.device)
         self._k_ptr, self._v_ptr = self._k.ptr, self._v.ptr
         # state[0] = seq_len, state[1] = a flag set by kernels, read by the host (1: an append
         # past the capacity; 2: kv_truncate_async given a negative length).
@@ -162,6 +186,9 @@ class KVCache(Appends, Decodes):
         self._take_slot, self._done_slot = ring.take, ring.done
         if self.fp8:
             self._stage_kv = ring.kv
+            self._stage_kv_addr = ring.kv.ctypes.data
+        self.four_bit: FourBitStore | None = None  # a 4-bit cache's scales and appends
+        self.rotate = rotated  # K (and q, in the decode) Hadamard-rotated
         self._seq_len = 0
         self._host_seq_valid = True
         self._device_seq_current = True  # state[0] == seq_len once queued work has run
@@ -181,7 +208,12 @@ class KVCache(Appends, Decodes):
         # Appends, decodes and the state they share (length, staging ring, scratch) are
         # ordered by one lock: re-entrant, as a decode may synchronize to read the length.
         self.lock = threading.RLock()  # (public: the device ops and graphs take it too)
-        if self.fp8:
+        if four:
+            if four == NVFP4_FORMAT:  # its float32 scales per KV head, as an fp8 cache's
+                self.kv_scales = empty((2 * self.n_kv_heads,), np.float32, device=self.device)
+                self.kv_scales.copy_from_host(self._scales, self.stream)
+            self.four_bit = FourBitStore(self, four, rotated)
+        elif self.fp8:
             self._init_fp8(slots)
         self.stream.synchronize()
 
@@ -203,9 +235,12 @@ class KVCache(Appends, Decodes):
             else:
                 self.stream.synchronize()
         workspaces = [*self._workspaces.values(), *self._outgrown]
-        fp8 = (self.kv_scales, self._dev_stage) if self.fp8 and self.kv_scales is not None else ()
-        for arr in (self._k, self._v, self.state, *workspaces, *fp8):
+        fp8 = (self._dev_stage,) if self.fp8 and self.four_bit is None else ()
+        scales = () if self.kv_scales is None else (self.kv_scales,)
+        for arr in (self._k, self._v, self.state, *workspaces, *fp8, *scales):
             arr.close()
+        if self.four_bit is not None:
+            self.four_bit.close()
         for dec in (*self._decoders.values(), *self.feature_decoders.values()):
             dec.close()
         self._decoders.clear()

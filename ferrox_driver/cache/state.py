@@ -50,6 +50,8 @@ class CacheState:
     row_bytes: int
     state: DeviceArray
     kv_scales: DeviceArray | None
+    four_bit: Any  # a 4-bit cache's FourBitStore (block scales, appends), else None
+    rotate: bool
     lock: Any
     appenders: dict[tuple[Any, ...], Any]
     async_records: Kept
@@ -108,6 +110,8 @@ class CacheState:
         """The device memory a graph that uses this cache must hold (see Graph)."""
         self.check_open()
         scales = () if self.kv_scales is None else (self.kv_scales,)
+        if self.four_bit is not None:
+            scales += (self.four_bit.k_scales, self.four_bit.v_scales)
         arrays = (self._k, self._v, self.state, *scales, *self._workspaces.values(),
                   *self._outgrown)  # fmt: skip
         return tuple(a._base for a in arrays if a._base is not None)
@@ -367,10 +371,12 @@ class CacheState:
     # -- reading -------------------------------------------------------------------
     def to_host(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the cached K and V, each (seq_len, n_kv_heads, head_dim), in the
-        cache's dtype (an fp8 cache's: its bytes; ``dequantized`` scales them)."""
+        cache's dtype (an fp8 cache's: its bytes; ``dequantized`` scales them); a 4-bit
+        cache's packed values, uint8 (seq_len, n_kv_heads, head_dim // 2) (its block
+        scales: ``block_scales()``)."""
         with self.lock:
             seq = self.seq_len
-            shape = (seq, self.n_kv_heads, self.head_dim)
+            shape = (seq, *self._k.shape[1:])
             return self._k.view(shape).to_host(self.stream), self._v.view(shape).to_host(
                 self.stream
             )

@@ -1,10 +1,12 @@
 """4-bit KV formats ("q4" and "nvfp4") and the Hadamard rotation, on the host.
 
-Internal for now: the kernels, the cache and the reference will read these layouts; the
-public names come with the GPU path. Every function works over the last axis (head_dim) of
-arrays shaped ``(..., head_dim)``, e.g. a ``(seq, n_kv_heads, head_dim)`` cache, in float32
-(float16, bfloat16 and float64 rows are converted first), and refuses inf and NaN: neither
-format has a code for them.
+What a 4-bit `KVCache` (``dtype="int4"`` is q4 in groups of 32, ``"nvfp4"``) stores, bit
+for bit, so a CPU can check what the GPU will hold: public as ``fd.quantize_int4``,
+``fd.dequantize_int4``, ``fd.quantize_nvfp4``, ``fd.dequantize_nvfp4`` and ``fd.hadamard``
+(a cache that rotates K stores ``quantize(hadamard(k))``). Every function works over the
+last axis (head_dim) of arrays shaped ``(..., head_dim)``, e.g. a ``(seq, n_kv_heads,
+head_dim)`` cache, in float32 (float16, bfloat16 and float64 rows are converted first), and
+refuses inf and NaN: neither format has a code for them.
 
 Bytes (the device layout). Values and scales live in separate arrays with the same leading
 axes (per token and KV head, as the cache's rows):
@@ -66,10 +68,12 @@ __all__ = [
     "E2M1_VALUES",
     "NVFP4_BLOCK",
     "Q4_GROUP_SIZES",
+    "dequantize_int4",
     "dequantize_nvfp4",
     "dequantize_q4",
     "hadamard",
     "hadamard_block",
+    "quantize_int4",
     "quantize_nvfp4",
     "quantize_q4",
 ]
@@ -193,6 +197,10 @@ def dequantize_q4(values: HostArrayLike, scales: HostArrayLike) -> np.ndarray:
     codes = _unpack(packed).astype(np.float32) - np.float32(Q4_OFFSET)
     out = codes.reshape(*lead, n_groups, d // n_groups) * sc.astype(np.float32)[..., None]
     return out.reshape(*lead, d)
+
+
+quantize_int4 = quantize_q4  # DESIGN.md's name for the format (KVCache dtype "int4")
+dequantize_int4 = dequantize_q4
 
 
 def quantize_nvfp4(

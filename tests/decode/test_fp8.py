@@ -48,7 +48,7 @@ def test_quantize_divides_by_each_kv_heads_scale_in_float32():
         ({"k_scale": [1.0, 2.0, 3.0]}, ValueError, "k_scale: expected a scalar or 2 values"),
         ({"v_scale": "1"}, TypeError, "v_scale: expected a float"),
         ({"k_scale": 1e39}, ValueError, "k_scale"),
-        ({"dtype": np.float16, "k_scale": 2.0}, ValueError, "only fp8 caches take scales"),
+        ({"dtype": np.float16, "k_scale": 2.0}, ValueError, "only fp8 and nvfp4 caches"),
         ({"dtype": np.int8}, TypeError, "dtype"),
     ],
 )

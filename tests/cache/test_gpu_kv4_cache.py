@@ -1,0 +1,239 @@
+"""4-bit KVCaches (dtype "int4" and "nvfp4"): what every append path stores is what the
+public numpy helpers compute, bit for bit (K rotated first where the cache rotates); decodes
+(one query and several, features, graphs) match the float64 reference on the dequantized
+cache; fresh random inputs, outputs poisoned."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ferrox_driver as fd
+
+from ..helpers.gpu_helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL = 2e-2
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _rows(rng, n, n_kv, d, dt=np.float32):
+    k = rng.standard_normal((n, n_kv, d)) * 2
+    k[:, :, 5] *= 30  # an outlier channel, as real models' K have
+    v = rng.standard_normal((n, n_kv, d))
+    return k.astype(dt), v.astype(dt)
+
+
+def _expected(kv, k, v, k_scale=None, v_scale=None):
+    """(values, block scales) of K and V as the public helpers compute them."""
+    kf = k.astype(np.float32)
+    if kv.rotate:
+        kf = fd.hadamard(kf)
+    if kv.fp8 == "q4":
+        return fd.quantize_int4(kf), fd.quantize_int4(v.astype(np.float32))
+    kq = fd.quantize_nvfp4(kf, k_scale)
+    vq = fd.quantize_nvfp4(v.astype(np.float32), v_scale)
+    return kq[:2], vq[:2]
+
+
+def _same_bytes(got, want):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+def _check_stored(kv, k, v, **scales):
+    (kw, ksw), (vw, vsw) = _expected(kv, k, v, **scales)
+    kq, vq = kv.to_host()
+    ks, vs = kv.block_scales()
+    _same_bytes(kq, kw)
+    _same_bytes(vq, vw)
+    _same_bytes(ks, ksw)
+    _same_bytes(vs, vsw)
+
+
+CASES = [("int4", None), ("int4", False), ("nvfp4", None), ("nvfp4", True)]
+
+
+@pytest.mark.parametrize("dtype,rotate", CASES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("path", ["append", "extend", "device", "async", "async_rows"])
+def test_every_append_path_stores_what_the_helpers_compute(rng, dtype, rotate, head_dim, path):
+    n_kv, n = 3, 21
+    scales = {"k_scale": np.float32(0.02), "v_scale": np.float32(0.005)} if dtype == "nvfp4" else {}
+    rows_dt = {"append": BF16, "extend": np.float32, "device": np.float16}.get(path, BF16)
+    k, v = _rows(rng, n, n_kv, head_dim, rows_dt)
+    with fd.KVCache(n_kv, head_dim, 64, dtype=dtype, rotate=rotate, **scales) as kv:
+        assert kv.rotate == (dtype == "int4" if rotate is None else rotate)
+        if path == "append":
+            for t in range(n):
+                kv.append(k[t], v[t])
+        elif path == "extend":
+            kv.extend(k[:7], v[:7])
+            kv.extend(k[7:], v[7:])
+        elif path == "device":
+            kv.extend(fd.to_device(k), fd.to_device(v))
+        elif path == "async":
+            for t in range(n):
+                fd.kv_append_async(kv, fd.to_device(k[t]), fd.to_device(v[t]), stream=kv.stream)
+        else:
+            fd.kv_append_async(kv, fd.to_device(k[:8]), fd.to_device(v[:8]), stream=kv.stream)
+            fd.kv_append_async(kv, fd.to_device(k[8:]), fd.to_device(v[8:]), stream=kv.stream)
+        kv.synchronize()
+        assert kv.seq_len == n
+        _check_stored(kv, k, v, **scales)
+
+
+def _decode_checked(kv, q, n_heads, **features):
+    """kv.decode(q) with its device output poisoned first, against the float64 reference
+    on the dequantized cache."""
+    kv.decode(q, n_heads=n_heads, **features)
+    for dec in (*kv._decoders.values(), *kv.feature_decoders.values()):
+        dec.out_dev.fill_bytes(0xFF, kv.stream)
+    got = kv.decode(q, n_heads=n_heads, **features)
+    k, v = kv.dequantized()
+    dims = {"n_heads": n_heads, "n_kv_heads": kv.n_kv_heads, "head_dim": kv.head_dim}
+    return got, fd.reference_gqa_decode(q, k, v, **dims, **features)
+
+
+@pytest.mark.parametrize("dtype,rotate", CASES)
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", [(64, 16, 2), (128, 32, 8), (128, 28, 4),
+                                                   (256, 8, 1), (128, 8, 8)])  # fmt: skip
+@pytest.mark.parametrize("qdt", [BF16, np.dtype(np.float16)])
+def test_decode_matches_the_reference_on_the_dequantized_cache(
+    rng, dtype, rotate, head_dim, n_heads, n_kv, qdt
+):
+    with fd.KVCache(n_kv, head_dim, 5000, dtype=dtype, rotate=rotate) as kv:
+        q = rng.standard_normal((n_heads, head_dim)).astype(qdt)
+        assert not kv.decode(q, n_heads=n_heads).astype(np.float32).any()  # seq_len 0
+        done = 0
+        for seq in (1, 2, 77, 1001, 4999):
+            k, v = _rows(rng, seq - done, n_kv, head_dim)
+            kv.extend(k, v)
+            done = seq
+            got, ref = _decode_checked(kv, q, n_heads)
+            assert got.dtype == qdt and got.shape == q.shape
+            err = rel_err(got.astype(np.float64), ref)
+            assert err < TOL, (seq, err)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "nvfp4"])
+def test_decode_with_every_feature(rng, dtype):
+    n_heads, n_kv, hd = 32, 8, 128
+    sinks = rng.standard_normal(n_heads).astype(np.float32)
+    slopes = (rng.uniform(0.0, 0.1, n_heads)).astype(np.float32)
+    with fd.KVCache(n_kv, hd, 3000, dtype=dtype) as kv:
+        k, v = _rows(rng, 2999, n_kv, hd)
+        kv.extend(k, v)
+        q = rng.standard_normal((n_heads, hd)).astype(BF16)
+        for feats in (
+            {"sliding_window": 100},
+            {"logits_soft_cap": 5.0, "scale": 0.3},
+            {"sinks": sinks, "return_lse": True},
+            {"alibi_slopes": slopes},
+            {"sliding_window": 1, "sinks": sinks, "logits_soft_cap": 30.0, "return_lse": True},
+        ):
+            got, ref = _decode_checked(kv, q, n_heads, **feats)
+            if feats.get("return_lse"):
+                np.testing.assert_allclose(got[1], ref[1], rtol=1e-3, atol=2e-3)
+                got, ref = got[0], ref[0]
+            assert rel_err(got.astype(np.float64), ref) < TOL, feats
+
+
+@pytest.mark.parametrize("dtype", ["int4", "nvfp4"])
+@pytest.mark.parametrize("n_q", [1, 2, 3, 5, 8])
+def test_verify_of_several_queries(rng, dtype, n_q):
+    n_heads, n_kv, hd = 28, 4, 128
+    with fd.KVCache(n_kv, hd, 2048, dtype=dtype) as kv:
+        k, v = _rows(rng, 1337, n_kv, hd)
+        kv.extend(k, v)
+        q = rng.standard_normal((n_q, n_heads, hd)).astype(BF16)
+        got = kv.decode(q, n_heads=n_heads, sliding_window=700)
+        kd, vd = kv.dequantized()
+        ref = fd.reference_gqa_decode(q, kd, vd, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
+                                      sliding_window=700)  # fmt: skip
+        assert got.shape == q.shape
+        assert rel_err(got.astype(np.float64), ref) < TOL
+
+
+@pytest.mark.parametrize("dtype", ["int4", "nvfp4"])
+def test_a_graph_of_appends_and_decodes_serves_every_token(rng, dtype):
+    """kv_append_async and gqa_decode_async captured once at seq_len 1, replayed to 300."""
+    n_heads, n_kv, hd, steps = 32, 8, 128, 300
+    k, v = _rows(rng, steps, n_kv, hd, BF16)
+    q = rng.standard_normal((n_heads, hd)).astype(BF16)
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd}
+    with fd.KVCache(n_kv, hd, steps, dtype=dtype) as kv, fd.Stream() as stream:
+        k_row, v_row = fd.empty((n_kv, hd), BF16), fd.empty((n_kv, hd), BF16)
+        q_d, out = fd.to_device(q), fd.empty((n_heads, hd), BF16)
+        kv.prepare(n_heads, q_dtype=BF16)
+        with stream.capture() as graph:
+            fd.kv_append_async(kv, k_row, v_row, stream=stream)
+            fd.gqa_decode_async(q_d, kv, out, n_heads=n_heads, stream=stream)
+        step = graph.instantiate()
+        for t in range(steps):
+            k_row.copy_from_host(k[t], stream)
+            v_row.copy_from_host(v[t], stream)
+            out.fill_bytes(0xFF, stream)
+            step.launch(stream)
+            if t + 1 not in (1, 2, 33, 299, 300):
+                continue
+            stream.synchronize()
+            assert kv.seq_len == t + 1
+            _check_stored(kv, k[: t + 1], v[: t + 1])
+            kd, vd = kv.dequantized()
+            ref = fd.reference_gqa_decode(q, kd, vd, **dims)
+            assert rel_err(out.to_host().astype(np.float64), ref) < TOL, t
+        step.close()
+
+
+@pytest.mark.parametrize("dtype", ["int4", "nvfp4"])
+def test_decode_graph_steps_a_four_bit_cache(rng, dtype):
+    n_heads, n_kv, hd, steps = 16, 4, 64, 200
+    sinks = rng.standard_normal(n_heads).astype(np.float32)
+    dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd}
+    with fd.KVCache(n_kv, hd, steps, dtype=dtype) as kv:
+        kv.extend(*_rows(rng, 10, n_kv, hd))
+        with fd.DecodeGraph(kv, n_heads=n_heads, q_dtype=BF16, sliding_window=64, sinks=sinks,
+                            return_lse=True) as graph:  # fmt: skip
+            for t in range(10, steps):
+                q = rng.standard_normal((n_heads, hd)).astype(BF16)
+                k_tok, v_tok = (x[0] for x in _rows(rng, 1, n_kv, hd, BF16))
+                out = graph(q, k_tok, v_tok)
+                if t % 61:
+                    continue
+                assert kv.seq_len == t + 1
+                kd, vd = kv.dequantized()
+                ref, ref_lse = fd.reference_gqa_decode(
+                    q, kd, vd, **dims, sliding_window=64, sinks=sinks, return_lse=True
+                )
+                assert rel_err(out.astype(np.float64), ref) < TOL, t
+                np.testing.assert_allclose(graph.lse, ref_lse, rtol=1e-3, atol=2e-3)
+
+
+def test_a_full_cache_refuses_the_row_and_keeps_every_token(rng):
+    with fd.KVCache(2, 64, 5, dtype="int4") as kv:
+        k, v = _rows(rng, 5, 2, 64)
+        kv.extend(k, v)
+        with pytest.raises(fd.KVCapacityError):
+            kv.append(k[0], v[0])
+        with pytest.raises(fd.KVCapacityError):
+            kv.extend(k[:1], v[:1])
+        kv.synchronize()
+        assert kv.seq_len == 5
+        _check_stored(kv, k, v)
+
+
+def test_a_four_bit_cache_is_read_by_the_quantized_error_not_more(rng):
+    """The 4-bit decode against the reference on the unquantized rows: about the format's
+    error (int4 rotated, outliers: a few percent), far under what dropping the rotation
+    or a wrong scale would give."""
+    n_heads, n_kv, hd = 32, 8, 128
+    k, v = _rows(rng, 4096, n_kv, hd)
+    q = rng.standard_normal((n_heads, hd)).astype(BF16)
+    ref = fd.reference_gqa_decode(q, k, v, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd)
+    for dtype, bound in (("int4", 0.2), ("nvfp4", 0.25)):
+        with fd.KVCache(n_kv, hd, 4096, dtype=dtype) as kv:
+            kv.extend(k, v)
+            err = rel_err(kv.decode(q, n_heads=n_heads).astype(np.float64), ref)
+            assert 1e-3 < err < bound, (dtype, err)
