@@ -124,9 +124,10 @@ class Overrides:
             the kernels can (experiments and tests, ``FERROX_PAIRED=1``), False never
             (``FERROX_PAIRED=0``).
         verify_rows: a verify on the rows kernel where it takes the call (``rows_plan``;
-            ``FERROX_VERIFY_ROWS=1``). Off by default until it has run on a GPU: it was
-            written in a session without device time (docs/design.md); off, the tail,
-            split and combine kernels take every verify.
+            the default: measured faster than the tail, split and combine kernels at every
+            point of benchmarks/verify_rows_compare.py, docs/performance.md);
+            ``FERROX_VERIFY_ROWS=0``: the tail, split and combine kernels take every verify
+            (a 4-bit cache's are the rows kernels whatever this says).
         rows_min_chunk: the fewest tokens per chunk of a rows plan (0: the Tuning's;
             ``FERROX_ROWS_MIN_CHUNK``).
     """
@@ -140,7 +141,7 @@ class Overrides:
     verify_shared: bool = True
     padded_mma: bool = True
     paired: bool | None = None
-    verify_rows: bool = False
+    verify_rows: bool = True
     rows_min_chunk: int = 0
 
     @classmethod
@@ -161,7 +162,7 @@ class Overrides:
             verify_shared=on("FERROX_VERIFY_SHARED"),
             padded_mma=on("FERROX_PADDED_MMA"),
             paired={"0": False, "1": True}.get(env.get("FERROX_PAIRED", "")),
-            verify_rows=env.get("FERROX_VERIFY_ROWS", "0") == "1",
+            verify_rows=on("FERROX_VERIFY_ROWS"),
             rows_min_chunk=int(env.get("FERROX_ROWS_MIN_CHUNK", "0")),
         )
 
