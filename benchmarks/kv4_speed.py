@@ -14,6 +14,7 @@ fp8 and bf16.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import ml_dtypes
 import numpy as np
@@ -26,6 +27,7 @@ from ferrox_driver.apps.bench.harness import (
     rotation,
 )
 from ferrox_driver.apps.bench.verify import measure_verify_point
+from ferrox_driver.decode import plan as planner
 from ferrox_driver.decode.records import launches_for
 from ferrox_driver.driver.device import default_device
 from ferrox_driver.driver.memory import DeviceArray, empty, zeros
@@ -94,6 +96,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["32/8/128", "28/4/128", "8/1/256"])
     parser.add_argument("--seqs", nargs="+", type=int, default=[4096, 32768, 131072])
     parser.add_argument("--n-q", type=int, default=1)
+    parser.add_argument("--row-warps", nargs="*", type=int, default=[],
+                        help="also time q4 with blocks of at least these warps "
+                             "(Overrides.rows4_warps)")  # fmt: skip
     args = parser.parse_args()
     dev = default_device()
     print(f"{'shape':>9} {'seq':>7} {'bf16 us':>8} {'fp8 us':>8} {'format':>6} {'us':>8} "
@@ -108,6 +113,16 @@ def main() -> None:
                 print(
                     f"{shape_s:>9} {seq:>7} {bf16:8.1f} {fp8:8.1f} {fmt:>6} {us:8.1f} "
                     f"{nbytes / us / 1e6:6.2f} {fp8 / us:6.2f}x {bf16 / us:7.2f}x",
+                    flush=True,
+                )
+            base = planner.OVERRIDES
+            for w in args.row_warps:
+                planner.OVERRIDES = dataclasses.replace(base, rows4_warps=w)
+                us, nbytes = four_bit_us(shape, seq, args.n_q, "q4")  # type: ignore[arg-type]
+                planner.OVERRIDES = base
+                print(
+                    f"{shape_s:>9} {seq:>7} {bf16:8.1f} {fp8:8.1f} {'q4/w' + str(w):>6} "
+                    f"{us:8.1f} {nbytes / us / 1e6:6.2f} {fp8 / us:6.2f}x {bf16 / us:7.2f}x",
                     flush=True,
                 )
 

@@ -38,6 +38,7 @@ __all__ = [
     "check_four_bit",
     "check_four_bit_device",
     "four_bit_format",
+    "refuse_four_bit",
 ]
 
 # KVCache's dtype names -> the kernels' format: "int4" is DESIGN.md's name, "q4" the
@@ -51,6 +52,16 @@ _WARPS_MAX = 16  # a one-row append's block: a warp per KV head, up to this many
 def four_bit_format(dtype: Any) -> str:
     """``"q4"`` or ``"nvfp4"`` for a 4-bit cache's dtype name, else ``""``."""
     return FOUR_BIT_DTYPES.get(dtype, "") if isinstance(dtype, str) else ""
+
+
+def refuse_four_bit(dtype: Any, who: str) -> None:
+    """Raise ValueError naming ``dtype`` where ``who`` (a cache type) is given a 4-bit
+    format it does not hold (rather than reading "int4" as numpy's int32)."""
+    if four_bit_format(dtype):
+        raise ValueError(
+            f"dtype: {who} does not hold 4-bit caches ({dtype!r}); a KVCache does "
+            f"(fd.KVCache(..., dtype={dtype!r}))"
+        )
 
 
 def check_four_bit(fmt: str, head_dim: int, rotate: bool | None) -> bool:

@@ -11,6 +11,7 @@ from ..driver.device import resolve
 from ..driver.stream import Stream
 from ..errors import ClosedError
 from ..types import DeviceLike, DTypeLike
+from .four_bit import refuse_four_bit
 from .kv_cache import KVCache, check_kv_shape
 
 __all__ = ["LayerKVCache"]
@@ -43,6 +44,7 @@ class LayerKVCache:
         n_layers = check_int(n_layers, "n_layers", 1)
         check_kv_shape(n_kv_heads, head_dim)
         check_int(capacity, "capacity", 1, MAX_TOKENS)
+        refuse_four_bit(dtype, "LayerKVCache")
         dtype = check_dtype(dtype, "dtype")
         self.device = resolve(device)
         self._owns_stream = stream is None

@@ -130,6 +130,12 @@ class Overrides:
             (a 4-bit cache's are the rows kernels whatever this says).
         rows_min_chunk: the fewest tokens per chunk of a rows plan (0: the Tuning's;
             ``FERROX_ROWS_MIN_CHUNK``).
+        rows4_warps: the fewest warps a block of a 4-bit cache's rows kernel takes
+            (``FERROX_ROWS4_WARPS``; 0 or 1: as many as its rows need): warps past the
+            rows only load and widen the steps, which is most of a 4-bit decode's work.
+            2 measured 1.1-1.4x faster than 1 at every point of benchmarks/kv4_speed.py
+            (q4, H100); 4 faster still at 4096 tokens and head_dim 256, slower at 32768+
+            on 32/8/128 and 28/4/128.
     """
 
     heads_per_block: int = 4
@@ -143,6 +149,7 @@ class Overrides:
     paired: bool | None = None
     verify_rows: bool = True
     rows_min_chunk: int = 0
+    rows4_warps: int = 2
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -164,6 +171,7 @@ class Overrides:
             paired={"0": False, "1": True}.get(env.get("FERROX_PAIRED", "")),
             verify_rows=on("FERROX_VERIFY_ROWS"),
             rows_min_chunk=int(env.get("FERROX_ROWS_MIN_CHUNK", "0")),
+            rows4_warps=int(env.get("FERROX_ROWS4_WARPS", "2")),
         )
 
 
@@ -799,7 +807,7 @@ def rows_plan(
     elif fp8 and (fp8 not in FP8_FORMATS or traits.compute_capability < FP8_FROM):
         return None
     rows_kv = n_q * (n_heads // n_kv_heads)
-    warps = min(ROWS_MAX_WARPS, -(-rows_kv // 16))
+    warps = min(ROWS_MAX_WARPS, max(-(-rows_kv // 16), ov.rows4_warps if four_bit else 1))
     row_blocks = -(-rows_kv // (16 * warps))
     spec = KernelSpec("vrows", kernel_dtype(dtype), head_dim=head_dim, row_warps=warps, fp8=fp8,
                       features=features & ~(F_SINKS | F_LSE), rotate=rotate)  # fmt: skip

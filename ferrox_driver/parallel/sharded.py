@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..cache.four_bit import refuse_four_bit
 from ..cache.graphs import gqa_decode_async
 from ..decode.checks import (
     MAX_INT32,
@@ -162,6 +163,7 @@ class ShardedKVCache:
         head_dim = check_int(head_dim, "head_dim", 1, 256)
         capacity = check_int(capacity, "capacity", 1, MAX_TOKENS)  # (the kernels: int32)
         block = check_int(block, "block", 1, MAX_INT32)
+        refuse_four_bit(dtype, "ShardedKVCache")
         dt = as_dtype(dtype, "dtype")
         if dt not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dt}")

@@ -33,6 +33,14 @@ def test_kv_cache_bad_construction_names_the_argument(args, kwargs, exc, pattern
         fd.KVCache(*args, **kwargs)
 
 
+@pytest.mark.parametrize("dtype", ["int4", "nvfp4"])
+def test_caches_that_do_not_hold_4_bit_formats_say_so(dtype):
+    with pytest.raises(ValueError, match="dtype: LayerKVCache does not hold 4-bit caches"):
+        fd.LayerKVCache(2, 8, 128, 16, dtype=dtype)
+    with pytest.raises(ValueError, match="dtype: ShardedKVCache does not hold 4-bit caches"):
+        fd.ShardedKVCache(8, 128, 16, group=None, dtype=dtype)
+
+
 def test_layer_cache_bad_layer_count_is_rejected():
     with pytest.raises(ValueError, match="n_layers"):
         fd.LayerKVCache(0, 8, 128, 16)

@@ -3,6 +3,8 @@ and the rows kernels' plans take every q4 decode they can read and refuse the ot
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -48,16 +50,20 @@ def test_a_q4_decode_takes_the_rows_kernel_whatever_the_override_says():
         return attention.rows_plan(_traits(), dtype, n_q, 32, 8, head_dim, 32768, True,
                                    features, "q4", off, rotate)  # fmt: skip
 
-    one = rows()
-    assert one is not None and one.spec.name == "gqa_verify_rows_bf16_q4r_d128_w1_x0"
+    one = rows()  # blocks of at least Overrides.rows4_warps (2) warps: they widen the steps
+    assert one is not None and one.spec.name == "gqa_verify_rows_bf16_q4r_d128_w2_x0"
     assert rows(8, features=F_LSE).spec.row_warps == 2
+    assert rows(16, features=F_LSE).spec.row_warps == 4  # (64 rows: four warps)
     # a step of 32 tokens of nibbles and scales (K and V), its widened twin, q's rows
-    assert one.shared_bytes(2) == 4 * (2 * 32 * (64 + 8)) + 2 * 32 * 128 * 2 + 16 * 128 * 2
-    assert rows(rotate=False).spec.name == "gqa_verify_rows_bf16_q4_d128_w1_x0"
+    assert one.shared_bytes(2) == 4 * (2 * 32 * (64 + 8)) + 2 * 32 * 128 * 2 + 2 * 16 * 128 * 2
+    assert rows(rotate=False).spec.name == "gqa_verify_rows_bf16_q4_d128_w2_x0"
+    single = dataclasses.replace(off, rows4_warps=1)
+    assert attention.rows_plan(_traits(), bf16, 1, 32, 8, 128, 32768, True, 0, "q4", single,
+                               True).spec.row_warps == 1  # fmt: skip
     for refused in ({"dtype": np.dtype(np.float32)}, {"head_dim": 80}, {"features": F_HND}):
         assert rows(**refused) is None, refused
     nv = attention.rows_plan(_traits(), bf16, 1, 32, 8, 128, 32768, True, 0, "nvfp4", off)
-    assert nv is not None and nv.spec.name == "gqa_verify_rows_bf16_nvfp4_d128_w1_x0"
+    assert nv is not None and nv.spec.name == "gqa_verify_rows_bf16_nvfp4_d128_w2_x0"
     assert nv.shared_bytes(2) == one.shared_bytes(2)  # (a scale byte per 16: q4's 2 per 32)
     assert attention.rows_plan(_traits((8, 0)), bf16, 1, 32, 8, 128, 32768, True, 0, "nvfp4",
                                off) is None  # e4m3 scales: compute capability 8.9  # fmt: skip
