@@ -23,6 +23,7 @@ CPU_EXAMPLES = [
     "compile_and_launch.py",
     "reference_on_cpu.py",
     "fp8_scales_on_cpu.py",
+    "kv4_on_cpu.py",
     "with_pytorch.py",
 ]
 GPU_EXAMPLES = [
@@ -44,6 +45,7 @@ GPU_EXAMPLES = [
     "sharded_local.py",
     "sharded_nccl.py",
     "speculative_verify.py",
+    "kv4_cache_decode.py",
 ]
 
 
