@@ -117,8 +117,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kv4(args: argparse.Namespace) -> int:
-    """``bench --only kv4``: the KV cache formats' accuracy table (on the CPU; the 4-bit
-    caches' speed table comes with their kernels)."""
+    """``bench --only kv4``: the KV cache formats' accuracy table (on the CPU), then, on a
+    GPU, the 4-bit caches' speed table and the toy model's logits with each format."""
     from pathlib import Path
 
     from .bench.kv4 import KV4_CASES, accuracy_table, print_accuracy
@@ -131,13 +131,50 @@ def cmd_bench_kv4(args: argparse.Namespace) -> int:
     )
     table = accuracy_table(cases=cases)
     print_accuracy(table)
-    _print("speed: the 4-bit caches have no GPU kernels yet (the issue after the verify's)")
+    toy: dict[str, float] = {}
+    import ferrox_driver as fd
+
+    if not fd.cuda_available():
+        _print("speed and the toy model's logits: no GPU here (they run where there is one)")
+    else:
+        from .bench.kv4_speed import speed_table
+
+        _print("\nspeed, one query token, graph-replayed, KV rotated past L2 (TB/s: values "
+               "and scales read per us):")  # fmt: skip
+        shapes = ["32/8/128"] if args.quick else ["32/8/128", "28/4/128", "8/1/256"]
+        seqs = [32768, 131072] if args.quick else [4096, 32768, 131072]
+        if args.shapes:  # (parsed as (q_heads, kv_heads, head_dim))
+            shapes = ["/".join(str(x) for x in shape) for shape in args.shapes]
+        speed_table(shapes, args.seqs or seqs)
+        toy = _toy_logits_errors(quick=args.quick)
     if args.out:
         import json
 
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench_kv4.json").write_text(json.dumps({"accuracy": table}, indent=1))
+        (Path(args.out) / "bench_kv4.json").write_text(
+            json.dumps({"accuracy": table, "toy_logits": toy}, indent=1)
+        )
     return 0
+
+
+def _toy_logits_errors(quick: bool) -> dict[str, float]:
+    """The toy Llama-shaped model's logits after 512 tokens with each cache format,
+    against its bf16 KVCache (printed; {} without PyTorch)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        _print("the toy model's logits: needs PyTorch")
+        return {}
+    import ml_dtypes
+
+    from .toy_llama import SMALL, ToyLlama, cache_logits_errors
+
+    model = ToyLlama(4 if quick else 8, **SMALL)
+    dtypes = {"e4m3": ml_dtypes.float8_e4m3fn, "int4": "int4", "nvfp4": "nvfp4"}
+    errors = cache_logits_errors(model, 512, dtypes)
+    _print("\nthe toy Llama-shaped model's logits after 512 tokens, relative error against "
+           "its bf16 cache: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))  # fmt: skip
+    return errors
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -35,7 +35,16 @@ import torch.nn.functional as F
 from ..cache.device_ops import gqa_decode_async, kv_append_async
 from ..cache.kv_cache import KVCache
 
-__all__ = ["LLAMA_3_8B", "SMALL", "ToyLlama", "ToyResult", "compare", "fits", "time_verify"]
+__all__ = [
+    "LLAMA_3_8B",
+    "SMALL",
+    "ToyLlama",
+    "ToyResult",
+    "cache_logits_errors",
+    "compare",
+    "fits",
+    "time_verify",
+]
 
 BF16 = torch.bfloat16
 # (hidden, heads, kv_heads, head_dim, intermediate, vocab)
@@ -176,13 +185,15 @@ class FerroxAttention:
     rows and queries at once: a verify)."""
 
     def __init__(
-        self, context: Context, capacity: int, shape: tuple[int, int, int], n_q: int = 1
-    ) -> None:
+        self, context: Context, capacity: int, shape: tuple[int, int, int], n_q: int = 1,
+        cache_dtype: Any = None,
+    ) -> None:  # fmt: skip
         heads, kv_heads, hd = shape
         self.heads = heads
         self.caches: list[KVCache] = []
+        dtype = ml_dtypes.bfloat16 if cache_dtype is None else cache_dtype
         for k, v in context:  # (n, kv_heads, hd) each, token-major
-            kv = KVCache(kv_heads, hd, capacity, dtype=ml_dtypes.bfloat16)
+            kv = KVCache(kv_heads, hd, capacity, dtype=dtype)
             self.caches.append(kv)
             kv.extend(_rows_numpy(k), _rows_numpy(v))
             kv.prepare(heads, n_q=n_q)  # kernels and scratch before any capture
@@ -312,6 +323,26 @@ def compare(model: ToyLlama, context: int, steps: int) -> ToyResult:
             attention.close()
         err[name] = ((logits - want).norm() / want.norm()).item()
     return ToyResult(context, ms, err)
+
+
+def cache_logits_errors(model: ToyLlama, context: int, dtypes: dict[str, Any]) -> dict[str, float]:
+    """The relative error of ``model``'s logits at position ``context`` (after that many
+    random tokens of cache) with each of ``dtypes``'s caches (name -> KVCache dtype),
+    against the same step on a bf16 KVCache."""
+    _, kv_heads, hd = model.shape
+    g = torch.Generator("cuda").manual_seed(context + 1)
+    rows = [(torch.randn(context, kv_heads, hd, generator=g, device="cuda").to(BF16),
+             torch.randn(context, kv_heads, hd, generator=g, device="cuda").to(BF16))
+            for _ in model.layers]  # fmt: skip
+    logits = {}
+    for name, dtype in {"bf16": None, **dtypes}.items():
+        attention = FerroxAttention(rows, context + 2, model.shape, cache_dtype=dtype)
+        try:
+            logits[name] = first_logits(model, attention, context)
+        finally:
+            attention.close()
+    want = logits.pop("bf16")
+    return {name: ((got - want).norm() / want.norm()).item() for name, got in logits.items()}
 
 
 def time_verify(model: ToyLlama, context: int, steps: int, k: int) -> float:

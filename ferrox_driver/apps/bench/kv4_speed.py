@@ -1,0 +1,137 @@
+"""``bench --only kv4``'s speed table (and benchmarks/kv4_speed.py): the 4-bit caches'
+decodes (the rows kernels over raw buffers: q4, nibbles and float16 scales per 32, K
+rotated; nvfp4, e2m1 nibbles and e4m3 scales per 16) against our fp8 and bf16 decodes of
+the same shape and length, in one process, graph-replayed over sets rotated past L2:
+what issue 49's speed targets ask of them (1.7x fp8 and 3.2x bf16 at 32/8/128 from 32768
+tokens).
+
+    PYTHONPATH=. python benchmarks/kv4_speed.py [--shapes 32/8/128 28/4/128 8/1/256]
+        [--seqs 4096 32768 131072] [--n-q 1] [--row-warps 1 4]
+
+Prints us per decode, each 4-bit cache's TB/s (values and scales) and its speed-up over
+fp8 and bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+from ...decode import plan as planner
+from ...decode.records import launches_for
+from ...driver.device import default_device
+from ...driver.memory import DeviceArray, empty, zeros
+from .harness import (
+    RotatedKV,
+    bench_stream,
+    fill_uniform,
+    rotated_graph_us,
+    rotation,
+)
+from .verify import measure_verify_point
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def four_bit_us(
+    shape: tuple[int, int, int], seq: int, n_q: int, fmt: str, iters: int = 20
+) -> tuple[float, int]:
+    """Graph-replayed us of a 4-bit (``fmt``: q4, nvfp4) decode and the bytes it reads."""
+    n_heads, n_kv, d = shape
+    dev = default_device()
+    stream = bench_stream(dev)
+    q = empty((n_q, n_heads, d), BF16, device=dev)
+    out = empty((n_q, n_heads, d), BF16, device=dev)
+    fill_uniform(q, 7, stream)
+    nv = fmt == "nvfp4"
+    sdt = np.uint8 if nv else np.float16
+    vals, scales = (seq, n_kv, d // 2), (seq, n_kv, d // (16 if nv else 32))
+    one = seq * n_kv * (d // 2 + d // 16)  # bytes of K (or V): values and scales
+    globals_ = zeros((2 * n_kv,), np.float32, device=dev)
+    globals_.copy_from_host(np.ones(2 * n_kv, np.float32), stream)
+    n_sets, chain = rotation(2 * one)
+    pool = empty((2 * n_sets * one,), np.uint8, device=dev)
+    sets = []
+    for i in range(n_sets):
+        at = 2 * i * one
+        parts = []
+        for j, (shape_j, dt) in enumerate(
+            ((vals, np.uint8), (vals, np.uint8), (scales, sdt), (scales, sdt))
+        ):
+            size = int(np.prod(shape_j)) * np.dtype(dt).itemsize
+            parts.append(pool.view(shape_j, dt, offset=at))
+            at += size
+            fill_uniform(parts[-1], 100 + 4 * i + j, stream)  # (scales within +-1)
+        sets.append(tuple(parts))
+    held: list[DeviceArray] = []
+
+    def workspace(floats: int) -> DeviceArray:
+        if not held:
+            held.append(zeros((max(floats, 1),), np.float32, device=dev))
+        return held[0]
+
+    def eager(i: int) -> None:
+        kv_, vv, ks, vs = sets[i % len(sets)]
+        launches = launches_for(
+            q, kv_, vv, out, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, seq_len=seq,
+            plan_seq=seq, aligned=True, dtype=BF16, fp8=fmt, q4_scales=(ks, vs), rotate=not nv,
+            kv_scales=globals_, workspace=workspace, n_q=n_q,
+        )[0]  # fmt: skip
+        for launch in launches:
+            launch.run(stream, dev)
+
+    rotated = RotatedKV([], chain, pool)
+    rotated.sets.extend((s[0], s[1]) for s in sets)  # (the harness counts the sets)
+    us = rotated_graph_us(eager, rotated, stream, iters)
+    rotated.close()
+    for arr in (q, out, globals_, *held):
+        arr.close()
+    return us, 2 * one
+
+
+def speed_table(shapes: list[str], seqs: list[int], n_q: int = 1,
+                row_warps: tuple[int, ...] = ()) -> None:  # fmt: skip
+    """Print the table: per shape and length, bf16's and fp8's us, each 4-bit format's us,
+    TB/s and speed-up (``row_warps``: q4 again with blocks of at least these warps)."""
+    dev = default_device()
+    print(f"{'shape':>9} {'seq':>7} {'bf16 us':>8} {'fp8 us':>8} {'format':>6} {'us':>8} "
+          f"{'TB/s':>6} {'vs fp8':>7} {'vs bf16':>8}")  # fmt: skip
+    for shape_s in shapes:
+        shape = tuple(int(x) for x in shape_s.split("/"))
+        for seq in seqs:
+            bf16 = measure_verify_point(shape, seq, n_q, "bf16", 20, dev)  # type: ignore[arg-type]
+            fp8 = measure_verify_point(shape, seq, n_q, "fp8", 20, dev)  # type: ignore[arg-type]
+            variants = [("q4", 0), ("nvfp4", 0), *(("q4", w) for w in row_warps)]
+            for fmt, w in variants:
+                base = planner.OVERRIDES
+                if w:
+                    planner.OVERRIDES = dataclasses.replace(base, rows4_warps=w)
+                try:
+                    us, nbytes = four_bit_us(shape, seq, n_q, fmt)  # type: ignore[arg-type]
+                finally:
+                    planner.OVERRIDES = base
+                name = f"{fmt}/w{w}" if w else fmt
+                print(
+                    f"{shape_s:>9} {seq:>7} {bf16:8.1f} {fp8:8.1f} {name:>6} {us:8.1f} "
+                    f"{nbytes / us / 1e6:6.2f} {fp8 / us:6.2f}x {bf16 / us:7.2f}x",
+                    flush=True,
+                )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["32/8/128", "28/4/128", "8/1/256"])
+    parser.add_argument("--seqs", nargs="+", type=int, default=[4096, 32768, 131072])
+    parser.add_argument("--n-q", type=int, default=1)
+    parser.add_argument("--row-warps", nargs="*", type=int, default=[],
+                        help="also time q4 with blocks of at least these warps "
+                             "(Overrides.rows4_warps)")  # fmt: skip
+    args = parser.parse_args()
+    speed_table(args.shapes, args.seqs, args.n_q, tuple(args.row_warps))
+
+
+if __name__ == "__main__":
+    main()
