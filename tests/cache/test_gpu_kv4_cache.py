@@ -16,6 +16,9 @@ from ..helpers.gpu_helpers import rel_err
 pytestmark = pytest.mark.gpu
 
 TOL = 2e-2
+# The LSE's absolute error: a rotated q is rounded to fp16 after its rotation (about 5e-4
+# of each element), which moves scores of magnitude ~30 by up to ~0.02.
+LSE_ATOL = 3e-2
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -138,7 +141,7 @@ def test_decode_with_every_feature(rng, dtype):
         ):
             got, ref = _decode_checked(kv, q, n_heads, **feats)
             if feats.get("return_lse"):
-                np.testing.assert_allclose(got[1], ref[1], rtol=1e-3, atol=2e-3)
+                np.testing.assert_allclose(got[1], ref[1], rtol=2e-3, atol=LSE_ATOL)
                 got, ref = got[0], ref[0]
             assert rel_err(got.astype(np.float64), ref) < TOL, feats
 
@@ -211,7 +214,7 @@ def test_decode_graph_steps_a_four_bit_cache(rng, dtype):
                     q, kd, vd, **dims, sliding_window=64, sinks=sinks, return_lse=True
                 )
                 assert rel_err(out.astype(np.float64), ref) < TOL, t
-                np.testing.assert_allclose(graph.lse, ref_lse, rtol=1e-3, atol=2e-3)
+                np.testing.assert_allclose(graph.lse, ref_lse, rtol=2e-3, atol=LSE_ATOL)
 
 
 def test_a_full_cache_refuses_the_row_and_keeps_every_token(rng):
