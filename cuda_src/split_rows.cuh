@@ -265,6 +265,7 @@ __device__ __forceinline__ void gqa_verify_rows(
     const int ta = min(ka / group, qmax), tb = min(kb / group, qmax);
     const int ha = g_kv * group + ka % group, hb = g_kv * group + kb % group;
     const bool va = ka < rows_kv, vb = kb < rows_kv;
+    const bool active = r0 + warp * 16 < rows_kv;  // (warp-uniform)
     FxScore<F> sca = fx_scorer<F>(feat, D, ha, va, seq, nullptr);
     FxScore<F> scb = fx_scorer<F>(feat, D, hb, vb, seq, nullptr);
     sca.last = base + ta;  // ALiBi relative to the row's own position
@@ -324,6 +325,7 @@ __device__ __forceinline__ void gqa_verify_rows(
         } else {
             ks = reinterpret_cast<const T*>(ring + (j % S) * STAGE_B);
         }
+        if (!active) continue;  // (a warp of padding rows: it loads and widens, no more)
         const T* vs = ks + TOK * D;
         const int t0 = start + j * TOK;
         // ---- S = Q K^T: n-tile nt is tokens t0 + 8 nt .. + 7
