@@ -163,8 +163,6 @@ class Appends(CacheState):
             ClosedError: the cache or its stream was closed.
         """
         if self.fp8:
-            if self.four_bit is not None:
-                return self._append_4bit(k_tok, v_tok, stream)
             return self._append_fp8(k_tok, v_tok, stream)
         shapes = self._row_shapes
         if not (
@@ -203,10 +201,10 @@ class Appends(CacheState):
             self._done_slot(slot)
 
     def _append_fp8(self, k_tok: Any, v_tok: Any, stream: Any) -> None:
-        """``append`` into an fp8 cache: one launch quantizing the rows into the cache,
-        the rows (in their dtype; float32 when K's and V's differ) passed in its
-        arguments, or, where they do not fit there, staged and copied to the device
-        first."""
+        """``append`` into an fp8 or 4-bit cache: one launch quantizing the rows into the
+        cache, the rows (in their dtype; float32 when K's and V's differ) passed in its
+        arguments, or, where they do not fit there (a 4-bit cache: always), staged and
+        copied to the device first."""
         shapes = self._row_shapes
         if not (
             type(k_tok) is np.ndarray
@@ -251,54 +249,6 @@ class Appends(CacheState):
             n, h = 2 * self.row_elems * dt.itemsize, self._h
             at = slot * self._stage_kv.shape[1]
             src = self._dev_stage.ptr + at
-            check(_memcpy_htod(src, self._stage_kv_addr + at, n, h), "cuMemcpyHtoDAsync")
-            launch.slots[0], launch.slots[1], launch.slots[8] = src, src + n // 2, seq
-            launch()
-            self._seq_len = seq + 1
-            if self._eager_seq:
-                self._stage_seq[slot] = seq + 1
-                drv("cuMemcpyHtoDAsync", self.state.ptr, self._stage_seq_addr + 4 * slot, 4, h)
-            else:
-                self._device_seq_current = False
-            self._done_slot(slot)
-
-    def _append_4bit(self, k_tok: Any, v_tok: Any, stream: Any) -> None:
-        """``append`` into a 4-bit cache: the rows (in their dtype; float32 when K's and
-        V's differ) staged, copied to the device in one copy, then quantized into the cache
-        by one launch."""
-        four = self.four_bit
-        assert four is not None
-        shapes = self._row_shapes
-        if not (
-            type(k_tok) is np.ndarray
-            and type(v_tok) is np.ndarray
-            and k_tok.dtype in four.appends  # (keyed by ROW_DTYPES: a dict lookup)
-            and v_tok.dtype in four.appends
-            and k_tok.shape in shapes
-            and v_tok.shape in shapes
-        ):  # fmt: skip  (the full checks only where the quick one fails, as in append)
-            if not (isinstance(k_tok, np.ndarray) and isinstance(v_tok, np.ndarray)):
-                return self._extend_device(k_tok, v_tok, ("k_tok", "v_tok"), True, stream)
-            self._check_rows(k_tok, "k_tok", one=True)
-            self._check_rows(v_tok, "v_tok", one=True)
-        check_host_extent(k_tok, "k_tok")
-        check_host_extent(v_tok, "v_tok")
-        with self.lock:
-            if self._closed or self.stream._closed:
-                self.check_open()
-            seq = self._seq_len if self._host_seq_valid else self.seq_len
-            if seq >= self.capacity:
-                raise KVCapacityError(seq, self.capacity)
-            self.device.activate()
-            dt = k_tok.dtype if k_tok.dtype == v_tok.dtype else ROW_DTYPES[0]
-            slot = self._take_slot()
-            ring, launch = four.appends[dt]
-            stage = ring[slot]
-            stage[0] = k_tok.reshape(-1)
-            stage[1] = v_tok.reshape(-1)
-            n, h = 2 * self.row_elems * dt.itemsize, self._h
-            at = slot * four.slot_bytes
-            src = four.dev_stage.ptr + at
             check(_memcpy_htod(src, self._stage_kv_addr + at, n, h), "cuMemcpyHtoDAsync")
             launch.slots[0], launch.slots[1], launch.slots[8] = src, src + n // 2, seq
             launch()
@@ -464,10 +414,10 @@ class Appends(CacheState):
         KV head's scale (a float32 product); a 4-bit cache's decoded (`dequantize_int4`,
         `dequantize_nvfp4`) with K's rotation undone; the values themselves for other
         dtypes."""
-        k, v = self.to_host()
-        if self.four_bit is not None:
-            with self.lock:
-                return self.four_bit.dequantized(self, k, v, self._scales)
+        with self.lock:  # (values and scales of the same tokens)
+            k, v = self.to_host()
+            if self.four_bit is not None:
+                return self.four_bit.dequantized(k, v, *self.block_scales(), self._scales)
         if not self.fp8:
             return k.astype(np.float32), v.astype(np.float32)
         n = self.n_kv_heads

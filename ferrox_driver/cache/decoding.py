@@ -380,12 +380,11 @@ class Decodes(CacheState):
     ) -> None:  # fmt: skip
         self.check_open()
         qdt = self.dtype if q_dtype is None else q_dtype
-        if self.four_bit is not None:
-            pass  # (its appends' kernels were loaded with the cache)
-        elif self.fp8:
-            quantize_kernel(self.fp8, self.device)  # (one module: every row dtype's kernel)
-        else:
-            append_kernel(self.device)
+        if self.four_bit is None:  # (a 4-bit cache's were loaded with it)
+            if self.fp8:
+                quantize_kernel(self.fp8, self.device)  # (one module: every row dtype's)
+            else:
+                append_kernel(self.device)
         self.device_length()
         self._eager_seq = True  # a graph will read the length: host appends keep it current
         if not bits:

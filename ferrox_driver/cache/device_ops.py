@@ -108,7 +108,6 @@ class _Appender:
             kernel = append_kernel(kv.device)
         launch = PackedLaunch(kernel, 1, APPEND_THREADS, args, stream=stream)
         self.sequence = LaunchSequence([launch], ("k", "v"), [((0, "k"), (1, "v"))], kv.device)
-        self.foreign = foreign
 
 
 class _RowsAppender:
@@ -129,7 +128,6 @@ class _RowsAppender:
         rows_dtype = kv.dtype if rows is None else np.dtype(rows)
         self.sequence = append_launches(kv.device, checked, kv.capacity, kv.row_elems, n, kv.fp8,
                                       rows_dtype, stream)  # fmt: skip
-        self.foreign = foreign
 
 
 def _row_count(kr: ArrayRef | None, vr: ArrayRef | None, kv: KVCache) -> int:

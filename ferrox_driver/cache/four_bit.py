@@ -124,7 +124,6 @@ class FourBitStore:
         self.k_scales = empty((cap, n_kv, per), sdt, device=kv.device)
         self.v_scales = empty((cap, n_kv, per), sdt, device=kv.device)
         self.inv_sqrt = np.float32(1.0 / np.sqrt(d))
-        self._kv = kv
         stage = kv._ring.kv  # a slot: K's rows then V's, in the rows' dtype
         self.dev_stage = empty(stage.shape, np.uint8, device=kv.device)
         self.slot_bytes = stage.shape[1]
@@ -181,29 +180,20 @@ class FourBitStore:
                               self.device)  # fmt: skip
 
     def dequantized(
-        self, kv: Any, k_vals: np.ndarray, v_vals: np.ndarray, globals_: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """K and V as float32 ``(seq, n_kv_heads, head_dim)`` from the cache's bytes
-        (``*_vals`` its values of ``seq`` tokens): the format decoded, K's rotation undone
-        (exact in float32 up to rounding: the rotation is its own inverse)."""
-        seq = k_vals.shape[0]
-        shape = (seq, self.n_kv, self.head_dim // (32 if self.fmt == Q4_FORMAT else 16))
-        sdt = self.k_scales.dtype
-        if seq == 0:
-            ks = vs = np.zeros(shape, sdt)
-        else:
-            ks = self.k_scales.view(shape).to_host(self.stream)
-            vs = self.v_scales.view(shape).to_host(self.stream)
+        self, k_vals: np.ndarray, v_vals: np.ndarray, k_scales: np.ndarray,
+        v_scales: np.ndarray, globals_: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """K and V as float32 ``(seq, n_kv_heads, head_dim)`` from the cache's values and
+        block scales (``KVCache.to_host``, ``block_scales``): the format decoded, K's
+        rotation undone (exact in float32 up to rounding: the rotation is its own
+        inverse)."""
         if self.fmt == Q4_FORMAT:
-            k, v = dequantize_q4(k_vals, ks), dequantize_q4(v_vals, vs)
+            k, v = dequantize_q4(k_vals, k_scales), dequantize_q4(v_vals, v_scales)
         else:
-            import ml_dtypes
-
-            e4m3 = np.dtype(ml_dtypes.float8_e4m3fn)
             n = self.n_kv
-            k = dequantize_nvfp4(k_vals, ks.view(e4m3), globals_[:n])
-            v = dequantize_nvfp4(v_vals, vs.view(e4m3), globals_[n:])
-        if self.rotate and seq:
+            k = dequantize_nvfp4(k_vals, k_scales, globals_[:n])
+            v = dequantize_nvfp4(v_vals, v_scales, globals_[n:])
+        if self.rotate and k.shape[0]:
             k = hadamard(k)
         return k, v
 

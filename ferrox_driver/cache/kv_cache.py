@@ -23,6 +23,7 @@ from ..decode.checks import (
 from ..decode.fp8 import (
     FP8_DTYPES,
     MIN_COMPUTE_CAPABILITY,
+    ROW_DTYPES,
     check_scales,
 )
 from ..decode.records import Kept
@@ -212,7 +213,10 @@ class KVCache(Appends, Decodes):
             if four == NVFP4_FORMAT:  # its float32 scales per KV head, as an fp8 cache's
                 self.kv_scales = empty((2 * self.n_kv_heads,), np.float32, device=self.device)
                 self.kv_scales.copy_from_host(self._scales, self.stream)
-            self.four_bit = FourBitStore(self, four, rotated)
+            four_bit = self.four_bit = FourBitStore(self, four, rotated)
+            # the fp8 append's staged path serves it (its launches, no by-value one)
+            self._fp8_appends, self._dev_stage = four_bit.appends, four_bit.dev_stage
+            self._fp8_value_appends = dict.fromkeys(ROW_DTYPES)
         elif self.fp8:
             self._init_fp8(slots)
         self.stream.synchronize()
