@@ -23,6 +23,9 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
 // score scale and applied to the output once.
 #define FX_E4M3 1  // Q8: float8_e4m3fn
 #define FX_E5M2 2  // Q8: float8_e5m2
+#define FX_Q4 3  // a q4 cache: nibbles and a float16 scale per FX_Q4_GROUP elements
+#define FX_Q4_GROUP 32
+#define FX_NVFP4 4  // an nvfp4 cache: e2m1 nibbles, an e4m3 scale per 16, a float32 per head
 // (any quantized format, fp8 or 4-bit, is stored as bytes)
 template <class T, int Q8>
 struct FxStore {
@@ -123,26 +126,239 @@ __device__ __forceinline__ FxQ<fx_half, D> fx_load_q8(const QT* q, int h0, int g
     return FxQ<fx_half, D>::of(q_s[g], tig);
 }
 
+// ---- 4-bit caches (Q8 = FX_Q4, FX_NVFP4) on this body: each warp's ring holds its steps'
+// nibbles and block scales as they are (a quarter of a 16-bit ring's bytes per token), and
+// every lane widens the values its mma fragments need in registers: no widening pass, no
+// barrier. A lane reads 8 consecutive elements of a row as one 32-bit word and widens them
+// into the fp16 pairs {e0, e4}, {e1, e5}, {e2, e6}, {e3, e7} (a mask and a magic exponent
+// each: FasterTransformer's and Marlin's trick), so
+//  - K: lane tig takes chunks (8 elements) tig * NKB + kb of rows g and g + 8 (NKB = D / 32:
+//    one 16-byte read a row at head_dim 128), and q is staged in the same order
+//    (fx_load_q4), so the pairs are the mma's k-pairs as they come;
+//  - V: lane g takes chunks g * NHB + hb (NHB = D / 64) of tokens 2tig, 2tig + 1, 2tig + 8,
+//    2tig + 9, so row g of mma i of block hb is element i of its chunk and row g + 8 element
+//    i + 4 (the output's columns in that order: the kernel parks them by their d).
+// Ring rows are placed so that each of these reads takes the fewest shared-memory
+// wavefronts its bytes need (a bank model of every head_dim's reads): K's 16-byte chunk c of
+// row r at c ^ (r & 1) (head_dim 256), V's rows permuted and their chunks XORed (fx_v4_at).
+template <int D>
+__device__ __forceinline__ int fx_k4_at(int r, int c) {  // byte of K's chunk c of row r
+    return r * (D / 2) + ((c ^ (D == 256 ? r & 1 : 0)) << 4);
+}
+template <int D>
+__device__ __forceinline__ int fx_v4_at(int r, int c) {  // byte of V's chunk c of row r
+    const int pr = D == 64 ? r ^ ((r >> 2) & 1) : D == 128 ? r ^ ((r >> 1) & 1) : r;
+    const int f = D == 128 ? ((r >> 2) & 1) << 1 : D == 256 ? ((r >> 1) & 3) << 1 : 0;
+    return pr * (D / 2) + ((c ^ f) << 4);
+}
+// this lane's K words of row r (chunks tig * NKB ..): NKB words
+template <int D>
+__device__ __forceinline__ void fx_k4_words(const unsigned char* ks, int r, int tig,
+                                            unsigned (&w)[D / 32]) {
+    if constexpr (D == 64) {
+        const uint2 x = *reinterpret_cast<const uint2*>(ks + fx_k4_at<D>(r, tig >> 1) +
+                                                        (tig & 1) * 8);
+        w[0] = x.x;
+        w[1] = x.y;
+    } else {
+#pragma unroll
+        for (int h = 0; h < D / 128; ++h) {
+            const uint4 x =
+                *reinterpret_cast<const uint4*>(ks + fx_k4_at<D>(r, tig * (D / 128) + h));
+            w[4 * h] = x.x;
+            w[4 * h + 1] = x.y;
+            w[4 * h + 2] = x.z;
+            w[4 * h + 3] = x.w;
+        }
+    }
+}
+// this lane's V words of token row r (chunks g * NHB ..): NHB words
+template <int D>
+__device__ __forceinline__ void fx_v4_words(const unsigned char* vs, int r, int g,
+                                            unsigned (&w)[D / 64]) {
+    if constexpr (D == 64) {
+        w[0] = *reinterpret_cast<const unsigned*>(vs + fx_v4_at<D>(r, g >> 2) + (g & 3) * 4);
+    } else if constexpr (D == 128) {
+        const uint2 x =
+            *reinterpret_cast<const uint2*>(vs + fx_v4_at<D>(r, g >> 1) + (g & 1) * 8);
+        w[0] = x.x;
+        w[1] = x.y;
+    } else {
+        const uint4 x = *reinterpret_cast<const uint4*>(vs + fx_v4_at<D>(r, g));
+        w[0] = x.x;
+        w[1] = x.y;
+        w[2] = x.z;
+        w[3] = x.w;
+    }
+}
+// the block scale of chunk c (8 elements) of a row (`sc`: its scale bytes) as an fp16 pair
+template <int Q8>
+__device__ __forceinline__ unsigned fx_scale4(const unsigned char* sc, int c) {
+    if constexpr (Q8 == FX_Q4) {
+        return (unsigned)reinterpret_cast<const unsigned short*>(sc)[c * 8 / FX_Q4_GROUP] *
+               0x10001u;
+    } else {
+        unsigned s2;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(s2) : "h"((unsigned short)(sc[c >> 1] * 0x101u)));
+        return s2;
+    }
+}
+// a word's 8 elements (element e in bits 4e .. 4e + 3) widened into r[i] = {e_i, e_i+4},
+// times the block scale s2: q4 (nibble - 8) x scale (0x6400 | n is 1024 + n: the
+// subtraction is exact, the product rounded once); nvfp4 e2m1 (magnitudes 0, 0.5, 1, 1.5,
+// 2, 3, 4, 6 as fp16 high bytes looked up by prmt, bit 3 the sign) x scale, exact.
+template <int Q8>
+__device__ __forceinline__ void fx_widen4(unsigned w, unsigned s2, unsigned (&r)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned t = w >> (4 * i);
+        if constexpr (Q8 == FX_Q4) {
+            const unsigned h = (t & 0x000f000fu) | 0x64006400u;
+            asm("{.reg .b32 t;\n sub.f16x2 t, %1, %2;\n mul.rn.f16x2 %0, t, %3;}"
+                : "=r"(r[i]) : "r"(h), "r"(0x64086408u), "r"(s2));
+        } else {
+            const unsigned m = t & 0x00070007u;  // the magnitudes' indexes, selector nibbles 1, 3
+            const unsigned mag = __byte_perm(0x3e3c3800u, 0x46444240u, (m << 4) | (m >> 4));
+            const unsigned h = mag | ((t << 12) & 0x80008000u);
+            asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r[i]) : "r"(h), "r"(s2));
+        }
+    }
+}
+template <int D>
+struct FxStages4 {
+    static constexpr int value =
+        D == 64 ? FX_STAGES4_D64 : D == 128 ? FX_STAGES4_D128 : FX_STAGES4_D256;
+};
+// One warp's ring of a 4-bit cache: S steps of 16 tokens, each [K values][V values]
+// [K scales][V scales] (rows of D / 2 and D / 16 bytes), the block's WARPS warps taking
+// turns as FxWarpRing's do; one commit group per step, even an empty one.
+template <int D, int S, int WARPS>
+struct FxRing4 {
+    static constexpr int RB = D / 2, SCB = D / 16, KCH = RB / 16;
+    static constexpr int STEP_B = 2 * 16 * (RB + SCB);
+    unsigned char* ring;
+    const unsigned char *kg, *vg, *ksg, *vsg;  // the block's KV head at token 0
+    long long row, srow;                       // bytes token to token: values, scales
+    int start, end, warp, lane;
+    __device__ __forceinline__ int t0(int j) const {
+        return start + warp * 16 + j * (WARPS * 16);
+    }
+    __device__ __forceinline__ const unsigned char* stage(int j) const {
+        return ring + (j % S) * STEP_B;
+    }
+    __device__ __forceinline__ void issue(int j) const {
+        const int t = t0(j);
+        if (t < end) {
+            unsigned char* st = ring + (j % S) * STEP_B;
+#pragma unroll
+            for (int n = 0; n < 16 * KCH / 32; ++n) {
+                const int i = n * 32 + lane, r = i / KCH, c = i % KCH;
+                const bool ok = t + r < end;
+                const long long off = (long long)(ok ? t + r : start) * row + c * 16;
+                fx_cp_async16(st + fx_k4_at<D>(r, c), kg + off, ok);
+                fx_cp_async16(st + 16 * RB + fx_v4_at<D>(r, c), vg + off, ok);
+            }
+            const int r = lane & 15;  // lanes 0-15: K's scales, 16-31: V's
+            const bool ok = t + r < end;
+            const long long off = (long long)(ok ? t + r : start) * srow;
+            fx_cp_async_small<SCB>(st + 32 * RB + (lane >> 4) * 16 * SCB + r * SCB,
+                                   (lane < 16 ? ksg : vsg) + off, ok);
+        }
+        fx_cp_async_commit();
+    }
+};
+template <int D, int S, int WARPS>
+__device__ __forceinline__ FxRing4<D, S, WARPS> fx_ring4(unsigned char* smem,
+                                                         const unsigned char* k,
+                                                         const unsigned char* v,
+                                                         const unsigned char* k_sc,
+                                                         const unsigned char* v_sc, int g_kv,
+                                                         int n_kv_heads, int start, int end,
+                                                         int warp, int lane) {
+    using R = FxRing4<D, S, WARPS>;
+    const R r{smem + warp * S * R::STEP_B, k + (long long)g_kv * R::RB,
+              v + (long long)g_kv * R::RB, k_sc + (long long)g_kv * R::SCB,
+              v_sc + (long long)g_kv * R::SCB, (long long)n_kv_heads * R::RB,
+              (long long)n_kv_heads * R::SCB, start, end, warp, lane};
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) r.issue(j);
+    return r;
+}
+// q for a 4-bit cache's fp16 mmas: as fx_load_q8 (each head's power of two), rotated first
+// in float32 where K was (R, as the rows kernel does), staged in the order fx_widen4 gives
+// K's elements: chunk c = tig * NKB + kb of head j, element e, at q_s[j][kb * 32 + tig * 8 +
+// 2 (e & 3) + (e >> 2)], which FxQ reads as column (kb, tig).
+template <int D, int THREADS, int R, class QT>
+__device__ __forceinline__ FxQ<fx_half, D> fx_load_q4(const QT* q, int h0, int group, int g,
+                                                      int tig, float& mul_a, float& mul_b) {
+    __shared__ __align__(16) fx_half q_s[8][D + 8];
+    __shared__ int q_top[8];  // the bits of each head's largest |q|
+    constexpr int E = D / 32, NKB = D / 32;
+    const int lane = threadIdx.x & 31;
+    for (int j = threadIdx.x >> 5; j < 8; j += THREADS / 32) {  // a warp per head
+        const bool ok = j < group;
+        const QT* qj = q + (long long)(ok ? h0 + j : h0) * D + lane * E;
+        float x[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = ok ? fx_to_float(qj[e]) : 0.f;
+        if constexpr (R != 0) fx_hadamard_lanes<E>(x, lane, D, fx_inv_sqrt<D>());
+        float top = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) top = fmaxf(top, fabsf(x[e]));
+        top = fx_lanes_max<1, 32>(top);
+        const float down = __int_as_float((127 - fx_q8_shift(__float_as_int(top))) << 23);
+        if (lane == 0) q_top[j] = __float_as_int(top);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int d = lane * E + e, c = d >> 3, el = d & 7;
+            q_s[j][(c % NKB) * 32 + (c / NKB) * 8 + 2 * (el & 3) + (el >> 2)] =
+                fx_from_float<fx_half>(x[e] * down);
+        }
+    }
+    __syncthreads();
+    mul_a = __int_as_float((127 + fx_q8_shift(q_top[2 * tig])) << 23);
+    mul_b = __int_as_float((127 + fx_q8_shift(q_top[2 * tig + 1])) << 23);
+    return FxQ<fx_half, D>::of(q_s[g], tig);
+}
+// (a type by a compile-time choice)
+template <bool C, class A, class B>
+struct FxPick {
+    using type = A;
+};
+template <class A, class B>
+struct FxPick<false, A, B> {
+    using type = B;
+};
+
 template <int F, int Q8>
 __device__ __forceinline__ FxScore<F> fx_folded(FxScore<F> sc, float f) {
     if (Q8) sc.fold(f);
     return sc;
 }
 
+// Q8 = FX_Q4, FX_NVFP4: a 4-bit cache (k_sc / v_sc its block scales as bytes, nvfp4's per
+// head in kv_scales; fx_widen4), R: K was rotated on append and q is here (fx_load_q4).
 template <class T, int D, bool CLUSTER, int WARPS, int DR = D, int TILED = 0, int F = 0,
-          int PAIR = 1, int Q8 = 0, class QT = T>
+          int PAIR = 1, int Q8 = 0, class QT = T, int R = 0>
 __device__ __forceinline__ void gqa_split_mma_swapped(
     const QT* __restrict__ q, const typename FxStore<T, Q8>::type* __restrict__ k,
     const typename FxStore<T, Q8>::type* __restrict__ v, float* __restrict__ ws_o,
     float* __restrict__ ws_ml, QT* __restrict__ out, int n_heads, int n_kv_heads, int seq_len,
     const int* __restrict__ seq_len_dev, int splits, int tile, const FxFeat feat = FxFeat{},
-    const float* __restrict__ kv_scales = nullptr) {
+    const float* __restrict__ kv_scales = nullptr,
+    const unsigned char* __restrict__ k_sc = nullptr,
+    const unsigned char* __restrict__ v_sc = nullptr) {
     using KT = typename FxStore<T, Q8>::type;  // the cache's element
-    // (an fp8 ring: twice the kernel's steps of bytes; a pair's: the kernel's)
-    constexpr int S = Q8 ? 2 * FxStages<D>::value : FxStages<D, PAIR == 1 ? DR : D>::value;
+    constexpr bool Q4 = Q8 == FX_Q4, NIB = Q4 || Q8 == FX_NVFP4;  // (NIB: 4-bit values)
+    static_assert(!NIB || (DR == D && PAIR == 1), "4-bit: the kernel's own head_dim");
+    // (an fp8 ring: twice the kernel's steps of bytes; a pair's: the kernel's; 4-bit: its own)
+    constexpr int S = NIB ? FxStages4<D>::value
+                      : Q8 ? 2 * FxStages<D>::value
+                           : FxStages<D, PAIR == 1 ? DR : D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;  // elements of one step's K (or V)
-    constexpr int RING = WARPS * S * 2 * STEP * (int)sizeof(KT);
+    constexpr int RING = NIB ? WARPS * S * FxRing4<D, S, WARPS>::STEP_B
+                             : WARPS * S * 2 * STEP * (int)sizeof(KT);
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
     FxTcBlock blk;  // this block's chunk, KV head and query heads
@@ -151,8 +367,14 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;  // mma fragment coordinates: lane = 4g + tig
-    const auto wr = fx_warp_ring<KT, D, 16, S, WARPS, DR, F>(
-        fx_dyn_smem, k, v, blk.g_kv, n_kv_heads, feat.head_stride, blk.start, blk.end, warp, lane);
+    typename FxPick<NIB, FxRing4<D, S, WARPS>, FxWarpRing<KT, D, 16, S, WARPS, DR>>::type wr;
+    if constexpr (NIB)
+        wr = fx_ring4<D, S, WARPS>(fx_dyn_smem, k, v, k_sc, v_sc, blk.g_kv, n_kv_heads,
+                                   blk.start, blk.end, warp, lane);
+    else
+        wr = fx_warp_ring<KT, D, 16, S, WARPS, DR, F>(fx_dyn_smem, k, v, blk.g_kv, n_kv_heads,
+                                                      feat.head_stride, blk.start, blk.end,
+                                                      warp, lane);
 
     // TILED = 2, 4 (a verify's rows): NT = TILED tiles of 8 heads, tile u's heads h0 + 8u
     // .., each K and V fragment read once for every tile's mmas
@@ -173,14 +395,16 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     for (int u = 0; u < NT; ++u) {
         q_mul_a[u] = q_mul_b[u] = 1.f;
         if (u) __syncthreads();  // (the staging is reused: every warp has read tile u - 1's)
-        if constexpr (Q8 != 0)
+        if constexpr (NIB)
+            qf[u] = fx_load_q4<D, THREADS, R>(q, h0[u], group[u], g, tig, q_mul_a[u], q_mul_b[u]);
+        else if constexpr (Q8 != 0)
             qf[u] = fx_load_q8<D, THREADS, DR>(q, h0[u], group[u], g, tig, q_mul_a[u], q_mul_b[u]);
         else
             qf[u] = fx_load_q<T, D, THREADS, DR, PAIR>(q, h0[u], group[u], g, tig, a_heads);
     }
 
     // heads 2tig (a) and 2tig + 1 (b); Q8: the K scale and q's folded in
-    const float k_scale = Q8 ? kv_scales[blk.g_kv] : 1.f;
+    const float k_scale = Q8 && !Q4 ? kv_scales[blk.g_kv] : 1.f;  // (nvfp4: the head's)
     FxScore<F> sca[NT], scb[NT];
 #pragma unroll
     for (int u = 0; u < NT; ++u) {
@@ -209,8 +433,15 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         fx_cp_async_wait<S - 1>();
         __syncwarp();
         const int t0 = wr.t0(j);
-        const KT* ks = wr.k_stage(j);
-        const KT* vs = ks + STEP;
+        const KT* ks;
+        const KT* vs;
+        if constexpr (NIB) {
+            ks = wr.stage(j);
+            vs = ks + 16 * (D / 2);
+        } else {
+            ks = wr.k_stage(j);
+            vs = ks + STEP;
+        }
         // ---- S^T = K Q^T: rows = tokens t0 + g (c0, c1) and t0 + g + 8 (c2, c3), columns
         // = heads 2tig, 2tig + 1; two chains (the 16-byte reads' halves)
         float s[NT][4], s2[NT][4];
@@ -218,8 +449,30 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         for (int u = 0; u < NT; ++u)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[u][e] = s2[u][e] = 0.f;
+        if constexpr (NIB) {  // this lane's words of rows g and g + 8, widened per chunk
+            constexpr int NKB = D / 32;
+            const unsigned char* ksc = ks + 32 * (D / 2);  // K's scales, then V's
+            unsigned wa[NKB], wc[NKB];
+            fx_k4_words<D>(ks, g, tig, wa);
+            fx_k4_words<D>(ks, g + 8, tig, wc);
 #pragma unroll
-        for (int kb = 0; kb < D / 32; ++kb) {
+            for (int kb = 0; kb < NKB; ++kb) {
+                const int c = tig * NKB + kb;
+                unsigned ka[4], kc[4];
+                fx_widen4<Q8>(wa[kb], fx_scale4<Q8>(ksc + g * (D / 16), c), ka);
+                fx_widen4<Q8>(wc[kb], fx_scale4<Q8>(ksc + (g + 8) * (D / 16), c), kc);
+#pragma unroll
+                for (int u = 0; u < NT; ++u) {
+                    const uint4 qv = qf[u].at(kb, tig);
+                    FxMma<T>::run(s[u][0], s[u][1], s[u][2], s[u][3], ka[0], kc[0], ka[1], kc[1],
+                                  qv.x, qv.y);
+                    FxMma<T>::run(s2[u][0], s2[u][1], s2[u][2], s2[u][3], ka[2], kc[2], ka[3],
+                                  kc[3], qv.z, qv.w);
+                }
+            }
+        }
+#pragma unroll
+        for (int kb = 0; kb < (NIB ? 0 : D / 32); ++kb) {
             const int cg = (kb * 4 + tig) ^ ((g & 1) << 2);  // rows g and g + 8: same parity
             const int c8 = (kb * 4 + tig) >> 1, h8 = (tig & 1) * 8;  // (Q8: half a chunk)
             const int k8 = ((c8 ^ fx_swz_k<KT, D>(g)) << 4) + h8;  // (g, g + 8: same swizzle)
@@ -257,8 +510,42 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         }
         // ---- O^T = O^T * alpha + V^T P^T; this lane's V rows are 2tig, 2tig+1, 2tig+8,
         // 2tig+9, at d = hb*64 + g*8 .. +8 (rows g and g + 8 of the mma: elements 2i, 2i+1)
+        if constexpr (NIB) {  // (4-bit: chunk g * NHB + hb, rows g and g + 8: elements i, i + 4)
+            constexpr int NHB = D / 64;
+            const unsigned char* vsc = reinterpret_cast<const unsigned char*>(ks) +
+                                       32 * (D / 2) + 16 * (D / 16);  // V's scales
+            unsigned w4[4][NHB];  // tokens 2tig, 2tig + 1, 2tig + 8, 2tig + 9
 #pragma unroll
-        for (int hb = 0; hb < D / 64; ++hb) {
+            for (int e = 0; e < 4; ++e) fx_v4_words<D>(vs, 2 * tig + (e & 1) + (e >> 1) * 8, g, w4[e]);
+#pragma unroll
+            for (int hb = 0; hb < NHB; ++hb) {
+                unsigned r4[4][4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int tok = 2 * tig + (e & 1) + (e >> 1) * 8;
+                    fx_widen4<Q8>(w4[e][hb], fx_scale4<Q8>(vsc + tok * (D / 16), g * NHB + hb),
+                                  r4[e]);
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const unsigned a0 = __byte_perm(r4[0][i], r4[1][i], 0x5410u);  // element i
+                    const unsigned a1 = __byte_perm(r4[0][i], r4[1][i], 0x7632u);  // i + 4
+                    const unsigned a2 = __byte_perm(r4[2][i], r4[3][i], 0x5410u);
+                    const unsigned a3 = __byte_perm(r4[2][i], r4[3][i], 0x7632u);
+#pragma unroll
+                    for (int u = 0; u < NT; ++u) {
+                        float* o = oacc[u][hb][i];
+                        o[0] *= alpha_a[u];
+                        o[1] *= alpha_b[u];
+                        o[2] *= alpha_a[u];
+                        o[3] *= alpha_b[u];
+                        FxMma<T>::run(o[0], o[1], o[2], o[3], a0, a1, a2, a3, pb0[u], pb1[u]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int hb = 0; hb < (NIB ? 0 : D / 64); ++hb) {
             const int c = (hb * 8 + g) ^ (tig * 2);
             // (Q8: rows 2tig, 2tig + 1, + 8, + 9 share the swizzle)
             const int v8 = ((((hb * 8 + g) >> 1) ^ fx_swz_v<KT, D>(tig * 2)) << 4) + (g & 1) * 8;
@@ -294,7 +581,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         __syncwarp();
     }
     fx_cp_async_wait<0>();
-    if (Q8) {  // the V scale, once
+    if (Q8 && !Q4) {  // the V scale, once (nvfp4: the head's)
         const float v_scale = kv_scales[n_kv_heads + blk.g_kv];
 #pragma unroll
         for (int u = 0; u < NT; ++u)
@@ -344,8 +631,10 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                 for (int i = 0; i < 4; ++i)
 #pragma unroll
                     for (int c = 0; c < 4; ++c) {
-                        const int slot = hb * 16 + (g >> 2) * 8 + 2 * i + (c >> 1);
-                        const int ln = 4 * (2 * tig + (c & 1)) + (g & 3);
+                        int slot = hb * 16 + (g >> 2) * 8 + 2 * i + (c >> 1), t = g & 3;
+                        if constexpr (NIB)  // (this accumulator's column, parked where it goes)
+                            where((g * (D / 64) + hb) * 8 + i + 4 * (c >> 1), slot, t);
+                        const int ln = 4 * (2 * tig + (c & 1)) + t;
                         o_f[(warp * SLOTS + slot) * FX_OPAD + ln] = oacc[u][hb][i][c];
                     }
         };
@@ -517,6 +806,35 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
         gqa_split_mma_swapped<fx_half, 128, true, FX_WIDE_WARPS, 128, false, F, 1, Q8, QT>(  \
             q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
             splits, tile, feat, kv_scales);                                                 \
+    }
+
+// A 4-bit cache (Q8: FX_Q4 or FX_NVFP4; values: nibbles [token][n_kv_heads][D / 2];
+// k_scales / v_scales: its block scales [token][n_kv_heads][...] as bytes, q4 float16 per 32,
+// nvfp4 e4m3 per 16; kv_scales: nvfp4's float32 per KV head, K's then V's, unread for q4)
+// with q and the output of type QT, FX_WARPS4_D<D> warps, R: K rotated on append:
+// gqa_split_mma_<dt>_<q4|nvfp4>[r]_d<D>[_t2]_x<F> and its _cluster twin.
+#define FX_MMA4_KERNELS(NAME, QT, Q8, D, TILED, F, R)                                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS4_D##D * 32, 1) NAME(              \
+        const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
+        float* ws_ml, int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev,     \
+        int splits, int tile, const float* kv_scales, const unsigned char* k_scales,        \
+        const unsigned char* v_scales, float scale, float cap, int window,                  \
+        const float* slopes, long long head_stride) {                                       \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
+        gqa_split_mma_swapped<fx_half, D, false, FX_WARPS4_D##D, D, TILED, F, 1, Q8, QT, R>( \
+            q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
+            splits, tile, feat, kv_scales, k_scales, v_scales);                             \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS4_D##D * 32, 1) NAME##_cluster(    \
+        const QT* q, const unsigned char* k, const unsigned char* v, QT* out, int n_heads,  \
+        int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile,          \
+        const float* kv_scales, const unsigned char* k_scales,                              \
+        const unsigned char* v_scales, float scale, float cap, int window,                  \
+        const float* slopes, long long head_stride, const float* sinks, float* lse) {       \
+        const FxFeat feat{scale, cap, window, slopes, sinks, lse, head_stride};             \
+        gqa_split_mma_swapped<fx_half, D, true, FX_WARPS4_D##D, D, TILED, F, 1, Q8, QT, R>(  \
+            q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
+            splits, tile, feat, kv_scales, k_scales, v_scales);                             \
     }
 
 #ifndef FX_SELECTED

@@ -48,6 +48,15 @@ __device__ __forceinline__ void fx_cp_async8(void* dst, const void* src, bool ok
                  "r"(ok ? 8 : 0)
                  : "memory");
 }
+// 4, 8 or 16 bytes global -> shared (a 4-bit step's scales); ok == false writes zeros
+template <int N>
+__device__ __forceinline__ void fx_cp_async_small(void* dst, const void* src, bool ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(N),
+                 "r"(ok ? N : 0)
+                 : "memory");
+}
+
 template <class T, int D, int TOK, int S, int DR = D>
 __device__ __forceinline__ void fx_issue_step(T* ring, int j, int t0, int start, int end,
                                               int lane, const T* kg, const T* vg,

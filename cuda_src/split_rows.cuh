@@ -59,9 +59,6 @@ struct FxRowsStages {
         D == 64 ? FX_ROWS_STAGES_D64 : D == 128 ? FX_ROWS_STAGES_D128 : FX_ROWS_STAGES_D256;
 };
 
-#define FX_Q4 3  // a q4 cache: nibbles and a float16 scale per FX_Q4_GROUP elements
-#define FX_Q4_GROUP 32
-#define FX_NVFP4 4  // an nvfp4 cache: e2m1 nibbles, an e4m3 scale per 16, a float32 per head
 // 16-byte chunk c (elements 8c .. 8c + 7) of a q4 row (`nib`: its D / 2 bytes; `sc`: its
 // D / FX_Q4_GROUP float16 scales, as bytes) as fp16: (nibble - 8) exactly (0x6400 | n is
 // 1024 + n), times the group's scale (rounded once, to fp16).
@@ -111,15 +108,6 @@ template <class QT>
 struct FxRowsMma<QT, 0> {
     using type = QT;
 };
-
-// 4 or 8 bytes global -> shared (a q4 step's scales); ok == false writes zeros
-template <int N>
-__device__ __forceinline__ void fx_cp_async_small(void* dst, const void* src, bool ok) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(N),
-                 "r"(ok ? N : 0)
-                 : "memory");
-}
 
 // Q8: 0 (q's dtype), FX_E4M3, FX_E5M2, FX_Q4 or FX_NVFP4 (k_sc / v_sc: the 4-bit formats'
 // scales per block, as bytes; nvfp4's per head in kv_scales); R: q rotated (K was)

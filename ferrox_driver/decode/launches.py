@@ -209,6 +209,35 @@ def plan_split(
     return found
 
 
+_four_bit_plans: dict[tuple[Any, ...], SplitPlan | None] = {}
+
+
+def plan_four_bit(
+    device: Device, dtype: Any, n_heads: int, n_kv_heads: int, head_dim: int, plan_seq: int,
+    aligned: bool, features: int, fmt: str, rotate: bool,
+) -> SplitPlan | None:  # fmt: skip
+    """A 4-bit cache's one-query split plan (``plan.four_bit_plan``) on ``device``, or None
+    where its kernels do not take the call (the rows kernel does); its kernels loaded,
+    memoised like ``plan_split``."""
+    overrides = planner.OVERRIDES
+    key = (device.context_handle, np.dtype(dtype), n_heads, n_kv_heads, head_dim, plan_seq,
+           aligned, features, fmt, rotate, overrides)  # fmt: skip
+    if key in _four_bit_plans:
+        return _four_bit_plans[key]
+    if len(_four_bit_plans) >= _MAX_PLANS:
+        _four_bit_plans.clear()
+    found = _four_bit_plans[key] = planner.four_bit_plan(
+        device_traits(device), dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned,
+        features, fmt, rotate, overrides,
+    )  # fmt: skip
+    if found is not None:
+        split_kernel(found.spec, device)
+        combine = found.combine_spec(dtype)
+        if combine is not None:
+            split_kernel(combine, device)
+    return found
+
+
 _rows_plans: dict[tuple[Any, ...], RowsPlan | None] = {}
 
 
@@ -339,23 +368,32 @@ def split_launches(
     seq_len_dev: DeviceArray | None,
     features: FeatureArgs | None = None,
     kv_scales: DeviceArray | None = None,
+    q4_scales: tuple[DeviceArray, DeviceArray] | None = None,
 ) -> list[Launch]:
     """The launches of a split decode in order: the split kernel of ``plan``, then (unless
     it is a cluster plan, whose split kernel writes ``out``) the kernel combining its
     chunks, launched early. A plan with features takes their values from ``features``.
+    ``kv_scales``: an fp8 cache's, an nvfp4 cache's per KV head; ``q4_scales``: a 4-bit
+    cache's K and V block scales.
 
     Raises:
         ValueError: a combine plan without ``workspace``, or with features and no
-            ``features``.
+            ``features``; a plan without the scales its cache has.
     """
     if plan.features and features is None:
         raise ValueError("features: the plan has features compiled in; pass their values")
-    if plan.fp8 and kv_scales is None:
-        raise ValueError("kv_scales: an fp8 plan reads the cache's scales")
-    # the split kernel's last arguments: an fp8 plan's scales, and with features (an fp8
-    # plan's kernels take every feature's value, its own or not) their values
+    four_bit = plan.fp8 in FOUR_BIT_FORMATS
+    if four_bit and q4_scales is None:
+        raise ValueError("q4_scales: a 4-bit plan reads the cache's block scales")
+    if plan.fp8 and plan.fp8 != Q4_FORMAT and kv_scales is None:
+        raise ValueError("kv_scales: an fp8 or nvfp4 plan reads the cache's scales")
+    # the split kernel's last arguments: an fp8 plan's scales (a 4-bit plan's: the per head
+    # ones, unread for q4, then the block scales), and with features (an fp8 plan's kernels
+    # take every feature's value, its own or not) their values
     values = (features or FeatureArgs(scale=head_dim**-0.5)) if plan.features or plan.fp8 else None
-    fp8_args: tuple[Any, ...] = (kv_scales,) if plan.fp8 else ()
+    fp8_args: tuple[Any, ...] = (
+        (kv_scales, *(q4_scales or ())) if four_bit else (kv_scales,) if plan.fp8 else ()
+    )
     launch_kv = n_kv_heads // 2 if plan.paired else n_kv_heads  # paired: KV heads of 2 rows
     heads = (np.int32(n_heads), np.int32(launch_kv))
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)

@@ -136,6 +136,9 @@ class Overrides:
             2 measured 1.1-1.4x faster than 1 at every point of benchmarks/kv4_speed.py
             (q4, H100); 4 faster still at 4096 tokens and head_dim 256, slower at 32768+
             on 32/8/128 and 28/4/128.
+        four_bit_split: a 4-bit cache's one-query decodes on the swapped split kernels
+            (``four_bit_plan``, widened in registers) where they take the call
+            (``FERROX_FOUR_BIT_SPLIT=0``: the rows kernel, as before them).
     """
 
     heads_per_block: int = 4
@@ -150,6 +153,7 @@ class Overrides:
     verify_rows: bool = True
     rows_min_chunk: int = 0
     rows4_warps: int = 2
+    four_bit_split: bool = True
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -172,6 +176,7 @@ class Overrides:
             verify_rows=on("FERROX_VERIFY_ROWS"),
             rows_min_chunk=int(env.get("FERROX_ROWS_MIN_CHUNK", "0")),
             rows4_warps=int(env.get("FERROX_ROWS4_WARPS", "2")),
+            four_bit_split=on("FERROX_FOUR_BIT_SPLIT"),
         )
 
 
@@ -269,7 +274,11 @@ class SplitPlan:
             return 0
         head_dim = self.kernel_head_dim or head_dim
         steps = max(self.stages, self.reserve_stages)  # see MMA_RESERVE_STAGES
-        ring = (self.threads // 32) * steps * self.step_tokens * 2 * head_dim * itemsize
+        if self.fp8 in FOUR_BIT_FORMATS:  # (a step: nibbles and a scale byte per 16)
+            step = self.step_tokens * 2 * (head_dim // 2 + head_dim // 16)
+        else:
+            step = self.step_tokens * 2 * head_dim * itemsize
+        ring = (self.threads // 32) * steps * step
         return ring + (cluster_recv_bytes(head_dim) if self.cluster else 0)
 
 
@@ -306,6 +315,11 @@ def fitting(
         plan = dataclasses.replace(plan, reserve_stages=plan.reserve_stages - 1)
     return plan
 
+
+# A 4-bit cache's swapped split kernels (gqa_split_mma_<dt>_<q4|nvfp4>): warps and ring
+# steps by head_dim (the traits' FX_WARPS4_D<D>, FX_STAGES4_D<D>)
+FOUR_BIT_WARPS = {d: kernel_define(f"FX_WARPS4_D{d}") for d in MMA_HEAD_DIMS}
+FOUR_BIT_STAGES = {d: kernel_define(f"FX_STAGES4_D{d}") for d in MMA_HEAD_DIMS}
 
 # The tensor-core kernels' shape by head_dim: warps per block and each warp's ring of
 # steps (one fewer are in flight), for fp16/bf16 (FxWarps/FxStages, 16-token steps) and
@@ -508,6 +522,39 @@ def _fp8_plan(
     return dataclasses.replace(found, spec=found.spec.but(fp8=fp8, features=features), stages=own)
 
 
+def four_bit_plan(
+    traits: DeviceTraits, dtype: Any, n_heads: int, n_kv_heads: int, head_dim: int,
+    plan_seq: int, aligned: bool, features: int, fmt: str, rotate: bool = False,
+    overrides: Overrides | None = None,
+) -> SplitPlan | None:  # fmt: skip
+    """The split plan of a 4-bit cache's one-query decode on the swapped split kernels
+    (``fmt`` "q4" or "nvfp4", K rotated where ``rotate``), or None where they do not take
+    it (the rows kernel does: ``rows_plan``): fp32 q, head_dims other than 64/128/256,
+    groups past 16, a head-major cache, arrays not 16-byte aligned, GPUs before compute
+    capability 8.0 (8.9 for nvfp4's e4m3 scales), a ring past a block's shared memory, or
+    ``overrides.four_bit_split`` off. Chunks fill one wave of resident blocks, merged on
+    chip where the clusters fit, as ``plan``'s fp16/bf16 tensor-core plans are."""
+    ov = OVERRIDES if overrides is None else overrides
+    name = kernel_dtype(dtype)
+    group = n_heads // n_kv_heads
+    if not ov.four_bit_split or name == "f32" or not aligned or features & F_HND:
+        return None
+    if head_dim not in MMA_HEAD_DIMS or group > 16 or fmt not in FOUR_BIT_FORMATS:
+        return None
+    least = FP8_FROM if fmt == NVFP4_FORMAT else TENSOR_CORES_FROM
+    if traits.compute_capability < least:
+        return None
+    tiles = -(-group // 8)
+    spec = KernelSpec("mma", name, head_dim, tiles=tiles, fp8=fmt, rotate=rotate,
+                      features=features)  # fmt: skip
+    chosen = fitting(traits, head_dim, 2, SplitPlan(
+        spec, tiles, 32, 1, 32 * FOUR_BIT_WARPS[head_dim], TILE, FOUR_BIT_STAGES[head_dim], 16,
+    ))  # fmt: skip
+    if chosen is None:
+        return None
+    return _splits_and_clusters(traits, chosen, n_kv_heads, group, head_dim, plan_seq, 2, ov)
+
+
 VERIFY_WIDE_FROM = 16384  # a verify's split blocks take up to 32 rows from here (else 16)
 
 
@@ -604,7 +651,22 @@ def _plan(
     wide = wide_plan(traits, chosen, name, n_kv_heads, group, head_dim, seq, ov)
     if wide is not None:
         return wide
-    splits = min(most, -(-seq // tile))
+    return _splits_and_clusters(traits, chosen, n_kv_heads, group, head_dim, seq, itemsize, ov)
+
+
+def _splits_and_clusters(
+    traits: DeviceTraits, chosen: SplitPlan, n_kv_heads: int, group: int, head_dim: int,
+    seq: int, itemsize: int, ov: Overrides,
+) -> SplitPlan:  # fmt: skip
+    """The fp16/bf16 tensor-core plan ``chosen`` with its chunks: as many per KV head as
+    fill one wave of resident blocks (and no more than ``seq`` tokens need), merged on chip
+    where the clusters fit and exchange at most the Tuning's ``cluster_max_exchange``
+    floats, else by the combine kernel."""
+    spec, tiles, tile, threads = chosen.spec, chosen.head_tiles, chosen.tile, chosen.threads
+    shared = chosen.shared_bytes(head_dim, itemsize)
+    wave = traits.blocks_per_sm(spec, threads, shared) * traits.multiprocessor_count
+    most = max(1, min(wave // (n_kv_heads * tiles), MAX_SPLITS))
+    splits = min(most, -(-max(seq, 1) // tile))
     # (the cluster entry's receive area comes past the launch's reserve: where both do not
     # fit a block, the reserve gives way, down to the ring)
     clustered = fitting(traits, head_dim, itemsize, dataclasses.replace(
@@ -612,7 +674,7 @@ def _plan(
     ))  # fmt: skip
     exchange = splits * min(group, 8) * head_dim  # floats one cluster (a head tile) merges
     if (
-        clustered is not None and exchange <= tuning.cluster_max_exchange
+        clustered is not None and exchange <= traits.tuning.cluster_max_exchange
         and clusters_fit(
             traits, clustered.spec, splits, n_kv_heads * tiles, threads,
             clustered.shared_bytes(head_dim, itemsize), ov,

@@ -31,6 +31,7 @@ from .launches import (
     TAIL_FEATURES,
     allocate_scratch,
     parity_launches,
+    plan_four_bit,
     plan_rows,
     plan_split,
     rows_launches,
@@ -331,7 +332,8 @@ def launches_for(
     ``n_q`` > 1: a verify of n_q queries (`launches.verify_launches`; ``mask``/``mask_mode``
     its tree mask), planned for n_q x n_heads rows over ``plan_seq`` - n_q tokens. ``fp8``
     "q4" or "nvfp4" (a 4-bit cache, ``q4_scales`` its block scales, an nvfp4 cache's per
-    head ``kv_scales``, K rotated where ``rotate``): the rows kernel, whatever n_q.
+    head ``kv_scales``, K rotated where ``rotate``): one query on the swapped split kernels
+    where they take it (``launches.plan_four_bit``), else the rows kernel.
 
     Raises:
         ValueError: a 4-bit decode the rows kernel does not take (a head_dim other than
@@ -339,6 +341,19 @@ def launches_for(
     """
     dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
     four_bit = fp8 in FOUR_BIT_FORMATS
+    if four_bit and n_q == 1 and algorithm != "parity":  # the swapped split kernels, if they can
+        qdt = q.dtype if dtype is None else dtype
+        split4 = plan_four_bit(q.device, qdt, n_heads, n_kv_heads, head_dim, max(1, plan_seq),
+                               aligned, bits, fp8, rotate)  # fmt: skip
+        if split4 is not None:
+            floats = split4.workspace_floats(n_heads, head_dim)
+            made = (workspace(floats) if floats else None) if callable(workspace) else workspace
+            launches = split_launches(
+                split4, q, k, v, out, made, **dims, seq_len=seq_len, seq_len_dev=seq_len_dev,
+                features=features, kv_scales=kv_scales,
+                q4_scales=q4_scales,
+            )  # fmt: skip
+            return launches, made
     if n_q > 1 or four_bit:
         if algorithm == "parity":
             what = "a 4-bit cache" if four_bit else "a decode of several queries"

@@ -10,14 +10,16 @@ The names, as they have been since the kernels were first cached on disk:
     gqa_split_tc32_f32_d<D>[_x<F>][_cluster]                      fp32 on tensor cores
     gqa_split_mma_<dt>[_<fp8>]_d<D>[_r<DR>][_wide][_p2][_t2[b<2|4>]][_x<F>][_cluster]
                                                                   fp16/bf16 on tensor cores
+    gqa_split_mma_<dt>_<q4|nvfp4>[r]_d<D>[_t2]_x<F>[_cluster]    ... over a 4-bit cache
     gqa_split_combine_<dt>[_x<F>]                                 merges the chunks
     gqa_verify_tail_<dt>[_<fp8>]_x<F>, gqa_verify_combine_<dt>_x<F>  a verify's tail, combine
     gqa_verify_rows_<dt>[_<fp8>]_d<D>_w<RW>_x<F>                  a verify's rows kernel
     gqa_verify_rows_combine_<dt>_x<F>                             ... and its combine
     gqa_decode_<dt>                                               the parity kernel
 
-(an fp8 cache's kernels always carry ``_x<F>``, F = 0 included). No driver import: the
-planner and its tests build specs on a machine without a GPU.
+(an fp8 or 4-bit cache's kernels always carry ``_x<F>``, F = 0 included; ``r``: K
+rotated). No driver import: the planner and its tests build specs on a machine without a
+GPU.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ KERNEL_DTYPE_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 ENTRY_TYPES = {"f32": "float", "f16": "fx_half", "bf16": "fx_bf16"}
 # fp8 caches (KVCache dtype float8_e4m3fn / float8_e5m2): the kernels' Q8 (FX_E4M3, FX_E5M2)
 FP8_FORMATS = {"e4m3": 1, "e5m2": 2}
-Q4_FORMAT = "q4"  # 4-bit caches (decode/kv4.py), read by the rows kernels (FX_Q4, FX_NVFP4)
+Q4_FORMAT = "q4"  # 4-bit caches (cache/four_bit.py): the kernels' Q8 FX_Q4, FX_NVFP4
+FOUR_BIT_Q8 = {"q4": 3, "nvfp4": 4}
 NVFP4_FORMAT = "nvfp4"
 FOUR_BIT_FORMATS = (Q4_FORMAT, NVFP4_FORMAT)
 MMA_HEAD_DIMS = (64, 128, 256)  # the fp16/bf16 tensor-core kernels' own head_dims
@@ -106,8 +109,8 @@ class KernelSpec:
         fp8: mma: an fp8 cache's format (FP8_FORMATS), or "" for a cache of q's dtype.
         features: the F_* bits compiled in (kernels.traits).
         row_warps: vrows: warps per block, 16 rows each.
-        rotate: vrows of a 4-bit cache (fp8 "q4" or "nvfp4"): K was rotated on append,
-            q is rotated by the kernel.
+        rotate: vrows or mma of a 4-bit cache (fp8 "q4" or "nvfp4"): K was rotated on
+            append, q is rotated by the kernel.
         cluster: the twin whose blocks merge a KV head's chunks on chip.
 
     Raises:
@@ -147,8 +150,8 @@ class KernelSpec:
             return f"features not in [0, {F_LIMIT})"
         mma = self.family == "mma"
         rows = self.family == "vrows"
-        if self.rotate and not rows:
-            return "rotate is the rows kernel's"
+        if self.rotate and not (rows or (mma and self.fp8 in FOUR_BIT_FORMATS)):
+            return "rotate is a 4-bit cache's rows or mma kernel's"
         if rows != (self.row_warps > 0):
             return "row_warps (1 to 8) is the rows kernel's, and it needs them"
         if self.family in ("vrows", "vrcombine"):
@@ -211,8 +214,13 @@ class KernelSpec:
         d, dr = self.head_dim, self.row_dim
         if self.dtype == "f32" or d not in MMA_HEAD_DIMS:
             return f"fp16/bf16, head_dim one of {MMA_HEAD_DIMS}"
-        if self.fp8 and self.fp8 not in FP8_FORMATS:
-            return f"fp8 not one of {tuple(FP8_FORMATS)}"
+        if self.fp8 in FOUR_BIT_FORMATS:
+            if dr != d or self.paired or self.wide or self.block_tiles != 1:
+                return "a 4-bit cache's kernels: their own head_dim, not paired or wide"
+            if self.features & F_HND:
+                return "a 4-bit cache is token-major"
+        elif self.fp8 and self.fp8 not in FP8_FORMATS:
+            return f"fp8 not one of {(*FP8_FORMATS, *FOUR_BIT_FORMATS)}"
         if self.tiles not in (1, 2):
             return "tiles 1 or 2"
         if self.block_tiles not in (1, 2, 4):
@@ -265,7 +273,8 @@ class KernelSpec:
         elif family == "tc32":
             stem = f"gqa_split_tc32_f32_d{d}"
         else:
-            stem = f"gqa_split_mma_{dt}" + (f"_{self.fp8}" if self.fp8 else "") + f"_d{d}"
+            rot = "r" if self.rotate else ""
+            stem = f"gqa_split_mma_{dt}" + (f"_{self.fp8}{rot}" if self.fp8 else "") + f"_d{d}"
             stem += f"_r{dr}" if dr != d or self.paired else ""
             stem += "_wide" if self.wide else ""
             stem += "_p2" if self.paired else ""
@@ -333,6 +342,9 @@ class KernelSpec:
             )
         if family == "tc32":
             return f"FX_TC32_FEAT_ENTRY({name}, {d}, {f})" if f else f"FX_TC32_ENTRY({base}, {d})"
+        if self.fp8 in FOUR_BIT_FORMATS:
+            q8 = FOUR_BIT_Q8[self.fp8]
+            return f"FX_MMA4_KERNELS({base}, {t}, {q8}, {d}, {tiled}, {f}, {int(self.rotate)})"
         if self.fp8:
             q8 = FP8_FORMATS[self.fp8]
             if self.wide:

@@ -64,6 +64,17 @@ SPLIT_TRAITS: dict[str, int] = {
     "FX_RESERVE_STAGES_D64": 4,
     "FX_RESERVE_STAGES_D128": 4,
     "FX_RESERVE_STAGES_D256": 3,
+    # 4-bit caches on the swapped body (gqa_split_mma_<dt>_<q4|nvfp4>_d<D>): warps per
+    # block and steps of 16 tokens in each warp's ring of nibbles and scales (2 x 16 x
+    # (D / 2 + D / 16) bytes a step). Every lane widens its own fragments in registers, about
+    # three times the instructions per byte of an fp8 cache, so a block takes eight warps
+    # (two per scheduler) where the 16-bit kernels take four
+    "FX_WARPS4_D64": 8,
+    "FX_STAGES4_D64": 8,
+    "FX_WARPS4_D128": 8,
+    "FX_STAGES4_D128": 6,
+    "FX_WARPS4_D256": 8,
+    "FX_STAGES4_D256": 4,
     # the fp32 split-TF32 kernels per head_dim: warps, ring steps and tokens per step (8 or
     # 16: 8-token steps fit more warps or a wider head_dim into shared memory). Head_dim 64
     # and 128 keep one step in flight per warp while they compute another: 8-12% faster at

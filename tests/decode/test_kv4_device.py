@@ -1,5 +1,6 @@
 """4-bit (q4) caches' device kernels, on the CPU: they compile for Hopper without spills,
-and the rows kernels' plans take every q4 decode they can read and refuse the others."""
+the swapped split kernels' plans take the one-query decodes they can read, and the rows
+kernels' plans every other 4-bit decode they can read, refusing the rest."""
 
 from __future__ import annotations
 
@@ -72,8 +73,73 @@ def test_a_q4_decode_takes_the_rows_kernel_whatever_the_override_says():
 MMA = {"family": "mma", "row_warps": 0, "head_dim": 128}
 
 
-@pytest.mark.parametrize("changes", [{"rotate": True, "fp8": ""}, {"rotate": True, **MMA}])
-def test_only_a_q4_rows_kernel_rotates(changes):
+@pytest.mark.parametrize(
+    "changes",
+    [{"rotate": True, "fp8": ""}, {"rotate": True, "fp8": "e4m3", **MMA},
+     {"rotate": True, "fp8": "", **MMA}],
+)  # fmt: skip
+def test_only_a_4bit_caches_kernels_rotate(changes):
     base = KernelSpec("vrows", "bf16", head_dim=128, row_warps=1, fp8="q4")
     with pytest.raises(ValueError, match="rotate"):
         base.but(**changes)
+
+
+def test_the_4bit_split_kernels_names_entries_and_refusals():
+    spec = KernelSpec("mma", "bf16", 128, fp8="q4", rotate=True)
+    assert spec.name == "gqa_split_mma_bf16_q4r_d128_x0"
+    assert (
+        spec.entry
+        == "FX_MMA4_KERNELS(gqa_split_mma_bf16_q4r_d128_x0, fx_bf16, 3, 128, false, 0, 1)"
+    )
+    nv = KernelSpec("mma", "f16", 64, fp8="nvfp4", tiles=2, features=F_WINDOW, cluster=True)
+    assert nv.name == "gqa_split_mma_f16_nvfp4_d64_t2_x1_cluster"
+    assert (
+        nv.entry == "FX_MMA4_KERNELS(gqa_split_mma_f16_nvfp4_d64_t2_x1, fx_half, 4, 64, true, 1, 0)"
+    )
+    for bad in ({"row_dim": 96}, {"features": F_HND}, {"block_tiles": 2, "tiles": 2}):
+        with pytest.raises(ValueError):
+            spec.but(**bad)
+
+
+def test_the_4bit_split_kernels_compile_without_spills():
+    specs = [KernelSpec("mma", "bf16", d, fp8=fmt, rotate=True, tiles=t, features=f)
+             for d in (64, 128, 256) for fmt in ("q4", "nvfp4") for t in (1, 2)
+             for f in (0, F_WINDOW | 2 | 4 | 32) if not (d == 256 and t == 2)]  # fmt: skip
+    program = split_program(specs + [s.but(cluster=True) for s in specs], "sm_90")
+    for spec in specs:
+        for name in (spec.name, spec.name + "_cluster"):
+            assert program.resources[name].spill_stores == 0, name
+
+
+def test_a_4bit_one_query_decode_takes_the_split_kernels_where_they_can():
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    def four(
+        n_heads=32, n_kv=8, head_dim=128, fmt="q4", features=0, traits=None, ov=None, aligned=True
+    ):
+        return attention.four_bit_plan(traits or _traits(), bf16, n_heads, n_kv, head_dim,
+                                       131072, aligned, features, fmt, True, ov)  # fmt: skip
+
+    found = four()
+    assert found is not None and found.spec.fp8 == "q4" and found.spec.rotate
+    assert found.threads == 32 * attention.FOUR_BIT_WARPS[128]
+    # each warp's ring: steps of 16 tokens of K and V nibbles and their scales
+    stages = attention.FOUR_BIT_STAGES[128]
+    ring = attention.FOUR_BIT_WARPS[128] * stages * 16 * 2 * (64 + 8)
+    assert found.shared_bytes(128, 2) == ring + (
+        attention.cluster_recv_bytes(128) if found.cluster else 0
+    )
+    assert found.splits * 8 <= 132 * 2  # one wave of resident blocks
+    assert four(n_heads=128, n_kv=8).spec.tiles == 2  # groups of 16: two tiles of 8
+    assert four(fmt="nvfp4").spec.name.startswith("gqa_split_mma_bf16_nvfp4r_d128")
+    for refused in (
+        four(n_heads=136, n_kv=8),  # groups past 16
+        four(head_dim=96),
+        four(features=F_HND),
+        four(aligned=False),
+        four(fmt="nvfp4", traits=_traits((8, 0))),  # e4m3 scales: 8.9 and up
+        four(ov=attention.Overrides(four_bit_split=False)),
+        attention.four_bit_plan(_traits(), np.dtype(np.float32), 32, 8, 128, 4096, True, 0,
+                                "q4", False),
+    ):  # fmt: skip
+        assert refused is None

@@ -1,15 +1,17 @@
 """``bench --only kv4``'s speed table (and benchmarks/kv4_speed.py): the 4-bit caches'
-decodes (the rows kernels over raw buffers: q4, nibbles and float16 scales per 32, K
-rotated; nvfp4, e2m1 nibbles and e4m3 scales per 16) against our fp8 and bf16 decodes of
-the same shape and length, in one process, graph-replayed over sets rotated past L2:
-what issue 49's speed targets ask of them (1.7x fp8 and 3.2x bf16 at 32/8/128 from 32768
-tokens).
+decodes over raw buffers (q4, nibbles and float16 scales per 32, K rotated; nvfp4, e2m1
+nibbles and e4m3 scales per 16), as the planner launches them (one query: the swapped split
+kernels; with ``--rows`` the rows kernels too, as before them), against our fp8 and bf16
+decodes of the same shape and length and the read floor of the same bytes (a kernel that
+only reads the values and the scales), in one process, graph-replayed over sets rotated
+past L2: what issue 49's speed targets ask of them (1.7x fp8 and 3.2x bf16 at 32/8/128
+from 32768 tokens, 90% of the floor).
 
     PYTHONPATH=. python benchmarks/kv4_speed.py [--shapes 32/8/128 28/4/128 8/1/256]
-        [--seqs 4096 32768 131072] [--n-q 1] [--row-warps 1 4]
+        [--seqs 4096 32768 131072] [--n-q 1] [--rows] [--row-warps 1 4]
 
-Prints us per decode, each 4-bit cache's TB/s (values and scales) and its speed-up over
-fp8 and bf16.
+Prints us per decode, each 4-bit cache's TB/s (values and scales), its share of the floor
+and its speed-up over fp8 and bf16.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ...decode import plan as planner
 from ...decode.records import launches_for
 from ...driver.device import default_device
 from ...driver.memory import DeviceArray, empty, zeros
+from ...driver.module_cache import ensure_module_loaded
 from .harness import (
     RotatedKV,
     bench_stream,
@@ -35,11 +38,37 @@ from .verify import measure_verify_point
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
+FLOOR_SOURCE = r"""
+// Block (chunk, kv head) reads tokens [start, end) of its head's K and V values (n16 16-byte
+// units a row) and block scales (nw 4-byte words a row); the xor keeps the loads alive.
+extern "C" __global__ void __launch_bounds__(256) read_4bit_rows(
+    const uint4* k, const uint4* v, const unsigned* ks, const unsigned* vs, int seq,
+    int chunk, int n16, int nw, int n_kv, unsigned* sink) {
+    const int start = blockIdx.x * chunk, end = min(seq, start + chunk);
+    unsigned acc = 0;
+    const int units = (end - start) * n16, words = (end - start) * nw;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < units; i += 256) {
+        const long long at = (long long)(start + i / n16) * n_kv * n16 + blockIdx.y * n16 + i % n16;
+        const uint4 a = __ldcg(k + at), b = __ldcg(v + at);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+    }
+    for (int i = threadIdx.x; i < words; i += 256) {
+        const long long at = (long long)(start + i / nw) * n_kv * nw + blockIdx.y * nw + i % nw;
+        acc ^= __ldcg(ks + at) ^ __ldcg(vs + at);
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;  // (never, in practice)
+}
+"""
+FLOOR_SPLITS = (16, 32, 64, 128)  # chunks per KV head: the floor is the best of them
+
 
 def four_bit_us(
-    shape: tuple[int, int, int], seq: int, n_q: int, fmt: str, iters: int = 20
-) -> tuple[float, int]:
-    """Graph-replayed us of a 4-bit (``fmt``: q4, nvfp4) decode and the bytes it reads."""
+    shape: tuple[int, int, int], seq: int, n_q: int, fmt: str, iters: int = 20,
+    floor: bool = False,
+) -> tuple[float, int, float]:  # fmt: skip
+    """Graph-replayed us of a 4-bit (``fmt``: q4, nvfp4) decode, the bytes it reads and
+    (``floor``) the read floor's us on the same buffers (else nan)."""
     n_heads, n_kv, d = shape
     dev = default_device()
     stream = bench_stream(dev)
@@ -86,37 +115,63 @@ def four_bit_us(
     rotated = RotatedKV([], chain, pool)
     rotated.sets.extend((s[0], s[1]) for s in sets)  # (the harness counts the sets)
     us = rotated_graph_us(eager, rotated, stream, iters)
+    floor_us = float("nan")
+    if floor:
+        kernel = ensure_module_loaded(FLOOR_SOURCE, "read_4bit_floor.cu", "read_4bit_rows",
+                                      device=dev).get_function("read_4bit_rows")  # fmt: skip
+        sink = zeros((1,), np.uint32, device=dev)
+        floor_us = float("inf")
+        for splits in FLOOR_SPLITS:
+
+            def read(i: int, splits: int = splits) -> None:
+                kv_, vv, ks, vs = sets[i % len(sets)]
+                args = (kv_, vv, ks, vs, np.int32(seq), np.int32(-(-seq // splits)),
+                        np.int32(d // 32), np.int32(d // 64), np.int32(n_kv), sink)  # fmt: skip
+                kernel.launch((splits, n_kv), 256, args, stream=stream)
+
+            floor_us = min(floor_us, rotated_graph_us(read, rotated, stream, iters))
+        sink.close()
     rotated.close()
     for arr in (q, out, globals_, *held):
         arr.close()
-    return us, 2 * one
+    return us, 2 * one, floor_us
 
 
 def speed_table(shapes: list[str], seqs: list[int], n_q: int = 1,
-                row_warps: tuple[int, ...] = ()) -> None:  # fmt: skip
+                row_warps: tuple[int, ...] = (), rows: bool = False) -> None:  # fmt: skip
     """Print the table: per shape and length, bf16's and fp8's us, each 4-bit format's us,
-    TB/s and speed-up (``row_warps``: q4 again with blocks of at least these warps)."""
+    TB/s, share of its read floor and speed-up (``rows``: each format again on the rows
+    kernel; ``row_warps``: q4 on the rows kernel with blocks of at least these warps)."""
     dev = default_device()
-    print(f"{'shape':>9} {'seq':>7} {'bf16 us':>8} {'fp8 us':>8} {'format':>6} {'us':>8} "
-          f"{'TB/s':>6} {'vs fp8':>7} {'vs bf16':>8}")  # fmt: skip
+    print(f"{'shape':>9} {'seq':>7} {'bf16 us':>8} {'fp8 us':>8} {'format':>9} {'us':>8} "
+          f"{'TB/s':>6} {'floor':>7} {'of floor':>8} {'vs fp8':>7} {'vs bf16':>8}")  # fmt: skip
     for shape_s in shapes:
         shape = tuple(int(x) for x in shape_s.split("/"))
         for seq in seqs:
             bf16 = measure_verify_point(shape, seq, n_q, "bf16", 20, dev)  # type: ignore[arg-type]
             fp8 = measure_verify_point(shape, seq, n_q, "fp8", 20, dev)  # type: ignore[arg-type]
-            variants = [("q4", 0), ("nvfp4", 0), *(("q4", w) for w in row_warps)]
+            variants = [("q4", -1), ("nvfp4", -1)]
+            if rows:
+                variants += [("q4", 0), ("nvfp4", 0)]
+            variants += [("q4", w) for w in row_warps]
+            floors: dict[str, float] = {}
             for fmt, w in variants:
                 base = planner.OVERRIDES
-                if w:
-                    planner.OVERRIDES = dataclasses.replace(base, rows4_warps=w)
+                if w >= 0:  # the rows kernel (w: the fewest warps a block, 0: the default's)
+                    planner.OVERRIDES = dataclasses.replace(
+                        base, four_bit_split=False, rows4_warps=w or base.rows4_warps
+                    )
                 try:
-                    us, nbytes = four_bit_us(shape, seq, n_q, fmt)  # type: ignore[arg-type]
+                    us, nbytes, fl = four_bit_us(shape, seq, n_q, fmt,  # type: ignore[arg-type]
+                                                 floor=fmt not in floors)  # fmt: skip
                 finally:
                     planner.OVERRIDES = base
-                name = f"{fmt}/w{w}" if w else fmt
+                floor = floors.setdefault(fmt, fl)
+                name = fmt if w < 0 else f"{fmt}/rows" + (f"{w}" if w else "")
                 print(
-                    f"{shape_s:>9} {seq:>7} {bf16:8.1f} {fp8:8.1f} {name:>6} {us:8.1f} "
-                    f"{nbytes / us / 1e6:6.2f} {fp8 / us:6.2f}x {bf16 / us:7.2f}x",
+                    f"{shape_s:>9} {seq:>7} {bf16:8.1f} {fp8:8.1f} {name:>9} {us:8.1f} "
+                    f"{nbytes / us / 1e6:6.2f} {floor:7.1f} {100 * floor / us:7.0f}% "
+                    f"{fp8 / us:6.2f}x {bf16 / us:7.2f}x",
                     flush=True,
                 )
 
@@ -126,11 +181,13 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["32/8/128", "28/4/128", "8/1/256"])
     parser.add_argument("--seqs", nargs="+", type=int, default=[4096, 32768, 131072])
     parser.add_argument("--n-q", type=int, default=1)
+    parser.add_argument("--rows", action="store_true",
+                        help="also time each format on the rows kernel")  # fmt: skip
     parser.add_argument("--row-warps", nargs="*", type=int, default=[],
-                        help="also time q4 with blocks of at least these warps "
-                             "(Overrides.rows4_warps)")  # fmt: skip
+                        help="also time q4 on the rows kernel with blocks of at least these "
+                             "warps (Overrides.rows4_warps)")  # fmt: skip
     args = parser.parse_args()
-    speed_table(args.shapes, args.seqs, args.n_q, tuple(args.row_warps))
+    speed_table(args.shapes, args.seqs, args.n_q, tuple(args.row_warps), args.rows)
 
 
 if __name__ == "__main__":
