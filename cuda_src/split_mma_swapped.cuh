@@ -814,7 +814,7 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 // with q and the output of type QT, FX_WARPS4_D<D> warps, R: K rotated on append:
 // gqa_split_mma_<dt>_<q4|nvfp4>[r]_d<D>[_t2]_x<F> and its _cluster twin.
 #define FX_MMA4_KERNELS(NAME, QT, Q8, D, TILED, F, R)                                       \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS4_D##D * 32, 1) NAME(              \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS4_D##D * 32, FX_BLOCKS4_D##D) NAME( \
         const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
         float* ws_ml, int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev,     \
         int splits, int tile, const float* kv_scales, const unsigned char* k_scales,        \
@@ -825,7 +825,8 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
             q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
             splits, tile, feat, kv_scales, k_scales, v_scales);                             \
     }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS4_D##D * 32, 1) NAME##_cluster(    \
+    extern "C" __global__ void __launch_bounds__(FX_WARPS4_D##D * 32, FX_BLOCKS4_D##D)      \
+        NAME##_cluster(                                                                     \
         const QT* q, const unsigned char* k, const unsigned char* v, QT* out, int n_heads,  \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile,          \
         const float* kv_scales, const unsigned char* k_scales,                              \

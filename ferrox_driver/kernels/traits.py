@@ -69,12 +69,16 @@ SPLIT_TRAITS: dict[str, int] = {
     # (D / 2 + D / 16) bytes a step). Every lane widens its own fragments in registers, about
     # three times the instructions per byte of an fp8 cache, so a block takes eight warps
     # (two per scheduler) where the 16-bit kernels take four
+    # (and FX_BLOCKS4_D<D>: the blocks per multiprocessor its registers are held to)
     "FX_WARPS4_D64": 8,
     "FX_STAGES4_D64": 8,
+    "FX_BLOCKS4_D64": 1,
     "FX_WARPS4_D128": 8,
     "FX_STAGES4_D128": 6,
+    "FX_BLOCKS4_D128": 1,
     "FX_WARPS4_D256": 8,
     "FX_STAGES4_D256": 4,
+    "FX_BLOCKS4_D256": 1,
     # the fp32 split-TF32 kernels per head_dim: warps, ring steps and tokens per step (8 or
     # 16: 8-token steps fit more warps or a wider head_dim into shared memory). Head_dim 64
     # and 128 keep one step in flight per warp while they compute another: 8-12% faster at

@@ -59,8 +59,26 @@ extern "C" __global__ void __launch_bounds__(256) read_4bit_rows(
     }
     if (acc == 0x9e3779b9u) sink[0] = acc;  // (never, in practice)
 }
+// ... or each array whole, front to back (n16 / s16: 16-byte units of K's values / scales)
+extern "C" __global__ void __launch_bounds__(256) read_4bit_flat(
+    const uint4* k, const uint4* v, const uint4* ks, const uint4* vs, long long n16,
+    long long s16, unsigned* sink) {
+    unsigned acc = 0;
+    const long long stride = (long long)gridDim.x * 256, first = blockIdx.x * 256LL + threadIdx.x;
+#pragma unroll 4
+    for (long long i = first; i < n16; i += stride) {
+        const uint4 a = __ldcg(k + i), b = __ldcg(v + i);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+    }
+    for (long long i = first; i < s16; i += stride) {
+        const uint4 a = __ldcg(ks + i), b = __ldcg(vs + i);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;  // (never, in practice)
+}
 """
-FLOOR_SPLITS = (16, 32, 64, 128)  # chunks per KV head: the floor is the best of them
+FLOOR_SPLITS = (16, 32, 64, 128)  # chunks per KV head (read_4bit_rows)
+FLOOR_BLOCKS = (2, 4, 8, 16)  # blocks per multiprocessor (read_4bit_flat)
 
 
 def four_bit_us(
@@ -116,10 +134,13 @@ def four_bit_us(
     rotated.sets.extend((s[0], s[1]) for s in sets)  # (the harness counts the sets)
     us = rotated_graph_us(eager, rotated, stream, iters)
     floor_us = float("nan")
-    if floor:
-        kernel = ensure_module_loaded(FLOOR_SOURCE, "read_4bit_floor.cu", "read_4bit_rows",
-                                      device=dev).get_function("read_4bit_rows")  # fmt: skip
+    if floor:  # the best of both read kernels over their block counts
+        module = ensure_module_loaded(FLOOR_SOURCE, "read_4bit_floor.cu", "read_4bit_rows",
+                                      device=dev)  # fmt: skip
+        by_rows = module.get_function("read_4bit_rows")
+        flat = module.get_function("read_4bit_flat")
         sink = zeros((1,), np.uint32, device=dev)
+        n16, s16 = seq * n_kv * d // 32, seq * n_kv * (d // 16) // 16  # (units of 16 bytes)
         floor_us = float("inf")
         for splits in FLOOR_SPLITS:
 
@@ -127,9 +148,17 @@ def four_bit_us(
                 kv_, vv, ks, vs = sets[i % len(sets)]
                 args = (kv_, vv, ks, vs, np.int32(seq), np.int32(-(-seq // splits)),
                         np.int32(d // 32), np.int32(d // 64), np.int32(n_kv), sink)  # fmt: skip
-                kernel.launch((splits, n_kv), 256, args, stream=stream)
+                by_rows.launch((splits, n_kv), 256, args, stream=stream)
 
             floor_us = min(floor_us, rotated_graph_us(read, rotated, stream, iters))
+        for per_sm in FLOOR_BLOCKS:
+
+            def read_flat(i: int, blocks: int = per_sm * dev.multiprocessor_count) -> None:
+                kv_, vv, ks, vs = sets[i % len(sets)]
+                args = (kv_, vv, ks, vs, np.int64(n16), np.int64(s16), sink)
+                flat.launch(blocks, 256, args, stream=stream)
+
+            floor_us = min(floor_us, rotated_graph_us(read_flat, rotated, stream, iters))
         sink.close()
     rotated.close()
     for arr in (q, out, globals_, *held):
