@@ -67,14 +67,18 @@ SPLIT_TRAITS: dict[str, int] = {
     # 4-bit caches on the swapped body (gqa_split_mma_<dt>_<q4|nvfp4>_d<D>): warps per
     # block and steps of 16 tokens in each warp's ring of nibbles and scales (2 x 16 x
     # (D / 2 + D / 16) bytes a step). Every lane widens its own fragments in registers, about
-    # three times the instructions per byte of an fp8 cache, so a block takes eight warps
-    # (two per scheduler) where the 16-bit kernels take four
-    # (and FX_BLOCKS4_D<D>: the blocks per multiprocessor its registers are held to)
+    # three times the instructions per byte of an fp8 cache, so a block takes eight or twelve
+    # warps (two or three per scheduler) where the 16-bit kernels take four. Measured on an
+    # H100, 32/8/128 at 131072 tokens, q4/nvfp4 us: 8 warps x 6 steps 80.9/93.7, 12 x 4
+    # 73.7/85.9, 16 x 3 73.5/86.3, 8 x 3 79.8/87.3, 8 x 10 73.1/94.6, 4 x 10 79.0/97.7;
+    # 8/1/256: 8 x 4 28.1/35.2, 4 x 8 29.5, 16 x 2 31.5 (spills). Twelve warps do not tile
+    # head_dim 256's rows. (FX_BLOCKS4_D<D>: the blocks per multiprocessor its registers
+    # are held to; two measured slower)
     "FX_WARPS4_D64": 8,
     "FX_STAGES4_D64": 8,
     "FX_BLOCKS4_D64": 1,
-    "FX_WARPS4_D128": 8,
-    "FX_STAGES4_D128": 6,
+    "FX_WARPS4_D128": 12,
+    "FX_STAGES4_D128": 4,
     "FX_BLOCKS4_D128": 1,
     "FX_WARPS4_D256": 8,
     "FX_STAGES4_D256": 4,
