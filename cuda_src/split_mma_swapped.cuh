@@ -137,7 +137,9 @@ __device__ __forceinline__ FxQ<fx_half, D> fx_load_q8(const QT* q, int h0, int g
 //    (fx_load_q4), so the pairs are the mma's k-pairs as they come;
 //  - V: lane g takes chunks g * NHB + hb (NHB = D / 64) of tokens 2tig, 2tig + 1, 2tig + 8,
 //    2tig + 9, so row g of mma i of block hb is element i of its chunk and row g + 8 element
-//    i + 4 (the output's columns in that order: the kernel parks them by their d).
+//    i + 4 (the output's columns in that order: the kernel parks them by their d); the
+//    two tokens of each pair share one word before widening (one byte-permute: elements
+//    0-3 of both, another 4-7), so the pairs come out as the A operand's registers.
 // Ring rows are placed so that each of these reads takes the fewest shared-memory
 // wavefronts its bytes need (a bank model of every head_dim's reads): K's 16-byte chunk c of
 // row r at c ^ (r & 1) (head_dim 256), V's rows permuted and their chunks XORed (fx_v4_at).
@@ -204,22 +206,28 @@ __device__ __forceinline__ unsigned fx_scale4(const unsigned char* sc, int c) {
     }
 }
 // a word's 8 elements (element e in bits 4e .. 4e + 3) widened into r[i] = {e_i, e_i+4},
-// times the block scale s2: q4 (nibble - 8) x scale (0x6400 | n is 1024 + n: the
-// subtraction is exact, the product rounded once); nvfp4 e2m1 (magnitudes 0, 0.5, 1, 1.5,
-// 2, 3, 4, 6 as fp16 high bytes looked up by prmt, bit 3 the sign) x scale, exact.
+// times the block scale s2 (its halves may differ: V's words hold two tokens' halves):
+// q4 (nibble - 8) x scale, the nibble under a magic exponent where it lies (a byte's low
+// nibble: 0x6400 | n = 1024 + n; its high one: 0x5400 | 16 n = 64 + n), so the subtraction
+// is exact and the product rounded once; nvfp4 e2m1 (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
+// as fp16 high bytes looked up by prmt, bit 3 the sign) x scale, exact.
 template <int Q8>
 __device__ __forceinline__ void fx_widen4(unsigned w, unsigned s2, unsigned (&r)[4]) {
+    const unsigned u = w >> 8;  // (one shift a word: elements 2, 3 and 6, 7 from w >> 8)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const unsigned t = w >> (4 * i);
+        const unsigned t = i & 2 ? u : w;
         if constexpr (Q8 == FX_Q4) {
-            const unsigned h = (t & 0x000f000fu) | 0x64006400u;
+            const unsigned h = i & 1 ? (t & 0x00f000f0u) | 0x54005400u   // 64 + n
+                                     : (t & 0x000f000fu) | 0x64006400u;  // 1024 + n
             asm("{.reg .b32 t;\n sub.f16x2 t, %1, %2;\n mul.rn.f16x2 %0, t, %3;}"
-                : "=r"(r[i]) : "r"(h), "r"(0x64086408u), "r"(s2));
-        } else {
-            const unsigned m = t & 0x00070007u;  // the magnitudes' indexes, selector nibbles 1, 3
-            const unsigned mag = __byte_perm(0x3e3c3800u, 0x46444240u, (m << 4) | (m >> 4));
-            const unsigned h = mag | ((t << 12) & 0x80008000u);
+                : "=r"(r[i])
+                : "r"(h), "r"(i & 1 ? 0x54805480u : 0x64086408u), "r"(s2));
+        } else {  // x: the pair's nibbles at bits 4-7 and 20-23
+            const unsigned x = i & 1 ? t : t << 4;
+            const unsigned sel = __byte_perm(x, 0u, 0x0020u) & 0x7070u;  // selector nibbles 1, 3
+            const unsigned mag = __byte_perm(0x3e3c3800u, 0x46444240u, sel);
+            const unsigned h = mag | ((x << 8) & 0x80008000u);
             asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r[i]) : "r"(h), "r"(s2));
         }
     }
@@ -520,18 +528,22 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #pragma unroll
             for (int hb = 0; hb < NHB; ++hb) {
                 unsigned r4[4][4];
+                // tokens paired before widening: the halves of x hold elements 0-3 of
+                // tokens a and b (y: 4-7), so r4[2p][i] = {a's e_i, b's e_i} is the A
+                // operand's register as it comes, with the scales {s_a, s_b}
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int tok = 2 * tig + (e & 1) + (e >> 1) * 8;
-                    fx_widen4<Q8>(w4[e][hb], fx_scale4<Q8>(vsc + tok * (D / 16), g * NHB + hb),
-                                  r4[e]);
+                for (int p = 0; p < 2; ++p) {
+                    const int ta4 = 2 * tig + 8 * p, c4 = g * NHB + hb;
+                    const unsigned s2 =
+                        __byte_perm(fx_scale4<Q8>(vsc + ta4 * (D / 16), c4),
+                                    fx_scale4<Q8>(vsc + (ta4 + 1) * (D / 16), c4), 0x5410u);
+                    fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x5410u), s2,
+                                  r4[2 * p]);
+                    fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x7632u), s2,
+                                  r4[2 * p + 1]);
                 }
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const unsigned a0 = __byte_perm(r4[0][i], r4[1][i], 0x5410u);  // element i
-                    const unsigned a1 = __byte_perm(r4[0][i], r4[1][i], 0x7632u);  // i + 4
-                    const unsigned a2 = __byte_perm(r4[2][i], r4[3][i], 0x5410u);
-                    const unsigned a3 = __byte_perm(r4[2][i], r4[3][i], 0x7632u);
 #pragma unroll
                     for (int u = 0; u < NT; ++u) {
                         float* o = oacc[u][hb][i];
@@ -539,7 +551,8 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                         o[1] *= alpha_b[u];
                         o[2] *= alpha_a[u];
                         o[3] *= alpha_b[u];
-                        FxMma<T>::run(o[0], o[1], o[2], o[3], a0, a1, a2, a3, pb0[u], pb1[u]);
+                        FxMma<T>::run(o[0], o[1], o[2], o[3], r4[0][i], r4[1][i], r4[2][i],
+                                      r4[3][i], pb0[u], pb1[u]);
                     }
                 }
             }
