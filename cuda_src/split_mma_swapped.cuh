@@ -211,25 +211,63 @@ __device__ __forceinline__ unsigned fx_scale4(const unsigned char* sc, int c) {
 // nibble: 0x6400 | n = 1024 + n; its high one: 0x5400 | 16 n = 64 + n), so the subtraction
 // is exact and the product rounded once; nvfp4 e2m1 (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
 // as fp16 high bytes looked up by prmt, bit 3 the sign) x scale, exact.
+// the widening's constants, in registers the compiler keeps (FX_Q4OPT & 1: built from a
+// zero it cannot see, so it does not rematerialize them every step)
+struct FxNibConst {
+    unsigned c0, c1, c2, c3;
+};
 template <int Q8>
-__device__ __forceinline__ void fx_widen4(unsigned w, unsigned s2, unsigned (&r)[4]) {
+__device__ __forceinline__ FxNibConst fx_nib_const(unsigned zero) {
+    if constexpr (Q8 == FX_Q4)
+        return FxNibConst{0x000f000fu | zero, 0x00f000f0u | zero, 0x64006400u | zero,
+                          0x54005400u | zero};
+    else
+        return FxNibConst{0x3e3c3800u | zero, 0x46444240u | zero, 0x80008000u | zero,
+                          0x7070u | zero};
+}
+template <int Q8>
+__device__ __forceinline__ void fx_widen4(unsigned w, unsigned s2, unsigned (&r)[4],
+                                          const FxNibConst& k) {
     const unsigned u = w >> 8;  // (one shift a word: elements 2, 3 and 6, 7 from w >> 8)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const unsigned t = i & 2 ? u : w;
         if constexpr (Q8 == FX_Q4) {
-            const unsigned h = i & 1 ? (t & 0x00f000f0u) | 0x54005400u   // 64 + n
-                                     : (t & 0x000f000fu) | 0x64006400u;  // 1024 + n
+            const unsigned h = i & 1 ? (t & k.c1) | k.c3   // 64 + n
+                                     : (t & k.c0) | k.c2;  // 1024 + n
             asm("{.reg .b32 t;\n sub.f16x2 t, %1, %2;\n mul.rn.f16x2 %0, t, %3;}"
                 : "=r"(r[i])
                 : "r"(h), "r"(i & 1 ? 0x54805480u : 0x64086408u), "r"(s2));
+        } else if constexpr (FX_Q4OPT & 16) {
+            // e2m1 (sign, e1 e0 m) as fp16's sign and bits 9-11: the value x 2^-14, exact
+            // (subnormal where e = 0; the product by the scale too), the 2^14 folded into
+            // the head's scales
+            const unsigned a = i < 3 ? w << (9 - 4 * i) : w >> 3;
+            const unsigned h = (a & 0x0e000e00u) | ((a << 3) & k.c2);
+            asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r[i]) : "r"(h), "r"(s2));
         } else {  // x: the pair's nibbles at bits 4-7 and 20-23
             const unsigned x = i & 1 ? t : t << 4;
-            const unsigned sel = __byte_perm(x, 0u, 0x0020u) & 0x7070u;  // selector nibbles 1, 3
-            const unsigned mag = __byte_perm(0x3e3c3800u, 0x46444240u, sel);
-            const unsigned h = mag | ((x << 8) & 0x80008000u);
+            const unsigned sel = __byte_perm(x, 0u, 0x0020u) & k.c3;  // selector nibbles 1, 3
+            const unsigned mag = __byte_perm(k.c0, k.c1, sel);
+            const unsigned h = mag | ((x << 8) & k.c2);
             asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r[i]) : "r"(h), "r"(s2));
         }
+    }
+}
+// the block scales of chunk c of two rows (`sa`, `sb`: their scale bytes) as {s_a, s_b}
+template <int Q8>
+__device__ __forceinline__ unsigned fx_scale4_pair(const unsigned char* sa,
+                                                   const unsigned char* sb, int c) {
+    if constexpr (Q8 == FX_Q4) {
+        const int at = c * 8 / FX_Q4_GROUP;
+        return __byte_perm(reinterpret_cast<const unsigned short*>(sa)[at],
+                           reinterpret_cast<const unsigned short*>(sb)[at], 0x5410u);
+    } else {
+        unsigned s2;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;"
+            : "=r"(s2)
+            : "h"((unsigned short)(sa[c >> 1] | (sb[c >> 1] << 8))));
+        return s2;
     }
 }
 template <int D>
@@ -244,16 +282,58 @@ template <int D, int S, int WARPS>
 struct FxRing4 {
     static constexpr int RB = D / 2, SCB = D / 16, KCH = RB / 16;
     static constexpr int STEP_B = 2 * 16 * (RB + SCB);
+    static constexpr int NU = 16 * KCH / 32;  // 16-byte units of K (and of V) a lane copies
     unsigned char* ring;
     const unsigned char *kg, *vg, *ksg, *vsg;  // the block's KV head at token 0
     long long row, srow;                       // bytes token to token: values, scales
     int start, end, warp, lane;
+#if FX_Q4OPT & 4
+    // this lane's sources at the step next issued (K's units; V's are dv further; its
+    // scale row's), advanced a step of the block's warps each issue
+    const unsigned char* kp[NU];
+    const unsigned char* sp;
+    long long dv;
+#endif
     __device__ __forceinline__ int t0(int j) const {
         return start + warp * 16 + j * (WARPS * 16);
     }
     __device__ __forceinline__ const unsigned char* stage(int j) const {
         return ring + (j % S) * STEP_B;
     }
+#if FX_Q4OPT & 4
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int n = 0; n < NU; ++n) {
+            const int i = n * 32 + lane, r = i / KCH, c = i % KCH;
+            kp[n] = kg + (long long)(start + warp * 16 + r) * row + c * 16;
+        }
+        dv = vg - kg;
+        sp = (lane < 16 ? ksg : vsg) + (long long)(start + warp * 16 + (lane & 15)) * srow;
+    }
+    __device__ __forceinline__ void issue(int j) {
+        const int t = t0(j);
+        if (t < end) {
+            unsigned char* st = ring + (j % S) * STEP_B;
+#pragma unroll
+            for (int n = 0; n < NU; ++n) {
+                const int i = n * 32 + lane, r = i / KCH, c = i % KCH;
+                const bool ok = t + r < end;
+                const unsigned char* src = ok ? kp[n] : kg;  // (rows past the end: zeros)
+                fx_cp_async16(st + fx_k4_at<D>(r, c), src, ok);
+                fx_cp_async16(st + 16 * RB + fx_v4_at<D>(r, c), src + dv, ok);
+            }
+            const int r = lane & 15;  // lanes 0-15: K's scales, 16-31: V's
+            const bool ok = t + r < end;
+            fx_cp_async_small<SCB>(st + 32 * RB + (lane >> 4) * 16 * SCB + r * SCB,
+                                   ok ? sp : ksg, ok);
+        }
+        fx_cp_async_commit();
+#pragma unroll
+        for (int n = 0; n < NU; ++n) kp[n] += WARPS * 16 * row;
+        sp += WARPS * 16 * srow;
+    }
+#else
+    __device__ __forceinline__ void init() {}
     __device__ __forceinline__ void issue(int j) const {
         const int t = t0(j);
         if (t < end) {
@@ -274,6 +354,7 @@ struct FxRing4 {
         }
         fx_cp_async_commit();
     }
+#endif
 };
 template <int D, int S, int WARPS>
 __device__ __forceinline__ FxRing4<D, S, WARPS> fx_ring4(unsigned char* smem,
@@ -284,10 +365,19 @@ __device__ __forceinline__ FxRing4<D, S, WARPS> fx_ring4(unsigned char* smem,
                                                          int n_kv_heads, int start, int end,
                                                          int warp, int lane) {
     using R = FxRing4<D, S, WARPS>;
-    const R r{smem + warp * S * R::STEP_B, k + (long long)g_kv * R::RB,
-              v + (long long)g_kv * R::RB, k_sc + (long long)g_kv * R::SCB,
-              v_sc + (long long)g_kv * R::SCB, (long long)n_kv_heads * R::RB,
-              (long long)n_kv_heads * R::SCB, start, end, warp, lane};
+    R r;
+    r.ring = smem + warp * S * R::STEP_B;
+    r.kg = k + (long long)g_kv * R::RB;
+    r.vg = v + (long long)g_kv * R::RB;
+    r.ksg = k_sc + (long long)g_kv * R::SCB;
+    r.vsg = v_sc + (long long)g_kv * R::SCB;
+    r.row = (long long)n_kv_heads * R::RB;
+    r.srow = (long long)n_kv_heads * R::SCB;
+    r.start = start;
+    r.end = end;
+    r.warp = warp;
+    r.lane = lane;
+    r.init();
 #pragma unroll
     for (int j = 0; j < S - 1; ++j) r.issue(j);
     return r;
@@ -384,6 +474,10 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                                                       feat.head_stride, blk.start, blk.end,
                                                       warp, lane);
 
+    // 4-bit: the widening's constants and the chunks (8 elements) a block scale covers
+    const FxNibConst nk = fx_nib_const<Q8>(FX_Q4OPT & 1 ? (unsigned)splits >> 31 : 0u);
+    constexpr int PER4 = (Q8 == FX_Q4 ? FX_Q4_GROUP : 16) / 8;
+
     // TILED = 2, 4 (a verify's rows): NT = TILED tiles of 8 heads, tile u's heads h0 + 8u
     // .., each K and V fragment read once for every tile's mmas
     constexpr int NT = TILED >= 2 ? TILED : 1;
@@ -412,7 +506,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     }
 
     // heads 2tig (a) and 2tig + 1 (b); Q8: the K scale and q's folded in
-    const float k_scale = Q8 && !Q4 ? kv_scales[blk.g_kv] : 1.f;  // (nvfp4: the head's)
+    // (nvfp4: the head's, times 2^14 where fx_widen4 widens to 2^-14 of the value)
+    constexpr float NIB_UP = Q8 == FX_NVFP4 && (FX_Q4OPT & 16) ? 16384.f : 1.f;
+    const float k_scale = Q8 && !Q4 ? kv_scales[blk.g_kv] * NIB_UP : 1.f;
     FxScore<F> sca[NT], scb[NT];
 #pragma unroll
     for (int u = 0; u < NT; ++u) {
@@ -464,11 +560,16 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
             fx_k4_words<D>(ks, g, tig, wa);
             fx_k4_words<D>(ks, g + 8, tig, wc);
 #pragma unroll
+            unsigned sk_a = 0, sk_c = 0;  // rows g and g + 8: the block scale of chunk c
             for (int kb = 0; kb < NKB; ++kb) {
                 const int c = tig * NKB + kb;
+                if (!(FX_Q4OPT & 2) || kb % PER4 == 0) {  // (a scale's chunks: once)
+                    sk_a = fx_scale4<Q8>(ksc + g * (D / 16), c);
+                    sk_c = fx_scale4<Q8>(ksc + (g + 8) * (D / 16), c);
+                }
                 unsigned ka[4], kc[4];
-                fx_widen4<Q8>(wa[kb], fx_scale4<Q8>(ksc + g * (D / 16), c), ka);
-                fx_widen4<Q8>(wc[kb], fx_scale4<Q8>(ksc + (g + 8) * (D / 16), c), kc);
+                fx_widen4<Q8>(wa[kb], sk_a, ka, nk);
+                fx_widen4<Q8>(wc[kb], sk_c, kc, nk);
 #pragma unroll
                 for (int u = 0; u < NT; ++u) {
                     const uint4 qv = qf[u].at(kb, tig);
@@ -526,6 +627,27 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #pragma unroll
             for (int e = 0; e < 4; ++e) fx_v4_words<D>(vs, 2 * tig + (e & 1) + (e >> 1) * 8, g, w4[e]);
 #pragma unroll
+            if constexpr (FX_Q4OPT & 8) {  // O rescaled only where a row's max moved
+                bool moved = false;
+#pragma unroll
+                for (int u = 0; u < NT; ++u) moved |= alpha_a[u] != 1.f || alpha_b[u] != 1.f;
+                if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+                    for (int u = 0; u < NT; ++u)
+#pragma unroll
+                        for (int hb = 0; hb < NHB; ++hb)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                float* o = oacc[u][hb][i];
+                                o[0] *= alpha_a[u];
+                                o[1] *= alpha_b[u];
+                                o[2] *= alpha_a[u];
+                                o[3] *= alpha_b[u];
+                            }
+                }
+            }
+            unsigned sv[2] = {0u, 0u};  // token pairs 2tig, + 1 and 2tig + 8, + 9: {s_a, s_b}
+#pragma unroll
             for (int hb = 0; hb < NHB; ++hb) {
                 unsigned r4[4][4];
                 // tokens paired before widening: the halves of x hold elements 0-3 of
@@ -534,23 +656,31 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #pragma unroll
                 for (int p = 0; p < 2; ++p) {
                     const int ta4 = 2 * tig + 8 * p, c4 = g * NHB + hb;
-                    const unsigned s2 =
-                        __byte_perm(fx_scale4<Q8>(vsc + ta4 * (D / 16), c4),
-                                    fx_scale4<Q8>(vsc + (ta4 + 1) * (D / 16), c4), 0x5410u);
-                    fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x5410u), s2,
-                                  r4[2 * p]);
-                    fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x7632u), s2,
-                                  r4[2 * p + 1]);
+                    if constexpr (FX_Q4OPT & 2) {
+                        if (hb % PER4 == 0)
+                            sv[p] = fx_scale4_pair<Q8>(vsc + ta4 * (D / 16),
+                                                       vsc + (ta4 + 1) * (D / 16), c4);
+                    } else {
+                        sv[p] = __byte_perm(fx_scale4<Q8>(vsc + ta4 * (D / 16), c4),
+                                            fx_scale4<Q8>(vsc + (ta4 + 1) * (D / 16), c4),
+                                            0x5410u);
+                    }
+                    fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x5410u), sv[p],
+                                  r4[2 * p], nk);
+                    fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x7632u), sv[p],
+                                  r4[2 * p + 1], nk);
                 }
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
 #pragma unroll
                     for (int u = 0; u < NT; ++u) {
                         float* o = oacc[u][hb][i];
-                        o[0] *= alpha_a[u];
-                        o[1] *= alpha_b[u];
-                        o[2] *= alpha_a[u];
-                        o[3] *= alpha_b[u];
+                        if constexpr (!(FX_Q4OPT & 8)) {
+                            o[0] *= alpha_a[u];
+                            o[1] *= alpha_b[u];
+                            o[2] *= alpha_a[u];
+                            o[3] *= alpha_b[u];
+                        }
                         FxMma<T>::run(o[0], o[1], o[2], o[3], r4[0][i], r4[1][i], r4[2][i],
                                       r4[3][i], pb0[u], pb1[u]);
                     }
@@ -595,7 +725,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     }
     fx_cp_async_wait<0>();
     if (Q8 && !Q4) {  // the V scale, once (nvfp4: the head's)
-        const float v_scale = kv_scales[n_kv_heads + blk.g_kv];
+        const float v_scale = kv_scales[n_kv_heads + blk.g_kv] * NIB_UP;
 #pragma unroll
         for (int u = 0; u < NT; ++u)
 #pragma unroll

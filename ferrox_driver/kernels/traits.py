@@ -83,6 +83,7 @@ SPLIT_TRAITS: dict[str, int] = {
     "FX_WARPS4_D256": 8,
     "FX_STAGES4_D256": 4,
     "FX_BLOCKS4_D256": 1,
+    "FX_Q4OPT": 31,
     # the fp32 split-TF32 kernels per head_dim: warps, ring steps and tokens per step (8 or
     # 16: 8-token steps fit more warps or a wider head_dim into shared memory). Head_dim 64
     # and 128 keep one step in flight per warp while they compute another: 8-12% faster at
