@@ -9,6 +9,7 @@ from 32768 tokens, 90% of the floor).
 
     PYTHONPATH=. python benchmarks/kv4_speed.py [--shapes 32/8/128 28/4/128 8/1/256]
         [--seqs 4096 32768 131072] [--n-q 1] [--rows] [--row-warps 1 4]
+        [--traits FX_Q4OPT=31 ...]
 
 Prints us per decode, each 4-bit cache's TB/s (values and scales), its share of the floor
 and its speed-up over fp8 and bf16.
@@ -27,6 +28,7 @@ from ...decode.records import launches_for
 from ...driver.device import default_device
 from ...driver.memory import DeviceArray, empty, zeros
 from ...driver.module_cache import ensure_module_loaded
+from ...kernels.traits import SPLIT_TRAITS
 from .harness import (
     RotatedKV,
     bench_stream,
@@ -205,6 +207,19 @@ def speed_table(shapes: list[str], seqs: list[int], n_q: int = 1,
                 )
 
 
+def set_traits(pairs: list[str]) -> None:
+    """Change SPLIT_TRAITS (and the 4-bit plans' warps and steps read from them) for this
+    process; only before its first kernel is built (the kernel source is built once)."""
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in SPLIT_TRAITS:
+            raise SystemExit(f"--traits: expected NAME=VALUE, NAME in SPLIT_TRAITS; got {pair!r}")
+        SPLIT_TRAITS[name] = int(value)
+    for d in planner.FOUR_BIT_WARPS:
+        planner.FOUR_BIT_WARPS[d] = SPLIT_TRAITS[f"FX_WARPS4_D{d}"]
+        planner.FOUR_BIT_STAGES[d] = SPLIT_TRAITS[f"FX_STAGES4_D{d}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="+", default=["32/8/128", "28/4/128", "8/1/256"])
@@ -215,7 +230,11 @@ def main() -> None:
     parser.add_argument("--row-warps", nargs="*", type=int, default=[],
                         help="also time q4 on the rows kernel with blocks of at least these "
                              "warps (Overrides.rows4_warps)")  # fmt: skip
+    parser.add_argument("--traits", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="SPLIT_TRAITS changed for this process (e.g. FX_Q4OPT=31 "
+                             "FX_WARPS4_D128=8), before any kernel is built")  # fmt: skip
     args = parser.parse_args()
+    set_traits(args.traits)
     speed_table(args.shapes, args.seqs, args.n_q, tuple(args.row_warps), args.rows)
 
 
