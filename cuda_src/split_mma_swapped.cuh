@@ -559,8 +559,8 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
             unsigned wa[NKB], wc[NKB];
             fx_k4_words<D>(ks, g, tig, wa);
             fx_k4_words<D>(ks, g + 8, tig, wc);
-#pragma unroll
             unsigned sk_a = 0, sk_c = 0;  // rows g and g + 8: the block scale of chunk c
+#pragma unroll
             for (int kb = 0; kb < NKB; ++kb) {
                 const int c = tig * NKB + kb;
                 if (!(FX_Q4OPT & 2) || kb % PER4 == 0) {  // (a scale's chunks: once)
@@ -626,7 +626,6 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
             unsigned w4[4][NHB];  // tokens 2tig, 2tig + 1, 2tig + 8, 2tig + 9
 #pragma unroll
             for (int e = 0; e < 4; ++e) fx_v4_words<D>(vs, 2 * tig + (e & 1) + (e >> 1) * 8, g, w4[e]);
-#pragma unroll
             if constexpr (FX_Q4OPT & 8) {  // O rescaled only where a row's max moved
                 bool moved = false;
 #pragma unroll
