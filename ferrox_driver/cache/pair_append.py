@@ -5,7 +5,10 @@ tensors, CuPy arrays, DeviceArrays) and its ``state``, two int32 on the device (
 and an overflow flag), as a KVCache keeps them. One token or several: the rows go to
 ``[state[0], state[0] + n)``, then ``state[0] += n``; rows that would pass the capacity are
 not written and set the flag instead. fp8 pairs quantize on the way in with ``kv_scales``,
-as an fp8 KVCache does. No host work after a signature's first call: capturable.
+as an fp8 KVCache does, and 4-bit pairs (``FourBitScales``: values and block scales as a
+4-bit KVCache stores them) with the quantizing kernels of decode/kv4_device.py, bit for bit
+as ``fd.quantize_int4`` / ``fd.quantize_nvfp4`` (of ``fd.hadamard(k)`` where K is
+rotated). No host work after a signature's first call: capturable.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import numpy as np
 
 from ..decode.checks import SUPPORTED_DTYPES, dtype_name
 from ..decode.fp8 import FP8_DTYPES, MIN_COMPUTE_CAPABILITY, ROW_DTYPES, quantize_kernel
+from ..decode.kv4_device import nvfp4_quantize_kernel, q4_quantize_kernel
+from ..decode.pair import FourBitScales, check_four_bit_capability, check_four_bit_pair
 from ..decode.records import Kept
 from ..decode.records import lock as records_lock
 from ..driver.device import Device, device_for
@@ -27,12 +32,15 @@ from ..driver.launch import LaunchSequence, PackedLaunch
 from ..driver.memory import DeviceArray
 from ..driver.stream import Stream, stream_handle, stream_key
 from ..kernels.catalogue import get_kernel
+from ..kernels.spec import Q4_FORMAT
 
-__all__ = ["append_async_pair", "append_launches"]
+__all__ = ["append_async_pair", "append_launches", "four_bit_launches"]
 
 THREADS = 256
 MAX_BLOCKS = 1024  # a multi-row append's grid (grid-stride loops past it)
 MAX_APPENDERS = 256
+# a 4-bit one-row append's block: a warp per KV head, up to this many (cache/four_bit.py's)
+_WARPS_MAX = 16
 _appenders = Kept(MAX_APPENDERS)  # packed appends, by signature
 
 
@@ -116,6 +124,82 @@ def _check(
     return (*refs[:5], scales), capacity, row, n, fp8, rows_dtype
 
 
+def _check_four_bit(
+    pair: tuple[Any, ...], k_rows: Any, v_rows: Any, state: Any, kv_scales: Any,
+    four: FourBitScales,
+) -> tuple[tuple[Any, ...], int, int, int, np.dtype]:  # fmt: skip
+    """A 4-bit pair's append checked: (refs of k_cache, v_cache, k_rows, v_rows, state,
+    k_block_scales, v_block_scales, kv_scales or None), capacity, n_kv_heads, the rows'
+    count, their dtype.
+
+    Raises:
+        TypeError, ValueError: naming the argument.
+    """
+    capacity, n_kv, hd, refs = check_four_bit_pair(pair, four, kv_scales)
+    kr, vr = _ref(k_rows, "k_rows"), _ref(v_rows, "v_rows")
+    rshape = tuple(kr[1])
+    n = 1 if len(rshape) == 2 else rshape[0] if len(rshape) == 3 else -1
+    if n < 1 or rshape[-2:] != (n_kv, hd) or not kr[4]:
+        raise ValueError(f"k_rows: expected contiguous ({n_kv}, {hd}) or (n, {n_kv}, {hd}) rows "
+                         f"with n >= 1, got {rshape}")  # fmt: skip
+    if tuple(vr[1]) != rshape or vr[2] != kr[2] or not vr[4]:
+        raise ValueError(f"v_rows: expected k_rows' shape {rshape} and dtype {kr[2]}, "
+                         f"contiguous, got {tuple(vr[1])} of {vr[2]}")  # fmt: skip
+    rows_dtype = np.dtype(kr[2])
+    if rows_dtype not in ROW_DTYPES:
+        raise TypeError(f"k_rows: expected float32, float16 or bfloat16 rows for a 4-bit cache, "
+                        f"got {rows_dtype}")  # fmt: skip
+    st = _ref(state, "state")
+    if st[2] != np.int32 or math.prod(st[1]) != 2 or not st[4]:
+        raise ValueError(f"state: expected 2 contiguous int32 (the length, the overflow flag), "
+                         f"got shape {tuple(st[1])} of {st[2]}")  # fmt: skip
+    for ref, name in ((kr, "k_rows"), (vr, "v_rows"), (st, "state")):
+        if ref[3] != refs[0][3]:
+            raise ValueError(f"{name}: on device {ref[3]}, k_cache on device {refs[0][3]}")
+    return (refs[0], refs[1], kr, vr, st, *refs[2:]), capacity, n_kv, n, rows_dtype
+
+
+def four_bit_launches(
+    dev: Device, refs: tuple[Any, ...], capacity: int, n_kv: int, n: int, rows_dtype: np.dtype,
+    four: FourBitScales, stream: Any,
+) -> LaunchSequence:  # fmt: skip
+    """A 4-bit pair's append packed once, as a 4-bit KVCache's ``kv_append_async`` makes it
+    (``FourBitStore.device_append``): one launch that bumps the length for one row; for n,
+    the quantizing launch then the bump (roles k, v: the rows' addresses)."""
+    kc, vc, _, _, st, ks, vs, sc = refs
+    hd = 2 * kc[1][2]
+
+    def wrap(ref: ArrayRef, dtype: Any) -> DeviceArray:
+        return DeviceArray._wrap(ref[0], (math.prod(ref[1]),), np.dtype(dtype), dev, None)
+
+    rows = dtype_name(rows_dtype)
+    if four.fmt == Q4_FORMAT:
+        kernel = q4_quantize_kernel(dev, rows, hd, 32, bool(four.rotate))
+        block = (wrap(ks, np.float16), wrap(vs, np.float16))
+    else:
+        kernel = nvfp4_quantize_kernel(dev, rows, hd, bool(four.rotate))
+        block = (wrap(ks, np.uint8), wrap(vs, np.uint8))
+    state = wrap(st, np.int32)
+    first = -1 if n == 1 else -2
+    args: tuple[Any, ...] = (
+        None, None, wrap(kc, np.uint8), wrap(vc, np.uint8), *block, np.int32(n_kv), np.int32(n),
+        np.int32(first), state, np.int32(capacity), np.float32(1.0 / math.sqrt(hd)),
+    )  # fmt: skip
+    if sc is not None:  # nvfp4's per-head scales
+        args += (wrap(sc, np.float32),)
+    if n == 1:
+        grid, threads = 1, 32 * min(n_kv, _WARPS_MAX)
+    else:
+        grid, threads = max(1, min(4096, -(-n * n_kv // 8))), 256
+    launches = [PackedLaunch(kernel, grid, threads, args, stream=stream)]
+    if n > 1:  # the length, bumped after every block has read it
+        bump = get_kernel("kv_cache.cu", "kv_bump", dev)
+        launches.append(PackedLaunch(bump, 1, 1, (state, np.int32(n), np.int32(capacity)),
+                                     stream=stream))  # fmt: skip
+    slots = [((0, "k"), (1, "v"))] + [()] * (len(launches) - 1)
+    return LaunchSequence(launches, ("k", "v"), slots, dev)
+
+
 def append_launches(
     dev: Device, refs: tuple[Any, ...], capacity: int, row: int, n: int, fp8: str,
     rows_dtype: np.dtype, stream: Any,
@@ -160,29 +244,39 @@ def append_launches(
 
 def append_async_pair(
     pair: tuple[Any, ...], k_rows: Any, v_rows: Any, state: Any, kv_scales: Any, stream: Any,
-    torch_owned: bool = False,
+    torch_owned: bool = False, four_bit: FourBitScales | None = None,
 ) -> None:  # fmt: skip
     """Queue the append of ``k_rows``/``v_rows`` (one token ``(n_kv_heads, head_dim)`` or
     ``(n, n_kv_heads, head_dim)``) into ``pair`` at ``state[0]`` (see the module). A call of
     a signature seen before writes the rows' pointers and launches. ``torch_owned``: as
-    ``decode.pair.decode_async_pair``'s."""
+    ``decode.pair.decode_async_pair``'s. ``four_bit``: a 4-bit pair's block scales and
+    rotation (an nvfp4 pair's per-head scales in ``kv_scales``)."""
     sid = stream_key(stream)
     key: Any = None
     if len(pair) == 2:  # the caches', state's and scales' addresses; the rows' signature
-        objs = (pair[0], pair[1], k_rows, v_rows, state, kv_scales)
+        blocks = (None, None) if four_bit is None else (four_bit.k_scales, four_bit.v_scales)
+        objs = (pair[0], pair[1], k_rows, v_rows, state, kv_scales, *blocks)
         refs = [None if o is None else array_ref(o, "kv") for o in objs]
         if all(r is not None for r in refs[:5]):
-            key = (sid, *(None if r is None else
-                          (r[0] if i not in (2, 3) else (r[0] & 15) == 0, *r[1:5])
-                          for i, r in enumerate(refs)))  # fmt: skip
+            four = None if four_bit is None else (four_bit.fmt, four_bit.rotate)
+            key = (sid, four, *(None if r is None else
+                                (r[0] if i not in (2, 3) else (r[0] & 15) == 0, *r[1:5])
+                                for i, r in enumerate(refs)))  # fmt: skip
     try:
         entry = None if key is None else _appenders.get(key)
     except TypeError:
         entry = None
     if entry is None:
-        checked, capacity, row, n, fp8, rows_dtype = _check(pair, k_rows, v_rows, state,
-                                                             kv_scales)  # fmt: skip
+        if four_bit is not None:
+            checked, capacity, n_kv, n, rows_dtype = _check_four_bit(
+                pair, k_rows, v_rows, state, kv_scales, four_bit)  # fmt: skip
+            row, fp8 = n_kv, ""
+        else:
+            checked, capacity, row, n, fp8, rows_dtype = _check(pair, k_rows, v_rows, state,
+                                                                 kv_scales)  # fmt: skip
         dev = device_for(checked[0][3])
+        if four_bit is not None:
+            check_four_bit_capability(four_bit.fmt, dev.compute_capability)
         if fp8 and dev.compute_capability < MIN_COMPUTE_CAPABILITY:
             raise ValueError(f"k_cache: fp8 caches need compute capability 8.9 or newer, this "
                              f"GPU has {dev.compute_capability}")  # fmt: skip
@@ -191,8 +285,12 @@ def append_async_pair(
         with contextlib.ExitStack() as relaxed, records_lock:
             if torch_owned and foreign and stream_capturing(sid):
                 relaxed.enter_context(relaxed_capture())
-            sequence = append_launches(dev, checked, capacity, row, n, fp8, rows_dtype,
-                                 stream_handle(sid))  # fmt: skip
+            if four_bit is not None:
+                sequence = four_bit_launches(dev, checked, capacity, row, n, rows_dtype,
+                                             four_bit, stream_handle(sid))  # fmt: skip
+            else:
+                sequence = append_launches(dev, checked, capacity, row, n, fp8, rows_dtype,
+                                           stream_handle(sid))  # fmt: skip
         entry = (sequence, dev, foreign)
         if key is not None:
             _appenders.keep(key, entry)
@@ -202,5 +300,6 @@ def append_async_pair(
     assert kr is not None and vr is not None
     if not torch_owned:  # a graph that captures it keeps what it reads and writes
         keep_for_capture(sid, foreign, sequence, pair[0], pair[1], k_rows, v_rows, state,
-                         kv_scales)  # fmt: skip
+                         kv_scales, *(() if four_bit is None else
+                                      (four_bit.k_scales, four_bit.v_scales)))  # fmt: skip
     sequence.run((kr[0], vr[0]))

@@ -25,6 +25,7 @@ from ..driver.pool import stream_buffer as _stream_buffer
 from ..driver.stream import Stream, stream_handle, stream_key
 from ..errors import FerroxError
 from ..kernels import abi
+from ..kernels.spec import FOUR_BIT_FORMATS, NVFP4_FORMAT, Q4_FORMAT
 from . import plan as attention
 from .checks import (
     SUPPORTED_DTYPES,
@@ -44,6 +45,7 @@ from .records import store as _records
 from .verify import check_mask
 
 __all__ = [
+    "FourBitScales",
     "as_queries",
     "checked_operand",
     "device_mask",
@@ -178,6 +180,107 @@ def feature_ptr(obj: Any, name: str, n: int, ordinal: int) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class FourBitScales:
+    """What a 4-bit pair is read with besides its values (uint8 ``(capacity, n_kv_heads,
+    head_dim // 2)``, as a 4-bit KVCache stores them): ``fmt`` "q4" or "nvfp4", K's and
+    V's block scales (device arrays; q4: float16 ``(capacity, n_kv_heads, head_dim //
+    32)``, nvfp4: e4m3 bytes ``(capacity, n_kv_heads, head_dim // 16)``) and whether K is
+    rotated (q then rotated in the decode). An nvfp4 pair's per-head scales are its
+    ``kv_scales``."""
+
+    fmt: str
+    k_scales: Any
+    v_scales: Any
+    rotate: bool
+
+
+_FOUR_BIT_GROUP = {Q4_FORMAT: 32, NVFP4_FORMAT: 16}  # elements per block scale
+_FOUR_BIT_HEAD_DIMS = (64, 128, 256)  # the kernels' (decode.kv4_device.Q4_HEAD_DIMS)
+
+
+def check_four_bit_pair(
+    pair: tuple[Any, ...], four: FourBitScales, kv_scales: Any
+) -> tuple[int, int, int, tuple[ArrayRef, ...]]:
+    """A 4-bit pair's values, block scales and per-head scales checked on the host:
+    (capacity, n_kv_heads, head_dim, refs of k, v, the block scales and kv_scales or None).
+
+    Raises:
+        TypeError, ValueError: naming the argument.
+    """
+    if four.fmt not in FOUR_BIT_FORMATS:
+        raise ValueError(f"kv_format: expected 'int4' or 'nvfp4', got {four.fmt!r}")
+    name = "int4" if four.fmt == Q4_FORMAT else four.fmt
+    if not isinstance(four.rotate, (bool, np.bool_)):
+        raise TypeError(f"rotate_k: expected True or False, got {type(four.rotate).__name__}")
+    if len(pair) != 2:
+        raise TypeError(f"kv: expected a pair (k_cache, v_cache), got {len(pair)} items")
+    kr, vr = array_ref(pair[0], "k_cache"), array_ref(pair[1], "v_cache")
+    if kr is None or vr is None:
+        raise TypeError("k_cache, v_cache: expected device arrays, got a numpy array")
+    shape = tuple(kr[1])
+    if kr[2] != np.uint8 or len(shape) != 3 or not kr[4]:
+        raise ValueError(
+            f"k_cache: a {name} cache's values are C-contiguous uint8 (capacity, n_kv_heads, "
+            f"head_dim // 2), token-major; got shape {shape} of {kr[2]}"
+            f"{'' if kr[4] else ' (strided)'}"
+        )
+    capacity, n_kv, half = shape
+    hd = 2 * half
+    if hd not in _FOUR_BIT_HEAD_DIMS:
+        raise ValueError(f"k_cache: {name} caches take head_dim 64, 128 or 256 (k_cache's last "
+                         f"dimension 32, 64 or 128), got {hd}")  # fmt: skip
+    check_tokens(capacity, "k_cache")
+    if tuple(vr[1]) != shape or vr[2] != np.uint8 or not vr[4]:
+        raise ValueError(f"v_cache: expected k_cache's shape {shape} of uint8, contiguous, got "
+                         f"{tuple(vr[1])} of {vr[2]}")  # fmt: skip
+    per = hd // _FOUR_BIT_GROUP[four.fmt]
+    refs: list[Any] = [kr, vr]
+    for obj, arg in ((four.k_scales, "k_block_scales"), (four.v_scales, "v_block_scales")):
+        ref = array_ref(obj, arg) if obj is not None else None
+        if obj is not None and ref is None:
+            raise TypeError(f"{arg}: expected a device array, got a numpy array")
+        want = "float16" if four.fmt == Q4_FORMAT else "uint8 (e4m3 bytes)"
+        good = ref is not None and (
+            ref[2] == np.float16 if four.fmt == Q4_FORMAT else ref[2].itemsize == 1
+        )
+        if ref is None or not good or tuple(ref[1]) != (capacity, n_kv, per) or not ref[4]:
+            got = "None" if ref is None else f"shape {tuple(ref[1])} of {ref[2]}"
+            raise ValueError(f"{arg}: a {name} cache's block scales are contiguous {want} "
+                             f"{(capacity, n_kv, per)}, got {got}")  # fmt: skip
+        refs.append(ref)
+    scales = None
+    if four.fmt == NVFP4_FORMAT:
+        if kv_scales is None:
+            raise TypeError("kv_scales: an nvfp4 cache is read with its float32 scales per KV "
+                            "head, n_kv_heads K scales then n_kv_heads V ones")  # fmt: skip
+        scales = array_ref(kv_scales, "kv_scales")
+        if scales is None:
+            raise TypeError("kv_scales: expected a device array, got a numpy array")
+        if scales[2] != np.float32 or math.prod(scales[1]) != 2 * n_kv or not scales[4]:
+            raise ValueError(f"kv_scales: expected {2 * n_kv} contiguous float32, got shape "
+                             f"{tuple(scales[1])} of {scales[2]}")  # fmt: skip
+    elif kv_scales is not None:
+        raise TypeError("kv_scales: an int4 cache scales each group of 32 itself; only fp8 and "
+                        "nvfp4 caches take kv_scales")  # fmt: skip
+    refs.append(scales)
+    for ref, arg in zip(refs[1:], ("v_cache", "k_block_scales", "v_block_scales", "kv_scales"),
+                        strict=True):  # fmt: skip
+        if ref is not None and ref[3] != kr[3]:
+            raise ValueError(f"{arg}: on device {ref[3]}, k_cache on device {kr[3]}")
+    return capacity, n_kv, hd, tuple(refs)
+
+
+def check_four_bit_capability(fmt: str, compute_capability: tuple[int, int]) -> None:
+    """Raise ValueError naming ``kv_format`` where the device cannot read the format."""
+    need = (8, 9) if fmt == NVFP4_FORMAT else (8, 0)
+    if compute_capability < need:
+        raise ValueError(
+            f"kv_format: {'int4' if fmt == Q4_FORMAT else fmt} caches need compute capability "
+            f"{need[0]}.{need[1]} or newer; this GPU has {compute_capability}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class _Pair:
     """A caller's (k_cache, v_cache) pair, checked: the refs, its shape and layout."""
 
@@ -191,10 +294,19 @@ class _Pair:
     fp8: str = ""  # an fp8 cache's format (its bytes read with kv_scales), else ""
 
 
-def _check_pair(pair: tuple[Any, ...], kv_layout: Any, fp8_ok: bool = False) -> _Pair:
+def _check_pair(
+    pair: tuple[Any, ...], kv_layout: Any, fp8_ok: bool = False,
+    four_bit: FourBitScales | None = None, kv_scales: Any = None,
+) -> _Pair:  # fmt: skip
     """A ``(k_cache, v_cache)`` pair of device arrays in layout ``kv_layout``, checked
-    (``fp8_ok``: kv_scales came with it, so an fp8 pair is read)."""
+    (``fp8_ok``: kv_scales came with it, so an fp8 pair is read; ``four_bit``: a 4-bit
+    pair, its block scales and ``kv_scales`` checked too)."""
     layout = check_kv_layout(kv_layout)
+    if four_bit is not None:
+        if layout != "NHD":
+            raise ValueError(f"kv_layout: 4-bit caches are token-major ('NHD'), got {layout!r}")
+        capacity, n_kv, hd, refs = check_four_bit_pair(pair, four_bit, kv_scales)
+        return _Pair(refs[0], refs[1], n_kv, hd, capacity, 0, layout, four_bit.fmt)
     if len(pair) != 2:
         raise TypeError(
             f"kv: expected a KVCache or a pair (k_cache, v_cache), got {len(pair)} items"
@@ -270,37 +382,41 @@ def checked_operand(obj: Any, name: str, size: int, dtype: np.dtype, ordinal: in
 MAX_PAIR_CALLS = 256
 _pair_calls = Kept(MAX_PAIR_CALLS)
 _PAIR_ROLES = ("q_dev", "k_cache", "v_cache", "out_dev", "seq_len", "sinks", "alibi_slopes",
-               "out_lse", "kv_scales", "tree_mask")  # fmt: skip
+               "out_lse", "kv_scales", "tree_mask", "k_block_scales",
+               "v_block_scales")  # fmt: skip
 
 
 def decode_async_pair(
     q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any,
     algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
     kv_scales: Any = None, torch_owned: bool = False, tree_mask: Any = None,
+    four_bit: FourBitScales | None = None,
 ) -> None:  # fmt: skip
     """gqa_decode_async over a caller's (k_cache, v_cache): a call seen before (`_pair_calls`)
     queued with its pointers; a new one checked (`_pair_checked`) and remembered.
 
     ``kv_scales``: an fp8 pair's scales (float32, n_kv K scales then n_kv V ones).
     ``tree_mask``: a verify's (q ``(n_q, n_heads, head_dim)``) mask on the device.
+    ``four_bit``: a 4-bit pair's block scales and rotation (its per-head nvfp4 scales in
+    ``kv_scales``).
     ``torch_owned``: the arrays are PyTorch's and so are the graphs that capture this call
     (the torch ops): nothing is kept for a capture (PyTorch keeps what its graphs use), and a
     first call inside PyTorch's capture makes its record with the capture mode relaxed."""
     sid = stream_key(stream)
     found = _pair_call_key(q_dev, pair, out_dev, n_heads, sid, algorithm, seq_len, kv_layout,
-                           kw, out_lse, kv_scales, tree_mask)  # fmt: skip
+                           kw, out_lse, kv_scales, tree_mask, four_bit)  # fmt: skip
     entry = None if found is None else _pair_calls.get(found[0])
     if entry is None:
         entry = _pair_checked(q_dev, pair, out_dev, n_heads, stream, sid, algorithm, seq_len,
                               kv_layout, kw, out_lse, kv_scales, torch_owned,
-                              tree_mask)  # fmt: skip
+                              tree_mask, four_bit)  # fmt: skip
         if found is not None:
             with _records_lock:
                 _pair_calls.keep(found[0], entry)
     record, dev, foreign = entry
     dev.activate()  # this thread's context current before any driver call
     objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
-            out_lse, kv_scales, tree_mask)  # fmt: skip
+            out_lse, kv_scales, tree_mask, *_block_scales(four_bit))  # fmt: skip
     refs: list[Any] = found[1] if found is not None else [
         None if o is None else array_ref(o, n) for o, n in zip(objs, _PAIR_ROLES, strict=True)
     ]  # fmt: skip
@@ -315,14 +431,14 @@ def decode_async_pair(
 def _pair_call_key(
     q_dev: Any, pair: Any, out_dev: Any, n_heads: Any, sid: int, algorithm: Any, seq_len: Any,
     kv_layout: Any, kw: dict[str, Any], out_lse: Any, kv_scales: Any = None,
-    tree_mask: Any = None,
+    tree_mask: Any = None, four_bit: FourBitScales | None = None,
 ) -> tuple[tuple[Any, ...], list[Any]] | None:  # fmt: skip
     """The key of a pair decode's call in `_pair_calls` and its arrays' refs, or None where
     the call is not one to remember (anything the checks would refuse goes to them)."""
     if not isinstance(pair, tuple) or len(pair) != 2:
         return None
     objs = (q_dev, pair[0], pair[1], out_dev, seq_len, kw.get("sinks"), kw.get("alibi_slopes"),
-            out_lse, kv_scales, tree_mask)  # fmt: skip
+            out_lse, kv_scales, tree_mask, *_block_scales(four_bit))  # fmt: skip
     refs: list[Any] = []
     sigs: list[Any] = []
     for obj, role in zip(objs, _PAIR_ROLES, strict=True):
@@ -344,9 +460,10 @@ def _pair_call_key(
     # seq_len's and the features' arrays are the record's own
     aligned = ((refs[0][0] | refs[1][0] | refs[2][0] | refs[3][0]) & 15) == 0
     held = tuple(0 if r is None else r[0] for r in refs[4:])
+    four = None if four_bit is None else (four_bit.fmt, four_bit.rotate)
     key = (sid, n_heads, algorithm, kv_layout, kw.get("sliding_window"),
            kw.get("logits_soft_cap"), kw.get("scale"), aligned, held, *sigs,
-           attention.OVERRIDES)  # fmt: skip
+           attention.OVERRIDES, four)  # fmt: skip
     try:
         hash(key)
     except TypeError:
@@ -354,15 +471,21 @@ def _pair_call_key(
     return key, refs
 
 
+def _block_scales(four_bit: FourBitScales | None) -> tuple[Any, Any]:
+    return (None, None) if four_bit is None else (four_bit.k_scales, four_bit.v_scales)
+
+
 def _pair_checked(
     q_dev: Any, pair: tuple[Any, ...], out_dev: Any, n_heads: Any, stream: Any, sid: int,
     algorithm: Any, seq_len: Any, kv_layout: Any, kw: dict[str, Any], out_lse: Any,
     kv_scales: Any = None, torch_owned: bool = False, tree_mask: Any = None,
+    four_bit: FourBitScales | None = None,
 ) -> tuple[Any, Device, bool]:  # fmt: skip
     """A pair decode's every argument checked, and its record (made on first use, outside
     a capture, or inside PyTorch's with ``torch_owned``), device and whether its stream is
     another library's."""
-    kv = _check_pair(pair, kv_layout, fp8_ok=kv_scales is not None)
+    kv = _check_pair(pair, kv_layout, fp8_ok=kv_scales is not None, four_bit=four_bit,
+                     kv_scales=kv_scales)  # fmt: skip
     n_q = query_count(q_dev, kv.head_dim, n_heads)
     n_heads = q_heads_of(n_heads, q_dev, kv.head_dim)
     n_heads, n_kv, hd = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
@@ -378,7 +501,15 @@ def _pair_checked(
     seq = checked_operand(seq_len, "seq_len", 1, np.dtype(np.int32), ordinal)
     size = n_q * n_heads * hd
     scales = None
-    if kv.fp8:  # q and out of their own 16-bit dtype; the scales the kernels multiply by
+    if four_bit is not None:  # q and out 16-bit; an nvfp4 pair's per-head scales
+        q_ref = array_ref(q_dev, "q_dev")
+        dtype = np.dtype(q_ref[2]) if q_ref is not None else dtype
+        if dtype.name not in ("float16", "bfloat16"):
+            raise TypeError(f"q_dev: expected float16 or bfloat16 for a 4-bit cache, got {dtype}")
+        if kv_scales is not None:
+            scales = checked_operand(kv_scales, "kv_scales", 2 * n_kv, np.dtype(np.float32),
+                                     ordinal)  # fmt: skip
+    elif kv.fp8:  # q and out of their own 16-bit dtype; the scales the kernels multiply by
         q_ref = array_ref(q_dev, "q_dev")
         dtype = np.dtype(q_ref[2]) if q_ref is not None else dtype
         if dtype.name not in ("float16", "bfloat16"):
@@ -396,7 +527,9 @@ def _pair_checked(
     feature_ptr(out_lse, "out_lse", n_q * n_heads, ordinal)
     mask, mask_mode = device_mask(tree_mask, n_q, ordinal)
     dev = device_for(ordinal)
-    if kv.fp8 and dev.compute_capability < MIN_COMPUTE_CAPABILITY:
+    if four_bit is not None:
+        check_four_bit_capability(four_bit.fmt, dev.compute_capability)
+    elif kv.fp8 and dev.compute_capability < MIN_COMPUTE_CAPABILITY:
         raise ValueError(
             f"k_cache: fp8 caches need compute capability 8.9 or newer, this GPU has "
             f"{dev.compute_capability}"
@@ -415,7 +548,7 @@ def _pair_checked(
     key = ("pair", dev.context_handle, dtype, n_heads, n_kv, hd, kv.capacity, kv.head_stride,
            aligned, sid, seq[0], bits, feature_key(fargs), attention.OVERRIDES, kv.fp8,
            0 if scales is None else scales[0], n_q, 0 if mask is None else mask[0],
-           mask_mode)  # fmt: skip
+           mask_mode, *_four_key(four_bit))  # fmt: skip
     captured = bool(getattr(_capture_state, "depth", 0)) or (foreign and stream_capturing(sid))
     record = _records.get(key)
     if record is None:
@@ -430,8 +563,17 @@ def _pair_checked(
                 relaxed.enter_context(relaxed_capture())
             record = _pair_record(key, dev, kv, q, out, seq, n_heads, dtype, aligned, bits,
                                   fargs, feats.sliding_window, sid, scales,
-                                  (n_q, mask, mask_mode))  # fmt: skip
+                                  (n_q, mask, mask_mode), four_bit)  # fmt: skip
     return record, dev, foreign
+
+
+def _four_key(four_bit: FourBitScales | None) -> tuple[Any, ...]:
+    """A 4-bit pair's part of its record's key: its block scales' addresses (the record
+    reads them) and its rotation."""
+    if four_bit is None:
+        return ()
+    refs = [array_ref(s, "block_scales") for s in _block_scales(four_bit)]
+    return (*(0 if r is None else r[0] for r in refs), bool(four_bit.rotate))
 
 
 def _pair_record(
@@ -439,9 +581,11 @@ def _pair_record(
     n_heads: int, dtype: np.dtype, aligned: bool, bits: int, fargs: Any,
     window: int | None, sid: int, scales: ArrayRef | None = None,
     queries: tuple[int, ArrayRef | None, int] = (1, None, 0),
+    four_bit: FourBitScales | None = None,
 ) -> DecodeRecord:  # fmt: skip
     """The launches of a pair's decode, planned for its capacity (at most the window); an
-    fp8 pair's read with ``scales``; ``queries``: (n_q, the tree mask's ref, its mode)."""
+    fp8 pair's read with ``scales``; ``queries``: (n_q, the tree mask's ref, its mode); a
+    4-bit pair's with its block scales and rotation (``four_bit``)."""
     record = _records.get(key)
     if record is not None:
         return record
@@ -462,6 +606,15 @@ def _pair_record(
     if scales is not None:
         fp8 = dict(dtype=dtype, fp8=kv.fp8, kv_scales=DeviceArray._wrap(
             scales[0], (2 * n_kv,), np.dtype(np.float32), dev, None))  # fmt: skip
+    if four_bit is not None:  # (as a 4-bit KVCache's decode_record passes its own)
+        per = (kv.capacity, n_kv, hd // _FOUR_BIT_GROUP[kv.fp8])
+        sdt = np.dtype(np.float16 if kv.fp8 == Q4_FORMAT else np.uint8)
+        block = tuple(
+            DeviceArray._wrap(array_ref(s, "block_scales")[0], per, sdt, dev, None)  # type: ignore[index]
+            for s in _block_scales(four_bit)
+        )  # fmt: skip
+        fp8 = dict(fp8, dtype=dtype, fp8=kv.fp8, q4_scales=block, rotate=bool(four_bit.rotate))
+        fp8.setdefault("kv_scales", None)
     record = _records.keep(key, assemble(
         q_d, k_d, v_d, out_d, stream=stream_handle(sid), keep_workspace=False, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=hd, seq_len=kv.capacity, seq_len_dev=seq_d,

@@ -23,6 +23,10 @@ stream and read every length on the device, so one captured graph serves every s
 - ``kv_append(k_cache, v_cache, k, v, state, kv_scales=None)``: one token ``(n_kv_heads,
   head_dim)`` or several ``(n, n_kv_heads, head_dim)`` into a token-major cache at
   ``state[0]``, which is then bumped; an fp8 cache quantizes them with ``kv_scales``.
+- 4-bit caches (``kv_format="int4"`` or ``"nvfp4"``): a ``KVCache``'s 4-bit storage as
+  tensors, uint8 values with ``k_block_scales``/``v_block_scales`` (and nvfp4's
+  ``kv_scales``), K rotated where ``rotate_k`` (see ``torch_kv4``): ``kv_append`` quantizes
+  rows into them, ``gqa_decode`` reads them over a ``seq_len``; token-major only.
 - ``merge_states(outs, lses)``: the exact combine of partial attention (LSE-weighted).
 
 Needs PyTorch 2.4 or newer with CUDA.
@@ -43,8 +47,10 @@ from ..decode.queries import query_heads, single_query_only
 from ..driver.device import device_for
 from ..driver.graph import relaxed_capture, stream_capturing
 from ..driver.pool import stream_buffer
+from .torch_kv4 import check_rows, dequantize_4bit, four_bit_args, hadamard
 
-__all__ = ["gqa_decode", "kv_append", "merge_states", "new_state"]
+__all__ = ["dequantize_4bit", "gqa_decode", "hadamard", "kv_append", "merge_states",
+           "new_state"]  # fmt: skip
 
 _LAYOUTS = ("NHD", "HND")
 
@@ -56,14 +62,16 @@ def new_state(device: Any = "cuda", length: int = 0) -> torch.Tensor:
     return torch.tensor([length, 0], dtype=torch.int32, device=device)
 
 
-def _dims(q: torch.Tensor, k_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int]:
+def _dims(
+    q: torch.Tensor, k_cache: torch.Tensor, kv_layout: str, kv_format: str | None = None
+) -> tuple[int, int, int]:
     """(n_heads, n_kv_heads, head_dim) from the shapes (a 3-D q: ``(n_q, n_heads,
-    head_dim)``); the layout checked."""
+    head_dim)``; a 4-bit cache's bytes hold two elements each); the layout checked."""
     if kv_layout not in _LAYOUTS:
         raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
     if k_cache.dim() not in (3, 4):
         raise ValueError(f"k_cache: expected 3 or 4 dimensions, got shape {tuple(k_cache.shape)}")
-    head_dim = k_cache.shape[-1]
+    head_dim = k_cache.shape[-1] * (1 if kv_format is None else 2)
     n_kv = k_cache.shape[-2] if kv_layout == "NHD" else k_cache.shape[-3]
     if q.dim() == 3:  # (n_q, n_heads, head_dim): n_q query tokens
         return query_heads(tuple(q.shape), head_dim).n_heads, n_kv, head_dim
@@ -138,10 +146,16 @@ def _decode_op(
     sliding_window: int | None,
     return_lse: bool,
     tree_mask: torch.Tensor | None = None,
+    kv_format: str | None = None,
+    k_block_scales: torch.Tensor | None = None,
+    v_block_scales: torch.Tensor | None = None,
+    rotate_k: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not q.is_cuda:
         raise ValueError(f"q: expected a CUDA tensor, got one on {q.device}")
-    n_heads, n_kv, head_dim = _dims(q, k_cache, kv_layout)
+    four = four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
+                         kv_layout, rotate_k)  # fmt: skip
+    n_heads, n_kv, head_dim = _dims(q, k_cache, kv_layout, kv_format)
     q = q.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(_lse_shape(q, n_heads, return_lse), dtype=torch.float32, device=q.device)
@@ -150,8 +164,9 @@ def _decode_op(
                     sinks=float32_copy(sinks), alibi_slopes=float32_copy(alibi_slopes),
                     scale=scale)  # fmt: skip
     if seq_len is None:  # every token of k_cache: the eager decode (a record per length bucket)
-        if kv_scales is not None:
-            raise ValueError("kv_scales: an fp8 cache is decoded over a seq_len tensor")
+        if kv_scales is not None or four is not None:
+            what = "kv_scales: an fp8" if four is None else f"kv_format: a {kv_format}"
+            raise ValueError(f"{what} cache is decoded over a seq_len tensor")
         with _relaxed_if_captured(stream):
             got: Any = _eager_decode(q, k_cache, v_cache, n_heads=n_heads, n_kv_heads=n_kv,
                                      head_dim=head_dim, out=out, stream=stream,
@@ -164,7 +179,7 @@ def _decode_op(
     lse_buf, lse_view = _lse_buffer(q.device, stream, rows) if return_lse else (None, None)
     decode_async_pair(q, (k_cache, v_cache), out, n_heads, stream, "auto", seq_len, kv_layout,
                       features, lse_buf, kv_scales, torch_owned=True,
-                      tree_mask=tree_mask)  # fmt: skip
+                      tree_mask=tree_mask, four_bit=four)  # fmt: skip
     if lse_view is not None:
         lse.copy_(lse_view.view(lse.shape))
     return out, lse
@@ -176,9 +191,14 @@ def _decode_fake(
     kv_scales: torch.Tensor | None, sinks: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None, kv_layout: str, scale: float | None,
     logits_soft_cap: float | None, sliding_window: int | None, return_lse: bool,
-    tree_mask: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None, kv_format: str | None = None,
+    k_block_scales: torch.Tensor | None = None, v_block_scales: torch.Tensor | None = None,
+    rotate_k: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    n_heads, _, _ = _dims(q, k_cache, kv_layout)
+    # (checked while tracing, as the shapes are)
+    four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
+                  kv_layout, rotate_k)  # fmt: skip
+    n_heads, _, _ = _dims(q, k_cache, kv_layout, kv_format)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = q.new_empty(_lse_shape(q, n_heads, return_lse), dtype=torch.float32)
     return out, lse
@@ -194,7 +214,10 @@ def _no_gradient(ctx: Any, *grads: Any) -> Any:
 _decode_op.register_autograd(_no_gradient)
 
 
-@torch.library.custom_op("ferrox::kv_append", mutates_args=("k_cache", "v_cache", "state"))
+@torch.library.custom_op(
+    "ferrox::kv_append",
+    mutates_args=("k_cache", "v_cache", "state", "k_block_scales", "v_block_scales"),
+)
 def _append_op(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -202,19 +225,32 @@ def _append_op(
     v: torch.Tensor,
     state: torch.Tensor,
     kv_scales: torch.Tensor | None,
+    kv_format: str | None = None,
+    k_block_scales: torch.Tensor | None = None,
+    v_block_scales: torch.Tensor | None = None,
+    rotate_k: bool | None = None,
 ) -> None:
     if not k_cache.is_cuda:
         raise ValueError(f"k_cache: expected a CUDA tensor, got one on {k_cache.device}")
+    four = four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
+                         "NHD", rotate_k)  # fmt: skip
+    if four is not None:
+        check_rows(k, v, k_cache)
     stream = _current_stream(k_cache.device)
     append_async_pair((k_cache, v_cache), k.contiguous(), v.contiguous(), state, kv_scales,
-                      stream, torch_owned=True)  # fmt: skip
+                      stream, torch_owned=True, four_bit=four)  # fmt: skip
 
 
 @_append_op.register_fake
 def _append_fake(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    state: torch.Tensor, kv_scales: torch.Tensor | None,
+    state: torch.Tensor, kv_scales: torch.Tensor | None, kv_format: str | None = None,
+    k_block_scales: torch.Tensor | None = None, v_block_scales: torch.Tensor | None = None,
+    rotate_k: bool | None = None,
 ) -> None:  # fmt: skip
+    if four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
+                     "NHD", rotate_k) is not None:  # fmt: skip
+        check_rows(k, v, k_cache)
     return None
 
 
@@ -258,6 +294,10 @@ def gqa_decode(
     return_lse: bool = False,
     kv_scales: torch.Tensor | None = None,
     tree_mask: torch.Tensor | None = None,
+    kv_format: str | None = None,
+    k_block_scales: torch.Tensor | None = None,
+    v_block_scales: torch.Tensor | None = None,
+    rotate_k: bool | None = None,
 ) -> Any:
     """Attention of one query token, or of the last n_q tokens (a speculative verify), over
     the first ``seq_len`` tokens of a cache, on PyTorch's current stream
@@ -271,7 +311,8 @@ def gqa_decode(
         k_cache: ``(capacity, n_kv_heads, head_dim)`` ("NHD") or ``(n_kv_heads, capacity,
             head_dim)`` / ``(1, n_kv_heads, capacity, head_dim)`` ("HND", rows contiguous,
             heads any number of rows apart): float32, float16, bfloat16, or
-            ``torch.float8_e4m3fn`` / ``float8_e5m2`` with ``kv_scales``.
+            ``torch.float8_e4m3fn`` / ``float8_e5m2`` with ``kv_scales``, or a 4-bit cache's
+            values, uint8 ``(capacity, n_kv_heads, head_dim // 2)``, with ``kv_format``.
         v_cache: like ``k_cache``.
         seq_len: a one-element int32 CUDA tensor, the tokens to read (``[0, capacity]``,
             read by the kernels at each run). None: all of ``k_cache``'s tokens (eager).
@@ -285,6 +326,16 @@ def gqa_decode(
         tree_mask: with a 3-D q, a CUDA tensor: bool ``(n_q, n_q)`` or bit-packed uint8
             ``(n_q, ceil(n_q / 8))`` (query t sees new token u where ``[t, u]``; its
             diagonal set), read on the device at each run.
+        kv_format: ``"int4"`` or ``"nvfp4"``: the caches are 4-bit values (a 4-bit
+            ``KVCache``'s storage, token-major), read with their block scales (and nvfp4's
+            ``kv_scales``, float32 ``(2, n_kv_heads)``); q float16 or bfloat16; a
+            ``seq_len`` tensor. None: the caches' dtype says.
+        k_block_scales, v_block_scales: a 4-bit cache's block scales: int4 float16
+            ``(capacity, n_kv_heads, head_dim // 32)``, nvfp4 e4m3 bytes (uint8 or
+            ``torch.float8_e4m3fn``) ``(capacity, n_kv_heads, head_dim // 16)``.
+        rotate_k: whether the 4-bit K is Hadamard-rotated (q is rotated alike in the
+            decode); None: the format's default, as ``KVCache(rotate=None)``'s (int4
+            rotated, nvfp4 not).
 
     Returns:
         ``out`` of q's shape and dtype, or ``(out, lse)`` with ``return_lse`` (LSE
@@ -293,7 +344,16 @@ def gqa_decode(
     Raises:
         ValueError, TypeError: naming the argument, before any device work.
     """
-    got = _dims(q, k_cache, kv_layout)
+    four = four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
+                         kv_layout, rotate_k)  # fmt: skip
+    if four is not None:
+        if seq_len is None:
+            raise ValueError(f"seq_len: a {kv_format} cache is decoded over a seq_len tensor "
+                             "(one int32 on the device)")  # fmt: skip
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"q: expected float16 or bfloat16 for a 4-bit cache, got {q.dtype}")
+        rotate_k = four.rotate
+    got = _dims(q, k_cache, kv_layout, kv_format)
     for name, given, have in zip(("n_heads", "n_kv_heads", "head_dim"),
                                  (n_heads, n_kv_heads, head_dim), got, strict=True):  # fmt: skip
         if given is not None and given != have:
@@ -302,7 +362,8 @@ def gqa_decode(
         raise ValueError("tree_mask: only with several query tokens, q (n_q, n_heads, head_dim)")
     out, lse = torch.ops.ferrox.gqa_decode(
         q, k_cache, v_cache, seq_len, kv_scales, sinks, alibi_slopes, kv_layout, scale,
-        logits_soft_cap, sliding_window, return_lse, tree_mask,
+        logits_soft_cap, sliding_window, return_lse, tree_mask, kv_format, k_block_scales,
+        v_block_scales, rotate_k,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -315,6 +376,10 @@ def kv_append(
     state: torch.Tensor,
     *,
     kv_scales: torch.Tensor | None = None,
+    kv_format: str | None = None,
+    k_block_scales: torch.Tensor | None = None,
+    v_block_scales: torch.Tensor | None = None,
+    rotate_k: bool | None = None,
 ) -> None:
     """Append one token's K and V rows ``(n_kv_heads, head_dim)``, or several ``(n,
     n_kv_heads, head_dim)``, to a token-major cache ``(capacity, n_kv_heads, head_dim)`` at
@@ -323,8 +388,24 @@ def kv_append(
     capacity are not written; ``state[1]`` is set instead. An fp8 cache
     (``torch.float8_e4m3fn``/``float8_e5m2``) quantizes 16- or 32-bit rows with
     ``kv_scales`` (float32 ``(2, n_kv_heads)``: a value is stored as value / scale).
+
+    A 4-bit cache (``kv_format="int4"`` or ``"nvfp4"``: uint8 values ``(capacity,
+    n_kv_heads, head_dim // 2)`` and ``k_block_scales``/``v_block_scales``, as
+    ``gqa_decode`` takes them) quantizes float32, float16 or bfloat16 rows on the device
+    into the values and the block scales (nvfp4 with its ``kv_scales``; K rotated first
+    where ``rotate_k``, None: the format's default), the bytes ``fd.quantize_int4`` /
+    ``fd.quantize_nvfp4`` compute (of ``fd.hadamard(k)`` for a rotated K).
+
+    Raises:
+        ValueError, TypeError: naming the argument, before any device work.
     """
-    torch.ops.ferrox.kv_append(k_cache, v_cache, k, v, state, kv_scales)
+    four = four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
+                         "NHD", rotate_k)  # fmt: skip
+    if four is not None:
+        check_rows(k, v, k_cache)
+        rotate_k = four.rotate
+    torch.ops.ferrox.kv_append(k_cache, v_cache, k, v, state, kv_scales, kv_format,
+                               k_block_scales, v_block_scales, rotate_k)  # fmt: skip
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
