@@ -4,15 +4,7 @@
 // finite range (448 for e4m3, 57344 for e5m2; infinities too); NaN stays NaN. As
 // `np.clip(x / scale, -max, max).astype(ml_dtypes.float8_*)`, bit for bit.
 
-template <int Q8>  // 1: e4m3, 2: e5m2
-__device__ __forceinline__ unsigned char fx_quantize(float x) {
-    unsigned short r;  // (both halves converted from x)
-    if (Q8 == 1)
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;" : "=h"(r) : "f"(x));
-    else
-        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %1;" : "=h"(r) : "f"(x));
-    return (unsigned char)(r & 0xffu);
-}
+#include "fp8_quantize.cuh"
 
 // Rows [first, first + n_rows) of the caches from rows k_src, v_src of type QT ([n_rows]
 // [n_kv][head_dim]); kv_scales: n_kv K scales, then n_kv V ones. first = -1: one row at the

@@ -15,6 +15,7 @@
 // A scale of 0 stores codes 0.
 
 #include "hadamard.cuh"
+#include "fp8_quantize.cuh"
 
 // This lane's E values of a row as q4: nibbles into `vals` (the row's D / 2 bytes) and, by
 // the group's first lane, the float16 scale into `scales` (the row's D / G).
@@ -154,4 +155,82 @@ __device__ __forceinline__ void fx_quantize_q4_rows(
         fx_quantize_q4_rows<QT, D, 0, ROT_K>(k_src, v_src, k_vals, v_vals, k_scales,         \
                                              v_scales, n_kv, n_rows, first, state,          \
                                              capacity, inv_sqrt_b, globals);                \
+    }
+
+// K and V in formats of their own (e.g. e4m3 K and q4 V, as llama.cpp's q8_0 K and q4_0 V):
+// KF, VF each 1 (e4m3), 2 (e5m2), 3 (q4, groups of 32) or 4 (nvfp4), as the split kernels'
+// FX_E4M3 .. FX_NVFP4. A side is stored as a cache of its format stores it, bit for bit:
+// fp8, x / scale (an IEEE division) rounded and saturated (kv_quantize.cu's), values
+// [token][n_kv][D] bytes; 4-bit, as above (values [token][n_kv][D / 2], block scales beside
+// them). kv_scales: the KV heads' float32 K scales, then V's (the fp8 and nvfp4 sides'
+// scales; a q4 side's are unread); K rotated where ROT_K (a 4-bit K). `first` as
+// fx_quantize_q4_rows's; a warp per (row, KV head).
+template <int FMT, int D, int E>
+__device__ __forceinline__ void fx_quantize_side(const float (&x)[E], int lane, float g,
+                                                 unsigned char* __restrict__ vals,
+                                                 unsigned char* __restrict__ scales,
+                                                 long long at) {
+    if constexpr (FMT == 1 || FMT == 2) {
+        unsigned char* row = vals + at * D + lane * E;
+#pragma unroll
+        for (int e = 0; e < E; ++e) row[e] = fx_quantize<FMT>(__fdiv_rn(x[e], g));
+    } else if constexpr (FMT == 3) {
+        fx_quantize_q4_lanes<E, 32>(x, lane, vals + at * (D / 2),
+                                    reinterpret_cast<fx_half*>(scales) + at * (D / 32));
+    } else {
+        static_assert(FMT == 4, "formats 1 (e4m3), 2 (e5m2), 3 (q4), 4 (nvfp4)");
+        fx_quantize_nvfp4_lanes<E>(x, lane, g, vals + at * (D / 2), scales + at * (D / 16));
+    }
+}
+
+template <class QT, int D, int KF, int VF, bool ROT_K>
+__device__ __forceinline__ void fx_quantize_mixed_rows(
+    const QT* __restrict__ k_src, const QT* __restrict__ v_src, unsigned char* __restrict__ k_vals,
+    unsigned char* __restrict__ v_vals, unsigned char* __restrict__ k_scales,
+    unsigned char* __restrict__ v_scales, int n_kv, int n_rows, int first,
+    int* __restrict__ state, int capacity, float inv_sqrt_b, const float* __restrict__ kv_scales) {
+    constexpr int E = D / 32;
+    static_assert(D % 32 == 0 && (E & (E - 1)) == 0, "head_dim 32 x a power of two");
+    static_assert(!ROT_K || KF >= 3, "a 4-bit K is rotated");
+    const bool on_device = first < 0, bump = first == -1;
+    int row0 = first;
+    if (on_device) {
+        row0 = state[0];
+        if (bump) __syncthreads();  // every thread has read the length before the bump
+        if (row0 < 0 || row0 > capacity - n_rows) {
+            if (threadIdx.x == 0 && blockIdx.x == 0) state[1] = 1;
+            return;
+        }
+    }
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (long long w = (long long)blockIdx.x * warps + (threadIdx.x >> 5);
+         w < (long long)n_rows * n_kv; w += (long long)gridDim.x * warps) {
+        const long long at = (long long)row0 * n_kv + w;  // the cache's (token, KV head) row
+        const int h = (int)(w % n_kv);
+        float x[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = fx_to_float(k_src[w * D + lane * E + e]);
+        if (ROT_K) fx_hadamard_lanes<E>(x, lane, D, inv_sqrt_b);
+        fx_quantize_side<KF, D, E>(x, lane, KF == 3 ? 1.f : kv_scales[h], k_vals, k_scales, at);
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = fx_to_float(v_src[w * D + lane * E + e]);
+        fx_quantize_side<VF, D, E>(x, lane, VF == 3 ? 1.f : kv_scales[n_kv + h], v_vals,
+                                   v_scales, at);
+    }
+    if (bump) {
+        __syncthreads();
+        if (threadIdx.x == 0) state[0] = row0 + 1;
+    }
+}
+
+// kv_quantize_<kfmt>[r]_v<vfmt>_<f32|f16|bf16>_d<D>: r, K rotated
+#define FX_QUANTIZE_MIXED_ENTRY(NAME, QT, D, KF, VF, ROT_K)                                  \
+    extern "C" __global__ void NAME(const QT* k_src, const QT* v_src, unsigned char* k_vals,  \
+                                    unsigned char* v_vals, unsigned char* k_scales,         \
+                                    unsigned char* v_scales, int n_kv, int n_rows,          \
+                                    int first, int* state, int capacity, float inv_sqrt_b,  \
+                                    const float* kv_scales) {                               \
+        fx_quantize_mixed_rows<QT, D, KF, VF, ROT_K>(k_src, v_src, k_vals, v_vals, k_scales,  \
+                                                     v_scales, n_kv, n_rows, first, state,  \
+                                                     capacity, inv_sqrt_b, kv_scales);      \
     }

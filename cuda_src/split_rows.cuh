@@ -33,6 +33,12 @@
 // on append (a Hadamard transform over head_dim) and q is rotated the same way here, in
 // float32, before its conversion to fp16 (the scores are unchanged: the transform is
 // orthonormal).
+//
+// K and V in formats of their own (V8, V's format, not Q8, K's: both quantized, e.g. e4m3 K
+// and q4 V, as llama.cpp's q8_0 K and q4_0 V): a step holds K's TOK rows in K's bytes, then
+// V's in V's, then K's block scales and V's (the 4-bit sides'), each side widened by its own
+// format; K's scale (fp8, nvfp4) is folded into the scores, V's applied to the partial.
+// Where V8 == Q8 (every other instantiation) the code is the one-format kernel's.
 
 __device__ __forceinline__ void fx_ldsm_x4(unsigned (&r)[4], const void* p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -98,6 +104,18 @@ __device__ __forceinline__ uint4 fx_widen_nvfp4(const unsigned char* nib,
     }
     return make_uint4(r[0], r[1], r[2], r[3]);
 }
+// 16-byte chunk c of a ring row of format Q8 (quantized) as fp16: `vals` its bytes, `sc`
+// its block scales (4-bit formats)
+template <int Q8>
+__device__ __forceinline__ uint4 fx_widen_row(const unsigned char* vals, const unsigned char* sc,
+                                              int c) {
+    if constexpr (Q8 == FX_Q4)
+        return fx_widen_q4(vals, sc, c);
+    else if constexpr (Q8 == FX_NVFP4)
+        return fx_widen_nvfp4(vals, sc, c);
+    else
+        return FxRead<Q8>::at(vals, c * 8);
+}
 
 // the mma's element type: q's, or fp16 for an fp8 or q4 cache
 template <class QT, int Q8>
@@ -110,8 +128,9 @@ struct FxRowsMma<QT, 0> {
 };
 
 // Q8: 0 (q's dtype), FX_E4M3, FX_E5M2, FX_Q4 or FX_NVFP4 (k_sc / v_sc: the 4-bit formats'
-// scales per block, as bytes; nvfp4's per head in kv_scales); R: q rotated (K was)
-template <class QT, int D, int RW, int F, int Q8 = 0, int R = 0>
+// scales per block, as bytes; nvfp4's per head in kv_scales); R: q rotated (K was); V8:
+// V's format where it is not K's (both quantized)
+template <class QT, int D, int RW, int F, int Q8 = 0, int R = 0, int V8 = Q8>
 __device__ __forceinline__ void gqa_verify_rows(
     const QT* __restrict__ q, const typename FxStore<QT, Q8>::type* __restrict__ k,
     const typename FxStore<QT, Q8>::type* __restrict__ v, float* __restrict__ ws_o,
@@ -124,14 +143,18 @@ __device__ __forceinline__ void gqa_verify_rows(
     using KT = typename FxStore<QT, Q8>::type;  // the cache's element
     using T = typename FxRowsMma<QT, Q8>::type;
     constexpr bool Q4 = Q8 == FX_Q4, NIB = Q4 || Q8 == FX_NVFP4;  // (NIB: 4-bit values)
+    constexpr bool MIX = V8 != Q8, VNIB = V8 == FX_Q4 || V8 == FX_NVFP4;  // (V's)
+    static_assert(!MIX || (Q8 != 0 && V8 != 0), "K and V of their own formats: quantized");
     constexpr int TOK = FX_ROWS_TOKENS, S = FxRowsStages<D>::value;
     constexpr int THREADS = RW * 32, NCH = D / 8;  // 16-byte chunks of a row of T
-    constexpr int RB = NIB ? D / 2 : D * (int)sizeof(KT);  // bytes of a cache row
+    constexpr int RB = NIB ? D / 2 : D * (int)sizeof(KT);  // bytes of a cache row (K's)
     constexpr int KCH = RB / 16, SCB = NIB ? D / 16 : 0;  // (4-bit: a row's scale bytes)
-    constexpr int STAGE_B = 2 * TOK * (RB + SCB);  // bytes of a step: K, V (q4: then scales)
+    constexpr int VRB = VNIB ? D / 2 : D * (int)sizeof(KT), VSCB = VNIB ? D / 16 : 0;  // V's
+    constexpr int STAGE_B = TOK * (RB + SCB + VRB + VSCB);  // a step's bytes: K, V, scales
     constexpr int STAGE = 2 * TOK * D;             // elements of a step of T (K, then V)
     static_assert(TOK % 16 == 0 && D % 64 == 0, "whole mma tiles");
-    static_assert(!NIB || SCB == 4 || SCB == 8 || SCB == 16, "4-bit: head_dim 64, 128, 256");
+    static_assert(!(NIB || VNIB) || D == 64 || D == 128 || D == 256,
+                  "4-bit: head_dim 64, 128, 256");
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
     unsigned char* ring = fx_dyn_smem;
     T* wide = reinterpret_cast<T*>(ring + S * STAGE_B);  // (Q8: the step widened)
@@ -154,12 +177,13 @@ __device__ __forceinline__ void gqa_verify_rows(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const bool hnd = (F & FX_F_HND) != 0;  // (q4: token-major only)
-    constexpr int RE = NIB ? D / 2 : D;    // a cache row's elements
+    constexpr int RE = NIB ? D / 2 : D;    // a cache row's elements (K's)
+    constexpr int VRE = VNIB ? D / 2 : D;  // (V's)
     const long long row = hnd ? (long long)RE : (long long)n_kv_heads * RE;
     const KT* kg = hnd ? k + g_kv * feat.head_stride : k + (long long)g_kv * RE;
-    const KT* vg = hnd ? v + g_kv * feat.head_stride : v + (long long)g_kv * RE;
+    const KT* vg = hnd ? v + g_kv * feat.head_stride : v + (long long)g_kv * VRE;
     const unsigned char* ksg = NIB ? k_sc + (long long)g_kv * SCB : nullptr;  // (bytes)
-    const unsigned char* vsg = NIB ? v_sc + (long long)g_kv * SCB : nullptr;
+    const unsigned char* vsg = VNIB ? v_sc + (long long)g_kv * VSCB : nullptr;
 
     // ---- stage j: tokens start + j TOK .. of K and V (rows past `end`: zeros)
     const int steps = (end - start + TOK - 1) / TOK;
@@ -169,23 +193,52 @@ __device__ __forceinline__ void gqa_verify_rows(
             KT* vs = ks + TOK * RE;
             const int t0 = start + j * TOK;
             constexpr int EPC = 16 / (int)sizeof(KT);  // elements per 16-byte chunk
+            if constexpr (!MIX) {
 #pragma unroll
-            for (int i = threadIdx.x; i < TOK * KCH; i += THREADS) {
-                const int r = i / KCH, c = i % KCH;
-                const bool ok = t0 + r < end;
-                const long long off = (long long)(ok ? t0 + r : start) * row + c * EPC;
-                // (Q8: rows as they are, widened below; else swizzled for ldmatrix)
-                const int at = Q8 ? r * RE + c * EPC : fx_rows_at<D>(r, c);
-                fx_cp_async16(ks + at, kg + off, ok);
-                fx_cp_async16(vs + at, vg + off, ok);
+                for (int i = threadIdx.x; i < TOK * KCH; i += THREADS) {
+                    const int r = i / KCH, c = i % KCH;
+                    const bool ok = t0 + r < end;
+                    const long long off = (long long)(ok ? t0 + r : start) * row + c * EPC;
+                    // (Q8: rows as they are, widened below; else swizzled for ldmatrix)
+                    const int at = Q8 ? r * RE + c * EPC : fx_rows_at<D>(r, c);
+                    fx_cp_async16(ks + at, kg + off, ok);
+                    fx_cp_async16(vs + at, vg + off, ok);
+                }
+            } else {  // (bytes, as they are) K's rows, then V's
+                const long long vrow = hnd ? (long long)VRE : (long long)n_kv_heads * VRE;
+#pragma unroll
+                for (int i = threadIdx.x; i < TOK * KCH; i += THREADS) {
+                    const int r = i / KCH, c = i % KCH;
+                    const bool ok = t0 + r < end;
+                    const long long off = (long long)(ok ? t0 + r : start) * row + c * 16;
+                    fx_cp_async16(ks + r * RE + c * 16, kg + off, ok);
+                }
+#pragma unroll
+                for (int i = threadIdx.x; i < TOK * (VRB / 16); i += THREADS) {
+                    const int r = i / (VRB / 16), c = i % (VRB / 16);
+                    const bool ok = t0 + r < end;
+                    const long long off = (long long)(ok ? t0 + r : start) * vrow + c * 16;
+                    fx_cp_async16(vs + r * VRE + c * 16, vg + off, ok);
+                }
             }
-            if constexpr (NIB) {  // the rows' scales, after the values: K's, then V's
+            if constexpr (NIB && !MIX) {  // the rows' scales, after the values: K's, then V's
                 unsigned char* kss = ring + (j % S) * STAGE_B + 2 * TOK * RB;
                 for (int r = threadIdx.x; r < TOK; r += THREADS) {
                     const bool ok = t0 + r < end;
                     const long long off = (long long)(ok ? t0 + r : start) * n_kv_heads * SCB;
                     fx_cp_async_small<SCB>(kss + r * SCB, ksg + off, ok);
                     fx_cp_async_small<SCB>(kss + (TOK + r) * SCB, vsg + off, ok);
+                }
+            } else if constexpr (MIX && (NIB || VNIB)) {  // the 4-bit side's (or both sides')
+                unsigned char* kss = ring + (j % S) * STAGE_B + TOK * (RB + VRB);
+                for (int r = threadIdx.x; r < TOK; r += THREADS) {
+                    const bool ok = t0 + r < end;
+                    const long long tok = ok ? t0 + r : start;
+                    if constexpr (NIB)
+                        fx_cp_async_small<SCB>(kss + r * SCB, ksg + tok * n_kv_heads * SCB, ok);
+                    if constexpr (VNIB)
+                        fx_cp_async_small<VSCB>(kss + TOK * SCB + r * VSCB,
+                                                vsg + tok * n_kv_heads * VSCB, ok);
                 }
             }
         }
@@ -290,7 +343,22 @@ __device__ __forceinline__ void gqa_verify_rows(
         __syncthreads();  // stage j is in for every thread; stage j - 1 is free
         issue(j + S - 1);
         const T* ks;
-        if constexpr (NIB) {  // the step's nibbles and scales widened into `wide`
+        if constexpr (MIX) {  // K's rows widened by K's format, V's by V's, into `wide`
+            const unsigned char* nb = ring + (j % S) * STAGE_B;
+            const unsigned char* sb = nb + TOK * (RB + VRB);
+            for (int i = threadIdx.x; i < TOK * NCH; i += THREADS) {
+                const int r = i / NCH, c = i % NCH;
+                *reinterpret_cast<uint4*>(wide + fx_rows_at<D>(r, c)) =
+                    fx_widen_row<Q8>(nb + r * RB, sb + r * SCB, c);
+            }
+            for (int i = threadIdx.x; i < TOK * NCH; i += THREADS) {
+                const int r = i / NCH, c = i % NCH;
+                *reinterpret_cast<uint4*>(wide + fx_rows_at<D>(TOK + r, c)) =
+                    fx_widen_row<V8>(nb + TOK * RB + r * VRB, sb + TOK * SCB + r * VSCB, c);
+            }
+            __syncthreads();
+            ks = wide;
+        } else if constexpr (NIB) {  // the step's nibbles and scales widened into `wide`
             const unsigned char* nb = ring + (j % S) * STAGE_B;
             const unsigned char* sb = nb + 2 * TOK * RB;
             for (int i = threadIdx.x; i < 2 * TOK * NCH; i += THREADS) {
@@ -399,7 +467,7 @@ __device__ __forceinline__ void gqa_verify_rows(
     }
     fx_cp_async_wait<0>();  // no copy may land after the block has left
     fx_let_combine_start<1>();
-    if (Q8 && !Q4) {  // the V scale (fp8, nvfp4: the head's), once
+    if (V8 && V8 != FX_Q4) {  // the V scale (fp8, nvfp4: the head's), once
         const float v_scale = kv_scales[n_kv_heads + g_kv];
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn)
@@ -515,6 +583,24 @@ __device__ __forceinline__ void gqa_verify_rows_combine(
         const unsigned char* v_scales, const float* kv_scales) {                            \
         const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
         gqa_verify_rows<QT, D, RW, F, FX_NVFP4, R>(                                         \
+            q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, n_q, seq_len, seq_len_dev, splits,   \
+            tile, mask, mask_mode, feat, kv_scales, k_scales, v_scales);                    \
+    }
+
+// gqa_verify_rows_<dt>_<kfmt>[r]_v<vfmt>_d<D>_w<RW>_x<F>: K in format KQ8, V in VQ8 (FX_E4M3,
+// FX_E5M2, FX_Q4, FX_NVFP4; not the same), q of type QT; k_scales / v_scales the 4-bit
+// sides' block scales (as bytes; the other side's unread), kv_scales the KV heads' float32
+// K scales then V ones (the fp8 and nvfp4 sides'); R: K (4-bit) was rotated on append.
+#define FX_VERIFY_ROWS_MIXED_ENTRY(NAME, QT, KQ8, VQ8, D, RW, F, R)                         \
+    extern "C" __global__ void __launch_bounds__(RW * 32, 1) NAME(                          \
+        const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
+        float* ws_ml, int n_heads, int n_kv_heads, int n_q, int seq_len,                    \
+        const int* seq_len_dev, int splits, int tile, const unsigned char* mask,            \
+        int mask_mode, float scale, float cap, int window, const float* slopes,             \
+        long long head_stride, const unsigned char* k_scales,                               \
+        const unsigned char* v_scales, const float* kv_scales) {                            \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
+        gqa_verify_rows<QT, D, RW, F, KQ8, R, VQ8>(                                         \
             q, k, v, ws_o, ws_ml, n_heads, n_kv_heads, n_q, seq_len, seq_len_dev, splits,   \
             tile, mask, mask_mode, feat, kv_scales, k_scales, v_scales);                    \
     }

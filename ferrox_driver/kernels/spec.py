@@ -14,6 +14,8 @@ The names, as they have been since the kernels were first cached on disk:
     gqa_split_combine_<dt>[_x<F>]                                 merges the chunks
     gqa_verify_tail_<dt>[_<fp8>]_x<F>, gqa_verify_combine_<dt>_x<F>  a verify's tail, combine
     gqa_verify_rows_<dt>[_<fp8>]_d<D>_w<RW>_x<F>                  a verify's rows kernel
+    gqa_verify_rows_<dt>_<fp8>[r]_v<fp8>_d<D>_w<RW>_x<F>           ... K and V in formats of
+                                                                  their own (K's, then V's)
     gqa_verify_rows_combine_<dt>_x<F>                             ... and its combine
     gqa_decode_<dt>                                               the parity kernel
 
@@ -43,12 +45,16 @@ __all__ = [
     "FOUR_BIT_FORMATS",
     "NVFP4_FORMAT",
     "Q4_FORMAT",
+    "QUANTIZED_FORMATS",
+    "QUANTIZED_Q8",
     "ROWS_HEAD_DIMS",
     "ROWS_MAX_WARPS",
     "SPLIT_FILE",
     "TC32_HEAD_DIMS",
     "WIDE_HEAD_DIM",
     "kernel_dtype",
+    "kv_formats",
+    "mixed_format",
 ]
 
 SPLIT_FILE = "gqa_decode_split.cu"
@@ -64,6 +70,8 @@ Q4_FORMAT = "q4"  # 4-bit caches (cache/four_bit.py): the kernels' Q8 FX_Q4, FX_
 FOUR_BIT_Q8 = {"q4": 3, "nvfp4": 4}
 NVFP4_FORMAT = "nvfp4"
 FOUR_BIT_FORMATS = (Q4_FORMAT, NVFP4_FORMAT)
+QUANTIZED_Q8 = {**FP8_FORMATS, **FOUR_BIT_Q8}  # the kernels' Q8 of every quantized format
+QUANTIZED_FORMATS = (*FP8_FORMATS, *FOUR_BIT_FORMATS)
 MMA_HEAD_DIMS = (64, 128, 256)  # the fp16/bf16 tensor-core kernels' own head_dims
 TC32_HEAD_DIMS = (64, 128, 256)  # the fp32 tensor-core (split TF32) kernels'
 WIDE_HEAD_DIM = 128  # the wide cluster kernels'
@@ -73,6 +81,19 @@ FAMILIES = (
 )  # fmt: skip
 ROWS_HEAD_DIMS = (64, 128, 256)  # a verify's rows kernel's (split_rows.cuh)
 ROWS_MAX_WARPS = 8  # ... warps of 16 rows per block, at most
+
+
+def mixed_format(k_fmt: str, v_fmt: str) -> str:
+    """The cache format of K in ``k_fmt`` and V in ``v_fmt`` (QUANTIZED_FORMATS): the one
+    name where they agree, else ``"<k>+<v>"`` (a cache's ``fp8``, what the decode entry
+    points pass down to the planner)."""
+    return k_fmt if k_fmt == v_fmt else f"{k_fmt}+{v_fmt}"
+
+
+def kv_formats(fmt: str) -> tuple[str, str]:
+    """K's and V's formats of a cache format (`mixed_format`'s inverse; ``""``: q's dtype)."""
+    k_fmt, _, v_fmt = fmt.partition("+")
+    return k_fmt, v_fmt or k_fmt
 
 
 def kernel_dtype(dtype: Any) -> str:
@@ -111,6 +132,8 @@ class KernelSpec:
         row_warps: vrows: warps per block, 16 rows each.
         rotate: vrows or mma of a 4-bit cache (fp8 "q4" or "nvfp4"): K was rotated on
             append, q is rotated by the kernel.
+        v_fp8: vrows: V's format where it is not K's (``fp8``; both of QUANTIZED_FORMATS),
+            or "" (V as K).
         cluster: the twin whose blocks merge a KV head's chunks on chip.
 
     Raises:
@@ -132,6 +155,7 @@ class KernelSpec:
     cluster: bool = False
     row_warps: int = 0
     rotate: bool = False
+    v_fp8: str = ""
 
     def __post_init__(self) -> None:
         if self.family == "mma" and self.row_dim == 0:
@@ -152,6 +176,11 @@ class KernelSpec:
         rows = self.family == "vrows"
         if self.rotate and not (rows or (mma and self.fp8 in FOUR_BIT_FORMATS)):
             return "rotate is a 4-bit cache's rows or mma kernel's"
+        if self.v_fp8 and not rows:
+            return "v_fp8 (V's own format) is the rows kernel's"
+        if self.v_fp8 and (self.v_fp8 == self.fp8 or not {self.fp8, self.v_fp8} <= set(
+                QUANTIZED_FORMATS)):  # fmt: skip
+            return f"v_fp8 and fp8 two of {QUANTIZED_FORMATS} (K's and V's), not the same"
         if rows != (self.row_warps > 0):
             return "row_warps (1 to 8) is the rows kernel's, and it needs them"
         if self.family in ("vrows", "vrcombine"):
@@ -165,7 +194,7 @@ class KernelSpec:
                 return f"fp8 not one of {(*FP8_FORMATS, *FOUR_BIT_FORMATS)}"
             if self.rotate and self.fp8 not in FOUR_BIT_FORMATS:
                 return "rotate is a 4-bit cache's"
-            if self.fp8 in FOUR_BIT_FORMATS and self.features & F_HND:
+            if {self.fp8, self.v_fp8} & set(FOUR_BIT_FORMATS) and self.features & F_HND:
                 return "a 4-bit cache is token-major"
             if rows and (self.head_dim not in ROWS_HEAD_DIMS or self.row_warps > ROWS_MAX_WARPS):
                 return f"head_dim one of {ROWS_HEAD_DIMS}, 1 to {ROWS_MAX_WARPS} row warps"
@@ -263,6 +292,7 @@ class KernelSpec:
             return f"gqa_verify_combine_{dt}_x{self.features}"
         if family == "vrows":
             fp8 = f"_{self.fp8}{'r' if self.rotate else ''}" if self.fp8 else ""
+            fp8 += f"_v{self.v_fp8}" if self.v_fp8 else ""
             return f"gqa_verify_rows_{dt}{fp8}_d{d}_w{self.row_warps}_x{self.features}"
         if family == "vrcombine":
             return f"gqa_verify_rows_combine_{dt}_x{self.features}"
@@ -316,6 +346,10 @@ class KernelSpec:
             return f"FX_VERIFY_TAIL_ENTRY({name}, {t}, {kt}, {q8}, {f})"
         if family == "vcombine":
             return f"FX_VERIFY_COMBINE_ENTRY({name}, {t}, {f})"
+        if family == "vrows" and self.v_fp8:
+            kq, vq = (QUANTIZED_Q8[fmt] for fmt in (self.fp8, self.v_fp8))
+            return (f"FX_VERIFY_ROWS_MIXED_ENTRY({name}, {t}, {kq}, {vq}, {d}, {self.row_warps}, "
+                    f"{f}, {int(self.rotate)})")  # fmt: skip
         if family == "vrows" and self.fp8 in FOUR_BIT_FORMATS:
             macro = (
                 "FX_VERIFY_ROWS4_ENTRY" if self.fp8 == Q4_FORMAT else "FX_VERIFY_ROWS_NVFP4_ENTRY"
