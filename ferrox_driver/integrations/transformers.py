@@ -38,7 +38,7 @@ NAME = "ferrox"
 logger = logging.getLogger(__name__)
 _REGISTERED: Any = None  # ferrox_attention_forward as registered (not traced by torch.compile)
 
-__all__ = ["NAME", "DecodeCall", "FP8Cache", "decode_call", "eager_attention",
+__all__ = ["NAME", "DecodeCall", "FP8Cache", "FourBitCache", "decode_call", "eager_attention",
            "ferrox_attention_forward", "register"]  # fmt: skip
 
 
@@ -210,6 +210,11 @@ def ferrox_attention_forward(
     if str(key.dtype).startswith("torch.float8"):  # an FP8Cache's decode step
         return _fp8_forward(module, query, key, value, attention_mask, dropout, scaling,
                             **kwargs)  # fmt: skip
+    if key.dtype == torch.uint8:  # a FourBitCache's decode step (its values' bytes)
+        from .transformers_kv4 import four_bit_forward
+
+        return four_bit_forward(module, query, key, value, attention_mask, dropout, scaling,
+                                **kwargs)  # fmt: skip
     compiling = torch.compiler.is_compiling()
     call = decode_call(module, query, key, value, attention_mask, dropout=dropout,
                        scaling=scaling, read_mask=not compiling, **kwargs)  # fmt: skip
@@ -255,22 +260,46 @@ def _fp8_forward(
     in place by ``torch.ops.ferrox.gqa_decode`` with the layer's scales and device length.
     What it cannot compute is refused with an error (eager) or NaN (compiled): there is no
     other attention over fp8 bytes to fall back on."""
-    import torch
-
     import ferrox_driver.integrations.torch as fxt
 
-    layer = getattr(module, "ferrox_fp8_layer", None)
+    layer = bound_layer(module, key, "ferrox_fp8_layer", "FP8Cache", "fp8")
+    n_heads, head_dim, window = quantized_step("FP8Cache", "an fp8 cache", query, key, dropout,
+                                               kwargs)  # fmt: skip
+    softcap = kwargs.get("softcap")
+    out = fxt.gqa_decode(query.reshape(n_heads, head_dim), key, value, layer.state[:1],
+                         kv_layout="NHD", kv_scales=layer.kv_scales, sinks=kwargs.get("s_aux"),
+                         scale=scaling, logits_soft_cap=float(softcap) if softcap else None,
+                         sliding_window=window)  # fmt: skip
+    out = masked_step(out, layer, attention_mask, window, query, "FP8Cache")
+    return out.reshape(1, 1, n_heads, head_dim), None
+
+
+def bound_layer(module: Any, key: Any, attr: str, cache: str, what: str) -> Any:
+    """The cache layer bound to ``module`` as ``attr`` (by a ``cache`` of ``what`` keys),
+    checked to be the one whose keys reached it (eager; compiled, the graph's guards)."""
+    import torch
+
+    layer = getattr(module, attr, None)
     if layer is None:
         raise ValueError(
-            f"key: fp8 keys reached {type(module).__name__}, which no FP8Cache is bound to: "
-            "make the cache with FP8Cache(model, max_cache_len) for this model"
+            f"key: {what} keys reached {type(module).__name__}, which no {cache} is bound to: "
+            f"make the cache with {cache}(model, max_cache_len) for this model"
         )
     if not torch.compiler.is_compiling() and key is not layer.keys:
         raise ValueError(
-            f"key: these fp8 keys are not those of the FP8Cache bound to "
+            f"key: these {what} keys are not those of the {cache} bound to "
             f"{type(module).__name__} (the one made last for this model): use that cache, or "
-            "make a new FP8Cache(model, ...) for this run"
+            f"make a new {cache}(model, ...) for this run"
         )
+    return layer
+
+
+def quantized_step(
+    cache: str, what: str, query: Any, key: Any, dropout: float, kwargs: dict[str, Any]
+) -> tuple[int, int, int | None]:
+    """A decode step over a quantized cache's layer checked: (n_heads, head_dim, the
+    window to read, None for the whole cache), or a ValueError naming what it has that
+    ferrox's decode of ``what`` (there is no other attention over its bytes) lacks."""
     batch, n_heads, q_len, head_dim = query.shape
     why = None
     if batch != 1 or q_len != 1:
@@ -282,29 +311,34 @@ def _fp8_forward(
     else:
         why = _unread(kwargs, ("softcap", "s_aux"))
     if why:
-        raise ValueError(f"FP8Cache: ferrox decodes one query token of a batch of one over an "
-                         f"fp8 cache, without other features; got {why}")  # fmt: skip
+        raise ValueError(f"{cache}: ferrox decodes one query token of a batch of one over "
+                         f"{what}, without other features; got {why}")  # fmt: skip
     cap = key.shape[0]
     window = kwargs.get("sliding_window")
-    window = None if window is None or window >= cap else int(window)
-    softcap = kwargs.get("softcap")
-    out = fxt.gqa_decode(query.reshape(n_heads, head_dim), key, value, layer.state[:1],
-                         kv_layout="NHD", kv_scales=layer.kv_scales, sinks=kwargs.get("s_aux"),
-                         scale=scaling, logits_soft_cap=float(softcap) if softcap else None,
-                         sliding_window=window)  # fmt: skip
-    if attention_mask is not None:
-        if torch.compiler.is_compiling():
-            end, ok = _device_span(attention_mask, attention_mask.shape[-1], window, query.device)
-            ok = ok & (end == layer.state[:1]).all()
-            out = torch.where(ok, out, torch.nan)
-        else:
-            span = _mask_span(attention_mask, attention_mask.shape[-1])
-            n = int(layer.state[0])
-            want = (0 if window is None else max(0, n - window), n)
-            if span != want:
-                raise ValueError(f"attention_mask: ferrox reads tokens {want} of the FP8Cache, "
-                                 f"the mask keeps {span}")  # fmt: skip
-    return out.reshape(1, 1, n_heads, head_dim), None
+    return n_heads, head_dim, None if window is None or window >= cap else int(window)
+
+
+def masked_step(
+    out: Any, layer: Any, attention_mask: Any, window: int | None, query: Any, cache: str
+) -> Any:
+    """``out`` of a quantized cache's decode step, checked against the step's mask: the
+    mask must keep the tokens ferrox read (the layer's device length, its window). Eager, a
+    ValueError naming ``attention_mask``; compiled (nothing read on the host), NaN."""
+    import torch
+
+    if attention_mask is None:
+        return out
+    if torch.compiler.is_compiling():
+        end, ok = _device_span(attention_mask, attention_mask.shape[-1], window, query.device)
+        ok = ok & (end == layer.state[:1]).all()
+        return torch.where(ok, out, torch.nan)
+    span = _mask_span(attention_mask, attention_mask.shape[-1])
+    n = int(layer.state[0])
+    want = (0 if window is None else max(0, n - window), n)
+    if span != want:
+        raise ValueError(f"attention_mask: ferrox reads tokens {want} of the {cache}, "
+                         f"the mask keeps {span}")  # fmt: skip
+    return out
 
 
 def _device_span(mask: Any, kv_len: int, window: int | None, device: Any) -> tuple[Any, Any]:
@@ -526,6 +560,7 @@ def _float32_copy(t: Any) -> Any:
 
 
 FP8Cache: Any  # made on first use (module __getattr__)
+FourBitCache: Any  # made on first use (module __getattr__; transformers_kv4.py)
 
 
 def __getattr__(name: str) -> Any:
@@ -533,6 +568,12 @@ def __getattr__(name: str) -> Any:
         global FP8Cache
         FP8Cache = _fp8_cache_class()
         return FP8Cache
+    if name == "FourBitCache":
+        from .transformers_kv4 import four_bit_cache_class
+
+        global FourBitCache
+        FourBitCache = four_bit_cache_class()
+        return FourBitCache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -182,3 +182,25 @@ def test_bad_4bit_append_arguments_are_named_before_any_device_work():
     # all good but on the CPU: the op says so (the device work it would do)
     with pytest.raises(ValueError, match="k_cache: expected a CUDA tensor"):
         fxt.kv_append(*vals, rows, rows, state, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_dynamo_traces_a_4bit_decode_layer_whole(fmt):
+    """torch.compile(fullgraph=True) of a decode layer over a 4-bit cache: one graph with
+    the append and the decode (a backend that keeps the graph and runs nothing: no GPU)."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+        fakes = [n.meta["example_value"] for n in outputs]  # (zeros of their shapes)
+        return lambda *args: [torch.zeros(f.shape, dtype=f.dtype) for f in fakes]
+
+    vals, scales, kv_scales = _cache(fmt)
+    args = (torch.randn(H, D, dtype=torch.bfloat16), *vals, torch.randn(KV, D),
+            torch.randn(KV, D), torch.zeros(2, dtype=torch.int32), *scales, kv_scales)  # fmt: skip
+    torch._dynamo.reset()
+    torch.compile(_layer(fmt), backend=keep, fullgraph=True)(*args)
+    (graph,) = graphs
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets.index("ferrox.kv_append") < targets.index("ferrox.gqa_decode")

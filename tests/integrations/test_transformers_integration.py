@@ -409,3 +409,137 @@ def test_fp8_keys_of_another_cache_or_of_no_cache_are_refused():
         fxt.ferrox_attention_forward(module, query, other, other, None)
     with pytest.raises(ValueError, match="no FP8Cache is bound"):
         fxt.ferrox_attention_forward(types.SimpleNamespace(), query, other, other, None)
+
+
+def test_a_four_bit_cache_binds_to_the_models_attention_modules_and_checks_its_arguments():
+    model, _ = model_pair(tiny(transformers.LlamaConfig))
+    cache = fxt.FourBitCache(model, max_cache_len=32)
+    bound = [m for m in model.modules() if hasattr(m, "ferrox_kv4_layer")]
+    assert [m.ferrox_kv4_layer for m in bound] == list(cache.layers)
+    assert all(type(m).__name__.endswith("Attention") for m in bound)
+    assert cache.nbytes == 0 and cache.fmt == "int4" and cache.rotate  # (int4's default)
+    assert not fxt.FourBitCache(model, max_cache_len=8, fmt="nvfp4").rotate
+    assert fxt.FourBitCache(model, max_cache_len=8, fmt="nvfp4", rotate=True).rotate
+    with pytest.raises(ValueError, match="fmt"):
+        fxt.FourBitCache(model, max_cache_len=8, fmt="int8")
+    with pytest.raises(TypeError, match="rotate"):
+        fxt.FourBitCache(model, max_cache_len=8, rotate=1)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        fxt.FourBitCache(model, max_cache_len=0)
+    with pytest.raises(ValueError, match="k_scale"):
+        fxt.FourBitCache(model, max_cache_len=8, fmt="int4", k_scale=0.1)
+    with pytest.raises(ValueError, match="scale_margin"):
+        fxt.FourBitCache(model, max_cache_len=8, fmt="nvfp4", scale_margin=0.0)
+    layer = cache.layers[0]  # the tiny model's head_dim 16: not a 4-bit kernel's
+    with pytest.raises(ValueError, match="head_dim 16"):
+        layer.lazy_initialization(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16))
+    with pytest.raises(ValueError, match="float32"):  # (q float16 or bfloat16)
+        layer.lazy_initialization(torch.zeros(1, 2, 3, 64), torch.zeros(1, 2, 3, 64))
+
+
+def test_four_bit_keys_of_another_cache_or_of_no_cache_are_refused():
+    layer = types.SimpleNamespace(keys=torch.zeros(8, 2, 32, dtype=torch.uint8))
+    module = types.SimpleNamespace(ferrox_kv4_layer=layer)
+    query = torch.zeros(1, 4, 1, 64)
+    other = torch.zeros(8, 2, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not those of the FourBitCache"):
+        fxt.ferrox_attention_forward(module, query, other, other, None)
+    with pytest.raises(ValueError, match="no FourBitCache is bound"):
+        fxt.ferrox_attention_forward(types.SimpleNamespace(), query, other, other, None)
+
+
+def _host_append(kc, vc, k, v, state, kv_scales=None, kv_format=None, k_block_scales=None,
+                 v_block_scales=None, rotate_k=None):  # fmt: skip
+    """fxt.kv_append on the CPU, by the public numpy helpers (what the GPU stores)."""
+    import ferrox_driver as fd
+
+    kn, vn = (x.float().reshape(-1, *x.shape[-2:]).numpy() for x in (k, v))
+    kn = fd.hadamard(kn) if rotate_k else kn
+    at, n = int(state[0]), kn.shape[0]
+    for i, (rows, vals, scales) in enumerate(((kn, kc, k_block_scales), (vn, vc, v_block_scales))):
+        if kv_format == "int4":
+            q, s = fd.quantize_int4(rows)
+        else:
+            q, s, _ = fd.quantize_nvfp4(rows, kv_scales[i].numpy())
+            s = s.view("uint8")
+        vals[at : at + n] = torch.from_numpy(q)
+        scales[at : at + n] = torch.from_numpy(s)
+    state[0] += n
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_a_four_bit_layer_attends_over_its_dequantized_tokens_and_the_new_ones(fmt, monkeypatch):
+    """A prompt's first chunk attends to itself in the model's dtype; a later chunk of
+    several tokens to the cache so far, dequantized in torch (bit for bit the numpy
+    helpers', K's rotation undone), then itself. nvfp4's scales come from the first chunk."""
+    import numpy as np
+
+    import ferrox_driver as fd
+    import ferrox_driver.integrations.torch as fxt_torch
+
+    monkeypatch.setattr(fxt_torch, "kv_append", _host_append)
+    model, _ = model_pair(tiny(transformers.LlamaConfig))  # (the layer: the rows' shapes)
+    cache = fxt.FourBitCache(model, max_cache_len=16, fmt=fmt, rotate=True)
+    layer = cache.layers[0]
+    torch.manual_seed(3)
+    k1, v1, k2, v2 = (torch.randn(1, 2, n, 64, dtype=torch.bfloat16) for n in (5, 5, 3, 3))
+    k1 = k1 * 3
+    got_k, got_v = layer.update(k1, v1)
+    assert got_k is k1 and got_v is v1  # the first chunk: itself, unquantized
+    assert int(layer.state[0]) == 5 and int(layer.cumulative_length) == 5
+    if fmt == "nvfp4":  # each head's largest magnitude (K's rotated) x 2 at 6 x 448
+        amax = np.abs(fd.hadamard(k1[0].transpose(0, 1).float().numpy())).max(axis=(0, 2))
+        assert np.allclose(layer.kv_scales[0].numpy(), amax * 2 / 2688, rtol=1e-6)
+    got_k, got_v = layer.update(k2, v2)
+    assert got_k.shape == (1, 2, 8, 64) and torch.equal(got_k[:, :, 5:], k2)
+    assert torch.equal(got_v[:, :, 5:], v2)
+    rows = k1[0].transpose(0, 1).float().numpy()
+    if fmt == "int4":
+        want = fd.hadamard(fd.dequantize_int4(*fd.quantize_int4(fd.hadamard(rows))))
+    else:
+        g = layer.kv_scales[0].numpy()
+        want = fd.hadamard(fd.dequantize_nvfp4(*fd.quantize_nvfp4(fd.hadamard(rows), g)))
+    assert got_k.dtype == torch.bfloat16  # (the model's)
+    assert torch.equal(got_k[0, :, :5].transpose(0, 1), torch.from_numpy(want).bfloat16())
+    err = (got_k[:, :, :5].float() - k1.float()).norm() / k1.float().norm()
+    assert 0 < err < 0.2, err  # (4-bit: about 0.1 of the values' norm)
+    assert int(layer.state[0]) == 8
+    with pytest.raises(ValueError, match="max_cache_len"):
+        layer.update(
+            torch.zeros(1, 2, 9, 64, dtype=torch.bfloat16),
+            torch.zeros(1, 2, 9, 64, dtype=torch.bfloat16),
+        )
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_a_compiled_four_bit_decode_step_is_one_graph(fmt):
+    """A FourBitCache layer's decode step under torch.compile(fullgraph=True): the append,
+    ferrox's decode op and the mask's check on the device in one graph, no break (a
+    backend that keeps the graph and runs nothing: no GPU)."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+        fakes = [n.meta["example_value"] for n in outputs]
+        return lambda *args: [torch.zeros(f.shape, dtype=f.dtype) for f in fakes]
+
+    model, _ = model_pair(tiny(transformers.LlamaConfig))
+    cache = fxt.FourBitCache(model, max_cache_len=16, fmt=fmt)
+    layer = cache.layers[0]
+    bf16 = dict(dtype=torch.bfloat16)
+    layer.lazy_initialization(torch.zeros(1, 2, 1, 64, **bf16), torch.zeros(1, 2, 1, 64, **bf16))
+    module = types.SimpleNamespace(ferrox_kv4_layer=layer)
+
+    def step(q, k, v, mask):
+        keys, values = layer.update(k, v)
+        return fxt.ferrox_attention_forward(module, q, keys, values, mask, scaling=0.125)[0]
+
+    mask = torch.zeros(1, 1, 1, 16, dtype=torch.bool)
+    mask[..., :5] = True
+    torch._dynamo.reset()
+    rows = [torch.zeros(shape, **bf16) for shape in ((1, 8, 1, 64), (1, 2, 1, 64), (1, 2, 1, 64))]
+    torch.compile(step, backend=keep, fullgraph=True)(*rows, mask)
+    (graph,) = graphs
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets.index("ferrox.kv_append") < targets.index("ferrox.gqa_decode")
