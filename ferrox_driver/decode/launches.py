@@ -290,16 +290,17 @@ def rows_launches(
     merging them into ``out`` (n_q, n_heads, head_dim) with the sinks and the LSE, launched
     early. ``mask_mode`` as in `verify_launches`; ``kv_scales``: an fp8 cache's, an nvfp4
     cache's per KV head; ``q4_scales``: a 4-bit cache's K and V scales per block of its
-    rows (q4: float16 per 32, nvfp4: e4m3 per 16).
+    rows (q4: float16 per 32, nvfp4: e4m3 per 16; a cache of K and V in formats of their
+    own, ``spec.v_fp8``: both, the fp8 side's unread, and ``kv_scales``).
 
     Raises:
         ValueError: a plan without the scales its cache has.
     """
     fmt = plan.spec.fp8
-    four_bit = fmt in FOUR_BIT_FORMATS
+    four_bit = fmt in FOUR_BIT_FORMATS or plan.spec.v_fp8 in FOUR_BIT_FORMATS
     if four_bit and q4_scales is None:
         raise ValueError("q4_scales: a 4-bit plan reads the cache's block scales")
-    if fmt and fmt != Q4_FORMAT and kv_scales is None:
+    if fmt and (fmt != Q4_FORMAT or plan.spec.v_fp8) and kv_scales is None:
         raise ValueError("kv_scales: an fp8 or nvfp4 plan reads the cache's scales")
     rows = n_q * n_heads
     n_partial = rows * plan.splits
@@ -307,7 +308,9 @@ def rows_launches(
     on_host = seq_len_dev is None
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
     scales: tuple[Any, ...] = (
-        (*(q4_scales or ()), *((kv_scales,) if fmt == NVFP4_FORMAT else ()))
+        (*(q4_scales or (None, None)), kv_scales)  # K and V in formats of their own
+        if plan.spec.v_fp8
+        else (*(q4_scales or ()), *((kv_scales,) if fmt == NVFP4_FORMAT else ()))
         if four_bit
         else (kv_scales,)
         if fmt

@@ -25,6 +25,7 @@ from ..kernels.spec import (
     FP8_FORMATS,
     MMA_HEAD_DIMS,
     NVFP4_FORMAT,
+    QUANTIZED_FORMATS,
     ROWS_HEAD_DIMS,
     ROWS_MAX_WARPS,
     SPLIT_FILE,
@@ -32,6 +33,8 @@ from ..kernels.spec import (
     WIDE_HEAD_DIM,
     KernelSpec,
     kernel_dtype,
+    kv_formats,
+    mixed_format,
 )
 from ..kernels.traits import (
     COMBINE_FEATURES,
@@ -833,6 +836,9 @@ class RowsPlan:
         step = 2 * ROWS_TOKENS * d
         four_bit = step // 2 + step // 16  # nibbles and a scale byte per 16 (q4: 2 per 32)
         step_bytes = step * itemsize if not fmt else four_bit if fmt in FOUR_BIT_FORMATS else step
+        if self.spec.v_fp8:  # K's half of a step in K's format, V's in V's
+            step_bytes = sum(four_bit // 2 if f in FOUR_BIT_FORMATS else step // 2
+                             for f in (fmt, self.spec.v_fp8))  # fmt: skip
         ring = ROWS_STAGES[d] * step_bytes
         return ring + (step * 2 if fmt else 0) + 16 * self.spec.row_warps * d * itemsize
 
@@ -847,7 +853,9 @@ def rows_plan(
     combine kernels do): fp32, head_dims other than ROWS_HEAD_DIMS, arrays not 16-byte
     aligned, GPUs without cp.async (an fp8 cache, ``fp8``: without fp8 conversions), a
     ring past the block's shared memory. ``fp8`` "q4" or "nvfp4": a 4-bit cache (its only
-    kernels, taken whatever ``Overrides.verify_rows`` says), K rotated where ``rotate``.
+    kernels, taken whatever ``Overrides.verify_rows`` says), K rotated where ``rotate``;
+    K and V in formats of their own (``mixed_format``, e.g. "e4m3+q4": the same, each
+    side's format asking what it asks of the device).
 
     A KV head's n_q x group rows take blocks of up to ROWS_MAX_WARPS warps of 16 rows;
     the chunks fill one wave of resident blocks, each of at least the Tuning's
@@ -856,6 +864,10 @@ def rows_plan(
     """
     ov = OVERRIDES if overrides is None else overrides
     name = np.dtype(dtype).name
+    k_fmt, v_fmt = kv_formats(fp8)
+    if k_fmt != v_fmt:  # K and V in formats of their own: this kernel reads them alone
+        return _mixed_rows_plan(traits, dtype, n_q, n_heads, n_kv_heads, head_dim, plan_seq,
+                                aligned, features, k_fmt, v_fmt, ov, rotate)  # fmt: skip
     four_bit = fp8 in FOUR_BIT_FORMATS  # (no other kernels: the override is not asked)
     if not (ov.verify_rows or four_bit) or name not in ("float16", "bfloat16") or not aligned:
         return None
@@ -868,11 +880,44 @@ def rows_plan(
             return None
     elif fp8 and (fp8 not in FP8_FORMATS or traits.compute_capability < FP8_FROM):
         return None
+    return _rows_spread(traits, dtype, n_q, n_heads, n_kv_heads, head_dim, plan_seq, features,
+                        fp8, "", ov, rotate)  # fmt: skip
+
+
+def _mixed_rows_plan(
+    traits: DeviceTraits, dtype: Any, n_q: int, n_heads: int, n_kv_heads: int, head_dim: int,
+    plan_seq: int, aligned: bool, features: int, k_fmt: str, v_fmt: str, ov: Overrides,
+    rotate: bool,
+) -> RowsPlan | None:  # fmt: skip
+    """``rows_plan`` of a cache of K in ``k_fmt`` and V in ``v_fmt`` (QUANTIZED_FORMATS)."""
+    formats = (k_fmt, v_fmt)
+    if not set(formats) <= set(QUANTIZED_FORMATS):
+        raise ValueError(f"fp8: K's and V's formats two of {QUANTIZED_FORMATS}, got "
+                         f"{mixed_format(k_fmt, v_fmt)!r}")  # fmt: skip
+    if np.dtype(dtype).name not in ("float16", "bfloat16") or not aligned:
+        return None
+    if head_dim not in ROWS_HEAD_DIMS or traits.compute_capability < TENSOR_CORES_FROM:
+        return None
+    # (a KVCache is token-major; one side at least is fp8 or nvfp4: fp8 conversions)
+    if features & F_HND or traits.compute_capability < FP8_FROM:
+        return None
+    return _rows_spread(traits, dtype, n_q, n_heads, n_kv_heads, head_dim, plan_seq, features,
+                        k_fmt, v_fmt, ov, rotate)  # fmt: skip
+
+
+def _rows_spread(
+    traits: DeviceTraits, dtype: Any, n_q: int, n_heads: int, n_kv_heads: int, head_dim: int,
+    plan_seq: int, features: int, fp8: str, v_fp8: str, ov: Overrides, rotate: bool,
+) -> RowsPlan | None:  # fmt: skip
+    """A rows plan's blocks and chunks, the call taken (None: its ring past the block's
+    shared memory)."""
+    four_bit = bool({fp8, v_fp8} & set(FOUR_BIT_FORMATS))  # (its warps widen the steps)
     rows_kv = n_q * (n_heads // n_kv_heads)
     warps = min(ROWS_MAX_WARPS, max(-(-rows_kv // 16), ov.rows4_warps if four_bit else 1))
     row_blocks = -(-rows_kv // (16 * warps))
     spec = KernelSpec("vrows", kernel_dtype(dtype), head_dim=head_dim, row_warps=warps, fp8=fp8,
-                      features=features & ~(F_SINKS | F_LSE), rotate=rotate)  # fmt: skip
+                      features=features & ~(F_SINKS | F_LSE), rotate=rotate,
+                      v_fp8=v_fp8)  # fmt: skip
     found = RowsPlan(spec, row_blocks, 1, combine_features=features & COMBINE_FEATURES)
     shared = found.shared_bytes(np.dtype(dtype).itemsize)
     if shared > traits.shared_per_block:

@@ -24,7 +24,7 @@ from ..driver.launch import LaunchSequence
 from ..driver.memory import DeviceArray
 from ..driver.stream import Stream, stream_handle, stream_key
 from ..kernels.abi import FeatureArgs, Launch
-from ..kernels.spec import FOUR_BIT_FORMATS
+from ..kernels.spec import FOUR_BIT_FORMATS, kv_formats
 from . import plan as attention
 from .checks import MAX_TOKENS
 from .launches import (
@@ -333,13 +333,17 @@ def launches_for(
     its tree mask), planned for n_q x n_heads rows over ``plan_seq`` - n_q tokens. ``fp8``
     "q4" or "nvfp4" (a 4-bit cache, ``q4_scales`` its block scales, an nvfp4 cache's per
     head ``kv_scales``, K rotated where ``rotate``): one query on the swapped split kernels
-    where they take it (``launches.plan_four_bit``), else the rows kernel.
+    where they take it (``launches.plan_four_bit``), else the rows kernel. K and V in
+    formats of their own (``fp8`` a ``spec.mixed_format``, "e4m3+q4"; ``q4_scales`` the
+    4-bit sides' block scales): the rows kernel, for every n_q.
 
     Raises:
         ValueError: a 4-bit decode the rows kernel does not take (a head_dim other than
             64, 128 or 256, fp32 q, a head-major cache).
     """
     dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    k_fmt, v_fmt = kv_formats(fp8)
+    mixed = k_fmt != v_fmt  # (the rows kernel alone reads K and V of formats of their own)
     four_bit = fp8 in FOUR_BIT_FORMATS
     if four_bit and n_q == 1 and algorithm != "parity":  # the swapped split kernels, if they can
         qdt = q.dtype if dtype is None else dtype
@@ -354,9 +358,10 @@ def launches_for(
                 q4_scales=q4_scales,
             )  # fmt: skip
             return launches, made
-    if n_q > 1 or four_bit:
+    if n_q > 1 or four_bit or mixed:
         if algorithm == "parity":
-            what = "a 4-bit cache" if four_bit else "a decode of several queries"
+            what = ("a 4-bit cache" if four_bit else "K and V in formats of their own" if mixed
+                    else "a decode of several queries")  # fmt: skip
             raise ValueError(f"algorithm: {what} needs the split kernels")
         qdt = q.dtype if dtype is None else dtype
         values = features or FeatureArgs(scale=head_dim**-0.5)
@@ -364,10 +369,11 @@ def launches_for(
             q.device, qdt, n_q, n_heads, n_kv_heads, head_dim, max(1, plan_seq), aligned,
             bits, fp8, rotate,
         )  # fmt: skip
-        if rows is None and four_bit:
+        if rows is None and (four_bit or mixed):
+            what = "a 4-bit cache is" if four_bit else "K and V in formats of their own are"
             raise ValueError(
-                f"dtype: a 4-bit cache is read by the rows kernel alone, which takes "
-                f"fp16/bf16 q, head_dim 64, 128 or 256 and token-major rows (nvfp4: compute "
+                f"dtype: {what} read by the rows kernel alone, which takes fp16/bf16 q, "
+                f"head_dim 64, 128 or 256 and token-major rows (nvfp4 and fp8: compute "
                 f"capability 8.9 and up; got q {np.dtype(qdt)}, head_dim {head_dim})"
             )
         if rows is not None:
