@@ -33,6 +33,8 @@ from ..driver.memory import DeviceArray, empty
 from ..driver.stream import call_stream, stream_key
 from ..errors import KVCapacityError
 from ..kernels.catalogue import get_kernel
+from ..kernels.spec import FOUR_BIT_FORMATS as _FOUR_BIT
+from ..kernels.spec import NVFP4_FORMAT, Q4_FORMAT
 from ..types import ArrayLike, HostArrayLike, StreamLike
 from .state import CacheState
 
@@ -413,54 +415,74 @@ class Appends(CacheState):
         """K and V as float32, as the kernels read them: an fp8 cache's values times each
         KV head's scale (a float32 product); a 4-bit cache's decoded (`dequantize_int4`,
         `dequantize_nvfp4`) with K's rotation undone; the values themselves for other
-        dtypes."""
+        dtypes. K and V in formats of their own: each side as its format reads."""
         with self.lock:  # (values and scales of the same tokens)
             k, v = self.to_host()
             if self.four_bit is not None:
-                return self.four_bit.dequantized(k, v, *self.block_scales(), self._scales)
+                four = self.four_bit
+                return four.dequantized(k, v, *self._block_scales(four), self._scales)
         if not self.fp8:
             return k.astype(np.float32), v.astype(np.float32)
         n = self.n_kv_heads
         ks, vs = self._scales[:n, None], self._scales[n:, None]
         return k.astype(np.float32) * ks, v.astype(np.float32) * vs
 
-    def block_scales(self) -> tuple[np.ndarray, np.ndarray]:
+    def block_scales(self) -> tuple[Any, Any]:
         """A 4-bit cache's block scales of its ``seq_len`` tokens, K's and V's: float16
         ``(seq_len, n_kv_heads, head_dim // 32)`` (int4) or ``ml_dtypes.float8_e4m3fn``
         ``(seq_len, n_kv_heads, head_dim // 16)`` (nvfp4), as `quantize_int4` and
-        `quantize_nvfp4` return them.
+        `quantize_nvfp4` return them. K and V in formats of their own: each side's, None
+        for an fp8 side (it stores none).
 
         Raises:
-            ValueError: not a 4-bit cache.
+            ValueError: not a 4-bit cache (nor one with a 4-bit side).
         """
         four = self.four_bit
-        if four is None:
+        if four is None or (four.fmt not in _FOUR_BIT and four.v_fmt not in _FOUR_BIT):
             raise ValueError("block_scales: only 4-bit caches (dtype 'int4', 'nvfp4') have them")
+        return self._block_scales(four)
+
+    def _block_scales(self, four: Any) -> tuple[Any, Any]:
         with self.lock:
             seq = self.seq_len
-            shape = (seq, *four.k_scales.shape[1:])
-            if seq == 0:
-                ks = vs = np.zeros(shape, four.k_scales.dtype)
-            else:
-                ks = four.k_scales.view(shape).to_host(self.stream)
-                vs = four.v_scales.view(shape).to_host(self.stream)
-        if four.fmt != "q4":
+            ks, vs = (self._side_scales(fmt, arr, seq) for fmt, arr in (
+                (four.fmt, four.k_scales), (four.v_fmt, four.v_scales)))  # fmt: skip
+        return ks, vs
+
+    def _side_scales(self, fmt: str, scales: DeviceArray, seq: int) -> np.ndarray | None:
+        """``block_scales``' side of format ``fmt`` (None: an fp8 side's)."""
+        if fmt not in _FOUR_BIT:
+            return None
+        shape = (seq, *scales.shape[1:])
+        out = np.zeros(shape, scales.dtype) if seq == 0 else scales.view(shape).to_host(
+            self.stream)  # fmt: skip
+        if fmt == NVFP4_FORMAT:
             import ml_dtypes
 
-            ks, vs = ks.view(ml_dtypes.float8_e4m3fn), vs.view(ml_dtypes.float8_e4m3fn)
-        return ks, vs
+            out = out.view(ml_dtypes.float8_e4m3fn)
+        return out
 
     @property
     def k_scale(self) -> np.ndarray | None:
         """An fp8 or nvfp4 cache's K scales (float32, one per KV head; None for other
-        dtypes)."""
-        return self._scales[: self.n_kv_heads].copy() if self.kv_scales is not None else None
+        dtypes and for an int4 K)."""
+        if self.kv_scales is None or self._unscaled("k"):
+            return None
+        return self._scales[: self.n_kv_heads].copy()
 
     @property
     def v_scale(self) -> np.ndarray | None:
         """An fp8 or nvfp4 cache's V scales (float32, one per KV head; None for other
-        dtypes)."""
-        return self._scales[self.n_kv_heads :].copy() if self.kv_scales is not None else None
+        dtypes and for an int4 V)."""
+        if self.kv_scales is None or self._unscaled("v"):
+            return None
+        return self._scales[self.n_kv_heads :].copy()
+
+    def _unscaled(self, side: str) -> bool:
+        """Whether K (``side`` "k") or V is int4 beside a side of another format (its
+        groups scale themselves: the per-head scale is unread)."""
+        four = self.four_bit
+        return four is not None and (four.fmt if side == "k" else four.v_fmt) == Q4_FORMAT
 
     def set_scales(self, k_scale: HostArrayLike = None, v_scale: HostArrayLike = None) -> None:
         """Replace an fp8 cache's K and/or V scales (None: keep), on the device in stream
@@ -468,10 +490,17 @@ class Appends(CacheState):
         before included) reads every token, stored ones too, with them.
 
         Raises:
-            ValueError: not an fp8 cache, or scales not positive, finite, one per KV head.
+            ValueError: not an fp8 cache, or scales not positive, finite, one per KV head;
+                a scale for an int4 side (K and V in formats of their own).
         """
         if self.kv_scales is None:
             raise ValueError("k_scale: only fp8 and nvfp4 caches take scales")
+        for side, scale in (("k", k_scale), ("v", v_scale)):
+            if scale is not None and self._unscaled(side):
+                raise ValueError(
+                    f"{side}_scale: {side.upper()} is int4 here (each group of 32 scales "
+                    f"itself); only the fp8 and nvfp4 sides take scales"
+                )
         n = self.n_kv_heads
         new = self._scales.copy()
         if k_scale is not None:

@@ -1,4 +1,5 @@
-"""A 4-bit KVCache's own parts: its formats' names, the block scales beside the packed
+"""A 4-bit KVCache's own parts (and those of a cache whose K and V take formats of their
+own, e.g. fp8 K and 4-bit V): its formats' names, the block scales beside the packed
 values, and the quantizing appends (host rows staged and quantized on the device by
 ``cuda_src/kv_quantize4.cu``, device rows quantized in place, ``kv_append_async``'s
 capturable launches). The decodes are the rows kernels' (``records.launches_for(...,
@@ -8,17 +9,20 @@ stores.
 A 4-bit cache stores, per token and KV head, ``head_dim / 2`` bytes of values (K's and V's
 buffers, ``k_buffer``/``v_buffer``) and its block scales (``k_block_scales``/
 ``v_block_scales``): q4 (``dtype="int4"``), float16 per 32 elements; nvfp4, e4m3 bytes per
-16 and a float32 scale per KV head (``k_scale``/``v_scale``, as an fp8 cache's).
+16 and a float32 scale per KV head (``k_scale``/``v_scale``, as an fp8 cache's). K and V
+in formats of their own (``v_dtype``, `check_mixed`): each side stored as a cache of its
+format stores it (an fp8 side's bytes ``[token][n_kv_heads][head_dim]``, no block scales),
+quantized by ``kv_quantize4.cu``'s mixed kernels, read by the rows kernels.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..decode.checks import dtype_name
-from ..decode.fp8 import ROW_DTYPES
+from ..decode.fp8 import FP8_DTYPES, ROW_DTYPES
 from ..decode.kv4 import (
     NVFP4_BLOCK,
     Q4_DEFAULT_GROUP,
@@ -26,16 +30,25 @@ from ..decode.kv4 import (
     dequantize_q4,
     hadamard,
 )
-from ..decode.kv4_device import Q4_HEAD_DIMS, nvfp4_quantize_kernel, q4_quantize_kernel
+from ..decode.kv4_device import Q4_FILE, Q4_HEAD_DIMS, nvfp4_quantize_kernel, q4_quantize_kernel
 from ..driver.launch import Kernel, LaunchSequence, PackedLaunch
-from ..driver.memory import DeviceArray, empty
+from ..driver.memory import DeviceArray, as_dtype, empty
 from ..kernels.catalogue import get_kernel
-from ..kernels.spec import NVFP4_FORMAT, Q4_FORMAT
+from ..kernels.spec import (
+    ENTRY_TYPES,
+    FOUR_BIT_FORMATS,
+    NVFP4_FORMAT,
+    Q4_FORMAT,
+    QUANTIZED_Q8,
+    mixed_format,
+)
 
 __all__ = [
     "FOUR_BIT_DTYPES",
     "FourBitStore",
+    "MixedFormats",
     "check_four_bit",
+    "check_mixed",
     "check_four_bit_device",
     "four_bit_format",
     "refuse_four_bit",
@@ -82,6 +95,93 @@ def check_four_bit(fmt: str, head_dim: int, rotate: bool | None) -> bool:
     return DEFAULT_ROTATE[fmt] if rotate is None else bool(rotate)
 
 
+class MixedFormats(NamedTuple):
+    """A cache's K and V formats where they differ (`check_mixed`)."""
+
+    k_fmt: str  # "e4m3", "e5m2", "q4" or "nvfp4"
+    v_fmt: str
+    rotate: bool  # K rotated (a 4-bit K only)
+
+    @property
+    def fp8(self) -> str:
+        """The cache's format for the kernels (``spec.mixed_format``: "e4m3+q4")."""
+        return mixed_format(self.k_fmt, self.v_fmt)
+
+
+_FORMAT_NAMES = {Q4_FORMAT: "int4", NVFP4_FORMAT: "nvfp4", "e4m3": "float8_e4m3fn",
+                 "e5m2": "float8_e5m2"}  # fmt: skip
+_NEEDS = {Q4_FORMAT: (8, 0), NVFP4_FORMAT: (8, 9), "e4m3": (8, 9), "e5m2": (8, 9)}
+_QUANTIZED = "float8_e4m3fn, float8_e5m2, 'int4' or 'nvfp4'"
+
+
+def _quantized_format(dtype: Any, name: str) -> str:
+    """``dtype``'s quantized format ("q4", "nvfp4", "e4m3", "e5m2"), or "" (16/32-bit)."""
+    return four_bit_format(dtype) or FP8_DTYPES.get(as_dtype(dtype, name), "")
+
+
+def check_mixed(
+    dtype: Any, v_dtype: Any, head_dim: int, rotate: bool | None, k_scale: Any, v_scale: Any,
+) -> MixedFormats | None:  # fmt: skip
+    """K's and V's formats where ``v_dtype`` takes V a format of its own (None where it is
+    None or K's): both quantized (fp8 e4m3/e5m2, int4, nvfp4), a head_dim the rows kernels
+    read (64, 128, 256), the rotation a 4-bit K's, the scales the fp8 and nvfp4 sides'.
+
+    Raises:
+        TypeError, ValueError: naming ``v_dtype``, ``head_dim``, ``rotate``, ``k_scale`` or
+            ``v_scale`` (before any device work).
+    """
+    if v_dtype is None:
+        return None
+    k_fmt, v_fmt = _quantized_format(dtype, "dtype"), _quantized_format(v_dtype, "v_dtype")
+    if k_fmt == v_fmt and (k_fmt or as_dtype(v_dtype, "v_dtype") == as_dtype(dtype, "dtype")):
+        return None  # (V as K)
+    if not (k_fmt and v_fmt):
+        raise ValueError(
+            f"v_dtype: K and V in formats of their own are both quantized ({_QUANTIZED}: "
+            f"fp8 K and int4 V, say); got dtype {dtype!r} and v_dtype {v_dtype!r} (None: V "
+            f"as K)"
+        )
+    if head_dim not in Q4_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim: K and V in formats of their own take head_dim 64, 128 or 256 (a row "
+            f"a warp, read by the rows kernels), got {head_dim}"
+        )
+    if rotate is not None and not isinstance(rotate, (bool, np.bool_)):
+        raise TypeError(f"rotate: expected None, True or False, got {type(rotate).__name__}")
+    if k_fmt not in FOUR_BIT_FORMATS:
+        if rotate:
+            raise ValueError(f"rotate: only a 4-bit K is rotated, K here is "
+                             f"{_FORMAT_NAMES[k_fmt]}; pass None or False")  # fmt: skip
+        rotated = False
+    else:
+        rotated = DEFAULT_ROTATE[k_fmt] if rotate is None else bool(rotate)
+    for fmt, scale, name in ((k_fmt, k_scale, "k_scale"), (v_fmt, v_scale, "v_scale")):
+        if fmt == Q4_FORMAT and scale is not None:
+            side = "K" if name == "k_scale" else "V"
+            raise ValueError(f"{name}: {side} in int4 scales each group of 32 itself; only the "
+                             f"fp8 and nvfp4 sides take scales")  # fmt: skip
+    return MixedFormats(k_fmt, v_fmt, rotated)
+
+
+def check_mixed_device(mixed: MixedFormats, compute_capability: tuple[int, int]) -> None:
+    """Raise ValueError naming ``dtype`` or ``v_dtype`` where the device cannot read a side."""
+    for fmt, name in ((mixed.k_fmt, "dtype"), (mixed.v_fmt, "v_dtype")):
+        if compute_capability < _NEEDS[fmt]:
+            need = ".".join(map(str, _NEEDS[fmt]))
+            raise ValueError(
+                f"{name}: {_FORMAT_NAMES[fmt]} needs compute capability {need} or newer; "
+                f"this device has {compute_capability}"
+            )
+
+
+def format_dtype(fmt: str) -> np.dtype:
+    """A quantized format's numpy dtype (``ml_dtypes``' int4, float4_e2m1fn, float8_*)."""
+    import ml_dtypes  # on first use: importing ferrox_driver does not import it
+
+    return np.dtype(getattr(ml_dtypes, "int4" if fmt == Q4_FORMAT else "float4_e2m1fn"
+                            if fmt == NVFP4_FORMAT else _FORMAT_NAMES[fmt]))  # fmt: skip
+
+
 def check_four_bit_device(fmt: str, compute_capability: tuple[int, int]) -> None:
     """Raise ValueError naming ``dtype`` where the device cannot read the format."""
     if compute_capability < (8, 0) or (fmt == NVFP4_FORMAT and compute_capability < (8, 9)):
@@ -94,7 +194,24 @@ def check_four_bit_device(fmt: str, compute_capability: tuple[int, int]) -> None
         )
 
 
-def _kernel(fmt: str, device: Any, rows: str, head_dim: int, rotate: bool) -> Kernel:
+def mixed_quantize_kernel(
+    device: Any, rows: str, head_dim: int, k_fmt: str, v_fmt: str, rotate: bool
+) -> Kernel:
+    """The kernel quantizing rows of kernel dtype ``rows`` (f32, f16, bf16) into a cache of
+    K in ``k_fmt`` and V in ``v_fmt`` (``kv_quantize4.cu``'s mixed kernels), K rotated
+    where ``rotate`` (a 4-bit K)."""
+    name = f"kv_quantize_{k_fmt}{'r' if rotate else ''}_v{v_fmt}_{rows}_d{head_dim}"
+    entry = (
+        f"FX_QUANTIZE_MIXED_ENTRY({name}, {ENTRY_TYPES[rows]}, {head_dim}, {QUANTIZED_Q8[k_fmt]}, "
+        f"{QUANTIZED_Q8[v_fmt]}, {'true' if rotate else 'false'})"
+    )
+    return get_kernel(Q4_FILE, name, device, select=entry)
+
+
+def _kernel(fmt: str, device: Any, rows: str, head_dim: int, rotate: bool,
+            v_fmt: str = "") -> Kernel:  # fmt: skip
+    if v_fmt and v_fmt != fmt:
+        return mixed_quantize_kernel(device, rows, head_dim, fmt, v_fmt, rotate)
     if fmt == Q4_FORMAT:
         return q4_quantize_kernel(device, rows, head_dim, Q4_DEFAULT_GROUP, rotate)
     return nvfp4_quantize_kernel(device, rows, head_dim, rotate)
@@ -106,23 +223,34 @@ class FourBitStore:
     bfloat16), packed once: a one-row append writes the staged rows' address and the
     position, and launches.
 
+    A cache of K and V in formats of their own (``v_fmt``) is held the same way: each side
+    its own format's block scales (an fp8 side's ``k_scales``/``v_scales`` a placeholder
+    the kernels never read), one kernel quantizing both sides.
+
     Args:
         kv: the cache (its values buffers, state, staging ring and kv_scales made).
-        fmt: ``"q4"`` or ``"nvfp4"``.
+        fmt: ``"q4"`` or ``"nvfp4"``; with ``v_fmt``, K's format (or ``"e4m3"``, ``"e5m2"``).
         rotate: whether K is rotated (the Hadamard transform over the head_dim).
+        v_fmt: V's format where it is not K's (None: K's).
     """
 
-    def __init__(self, kv: Any, fmt: str, rotate: bool) -> None:
+    def __init__(self, kv: Any, fmt: str, rotate: bool, v_fmt: str | None = None) -> None:
         self.fmt, self.rotate = fmt, rotate
+        self.v_fmt = fmt if v_fmt is None else v_fmt
+        self.mixed = self.v_fmt != fmt
         d, n_kv, cap = kv.head_dim, kv.n_kv_heads, kv.capacity
         self.n_kv, self.head_dim, self.capacity = n_kv, d, cap
         self.device, self.stream = kv.device, kv.stream
-        per, sdt = (
-            (d // Q4_DEFAULT_GROUP, np.dtype(np.float16)) if fmt == Q4_FORMAT
-            else (d // NVFP4_BLOCK, np.dtype(np.uint8))
-        )  # fmt: skip
-        self.k_scales = empty((cap, n_kv, per), sdt, device=kv.device)
-        self.v_scales = empty((cap, n_kv, per), sdt, device=kv.device)
+
+        def block_scales(side: str) -> DeviceArray:
+            if side == Q4_FORMAT:
+                return empty((cap, n_kv, d // Q4_DEFAULT_GROUP), np.float16, device=kv.device)
+            if side == NVFP4_FORMAT:
+                return empty((cap, n_kv, d // NVFP4_BLOCK), np.uint8, device=kv.device)
+            return empty((16,), np.uint8, device=kv.device)  # (an fp8 side: none)
+
+        self.k_scales = block_scales(fmt)
+        self.v_scales = block_scales(self.v_fmt)
         self.inv_sqrt = np.float32(1.0 / np.sqrt(d))
         stage = kv._ring.kv  # a slot: K's rows then V's, in the rows' dtype
         self.dev_stage = empty(stage.shape, np.uint8, device=kv.device)
@@ -135,7 +263,7 @@ class FourBitStore:
             strides = (self.slot_bytes, kv.row_elems * dt.itemsize, dt.itemsize)
             view = np.ndarray((slots, 2, kv.row_elems), dt, stage, strides=strides)
             launch = PackedLaunch(
-                _kernel(fmt, kv.device, dtype_name(dt), d, rotate), 1, threads,
+                _kernel(fmt, kv.device, dtype_name(dt), d, rotate, self.v_fmt), 1, threads,
                 self.args(kv, None, None, 1, 0), stream=kv.stream,
             )  # fmt: skip
             self.appends[dt] = (view, launch)
@@ -149,7 +277,7 @@ class FourBitStore:
             np.int32(self.n_kv), np.int32(n), np.int32(first), kv.state,
             np.int32(self.capacity), self.inv_sqrt,
         )  # fmt: skip
-        if self.fmt == NVFP4_FORMAT:
+        if self.fmt == NVFP4_FORMAT or self.mixed:  # (mixed: the fp8 and nvfp4 sides')
             args += (kv.kv_scales,)
         return args
 
@@ -157,7 +285,7 @@ class FourBitStore:
         """Queue the quantization of ``n`` device rows of K and V (one dtype of ROW_DTYPES,
         C-contiguous) into tokens ``seq .. seq + n`` on the cache's stream."""
         kernel = _kernel(self.fmt, self.device, dtype_name(k_dev.dtype), self.head_dim,
-                         self.rotate)  # fmt: skip
+                         self.rotate, self.v_fmt)  # fmt: skip
         warps = n * self.n_kv
         grid = max(1, min(4096, -(-warps // 8)))
         kernel.launch(grid, 256, self.args(kv, k_dev, v_dev, n, seq), stream=self.stream)
@@ -166,7 +294,8 @@ class FourBitStore:
         """``kv_append_async``'s launches for ``n`` device rows of dtype ``rows`` at the
         device's length (roles k, v: the rows' addresses): one launch that bumps the
         length for one row; for n, the rows' launch then the bump."""
-        kernel = _kernel(self.fmt, self.device, dtype_name(rows), self.head_dim, self.rotate)
+        kernel = _kernel(self.fmt, self.device, dtype_name(rows), self.head_dim, self.rotate,
+                         self.v_fmt)  # fmt: skip
         if n == 1:
             launch = PackedLaunch(kernel, 1, 32 * min(self.n_kv, _WARPS_MAX),
                                   self.args(kv, None, None, 1, -1), stream=stream)  # fmt: skip
@@ -180,19 +309,25 @@ class FourBitStore:
                               self.device)  # fmt: skip
 
     def dequantized(
-        self, k_vals: np.ndarray, v_vals: np.ndarray, k_scales: np.ndarray,
-        v_scales: np.ndarray, globals_: np.ndarray,
+        self, k_vals: np.ndarray, v_vals: np.ndarray, k_scales: np.ndarray | None,
+        v_scales: np.ndarray | None, globals_: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """K and V as float32 ``(seq, n_kv_heads, head_dim)`` from the cache's values and
-        block scales (``KVCache.to_host``, ``block_scales``): the format decoded, K's
+        block scales (``KVCache.to_host``, ``block_scales``): each side's format decoded
+        (an fp8 side: its values times its KV head's scale, a float32 product), K's
         rotation undone (exact in float32 up to rounding: the rotation is its own
         inverse)."""
-        if self.fmt == Q4_FORMAT:
-            k, v = dequantize_q4(k_vals, k_scales), dequantize_q4(v_vals, v_scales)
-        else:
-            n = self.n_kv
-            k = dequantize_nvfp4(k_vals, k_scales, globals_[:n])
-            v = dequantize_nvfp4(v_vals, v_scales, globals_[n:])
+        n = self.n_kv
+
+        def side(fmt: str, vals: np.ndarray, scales: Any, g: np.ndarray) -> np.ndarray:
+            if fmt == Q4_FORMAT:
+                return dequantize_q4(vals, scales)
+            if fmt == NVFP4_FORMAT:
+                return dequantize_nvfp4(vals, scales, g)
+            return vals.astype(np.float32) * g[:, None]  # (as an fp8 cache's dequantized)
+
+        k = side(self.fmt, k_vals, k_scales, globals_[:n])
+        v = side(self.v_fmt, v_vals, v_scales, globals_[n:])
         if self.rotate and k.shape[0]:
             k = hadamard(k)
         return k, v

@@ -30,11 +30,19 @@ from ..decode.records import Kept
 from ..driver.device import resolve
 from ..driver.memory import DeviceArray, as_dtype, empty
 from ..driver.stream import Event, Stream, stream_handle
-from ..kernels.spec import NVFP4_FORMAT, Q4_FORMAT
+from ..kernels.spec import FOUR_BIT_FORMATS, NVFP4_FORMAT, Q4_FORMAT
 from ..types import DeviceLike, DTypeLike, HostArrayLike
 from .appends import Appends, append_kernel, truncate_kernel
 from .decoding import Decodes
-from .four_bit import FourBitStore, check_four_bit, check_four_bit_device, four_bit_format
+from .four_bit import (
+    FourBitStore,
+    check_four_bit,
+    check_four_bit_device,
+    check_mixed,
+    check_mixed_device,
+    format_dtype,
+    four_bit_format,
+)
 from .host_decode import HostDecoder
 from .staging import STAGING_SLOTS, StagingRing
 
@@ -81,12 +89,17 @@ class KVCache(Appends, Decodes):
         device: the device: a Device, an int, a ``torch.device`` or ``"cuda:N"``
             (default: device 0).
         stream: the stream appends and decodes run on (default: a stream of its own).
-        v_dtype: V's format where it is not K's (None: as K's). Only None, or K's dtype:
-            K and V in formats of their own are not built yet.
+        v_dtype: V's format where it is not K's (None: as K's). Both quantized, any two
+            of ``float8_e4m3fn``, ``float8_e5m2``, ``"int4"`` and ``"nvfp4"`` (fp8 K and
+            int4 V, as llama.cpp's q8_0 K and q4_0 V, say): each side is stored and
+            quantized as a cache of its format would (``k_scale`` for an fp8 or nvfp4 K,
+            ``v_scale`` for such a V), head_dim 64, 128 or 256, decoded by the rows kernels
+            (one query or several; compute capability 8.9 and up).
         rotate: a 4-bit cache's Hadamard rotation of K over the head_dim (q is rotated
             the same way in the decode, so the scores are unchanged; it spreads outlier
             channels before they are quantized). None: the measured default, on for
-            int4, off for nvfp4. Other caches take None or False.
+            int4, off for nvfp4 (K's format where V's differs). Other caches, and an fp8
+            K, take None or False.
 
     Appends stage each row in page-locked memory and queue one ``cuMemcpyHtoDAsync`` per
     row (K and V): the host never waits, except when all staging slots are still in flight.
@@ -118,26 +131,26 @@ class KVCache(Appends, Decodes):
     ) -> None:
         self.n_kv_heads, self.head_dim = check_kv_shape(n_kv_heads, head_dim)
         self.capacity = check_int(capacity, "capacity", 1, MAX_TOKENS)
+        mixed = check_mixed(dtype, v_dtype, self.head_dim, rotate, k_scale, v_scale)
         four = four_bit_format(dtype)
-        if v_dtype is not None:
-            same = (four_bit_format(v_dtype) == four) if four or isinstance(v_dtype, str) else (
-                as_dtype(v_dtype, "v_dtype") == as_dtype(dtype, "dtype"))  # fmt: skip
-            if not same:
-                raise ValueError(
-                    f"v_dtype: K and V in formats of their own are not built yet (the rows "
-                    f"kernels read one format for both); pass None (V as K's {dtype!r})"
-                )
-        if rotate and not four:
+        if mixed is not None:  # K and V in formats of their own: a 4-bit cache's parts hold it
+            four = mixed.k_fmt
+        elif rotate and not four:
             raise ValueError("rotate: only the 4-bit caches (dtype 'int4' or 'nvfp4') rotate K; "
                              "pass None or False")  # fmt: skip
-        rotated = check_four_bit(four, self.head_dim, rotate) if four else False
+        rotated = (mixed.rotate if mixed is not None
+                   else check_four_bit(four, self.head_dim, rotate) if four else False)  # fmt: skip
         dt = np.dtype(np.uint8) if four else as_dtype(dtype, "dtype")
-        self.fp8 = four or FP8_DTYPES.get(dt, "")  # "e4m3", "e5m2", "q4", "nvfp4" or ""
-        self.dtype = (_four_bit_np(four) if four else dt if self.fp8
+        # "e4m3", "e5m2", "q4", "nvfp4" or ""; K and V in formats of their own: "e4m3+q4"...
+        self.fp8 = mixed.fp8 if mixed is not None else four or FP8_DTYPES.get(dt, "")
+        self.dtype = (format_dtype(mixed.k_fmt) if mixed is not None
+                      else _four_bit_np(four) if four else dt if self.fp8
                       else check_dtype(dt, "dtype"))  # fmt: skip
+        # V's dtype (K's, but where V takes a format of its own: v_dtype)
+        self.v_dtype = self.dtype if mixed is None else format_dtype(mixed.v_fmt)
         if not self.fp8 and (k_scale is not None or v_scale is not None):
             raise ValueError("k_scale: only fp8 and nvfp4 caches take scales")
-        if four == Q4_FORMAT and (k_scale is not None or v_scale is not None):
+        if mixed is None and four == Q4_FORMAT and (k_scale is not None or v_scale is not None):
             raise ValueError("k_scale: an int4 cache scales each group of 32 itself; only fp8 "
                              "and nvfp4 caches take scales")  # fmt: skip
         if self.fp8 and not four and self.head_dim % 8:
@@ -150,7 +163,9 @@ class KVCache(Appends, Decodes):
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream: expected a ferrox_driver.Stream, got {type(stream)}")
         self.device = resolve(device)
-        if four:
+        if mixed is not None:
+            check_mixed_device(mixed, self.device.compute_capability)
+        elif four:
             check_four_bit_device(four, self.device.compute_capability)
         if self.fp8 and not four and self.device.compute_capability < MIN_COMPUTE_CAPABILITY:
             raise ValueError(
@@ -161,15 +176,24 @@ class KVCache(Appends, Decodes):
         self.stream = Stream(self.device) if stream is None else stream
         self._h = stream_handle(self.stream)
         self.row_elems = self.n_kv_heads * self.head_dim
-        # bytes a token stores in K (and in V): a 4-bit cache's values, two to a byte
-        self.row_bytes = self.row_elems // 2 if four else self.row_elems * self.dtype.itemsize
+        # bytes a token stores in K (and in V): a 4-bit cache's values, two to a byte (K and
+        # V in formats of their own: K's; V's in its buffer's shape)
+        self.row_bytes = (self.row_elems // 2 if four in FOUR_BIT_FORMATS
+                          else self.row_elems * self.dtype.itemsize)  # fmt: skip
         # one token's rows: flat, (n_kv_heads, head_dim), or SDPA's (1, n_kv_heads, 1, head_dim)
         self._row_shapes = ((self.row_elems,), (self.n_kv_heads, self.head_dim),
                             (1, self.n_kv_heads, 1, self.head_dim))  # fmt: skip
         shape = (self.capacity, self.n_kv_heads, self.head_dim)
-        store = (self.capacity, self.n_kv_heads, self.head_dim // 2) if four else shape
-        self._k = empty(store, np.uint8 if four else self.dtype, device=self.device)
-        self._v = empty(store, np.uint8 if four else self.dtype, device=self.device)
+        packed = (self.capacity, self.n_kv_heads, self.head_dim // 2)  # (4-bit: two a byte)
+
+        def values(fmt: str, dt: np.dtype) -> DeviceArray:
+            four_bit = fmt in FOUR_BIT_FORMATS
+            return empty(packed if four_bit else shape, np.uint8 if four_bit else dt,
+                         device=self.device)  # fmt: skip
+
+        v_fmt = four if mixed is None else mixed.v_fmt
+        self._k = values(four, self.dtype)
+        self._v = values(v_fmt, self.v_dtype)
         self._k_ptr, self._v_ptr = self._k.ptr, self._v.ptr
         # state[0] = seq_len, state[1] = a flag set by kernels, read by the host (1: an append
         # past the capacity; 2: kv_truncate_async given a negative length).
@@ -210,10 +234,10 @@ class KVCache(Appends, Decodes):
         # ordered by one lock: re-entrant, as a decode may synchronize to read the length.
         self.lock = threading.RLock()  # (public: the device ops and graphs take it too)
         if four:
-            if four == NVFP4_FORMAT:  # its float32 scales per KV head, as an fp8 cache's
+            if four == NVFP4_FORMAT or mixed is not None:  # float32 scales per KV head
                 self.kv_scales = empty((2 * self.n_kv_heads,), np.float32, device=self.device)
                 self.kv_scales.copy_from_host(self._scales, self.stream)
-            four_bit = self.four_bit = FourBitStore(self, four, rotated)
+            four_bit = self.four_bit = FourBitStore(self, four, rotated, v_fmt)
             # the fp8 append's staged path serves it (its launches, no by-value one)
             self._fp8_appends, self._dev_stage = four_bit.appends, four_bit.dev_stage
             self._fp8_value_appends = dict.fromkeys(ROW_DTYPES)
@@ -271,7 +295,9 @@ class KVCache(Appends, Decodes):
         state = "closed" if self._closed else f"seq_len={self._seq_len}"
         return (
             f"KVCache(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
-            f"capacity={self.capacity}, dtype={self.dtype.name}, {state})"
+            f"capacity={self.capacity}, dtype={self.dtype.name}, "
+            + (f"v_dtype={self.v_dtype.name}, " if self.v_dtype != self.dtype else "")
+            + f"{state})"
         )
 
 

@@ -7,11 +7,13 @@ from typing import Any
 import numpy as np
 
 from ..decode.checks import MAX_TOKENS, check_dtype, check_int
+from ..decode.fp8 import FP8_DTYPES
 from ..driver.device import resolve
+from ..driver.memory import as_dtype
 from ..driver.stream import Stream
 from ..errors import ClosedError
-from ..types import DeviceLike, DTypeLike
-from .four_bit import refuse_four_bit
+from ..types import DeviceLike, DTypeLike, HostArrayLike
+from .four_bit import check_mixed, four_bit_format
 from .kv_cache import KVCache, check_kv_shape
 
 __all__ = ["LayerKVCache"]
@@ -25,9 +27,18 @@ class LayerKVCache:
         n_kv_heads: as `KVCache`.
         head_dim: as `KVCache`.
         capacity: as `KVCache`, per layer.
-        dtype: as `KVCache`.
+        dtype: as `KVCache`: float32, float16, bfloat16, an fp8 dtype, ``"int4"`` or
+            ``"nvfp4"``.
         device: as `KVCache`.
         stream: the stream every layer uses (default: a stream of its own).
+        k_scale: as `KVCache` (an fp8 or nvfp4 cache's K scales), every layer's.
+        v_scale: as `KVCache`, every layer's.
+        v_dtype: as `KVCache` (V's format where it is not K's).
+        rotate: as `KVCache` (a 4-bit K's Hadamard rotation).
+
+    Raises:
+        TypeError, ValueError: an argument `KVCache` refuses, named (nothing is left
+            allocated).
     """
 
     def __init__(
@@ -40,12 +51,17 @@ class LayerKVCache:
         dtype: DTypeLike = np.float32,
         device: DeviceLike = None,
         stream: Stream | None = None,
+        k_scale: HostArrayLike = None,
+        v_scale: HostArrayLike = None,
+        v_dtype: DTypeLike = None,
+        rotate: bool | None = None,
     ) -> None:
         n_layers = check_int(n_layers, "n_layers", 1)
-        check_kv_shape(n_kv_heads, head_dim)
+        _, head_dim = check_kv_shape(n_kv_heads, head_dim)
         check_int(capacity, "capacity", 1, MAX_TOKENS)
-        refuse_four_bit(dtype, "LayerKVCache")
-        dtype = check_dtype(dtype, "dtype")
+        check_mixed(dtype, v_dtype, head_dim, rotate, k_scale, v_scale)  # (before any stream)
+        if not four_bit_format(dtype) and not FP8_DTYPES.get(as_dtype(dtype, "dtype")):
+            dtype = check_dtype(dtype, "dtype")
         self.device = resolve(device)
         self._owns_stream = stream is None
         self.stream = Stream(self.device) if stream is None else stream
@@ -60,13 +76,18 @@ class LayerKVCache:
                         dtype=dtype,
                         device=self.device,
                         stream=self.stream,
+                        k_scale=k_scale,
+                        v_scale=v_scale,
+                        v_dtype=v_dtype,
+                        rotate=rotate,
                     )
                 )
         except BaseException:
             self.close()
             raise
         self.n_kv_heads, self.head_dim, self.capacity = n_kv_heads, head_dim, capacity
-        self.dtype = dtype
+        self.dtype = self.layers[0].dtype  # (a 4-bit cache's: its ml_dtypes name)
+        self.v_dtype = self.layers[0].v_dtype
 
     _closed = False
 

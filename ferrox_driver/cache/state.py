@@ -373,13 +373,14 @@ class CacheState:
         """Copies of the cached K and V, each (seq_len, n_kv_heads, head_dim), in the
         cache's dtype (an fp8 cache's: its bytes; ``dequantized`` scales them); a 4-bit
         cache's packed values, uint8 (seq_len, n_kv_heads, head_dim // 2) (its block
-        scales: ``block_scales()``)."""
+        scales: ``block_scales()``). K and V in formats of their own: each as its format
+        stores it."""
         with self.lock:
             seq = self.seq_len
-            shape = (seq, *self._k.shape[1:])
-            return self._k.view(shape).to_host(self.stream), self._v.view(shape).to_host(
-                self.stream
-            )
+            k, v = self._k, self._v
+            return k.view((seq, *k.shape[1:])).to_host(self.stream), v.view(
+                (seq, *v.shape[1:])
+            ).to_host(self.stream)
 
     @property
     def dtype_name(self) -> str:

@@ -7,6 +7,8 @@ import pytest
 
 import ferrox_driver as fd
 
+E4M3 = "float8_e4m3fn"  # (ml_dtypes' name: np.dtype reads it once ml_dtypes is imported)
+
 
 @pytest.mark.parametrize(
     "args,kwargs,exc,pattern",
@@ -22,7 +24,39 @@ import ferrox_driver as fd
         ((8, 96, 16), {"dtype": "int4"}, ValueError, "head_dim: int4 caches take head_dim 64"),
         ((8, 80, 16), {"dtype": "nvfp4"}, ValueError, "head_dim: nvfp4 caches take"),
         ((8, 128, 16), {"dtype": "int4", "k_scale": 2.0}, ValueError, "k_scale: an int4 cache"),
-        ((8, 128, 16), {"dtype": "int4", "v_dtype": "nvfp4"}, ValueError, "v_dtype: K and V"),
+        (
+            (8, 128, 16),
+            {"dtype": np.float16, "v_dtype": "int4"},
+            ValueError,
+            "v_dtype: K and V in formats of their own are both quantized",
+        ),
+        ((8, 128, 16), {"dtype": "int4", "v_dtype": np.float16}, ValueError, "v_dtype: K and V"),
+        (
+            (8, 96, 16),
+            {"dtype": E4M3, "v_dtype": "int4"},
+            ValueError,
+            "head_dim: K and V in formats of their own take head_dim 64, 128 or 256",
+        ),
+        (
+            (8, 128, 16),
+            {"dtype": E4M3, "v_dtype": "int4", "rotate": True},
+            ValueError,
+            "rotate: only a 4-bit K is rotated, K here is float8_e4m3fn",
+        ),
+        ((8, 128, 16), {"dtype": "int4", "v_dtype": E4M3, "rotate": 1}, TypeError, "rotate"),
+        (
+            (8, 128, 16),
+            {"dtype": E4M3, "v_dtype": "int4", "v_scale": 2.0},
+            ValueError,
+            "v_scale: V in int4 scales each group of 32 itself",
+        ),
+        (
+            (8, 128, 16),
+            {"dtype": "int4", "v_dtype": "nvfp4", "k_scale": 2.0},
+            ValueError,
+            "k_scale: K in int4",
+        ),
+        ((8, 128, 16), {"dtype": E4M3, "v_dtype": np.int8}, ValueError, "v_dtype"),
         ((8, 128, 16), {"dtype": "int4", "rotate": 1}, TypeError, "rotate: expected None"),
         ((8, 128, 16), {"dtype": np.float16, "v_dtype": np.float32}, ValueError, "v_dtype"),
         ((8, 128, 16), {"rotate": True}, ValueError, "rotate: only the 4-bit caches"),
@@ -35,10 +69,32 @@ def test_kv_cache_bad_construction_names_the_argument(args, kwargs, exc, pattern
 
 @pytest.mark.parametrize("dtype", ["int4", "nvfp4"])
 def test_caches_that_do_not_hold_4_bit_formats_say_so(dtype):
-    with pytest.raises(ValueError, match="dtype: LayerKVCache does not hold 4-bit caches"):
-        fd.LayerKVCache(2, 8, 128, 16, dtype=dtype)
     with pytest.raises(ValueError, match="dtype: ShardedKVCache does not hold 4-bit caches"):
         fd.ShardedKVCache(8, 128, 16, group=None, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        ({"dtype": np.float16, "v_dtype": "nvfp4"}, ValueError, "v_dtype: K and V"),
+        ({"dtype": E4M3, "v_dtype": "int4", "rotate": True}, ValueError, "rotate: only a 4-bit K"),
+        ({"dtype": E4M3, "v_dtype": "int4", "v_scale": 0.5}, ValueError, "v_scale: V in int4"),
+        ({"dtype": np.int8}, TypeError, "dtype"),
+    ],
+)
+def test_a_layer_cache_checks_the_formats_it_passes_on_before_any_device_work(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fd.LayerKVCache(2, 8, 128, 16, **kwargs)
+
+
+def test_mixed_formats_name_both_sides_for_the_kernels():
+    from ferrox_driver.kernels.spec import kv_formats, mixed_format
+
+    assert mixed_format("e4m3", "q4") == "e4m3+q4"
+    assert mixed_format("q4", "q4") == "q4"
+    assert kv_formats("e4m3+q4") == ("e4m3", "q4")
+    assert kv_formats("nvfp4") == ("nvfp4", "nvfp4")
+    assert kv_formats("") == ("", "")
 
 
 def test_layer_cache_bad_layer_count_is_rejected():
