@@ -38,6 +38,7 @@ GPU_EXAMPLES = [
     "static_cache_graph_torch.py",
     "transformers_generate.py",
     "transformers_fp8_cache.py",
+    "transformers_kv4_cache.py",
     "torch_ops_compile.py",
     "features_gemma2_layer.py",
     "features_sinks.py",
