@@ -204,8 +204,9 @@ def four_bit_cache_class() -> Any:
             scale_margin: nvfp4's headroom over the prompt's largest magnitude.
 
         Raises:
-            ValueError, TypeError: naming the argument (compute capability 8.0 or newer
-                for int4, 8.9 for nvfp4: at the first decode step).
+            ValueError, TypeError: naming the argument (the model's dtype, head_dim and
+                batch, and the GPU's compute capability, 8.0 or newer for int4 and 8.9 for
+                nvfp4: at the first update).
         """
 
         def __init__(self, model: Any, max_cache_len: int, fmt: str = "int4", *,
