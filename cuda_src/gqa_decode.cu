@@ -3,14 +3,15 @@
 //   - compiles under NVRTC (INFINITY comes from the prelude);
 //   - the per-lane accumulator is indexed only by unrolled constants, so it stays in
 //     registers (ferrox-cuda's run-time index put it on the stack);
-//   - head_dim up to 256 (8 values per lane); the host validates the range;
+//   - head_dim up to 256 (8 values per lane), or 512 (16: gqa_decode_<dt>_d512); the
+//     host validates the range;
 //   - seq_len 0 writes zeros; seq_len may come from device memory (seq_len_dev != nullptr),
 //     so a captured graph stays valid as the cache grows.
 // Layout: q [n_heads][head_dim], k/v [token][n_kv_heads][head_dim], out [n_heads][head_dim].
 
 #define FX_MAX_PER_LANE 8  // 8 * 32 lanes = head_dim 256
 
-template <class T>
+template <class T, int E = FX_MAX_PER_LANE>
 __device__ __forceinline__ void gqa_decode_warp(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     T* __restrict__ out, int n_heads, int n_kv_heads, int head_dim, int seq_len,
@@ -23,10 +24,10 @@ __device__ __forceinline__ void gqa_decode_warp(
     const float scale = rsqrtf((float)head_dim);
     const unsigned mask = 0xffffffffu;
 
-    float qv[FX_MAX_PER_LANE];
-    float acc[FX_MAX_PER_LANE];
+    float qv[E];
+    float acc[E];
 #pragma unroll
-    for (int i = 0; i < FX_MAX_PER_LANE; ++i) {
+    for (int i = 0; i < E; ++i) {
         const int d = lane + 32 * i;
         qv[i] = d < head_dim ? fx_to_float(q[(long long)h * head_dim + d]) * scale : 0.f;
         acc[i] = 0.f;
@@ -40,7 +41,7 @@ __device__ __forceinline__ void gqa_decode_warp(
         const T* v_t = v_cache + t * row + (long long)kv_h * head_dim;
         float dot = 0.f;
 #pragma unroll
-        for (int i = 0; i < FX_MAX_PER_LANE; ++i) {
+        for (int i = 0; i < E; ++i) {
             const int d = lane + 32 * i;
             if (d < head_dim) dot += qv[i] * fx_to_float(k_t[d]);
         }
@@ -52,7 +53,7 @@ __device__ __forceinline__ void gqa_decode_warp(
         const float b = (dot == -INFINITY) ? 0.f : expf(dot - m2);
         s = s * a + b;
 #pragma unroll
-        for (int i = 0; i < FX_MAX_PER_LANE; ++i) {
+        for (int i = 0; i < E; ++i) {
             const int d = lane + 32 * i;
             if (d < head_dim) acc[i] = acc[i] * a + b * fx_to_float(v_t[d]);
         }
@@ -60,20 +61,24 @@ __device__ __forceinline__ void gqa_decode_warp(
     }
     const float inv = (s > 0.f) ? (1.f / s) : 0.f;
 #pragma unroll
-    for (int i = 0; i < FX_MAX_PER_LANE; ++i) {
+    for (int i = 0; i < E; ++i) {
         const int d = lane + 32 * i;
         if (d < head_dim) out[(long long)h * head_dim + d] = fx_from_float<T>(acc[i] * inv);
     }
 }
 
-#define FX_GQA_DECODE_ENTRY(NAME, T)                                                        \
+#define FX_GQA_DECODE_ENTRY(NAME, T, E)                                                     \
     extern "C" __global__ void __launch_bounds__(32) NAME(                                  \
         const T* q, const T* k_cache, const T* v_cache, T* out, int n_heads,                \
         int n_kv_heads, int head_dim, int seq_len, const int* seq_len_dev) {                \
-        gqa_decode_warp<T>(q, k_cache, v_cache, out, n_heads, n_kv_heads, head_dim, seq_len, \
-                           seq_len_dev);                                                    \
+        gqa_decode_warp<T, E>(q, k_cache, v_cache, out, n_heads, n_kv_heads, head_dim,     \
+                              seq_len, seq_len_dev);                                        \
     }
 
-FX_GQA_DECODE_ENTRY(gqa_decode_f32, float)
-FX_GQA_DECODE_ENTRY(gqa_decode_f16, fx_half)
-FX_GQA_DECODE_ENTRY(gqa_decode_bf16, fx_bf16)
+FX_GQA_DECODE_ENTRY(gqa_decode_f32, float, FX_MAX_PER_LANE)
+FX_GQA_DECODE_ENTRY(gqa_decode_f16, fx_half, FX_MAX_PER_LANE)
+FX_GQA_DECODE_ENTRY(gqa_decode_bf16, fx_bf16, FX_MAX_PER_LANE)
+// head_dims 257..512
+FX_GQA_DECODE_ENTRY(gqa_decode_f32_d512, float, 16)
+FX_GQA_DECODE_ENTRY(gqa_decode_f16_d512, fx_half, 16)
+FX_GQA_DECODE_ENTRY(gqa_decode_bf16_d512, fx_bf16, 16)

@@ -22,7 +22,7 @@
 // slope x (1 + t) for every token: a constant per row, which the combine takes off the
 // sink's logit and the LSE (the softmax does not see it).
 #define FX_VERIFY_ROWS 4  // rows per tail block, a warp each
-#define FX_VERIFY_MAX_E 8  // a lane's elements of a row: head_dim up to 256
+#define FX_VERIFY_MAX_E 8  // a lane's elements of a row: head_dim up to 256 (_d512: 16)
 
 // A cache element as a float: the element itself, or an fp8 byte widened (exact).
 template <int Q8>
@@ -58,7 +58,8 @@ __device__ __forceinline__ bool fx_sees(const unsigned char* mask, int mode, int
     return (mask[(long long)t * ((n_q + 7) >> 3) + (u >> 3)] >> (u & 7)) & 1;
 }
 
-template <class QT, class KT, int Q8, int F>
+// (E: a lane's elements of a row, FX_VERIFY_MAX_E or 16 for head_dims 257..512)
+template <class QT, class KT, int Q8, int F, int E = FX_VERIFY_MAX_E>
 __device__ __forceinline__ void gqa_verify_tail(
     const QT* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
     float* __restrict__ tail_o, float* __restrict__ tail_ml, QT* __restrict__ q_rows,
@@ -78,9 +79,9 @@ __device__ __forceinline__ void gqa_verify_tail(
     const int t = i / group, h = g_kv * group + i % group;
     const long long r = (long long)g_kv * rows + i;  // the row the split kernel sees
     const QT* qh = q + ((long long)t * n_heads + h) * head_dim;
-    float qf[FX_VERIFY_MAX_E], o[FX_VERIFY_MAX_E];
+    float qf[E], o[E];
 #pragma unroll
-    for (int e = 0; e < FX_VERIFY_MAX_E; ++e) {
+    for (int e = 0; e < E; ++e) {
         const int d = lane + 32 * e;
         qf[e] = 0.f;
         o[e] = 0.f;
@@ -116,7 +117,7 @@ __device__ __forceinline__ void gqa_verify_tail(
             const KT* kr = kg + j * row;
             float dot = 0.f;
 #pragma unroll
-            for (int e = 0; e < FX_VERIFY_MAX_E; ++e) {
+            for (int e = 0; e < E; ++e) {
                 const int d = lane + 32 * e;
                 if (d < head_dim) dot = fmaf(qf[e], FxWiden<Q8>::at(kr, d), dot);
             }
@@ -130,7 +131,7 @@ __device__ __forceinline__ void gqa_verify_tail(
             m = m_new;
             const KT* vr = vg + j * row;
 #pragma unroll
-            for (int e = 0; e < FX_VERIFY_MAX_E; ++e) {
+            for (int e = 0; e < E; ++e) {
                 const int d = lane + 32 * e;
                 const float x = d < head_dim ? FxWiden<Q8>::at(vr, d) : 0.f;
                 o[e] = fmaf(pw, x, o[e] * alpha);
@@ -138,7 +139,7 @@ __device__ __forceinline__ void gqa_verify_tail(
         }
     }
 #pragma unroll
-    for (int e = 0; e < FX_VERIFY_MAX_E; ++e) {
+    for (int e = 0; e < E; ++e) {
         const int d = lane + 32 * e;
         if (d < head_dim) tail_o[r * head_dim + d] = o[e] * v_scale;
     }
@@ -197,6 +198,22 @@ __device__ __forceinline__ void gqa_verify_combine(
                                        prefix_len, n_heads, n_kv_heads, head_dim, n_q,      \
                                        seq_len, seq_len_dev, mask, mask_mode, kv_scales,    \
                                        feat);                                               \
+    }
+
+// gqa_verify_tail_<dt>[_<fp8>]_d512_x<F>: the same for head_dims 257..512 (a minimum of one
+// block in the launch bounds: without it ptxas spilled 8 bytes of the fp32 tail on sm_80)
+#define FX_VERIFY_TAIL_D512_ENTRY(NAME, QT, KT, Q8, F)                                      \
+    extern "C" __global__ void __launch_bounds__(FX_VERIFY_ROWS * 32, 1) NAME(              \
+        const QT* q, const KT* k, const KT* v, float* tail_o, float* tail_ml, QT* q_rows,    \
+        float* slopes_rows, int* prefix_len, int n_heads, int n_kv_heads, int head_dim,     \
+        int n_q, int seq_len, const int* seq_len_dev, const unsigned char* mask,            \
+        int mask_mode, const float* kv_scales, float scale, float cap, int window,          \
+        const float* slopes, long long head_stride) {                                       \
+        const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
+        gqa_verify_tail<QT, KT, Q8, F, 16>(q, k, v, tail_o, tail_ml, q_rows, slopes_rows,    \
+                                           prefix_len, n_heads, n_kv_heads, head_dim, n_q,  \
+                                           seq_len, seq_len_dev, mask, mask_mode,           \
+                                           kv_scales, feat);                                \
     }
 
 // gqa_verify_combine_<dt>_x<F>: window (the split kernel's, less n_q), sinks, LSE, ALiBi.

@@ -7,17 +7,19 @@ same: a kernel is a dataclass, its name an output).
 The names, as they have been since the kernels were first cached on disk:
 
     gqa_split_<dt>_g<G>_<vec|any>[_x<F>]                          CUDA cores ("generic")
+    gqa_split_<dt>[_<fp8>]_g<G>_<vec|any>_d512[_x<F>]             ... head_dims 257..512
     gqa_split_tc32_f32_d<D>[_x<F>][_cluster]                      fp32 on tensor cores
     gqa_split_mma_<dt>[_<fp8>]_d<D>[_r<DR>][_wide][_p2][_t2[b<2|4>]][_x<F>][_cluster]
                                                                   fp16/bf16 on tensor cores
     gqa_split_mma_<dt>_<q4|nvfp4>[r]_d<D>[_t2]_x<F>[_cluster]    ... over a 4-bit cache
     gqa_split_combine_<dt>[_x<F>]                                 merges the chunks
-    gqa_verify_tail_<dt>[_<fp8>]_x<F>, gqa_verify_combine_<dt>_x<F>  a verify's tail, combine
+    gqa_verify_tail_<dt>[_<fp8>][_d512]_x<F>, gqa_verify_combine_<dt>_x<F>  a verify's tail,
+                                                                  combine
     gqa_verify_rows_<dt>[_<fp8>]_d<D>_w<RW>_x<F>                  a verify's rows kernel
     gqa_verify_rows_<dt>_<fp8>[r]_v<fp8>_d<D>_w<RW>_x<F>           ... K and V in formats of
                                                                   their own (K's, then V's)
     gqa_verify_rows_combine_<dt>_x<F>                             ... and its combine
-    gqa_decode_<dt>                                               the parity kernel
+    gqa_decode_<dt>[_d512]                                        the parity kernel
 
 (an fp8 or 4-bit cache's kernels always carry ``_x<F>``, F = 0 included; ``r``: K
 rotated). No driver import: the planner and its tests build specs on a machine without a
@@ -41,6 +43,7 @@ __all__ = [
     "KERNEL_DTYPE_NAMES",
     "KernelSpec",
     "MMA_HEAD_DIMS",
+    "NARROW_ROWS_HEAD_DIM",
     "PARITY_FILE",
     "FOUR_BIT_FORMATS",
     "NVFP4_FORMAT",
@@ -52,6 +55,8 @@ __all__ = [
     "SPLIT_FILE",
     "TC32_HEAD_DIMS",
     "WIDE_HEAD_DIM",
+    "WIDE_ROWS_HEAD_DIM",
+    "WIDE_ROWS_MAX_HEADS",
     "kernel_dtype",
     "kv_formats",
     "mixed_format",
@@ -75,6 +80,11 @@ QUANTIZED_FORMATS = (*FP8_FORMATS, *FOUR_BIT_FORMATS)
 MMA_HEAD_DIMS = (64, 128, 256)  # the fp16/bf16 tensor-core kernels' own head_dims
 TC32_HEAD_DIMS = (64, 128, 256)  # the fp32 tensor-core (split TF32) kernels'
 WIDE_HEAD_DIM = 128  # the wide cluster kernels'
+# the CUDA-core kernels' (generic, a verify's tail, parity) twins of 16 elements a lane
+# (_d512): head_dims 257..512; the others take 1..NARROW_ROWS_HEAD_DIM
+WIDE_ROWS_HEAD_DIM = 512
+NARROW_ROWS_HEAD_DIM = 256
+WIDE_ROWS_MAX_HEADS = 4  # a _d512 split kernel's query heads per block (registers, shared)
 
 FAMILIES = (
     "generic", "tc32", "mma", "combine", "parity", "verify", "vcombine", "vrows", "vrcombine",
@@ -115,7 +125,9 @@ class KernelSpec:
             (fp16/bf16 on tensor cores), ``combine`` (merges a split plan's chunks) or
             ``parity`` (ferrox-cuda's algorithm, corrected; a file of its own).
         dtype: q's and the output's kernel dtype, ``f32``, ``f16`` or ``bf16``.
-        head_dim: tc32/mma: the head_dim D the kernel is built for (its ring and tiles).
+        head_dim: tc32/mma: the head_dim D the kernel is built for (its ring and tiles);
+            generic, verify (the tail) and parity: 0 (head_dims 1..256) or
+            WIDE_ROWS_HEAD_DIM (the twin of 16 elements a lane, head_dims 257..512).
         row_dim: mma: the cache rows' elements DR the kernel reads, where they are fewer
             than D (a padded head_dim: columns past DR are zeros never read) or a pair's
             2 x head_dim; 0 (the default) means D.
@@ -127,7 +139,8 @@ class KernelSpec:
             a verify's rows 16 or 32 at a time; the swapped body, head_dim 128).
         paired: mma: two adjacent KV heads' rows read as one row of ``row_dim``.
         wide: mma: the wide cluster kernel (head_dim 128, twice the warps).
-        fp8: mma: an fp8 cache's format (FP8_FORMATS), or "" for a cache of q's dtype.
+        fp8: mma, and generic of WIDE_ROWS_HEAD_DIM: an fp8 cache's format
+            (FP8_FORMATS), or "" for a cache of q's dtype.
         features: the F_* bits compiled in (kernels.traits).
         row_warps: vrows: warps per block, 16 rows each.
         rotate: vrows or mma of a 4-bit cache (fp8 "q4" or "nvfp4"): K was rotated on
@@ -202,14 +215,11 @@ class KernelSpec:
                 return "sinks and the LSE are its combine's"
             return ""
         if self.family in ("verify", "vcombine"):
-            if (
-                self.head_dim
-                or self.row_dim
-                or self.tiles != 1
-                or self.block_tiles != 1
-                or self.paired
-                or self.wide
+            if self.head_dim not in (0, WIDE_ROWS_HEAD_DIM) or (
+                self.head_dim and self.family != "verify"
             ):
+                return f"a verify's tail takes head_dim 0 or {WIDE_ROWS_HEAD_DIM}"
+            if self.row_dim or self.tiles != 1 or self.block_tiles != 1 or self.paired or self.wide:
                 return "a verify's kernels take dtype, fp8 (the tail) and features only"
             if self.heads_per_block or self.vec or self.cluster:
                 return "a verify's kernels take dtype, fp8 (the tail) and features only"
@@ -220,15 +230,23 @@ class KernelSpec:
             return ""
         if not mma and self.block_tiles != 1:
             return "block_tiles is the fp16/bf16 tensor-core kernels'"
-        if not mma and (self.row_dim or self.tiles != 1 or self.paired or self.wide or self.fp8):
-            return "row_dim, tiles, paired, wide and fp8 are the fp16/bf16 tensor-core kernels'"
+        if not mma and (self.row_dim or self.tiles != 1 or self.paired or self.wide):
+            return "row_dim, tiles, paired and wide are the fp16/bf16 tensor-core kernels'"
+        wide_rows = self.head_dim == WIDE_ROWS_HEAD_DIM and self.family in ("generic", "parity")
+        if not mma and self.fp8 and not (wide_rows and self.family == "generic"):
+            return f"fp8: the fp16/bf16 tensor-core kernels' and generic d{WIDE_ROWS_HEAD_DIM}'s"
         if self.family != "generic" and (self.heads_per_block or self.vec):
             return "heads_per_block and vec are the CUDA-core kernels'"
         if self.family in ("generic", "combine", "parity"):
-            if self.head_dim or self.cluster:
-                return "no head_dim or cluster twin"
+            if (self.head_dim and not wide_rows) or self.cluster:
+                return f"no head_dim (but {WIDE_ROWS_HEAD_DIM}: generic, parity) or cluster twin"
             if self.family == "generic" and self.heads_per_block < 1:
                 return "heads_per_block at least 1"
+            if wide_rows and self.family == "generic":
+                if self.heads_per_block > WIDE_ROWS_MAX_HEADS:
+                    return f"heads_per_block up to {WIDE_ROWS_MAX_HEADS} at head_dim 512"
+                if self.fp8 and (self.fp8 not in FP8_FORMATS or self.dtype == "f32"):
+                    return f"fp8 one of {tuple(FP8_FORMATS)}, q fp16/bf16"
             if self.family == "combine" and self.features & ~COMBINE_FEATURES:
                 return "the combine kernel takes window, sinks and the LSE only"
             if self.family == "parity" and self.features:
@@ -280,12 +298,14 @@ class KernelSpec:
         """The kernel's symbol (see the module's grammar)."""
         dt, d, dr = self.dtype, self.head_dim, self.row_dim
         family = self.family
+        wide_rows = f"_d{d}" if d else ""  # (generic, verify, parity: WIDE_ROWS_HEAD_DIM)
         if family == "parity":
-            return f"gqa_decode_{dt}"
+            return f"gqa_decode_{dt}{wide_rows}"
         if family == "verify":
             return (
                 f"gqa_verify_tail_{dt}"
                 + (f"_{self.fp8}" if self.fp8 else "")
+                + wide_rows
                 + (f"_x{self.features}")
             )
         if family == "vcombine":
@@ -297,7 +317,9 @@ class KernelSpec:
         if family == "vrcombine":
             return f"gqa_verify_rows_combine_{dt}_x{self.features}"
         if family == "generic":
-            stem = f"gqa_split_{dt}_g{self.heads_per_block}_{'vec' if self.vec else 'any'}"
+            fp8 = f"_{self.fp8}" if self.fp8 else ""
+            stem = f"gqa_split_{dt}{fp8}_g{self.heads_per_block}_{'vec' if self.vec else 'any'}"
+            stem += wide_rows
         elif family == "combine":
             stem = f"gqa_split_combine_{dt}"
         elif family == "tc32":
@@ -343,7 +365,8 @@ class KernelSpec:
         if family == "verify":
             kt = "unsigned char" if self.fp8 else t
             q8 = FP8_FORMATS[self.fp8] if self.fp8 else 0
-            return f"FX_VERIFY_TAIL_ENTRY({name}, {t}, {kt}, {q8}, {f})"
+            macro = "FX_VERIFY_TAIL_D512_ENTRY" if d else "FX_VERIFY_TAIL_ENTRY"
+            return f"{macro}({name}, {t}, {kt}, {q8}, {f})"
         if family == "vcombine":
             return f"FX_VERIFY_COMBINE_ENTRY({name}, {t}, {f})"
         if family == "vrows" and self.v_fp8:
@@ -365,6 +388,12 @@ class KernelSpec:
         if family == "generic":
             vec = "true" if self.vec else "false"
             g = self.heads_per_block
+            if d and self.fp8:
+                q8 = FP8_FORMATS[self.fp8]
+                return f"FX_GENERIC8_D512_ENTRY({name}, {t}, {q8}, {g}, {vec}, {f})"
+            if d:
+                return (f"FX_GENERIC_D512_FEAT_ENTRY({name}, {t}, {g}, {vec}, {f})" if f
+                        else f"FX_GENERIC_D512_ENTRY({name}, {t}, {g}, {vec})")  # fmt: skip
             if f:
                 return f"FX_GENERIC_FEAT_ENTRY({name}, {t}, {g}, {vec}, {f})"
             return f"FX_GENERIC_ENTRY({name}, {t}, {g}, {vec})"
@@ -418,6 +447,7 @@ class KernelSpec:
         return cls("combine", dtype, features=features & COMBINE_FEATURES)
 
     @classmethod
-    def parity(cls, dtype: str) -> KernelSpec:
-        """The parity kernel for ``dtype``."""
-        return cls("parity", dtype)
+    def parity(cls, dtype: str, head_dim: int = 0) -> KernelSpec:
+        """The parity kernel for ``dtype`` and rows of ``head_dim`` elements (its _d512
+        twin past NARROW_ROWS_HEAD_DIM)."""
+        return cls("parity", dtype, WIDE_ROWS_HEAD_DIM if head_dim > NARROW_ROWS_HEAD_DIM else 0)
