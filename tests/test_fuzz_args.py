@@ -389,7 +389,7 @@ def decode_defect(draw: Any, c: DecodeCall, *, host_only: bool) -> tuple[str, ..
         c.kw["n_kv_heads"] = draw(st.sampled_from([0, -2, 2.5, True, "2"]))
         return ("n_kv_heads", "n_heads")
     if kind == "head_dim":
-        _rebuild(c, hd=draw(st.sampled_from([257, 512])), seq=min(c.seq, 2))
+        _rebuild(c, hd=draw(st.sampled_from([513, 1024])), seq=min(c.seq, 2))
         return ("head_dim",)
     if kind == "head_dim_junk":
         c.kw["head_dim"] = draw(st.sampled_from([0, -1, 2**31, 8.0, True]))
@@ -556,7 +556,7 @@ def test_reference_computes_or_refuses_the_bad_argument(call):
     args, defect = call
     args["k"], args["v"] = args.pop("k_cache"), args.pop("v_cache")
     defect = defect and tuple({"k_cache": "k", "v_cache": "v"}.get(n, n) for n in defect)
-    if defect == ("head_dim",):  # 257 or 512: past the kernels', within the reference's 1024
+    if defect == ("head_dim",):  # 513 or 1024: past the kernels', within the reference's 1024
         defect = None
     results = []
     expect(lambda: results.append(fd.reference_gqa_decode(**args)), defect, args)
@@ -705,7 +705,7 @@ def cache_constructions(draw: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any
     if kind in ("n_kv_heads", "head_dim", "capacity"):
         bad = {
             "n_kv_heads": [0, -1, MAX_KV_HEADS + 1, 2.0, True, None, "2"],
-            "head_dim": [0, 257, 2**31, 8.0, True] + ([12] if fp8 else []),
+            "head_dim": [0, 513, 2**31, 8.0, True] + ([12] if fp8 else []),
             "capacity": [0, -1, *EDGE_TOKENS, 2**63, 1.0, True, None],
         }[kind]
         args[["n_kv_heads", "head_dim", "capacity"].index(kind)] = draw(st.sampled_from(bad))

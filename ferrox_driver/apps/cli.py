@@ -297,9 +297,9 @@ def _shape(text: str) -> tuple[int, int, int]:
         raise argparse.ArgumentTypeError(
             f"expected q_heads/kv_heads/head_dim such as 32/8/128, got {text!r}"
         ) from None
-    if min(heads, kv_heads, head_dim) < 1 or heads % kv_heads or head_dim > 256:
+    if min(heads, kv_heads, head_dim) < 1 or heads % kv_heads or head_dim > 512:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: heads and kv_heads >= 1 with heads a multiple of kv_heads, head_dim 1..256"
+            f"{text!r}: heads and kv_heads >= 1 with heads a multiple of kv_heads, head_dim 1..512"
         )
     return heads, kv_heads, head_dim
 
@@ -316,8 +316,8 @@ def _positive(text: str) -> int:
 
 def _head_dim(text: str) -> int:
     value = _positive(text)
-    if value > 256:
-        raise argparse.ArgumentTypeError(f"expected 1..256, got {value}")
+    if value > 512:
+        raise argparse.ArgumentTypeError(f"expected 1..512, got {value}")
     return value
 
 
@@ -382,7 +382,7 @@ def build_parser(prog: str = "ferrox-driver") -> argparse.ArgumentParser:
     demo.add_argument("--tokens", type=_positive, default=256, help="tokens decoded per layer")
     demo.add_argument("--heads", type=_positive, default=32, help="query heads")
     demo.add_argument("--kv-heads", type=_positive, default=8, help="KV heads (divides --heads)")
-    demo.add_argument("--head-dim", type=_head_dim, default=128, help="elements per head, 1..256")
+    demo.add_argument("--head-dim", type=_head_dim, default=128, help="elements per head, 1..512")
     demo.add_argument(
         "--dtype", choices=("f32", "f16", "bf16"), default="bf16", help="cache and query dtype"
     )

@@ -68,7 +68,8 @@ class KVCache(Appends, Decodes):
 
     Args:
         n_kv_heads: KV heads per token.
-        head_dim: elements per head, 1 to 256 (4-bit caches: 64, 128 or 256).
+        head_dim: elements per head, 1 to 512 (past 256 on CUDA cores; 4-bit caches: 64,
+            128 or 256).
         capacity: the most tokens it will hold (memory is allocated once, up front).
         dtype: float32 (as ferrox-cuda), float16 or ``ml_dtypes.bfloat16``; or an fp8 cache,
             ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` (compute capability 8.9 and up,

@@ -20,7 +20,7 @@ __all__ = [
     "dtype_name",
 ]
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # the kernels' widest head (past 256: CUDA cores, decode/plan.py)
 # the float64 reference's widest head (MLA's 576 = 512 + 64 rope dims, and room past it)
 REFERENCE_MAX_HEAD_DIM = 1024
 # The kernels take their counts as 32-bit ints (tokens, heads, head_dim; a cache's length

@@ -321,7 +321,8 @@ def gqa_decode(
             it (q shaped, or flat with head_dim known), as are ``n_kv_heads`` and
             ``head_dim`` (K shaped); given, each is checked against the shapes.
         n_kv_heads: KV heads (needed with a flat ``k_cache``).
-        head_dim: elements per head, 1 to 256 (needed with flat ``k_cache`` and ``q``).
+        head_dim: elements per head, 1 to 512 (needed with flat ``k_cache`` and ``q``; past
+            256 on CUDA cores).
         stream: where the work runs: a ferrox Stream, a PyTorch/CuPy/cuda.core stream (any
             ``__cuda_stream__`` object), an int handle, or None: with PyTorch tensors,
             PyTorch's current stream on their device (``torch.cuda.current_stream``, so a

@@ -29,9 +29,11 @@ from ..kernels.abi import (
 from ..kernels.catalogue import kernel_source, split_kernel
 from ..kernels.spec import (
     FOUR_BIT_FORMATS,
+    NARROW_ROWS_HEAD_DIM,
     NVFP4_FORMAT,
     Q4_FORMAT,
     SPLIT_FILE,
+    WIDE_ROWS_HEAD_DIM,
     KernelSpec,
     kernel_dtype,
 )
@@ -430,7 +432,7 @@ def split_launches(
     else:  # head tiles of one chunk adjacent in launch order (see the kernel)
         lanes = np.int32(plan.lanes_per_token)
         args = (q, k, v, ws_o, ws_ml, *heads, np.int32(head_dim), np.int32(seq_len),
-                seq_len_dev, splits, lanes, tile)  # fmt: skip
+                seq_len_dev, splits, lanes, tile, *fp8_args)  # fmt: skip
         if values is not None:
             split_roles = roles_at(len(args), SPLIT_FEATURE_ROLES)
             args += values.split_args()
@@ -480,7 +482,7 @@ def parity_launches(
             np.int32(seq_len), seq_len_dev)  # fmt: skip
     on_host = seq_len_dev is None
     roles = (*QKV, (3, "out"), *(((SEQ_SLOT["parity"], "seq"),) if on_host else ()))
-    spec = KernelSpec.parity(kernel_dtype(q.dtype))
+    spec = KernelSpec.parity(kernel_dtype(q.dtype), head_dim)
     return [Launch(spec, (n_heads, 1, 1), 32, args, roles=roles)]
 
 
@@ -547,7 +549,9 @@ def verify_launches(
     prefix = workspace.view((1,), np.int32, offset=prefix_at * 4)
     window = features.window
     fp8 = plan.fp8
-    tail_spec = KernelSpec("verify", dt, fp8=fp8, features=bits & TAIL_FEATURES)
+    # (head_dims past 256: the tail's _d512 twin, 16 elements a lane)
+    wide_rows = WIDE_ROWS_HEAD_DIM if head_dim > NARROW_ROWS_HEAD_DIM else 0
+    tail_spec = KernelSpec("verify", dt, wide_rows, fp8=fp8, features=bits & TAIL_FEATURES)
     tail_args = (
         q, k, v, tail_o, tail_ml, q_rows, slopes_rows, prefix, np.int32(n_heads),
         np.int32(n_kv_heads), np.int32(head_dim), np.int32(n_q), np.int32(seq_len), seq_len_dev,

@@ -24,6 +24,7 @@ from ..kernels.spec import (
     FOUR_BIT_FORMATS,
     FP8_FORMATS,
     MMA_HEAD_DIMS,
+    NARROW_ROWS_HEAD_DIM,
     NVFP4_FORMAT,
     QUANTIZED_FORMATS,
     ROWS_HEAD_DIMS,
@@ -31,6 +32,8 @@ from ..kernels.spec import (
     SPLIT_FILE,
     TC32_HEAD_DIMS,
     WIDE_HEAD_DIM,
+    WIDE_ROWS_HEAD_DIM,
+    WIDE_ROWS_MAX_HEADS,
     KernelSpec,
     kernel_dtype,
     kv_formats,
@@ -512,6 +515,9 @@ def _fp8_plan(
     )
     found = plan(traits, dtype, n_heads, n_kv_heads, head_dim, plan_seq, aligned, ov,
                  verify=verify)  # fmt: skip
+    if found.spec.family == "generic" and found.spec.head_dim and found.spec.dtype != "f32":
+        # head_dims past the tensor-core kernels': CUDA cores, the rows widened as read
+        return found.with_spec(fp8=fp8, features=features)
     if found.spec.family != "mma" or head_dim % 8:
         raise ValueError(
             f"fp8: no kernel for q {np.dtype(dtype)}, head_dim {head_dim} and groups of "
@@ -618,16 +624,18 @@ def _plan(
             reserve_stages=TC32_RESERVE_STAGES[head_dim],
         ))  # fmt: skip
     if chosen is None:  # CUDA cores: no tensor-core kernel, or its ring does not fit here
-        cap = ov.heads_per_block
+        # (head_dims past 256: the _d512 kernels, two chunks of 8 a lane, a warp a token and
+        # at most WIDE_ROWS_MAX_HEADS heads a block, for their registers)
+        wide_rows = head_dim > NARROW_ROWS_HEAD_DIM
+        cap = min(ov.heads_per_block, WIDE_ROWS_MAX_HEADS) if wide_rows else ov.heads_per_block
         gt = next(g for g in (1, 2, 4, 8) if g >= min(group, cap, 8))
         lpt = 1
-        while lpt * 8 < head_dim:
+        while lpt * 8 < head_dim and lpt < 32:
             lpt *= 2
         vec = head_dim % 8 == 0 and aligned
-        chosen = SplitPlan(
-            KernelSpec("generic", name, heads_per_block=gt, vec=vec), -(-group // gt), lpt, 1,
-            THREADS, cuda_core_tile(lpt),
-        )  # fmt: skip
+        spec = KernelSpec("generic", name, WIDE_ROWS_HEAD_DIM if wide_rows else 0,
+                          heads_per_block=gt, vec=vec)  # fmt: skip
+        chosen = SplitPlan(spec, -(-group // gt), lpt, 1, THREADS, cuda_core_tile(lpt))
     spec, tiles, tile, threads = chosen.spec, chosen.head_tiles, chosen.tile, chosen.threads
     itemsize = np.dtype(dtype).itemsize
     shared = chosen.shared_bytes(head_dim, itemsize)

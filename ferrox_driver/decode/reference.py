@@ -141,7 +141,7 @@ def reference_gqa_decode(
             ``head_dim_v`` wide. With ``v`` None (multi-head latent attention: one latent
             KV head whose first ``head_dim_v`` columns are the values, e.g. 576 and 512),
             V is K's first ``head_dim_v`` columns. The reference takes head_dim up to
-            1024 (the kernels, today, up to 256).
+            1024 (the kernels, today, up to 512).
         tree_mask: with a 3-D q only: which new tokens each query sees (a draft tree: its
             ancestors and itself), a numpy bool ``(n_q, n_q)`` array, or the same
             bit-packed: uint8 ``(n_q, ceil(n_q/8))``, bit ``u % 8`` (least significant

@@ -24,6 +24,7 @@ import numpy as np
 from ..cache.four_bit import refuse_four_bit
 from ..cache.graphs import gqa_decode_async
 from ..decode.checks import (
+    MAX_HEAD_DIM,
     MAX_INT32,
     MAX_KV_HEADS,
     MAX_TOKENS,
@@ -149,7 +150,7 @@ class ShardedKVCache:
 
     Args:
         n_kv_heads: KV heads of a token's row.
-        head_dim: elements per head, 1..256.
+        head_dim: elements per head, 1..512.
         capacity: the sequence's most tokens (this rank holds ``shard_count(capacity,
             ...)`` of them).
         group: the ranks (`LocalGroup`, ``distributed.NcclGroup``).
@@ -160,7 +161,7 @@ class ShardedKVCache:
     def __init__(self, n_kv_heads: int, head_dim: int, capacity: int, *, group: Group,
                  block: int = 1, dtype: DTypeLike = np.float32) -> None:  # fmt: skip
         n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1, MAX_KV_HEADS)
-        head_dim = check_int(head_dim, "head_dim", 1, 256)
+        head_dim = check_int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
         capacity = check_int(capacity, "capacity", 1, MAX_TOKENS)  # (the kernels: int32)
         block = check_int(block, "block", 1, MAX_INT32)
         refuse_four_bit(dtype, "ShardedKVCache")

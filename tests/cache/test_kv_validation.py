@@ -15,7 +15,7 @@ E4M3 = "float8_e4m3fn"  # (ml_dtypes' name: np.dtype reads it once ml_dtypes is 
     [
         ((0, 128, 16), {}, ValueError, "n_kv_heads"),
         ((8, 0, 16), {}, ValueError, "head_dim"),
-        ((8, 300, 16), {}, ValueError, r"head_dim: expected 1\.\.256"),
+        ((8, 513, 16), {}, ValueError, r"head_dim: expected 1\.\.512"),
         ((8, 128, 0), {}, ValueError, "capacity"),
         ((8, 128, 16.0), {}, TypeError, "capacity"),
         ((8, 128, 16), {"dtype": np.float64}, TypeError, "dtype"),

@@ -27,8 +27,8 @@ def args(**over):
     "over,exc,pattern",
     [
         (dict(n_heads=6, n_kv_heads=4), ValueError, "n_heads: must be a multiple of n_kv_heads"),
-        (dict(head_dim=0), ValueError, r"head_dim: expected 1\.\.256, got 0"),
-        (dict(head_dim=257), ValueError, r"head_dim: expected 1\.\.256, got 257"),
+        (dict(head_dim=0), ValueError, r"head_dim: expected 1\.\.512, got 0"),
+        (dict(head_dim=513), ValueError, r"head_dim: expected 1\.\.512, got 513"),
         (dict(n_heads=0), ValueError, "n_heads"),
         (dict(n_kv_heads=-1), ValueError, "n_kv_heads"),
         (dict(n_heads=8.0), TypeError, "n_heads: expected an int"),

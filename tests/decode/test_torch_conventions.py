@@ -335,7 +335,7 @@ def test_a_flat_cache_needs_what_its_shape_does_not_say():
          r"head_dim: 32 given, but k_cache of shape \(5, 2, 16\) holds 16 elements per head"),
         ((H, 2 * D), (S, KV, D), {}, r"q: expected shape \(n_heads\*16,\)"),
         ((H, D), (S, 3, D), {}, "n_heads: must be a multiple of n_kv_heads"),
-        ((H, D), (S, KV, 300), {}, r"head_dim: expected 1..256, got 300 \(read from k_cache"),
+        ((H, D), (S, KV, 600), {}, r"head_dim: expected 1..512, got 600 \(read from k_cache"),
         ((H, D), (1, KV, S, D), {},
          "k_cache: expected .* a 4-D cache .* is PyTorch SDPA's head-major layout: pass "
          "kv_layout='HND'"),
