@@ -209,10 +209,11 @@ __device__ __forceinline__ unsigned fx_scale4(const unsigned char* sc, int c) {
 // times the block scale s2 (its halves may differ: V's words hold two tokens' halves):
 // q4 (nibble - 8) x scale, the nibble under a magic exponent where it lies (a byte's low
 // nibble: 0x6400 | n = 1024 + n; its high one: 0x5400 | 16 n = 64 + n), so the subtraction
-// is exact and the product rounded once; nvfp4 e2m1 (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
-// as fp16 high bytes looked up by prmt, bit 3 the sign) x scale, exact.
-// the widening's constants, in registers the compiler keeps (FX_Q4OPT & 1: built from a
-// zero it cannot see, so it does not rematerialize them every step)
+// is exact and the product rounded once; nvfp4 e2m1 (sign, e1 e0 m) placed under fp16's
+// sign and exponent bits, which makes 2^-14 of its value (subnormal where e = 0), x scale,
+// exact (the 2^14 folded into the head's scales).
+// the widening's constants, in registers the compiler keeps (built from a zero it cannot
+// see, so it does not rematerialize them every step)
 struct FxNibConst {
     unsigned c0, c1, c2, c3;
 };
@@ -222,8 +223,7 @@ __device__ __forceinline__ FxNibConst fx_nib_const(unsigned zero) {
         return FxNibConst{0x000f000fu | zero, 0x00f000f0u | zero, 0x64006400u | zero,
                           0x54005400u | zero};
     else
-        return FxNibConst{0x3e3c3800u | zero, 0x46444240u | zero, 0x80008000u | zero,
-                          0x7070u | zero};
+        return FxNibConst{0u, 0u, 0x80008000u | zero, 0u};  // (nvfp4: the sign bits)
 }
 template <int Q8>
 __device__ __forceinline__ void fx_widen4(unsigned w, unsigned s2, unsigned (&r)[4],
@@ -238,18 +238,10 @@ __device__ __forceinline__ void fx_widen4(unsigned w, unsigned s2, unsigned (&r)
             asm("{.reg .b32 t;\n sub.f16x2 t, %1, %2;\n mul.rn.f16x2 %0, t, %3;}"
                 : "=r"(r[i])
                 : "r"(h), "r"(i & 1 ? 0x54805480u : 0x64086408u), "r"(s2));
-        } else if constexpr (FX_Q4OPT & 16) {
-            // e2m1 (sign, e1 e0 m) as fp16's sign and bits 9-11: the value x 2^-14, exact
-            // (subnormal where e = 0; the product by the scale too), the 2^14 folded into
-            // the head's scales
+        } else {
+            // e2m1 (sign, e1 e0 m) as fp16's sign and bits 9-11
             const unsigned a = i < 3 ? w << (9 - 4 * i) : w >> 3;
             const unsigned h = (a & 0x0e000e00u) | ((a << 3) & k.c2);
-            asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r[i]) : "r"(h), "r"(s2));
-        } else {  // x: the pair's nibbles at bits 4-7 and 20-23
-            const unsigned x = i & 1 ? t : t << 4;
-            const unsigned sel = __byte_perm(x, 0u, 0x0020u) & k.c3;  // selector nibbles 1, 3
-            const unsigned mag = __byte_perm(k.c0, k.c1, sel);
-            const unsigned h = mag | ((x << 8) & k.c2);
             asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r[i]) : "r"(h), "r"(s2));
         }
     }
@@ -287,20 +279,17 @@ struct FxRing4 {
     const unsigned char *kg, *vg, *ksg, *vsg;  // the block's KV head at token 0
     long long row, srow;                       // bytes token to token: values, scales
     int start, end, warp, lane;
-#if FX_Q4OPT & 4
     // this lane's sources at the step next issued (K's units; V's are dv further; its
     // scale row's), advanced a step of the block's warps each issue
     const unsigned char* kp[NU];
     const unsigned char* sp;
     long long dv;
-#endif
     __device__ __forceinline__ int t0(int j) const {
         return start + warp * 16 + j * (WARPS * 16);
     }
     __device__ __forceinline__ const unsigned char* stage(int j) const {
         return ring + (j % S) * STEP_B;
     }
-#if FX_Q4OPT & 4
     __device__ __forceinline__ void init() {
 #pragma unroll
         for (int n = 0; n < NU; ++n) {
@@ -332,29 +321,6 @@ struct FxRing4 {
         for (int n = 0; n < NU; ++n) kp[n] += WARPS * 16 * row;
         sp += WARPS * 16 * srow;
     }
-#else
-    __device__ __forceinline__ void init() {}
-    __device__ __forceinline__ void issue(int j) const {
-        const int t = t0(j);
-        if (t < end) {
-            unsigned char* st = ring + (j % S) * STEP_B;
-#pragma unroll
-            for (int n = 0; n < 16 * KCH / 32; ++n) {
-                const int i = n * 32 + lane, r = i / KCH, c = i % KCH;
-                const bool ok = t + r < end;
-                const long long off = (long long)(ok ? t + r : start) * row + c * 16;
-                fx_cp_async16(st + fx_k4_at<D>(r, c), kg + off, ok);
-                fx_cp_async16(st + 16 * RB + fx_v4_at<D>(r, c), vg + off, ok);
-            }
-            const int r = lane & 15;  // lanes 0-15: K's scales, 16-31: V's
-            const bool ok = t + r < end;
-            const long long off = (long long)(ok ? t + r : start) * srow;
-            fx_cp_async_small<SCB>(st + 32 * RB + (lane >> 4) * 16 * SCB + r * SCB,
-                                   (lane < 16 ? ksg : vsg) + off, ok);
-        }
-        fx_cp_async_commit();
-    }
-#endif
 };
 template <int D, int S, int WARPS>
 __device__ __forceinline__ FxRing4<D, S, WARPS> fx_ring4(unsigned char* smem,
@@ -475,7 +441,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                                                       warp, lane);
 
     // 4-bit: the widening's constants and the chunks (8 elements) a block scale covers
-    const FxNibConst nk = fx_nib_const<Q8>(FX_Q4OPT & 1 ? (unsigned)splits >> 31 : 0u);
+    const FxNibConst nk = fx_nib_const<Q8>((unsigned)splits >> 31);
     constexpr int PER4 = (Q8 == FX_Q4 ? FX_Q4_GROUP : 16) / 8;
 
     // TILED = 2, 4 (a verify's rows): NT = TILED tiles of 8 heads, tile u's heads h0 + 8u
@@ -507,7 +473,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 
     // heads 2tig (a) and 2tig + 1 (b); Q8: the K scale and q's folded in
     // (nvfp4: the head's, times 2^14 where fx_widen4 widens to 2^-14 of the value)
-    constexpr float NIB_UP = Q8 == FX_NVFP4 && (FX_Q4OPT & 16) ? 16384.f : 1.f;
+    constexpr float NIB_UP = Q8 == FX_NVFP4 ? 16384.f : 1.f;
     const float k_scale = Q8 && !Q4 ? kv_scales[blk.g_kv] * NIB_UP : 1.f;
     FxScore<F> sca[NT], scb[NT];
 #pragma unroll
@@ -563,7 +529,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #pragma unroll
             for (int kb = 0; kb < NKB; ++kb) {
                 const int c = tig * NKB + kb;
-                if (!(FX_Q4OPT & 2) || kb % PER4 == 0) {  // (a scale's chunks: once)
+                if (kb % PER4 == 0) {  // (a scale's chunks: once)
                     sk_a = fx_scale4<Q8>(ksc + g * (D / 16), c);
                     sk_c = fx_scale4<Q8>(ksc + (g + 8) * (D / 16), c);
                 }
@@ -626,7 +592,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
             unsigned w4[4][NHB];  // tokens 2tig, 2tig + 1, 2tig + 8, 2tig + 9
 #pragma unroll
             for (int e = 0; e < 4; ++e) fx_v4_words<D>(vs, 2 * tig + (e & 1) + (e >> 1) * 8, g, w4[e]);
-            if constexpr (FX_Q4OPT & 8) {  // O rescaled only where a row's max moved
+            {  // O rescaled only where a row's max moved
                 bool moved = false;
 #pragma unroll
                 for (int u = 0; u < NT; ++u) moved |= alpha_a[u] != 1.f || alpha_b[u] != 1.f;
@@ -655,15 +621,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #pragma unroll
                 for (int p = 0; p < 2; ++p) {
                     const int ta4 = 2 * tig + 8 * p, c4 = g * NHB + hb;
-                    if constexpr (FX_Q4OPT & 2) {
-                        if (hb % PER4 == 0)
-                            sv[p] = fx_scale4_pair<Q8>(vsc + ta4 * (D / 16),
-                                                       vsc + (ta4 + 1) * (D / 16), c4);
-                    } else {
-                        sv[p] = __byte_perm(fx_scale4<Q8>(vsc + ta4 * (D / 16), c4),
-                                            fx_scale4<Q8>(vsc + (ta4 + 1) * (D / 16), c4),
-                                            0x5410u);
-                    }
+                    if (hb % PER4 == 0)
+                        sv[p] = fx_scale4_pair<Q8>(vsc + ta4 * (D / 16), vsc + (ta4 + 1) * (D / 16),
+                                                   c4);
                     fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x5410u), sv[p],
                                   r4[2 * p], nk);
                     fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x7632u), sv[p],
@@ -674,12 +634,6 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #pragma unroll
                     for (int u = 0; u < NT; ++u) {
                         float* o = oacc[u][hb][i];
-                        if constexpr (!(FX_Q4OPT & 8)) {
-                            o[0] *= alpha_a[u];
-                            o[1] *= alpha_b[u];
-                            o[2] *= alpha_a[u];
-                            o[3] *= alpha_b[u];
-                        }
                         FxMma<T>::run(o[0], o[1], o[2], o[3], r4[0][i], r4[1][i], r4[2][i],
                                       r4[3][i], pb0[u], pb1[u]);
                     }

@@ -83,12 +83,6 @@ SPLIT_TRAITS: dict[str, int] = {
     "FX_WARPS4_D256": 8,
     "FX_STAGES4_D256": 4,
     "FX_BLOCKS4_D256": 1,
-    # the 4-bit loop's instruction cuts (cuda_src/split_mma_swapped.cuh), a bit each: 1
-    # the widening's constants kept in registers, 2 block scales read once per scale, 4
-    # the ring's sources as running pointers, 8 O rescaled only when a row's max moved,
-    # 16 nvfp4 widened to 2^-14 of its value. Off until measured on a GPU (the loop's
-    # instructions: q4 531 -> 451, nvfp4 727 -> 555 with all five)
-    "FX_Q4OPT": 0,
     # the fp32 split-TF32 kernels per head_dim: warps, ring steps and tokens per step (8 or
     # 16: 8-token steps fit more warps or a wider head_dim into shared memory). Head_dim 64
     # and 128 keep one step in flight per warp while they compute another: 8-12% faster at

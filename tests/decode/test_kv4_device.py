@@ -111,21 +111,6 @@ def test_the_4bit_split_kernels_compile_without_spills():
             assert program.resources[name].spill_stores == 0, name
 
 
-def test_the_4bit_split_kernels_instruction_cuts_compile_without_spills():
-    # FX_Q4OPT's five cuts (off until a GPU measures them) build and stay in registers
-    source = kernel_source("gqa_decode_split.cu")
-    assert "#define FX_Q4OPT 0" in source
-    source = source.replace("#define FX_Q4OPT 0", "#define FX_Q4OPT 31")
-    specs = [KernelSpec("mma", "bf16", d, fp8=fmt, rotate=fmt == "q4")
-             for d in (64, 128, 256) for fmt in ("q4", "nvfp4")]  # fmt: skip
-    select = "\n".join(spec.entry for spec in specs)
-    program = compile_source(f"#define FX_SELECTED 1\n{source}\n{select}\n", arch="sm_90",
-                             name="cuts.cu")  # fmt: skip
-    for spec in specs:
-        for name in (spec.name, spec.name + "_cluster"):
-            assert program.resources[name].spill_stores == 0, name
-
-
 def test_a_4bit_one_query_decode_takes_the_split_kernels_where_they_can():
     bf16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -9,7 +9,7 @@ from 32768 tokens, 90% of the floor).
 
     PYTHONPATH=. python benchmarks/kv4_speed.py [--shapes 32/8/128 28/4/128 8/1/256]
         [--seqs 4096 32768 131072] [--n-q 1] [--rows] [--row-warps 1 4]
-        [--traits FX_Q4OPT=31 ...]
+        [--traits FX_WARPS4_D128=8 ...]
 
 Prints us per decode, each 4-bit cache's TB/s (values and scales), its share of the floor
 and its speed-up over fp8 and bf16.
@@ -231,8 +231,8 @@ def main() -> None:
                         help="also time q4 on the rows kernel with blocks of at least these "
                              "warps (Overrides.rows4_warps)")  # fmt: skip
     parser.add_argument("--traits", nargs="*", default=[], metavar="NAME=VALUE",
-                        help="SPLIT_TRAITS changed for this process (e.g. FX_Q4OPT=31 "
-                             "FX_WARPS4_D128=8), before any kernel is built")  # fmt: skip
+                        help="SPLIT_TRAITS changed for this process (e.g. FX_WARPS4_D128=8 "
+                             "FX_STAGES4_D128=3), before any kernel is built")  # fmt: skip
     args = parser.parse_args()
     set_traits(args.traits)
     speed_table(args.shapes, args.seqs, args.n_q, tuple(args.row_warps), args.rows)
