@@ -6,9 +6,10 @@
     fxt.kv_append(k_cache, v_cache, k, v, state)        # rows at state[0], then state[0] += n
     out = fxt.gqa_decode(q, k_cache, v_cache, state[:1])
 
-Importing this module registers the ops ``torch.ops.ferrox.gqa_decode``, ``kv_append`` and
-``merge_states`` (``import ferrox_driver`` alone imports no torch). Each has a fake (meta)
-implementation, and ``kv_append`` declares the tensors it writes, so ``torch.compile(...,
+Importing this module registers the ops ``torch.ops.ferrox.gqa_decode``, ``kv_append``,
+``kv_append_4bit`` and ``merge_states`` (``import ferrox_driver`` alone imports no
+torch). Each has a fake (meta) implementation, and the appends declare the tensors they
+write, so ``torch.compile(...,
 fullgraph=True)`` traces a decode layer that calls them with no graph break, and
 ``mode="reduce-overhead"`` captures them in its CUDA graphs. They run on PyTorch's current
 stream and read every length on the device, so one captured graph serves every step.
@@ -26,7 +27,8 @@ stream and read every length on the device, so one captured graph serves every s
 - 4-bit caches (``kv_format="int4"`` or ``"nvfp4"``): a ``KVCache``'s 4-bit storage as
   tensors, uint8 values with ``k_block_scales``/``v_block_scales`` (and nvfp4's
   ``kv_scales``), K rotated where ``rotate_k`` (see ``torch_kv4``): ``kv_append`` quantizes
-  rows into them, ``gqa_decode`` reads them over a ``seq_len``; token-major only.
+  rows into them (``torch.ops.ferrox.kv_append_4bit``), ``gqa_decode`` reads them over a
+  ``seq_len``; token-major only.
 - ``merge_states(outs, lses)``: the exact combine of partial attention (LSE-weighted).
 
 Needs PyTorch 2.4 or newer with CUDA.
@@ -214,10 +216,7 @@ def _no_gradient(ctx: Any, *grads: Any) -> Any:
 _decode_op.register_autograd(_no_gradient)
 
 
-@torch.library.custom_op(
-    "ferrox::kv_append",
-    mutates_args=("k_cache", "v_cache", "state", "k_block_scales", "v_block_scales"),
-)
+@torch.library.custom_op("ferrox::kv_append", mutates_args=("k_cache", "v_cache", "state"))
 def _append_op(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -225,32 +224,59 @@ def _append_op(
     v: torch.Tensor,
     state: torch.Tensor,
     kv_scales: torch.Tensor | None,
-    kv_format: str | None = None,
-    k_block_scales: torch.Tensor | None = None,
-    v_block_scales: torch.Tensor | None = None,
-    rotate_k: bool | None = None,
 ) -> None:
     if not k_cache.is_cuda:
         raise ValueError(f"k_cache: expected a CUDA tensor, got one on {k_cache.device}")
-    four = four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
-                         "NHD", rotate_k)  # fmt: skip
-    if four is not None:
-        check_rows(k, v, k_cache)
     stream = _current_stream(k_cache.device)
     append_async_pair((k_cache, v_cache), k.contiguous(), v.contiguous(), state, kv_scales,
-                      stream, torch_owned=True, four_bit=four)  # fmt: skip
+                      stream, torch_owned=True)  # fmt: skip
 
 
 @_append_op.register_fake
 def _append_fake(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    state: torch.Tensor, kv_scales: torch.Tensor | None, kv_format: str | None = None,
-    k_block_scales: torch.Tensor | None = None, v_block_scales: torch.Tensor | None = None,
-    rotate_k: bool | None = None,
+    state: torch.Tensor, kv_scales: torch.Tensor | None,
 ) -> None:  # fmt: skip
-    if four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
-                     "NHD", rotate_k) is not None:  # fmt: skip
-        check_rows(k, v, k_cache)
+    return None
+
+
+# A 4-bit cache's append: an op of its own, as every tensor it writes is given (PyTorch
+# 2.11 fails to trace an op that declares an optional tensor written when it is None)
+@torch.library.custom_op(
+    "ferrox::kv_append_4bit",
+    mutates_args=("k_cache", "v_cache", "state", "k_block_scales", "v_block_scales"),
+)
+def _append_4bit_op(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor,
+    k_block_scales: torch.Tensor,
+    v_block_scales: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    kv_format: str,
+    rotate_k: bool,
+) -> None:
+    if not k_cache.is_cuda:
+        raise ValueError(f"k_cache: expected a CUDA tensor, got one on {k_cache.device}")
+    four = four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
+                         "NHD", rotate_k)  # fmt: skip
+    check_rows(k, v, k_cache)
+    stream = _current_stream(k_cache.device)
+    append_async_pair((k_cache, v_cache), k.contiguous(), v.contiguous(), state, kv_scales,
+                      stream, torch_owned=True, four_bit=four)  # fmt: skip
+
+
+@_append_4bit_op.register_fake
+def _append_4bit_fake(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    state: torch.Tensor, k_block_scales: torch.Tensor, v_block_scales: torch.Tensor,
+    kv_scales: torch.Tensor | None, kv_format: str, rotate_k: bool,
+) -> None:  # fmt: skip
+    four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales, "NHD",
+                  rotate_k)  # fmt: skip
+    check_rows(k, v, k_cache)
     return None
 
 
@@ -401,11 +427,12 @@ def kv_append(
     """
     four = four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
                          "NHD", rotate_k)  # fmt: skip
-    if four is not None:
-        check_rows(k, v, k_cache)
-        rotate_k = four.rotate
-    torch.ops.ferrox.kv_append(k_cache, v_cache, k, v, state, kv_scales, kv_format,
-                               k_block_scales, v_block_scales, rotate_k)  # fmt: skip
+    if four is None:
+        torch.ops.ferrox.kv_append(k_cache, v_cache, k, v, state, kv_scales)
+        return
+    check_rows(k, v, k_cache)
+    torch.ops.ferrox.kv_append_4bit(k_cache, v_cache, k, v, state, k_block_scales,
+                                    v_block_scales, kv_scales, kv_format, four.rotate)  # fmt: skip
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ sibling of `FP8Cache` (transformers.py), made on first use by that module's __ge
 Each layer holds a 4-bit ``KVCache``'s storage as tensors (``torch_kv4``): K's and V's
 values, uint8 ``(max_cache_len, n_kv_heads, head_dim // 2)``, their block scales, nvfp4's
 scales per KV head (``kv_scales``) and the length on the device. Rows are quantized on the
-GPU by ``torch.ops.ferrox.kv_append``; a decode step's attention reads the bytes in place
+GPU by ``torch.ops.ferrox.kv_append_4bit``; a decode step's attention reads the bytes in place
 with ``torch.ops.ferrox.gqa_decode`` (eager and compiled: no graph break); the prompt
 attends in the model's dtype, as an FP8Cache's does.
 """

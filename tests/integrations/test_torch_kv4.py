@@ -94,7 +94,7 @@ def test_a_4bit_decode_layer_traces_with_fake_tensors_to_the_ops(fmt):
     graph = make_fx(_layer(fmt), tracing_mode="fake")(*args)
     calls = [n for n in graph.graph.nodes if n.op == "call_function"]
     names = [str(n.target) for n in calls]
-    assert names.index("ferrox.kv_append.default") < names.index("ferrox.gqa_decode.default")
+    assert names.index("ferrox.kv_append_4bit.default") < names.index("ferrox.gqa_decode.default")
     decode = calls[names.index("ferrox.gqa_decode.default")]
     assert decode.args[13] == fmt and decode.args[16] is (fmt == "int4")  # (rotate_k resolved)
     out, lse = decode.meta["val"]
@@ -111,8 +111,7 @@ def test_the_old_call_forms_keep_their_schemas_positions():
     assert names[13:] == ["kv_format", "k_block_scales", "v_block_scales", "rotate_k"]
     assert all(a.has_default_value() for a in schema.arguments[12:])
     append = [a.name for a in torch.ops.ferrox.kv_append.default._schema.arguments]
-    assert append == ["k_cache", "v_cache", "k", "v", "state", "kv_scales", "kv_format",
-                      "k_block_scales", "v_block_scales", "rotate_k"]  # fmt: skip
+    assert append == ["k_cache", "v_cache", "k", "v", "state", "kv_scales"]
 
 
 def _decode(fmt, q=None, vals=None, seq=True, **kw):
@@ -203,4 +202,4 @@ def test_dynamo_traces_a_4bit_decode_layer_whole(fmt):
     torch.compile(_layer(fmt), backend=keep, fullgraph=True)(*args)
     (graph,) = graphs
     targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
-    assert targets.index("ferrox.kv_append") < targets.index("ferrox.gqa_decode")
+    assert targets.index("ferrox.kv_append_4bit") < targets.index("ferrox.gqa_decode")

@@ -53,6 +53,9 @@ def test_the_fake_decode_gives_qs_shape_and_lse_per_head(q_shape):
 def test_the_append_op_says_what_it_writes():
     schema = torch.ops.ferrox.kv_append.default._schema
     written = {a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write}
+    assert written == {"k_cache", "v_cache", "state"}
+    schema = torch.ops.ferrox.kv_append_4bit.default._schema
+    written = {a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write}
     assert written == {"k_cache", "v_cache", "state", "k_block_scales", "v_block_scales"}
     assert not any(a.alias_info and a.alias_info.is_write
                    for a in torch.ops.ferrox.gqa_decode.default._schema.arguments)  # fmt: skip

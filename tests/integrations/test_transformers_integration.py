@@ -542,4 +542,4 @@ def test_a_compiled_four_bit_decode_step_is_one_graph(fmt):
     torch.compile(step, backend=keep, fullgraph=True)(*rows, mask)
     (graph,) = graphs
     targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
-    assert targets.index("ferrox.kv_append") < targets.index("ferrox.gqa_decode")
+    assert targets.index("ferrox.kv_append_4bit") < targets.index("ferrox.gqa_decode")
