@@ -104,7 +104,7 @@ def test_layer_cache_bad_layer_count_is_rejected():
 
 def test_ensure_layer_kv_validates_before_building():
     with pytest.raises(ValueError, match="head_dim"):
-        fd.ensure_layer_kv(2, 8, 512, 16)
+        fd.ensure_layer_kv(2, 8, 513, 16)
 
 
 @pytest.mark.parametrize(
