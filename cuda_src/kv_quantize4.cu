@@ -234,3 +234,26 @@ __device__ __forceinline__ void fx_quantize_mixed_rows(
                                                      v_scales, n_kv, n_rows, first, state,  \
                                                      capacity, inv_sqrt_b, kv_scales);      \
     }
+
+// kv_append4_<q4|nvfp4>_<f32|f16|bf16>_d<D>[_rk]_n<N> (KVCache.append of a 4-bit cache):
+// one token's K and V rows, N values each ([n_kv][D]), passed by value as one argument (as
+// kv_quantize.cu's FX_APPEND_ENTRY: no host-to-device copy, no staging), quantized into
+// row `at` as above (G 0: nvfp4, `globals` its scales); then state[0] = at + 1. Launch ONE
+// block of 32 x min(n_kv, 16) threads.
+template <class QT, int N>
+struct FxRowPair4 {
+    QT k[N];
+    QT v[N];
+};
+#define FX_APPEND4_ENTRY(NAME, QT, D, G, ROT_K, N)                                          \
+    extern "C" __global__ void NAME(const __grid_constant__ FxRowPair4<QT, N> rows,          \
+                                    unsigned char* k_vals, unsigned char* v_vals,             \
+                                    void* k_scales, void* v_scales, int n_kv, int at,         \
+                                    int* state, float inv_sqrt_b, const float* globals) {     \
+        fx_quantize_q4_rows<QT, D, G, ROT_K>(rows.k, rows.v, k_vals, v_vals, k_scales,        \
+                                             v_scales, n_kv, 1, at, state, at + 1,           \
+                                             inv_sqrt_b, globals);                           \
+        __syncthreads();                                                                    \
+        if (threadIdx.x == 0) state[0] = at + 1;                                            \
+    }
+// (instantiated by the host, one per cache's row length and format: get_kernel's select)

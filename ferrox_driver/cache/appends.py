@@ -19,6 +19,7 @@ from ..decode.fp8 import (
     check_scales,
     quantize_kernel,
 )
+from ..decode.kv4_device import by_value_append4_kernel
 from ..driver.calls import (
     SUCCESS,
     check,
@@ -90,13 +91,25 @@ class Appends(CacheState):
             if 2 * self.row_elems * dt.itemsize <= ROWS_BY_VALUE_MAX and (
                 (driver_version() or 0) >= 12010
             ):
-                kernel = by_value_append_kernel(self.fp8, self.device, dtype_name(dt),
-                                                self.row_elems)  # fmt: skip
+                four = self.four_bit  # (a 4-bit cache of one format: a kernel of its own)
+                args: tuple[Any, ...]
+                if four is not None:
+                    kernel = by_value_append4_kernel(self.device, four.fmt, dtype_name(dt),
+                                                     self.head_dim, four.rotate,
+                                                     self.row_elems)  # fmt: skip
+                    args = (np.uint64(0), self._k, self._v, four.k_scales, four.v_scales,
+                            np.int32(self.n_kv_heads), np.int32(0), self.state,
+                            four.inv_sqrt, np.uint64(0) if self.kv_scales is None
+                            else self.kv_scales)  # fmt: skip
+                    threads = 32 * min(self.n_kv_heads, 16)
+                else:
+                    kernel = by_value_append_kernel(self.fp8, self.device, dtype_name(dt),
+                                                    self.row_elems)  # fmt: skip
+                    args = (np.uint64(0), self._k, self._v, self.kv_scales,
+                            np.int32(self.n_kv_heads), np.int32(self.head_dim), np.int32(0),
+                            self.state)  # fmt: skip
+                    threads = min(256, -(-self.row_elems // 32) * 32)
                 blob = np.zeros((2, self.row_elems), dt)
-                args = (np.uint64(0), self._k, self._v, self.kv_scales,
-                        np.int32(self.n_kv_heads), np.int32(self.head_dim), np.int32(0),
-                        self.state)  # fmt: skip
-                threads = min(256, -(-self.row_elems // 32) * 32)
                 launch = PackedLaunch(kernel, 1, threads, args, stream=self.stream)
                 launch.by_value(0, blob)
                 entry = (blob, launch)

@@ -239,9 +239,9 @@ class KVCache(Appends, Decodes):
                 self.kv_scales = empty((2 * self.n_kv_heads,), np.float32, device=self.device)
                 self.kv_scales.copy_from_host(self._scales, self.stream)
             four_bit = self.four_bit = FourBitStore(self, four, rotated, v_fmt)
-            # the fp8 append's staged path serves it (its launches, no by-value one)
+            # the fp8 append's paths serve it: by value (one format) or staged (its launches)
             self._fp8_appends, self._dev_stage = four_bit.appends, four_bit.dev_stage
-            self._fp8_value_appends = dict.fromkeys(ROW_DTYPES)
+            self._fp8_value_appends = dict.fromkeys(ROW_DTYPES) if four_bit.mixed else {}
         elif self.fp8:
             self._init_fp8(slots)
         self.stream.synchronize()

@@ -26,6 +26,7 @@ from .checks import dtype_name
 __all__ = [
     "Q4_FILE",
     "Q4_HEAD_DIMS",
+    "by_value_append4_kernel",
     "nvfp4_quantize_kernel",
     "q4_quantize_kernel",
     "quantize_4bit_async",
@@ -57,6 +58,22 @@ def nvfp4_quantize_kernel(device: Device, rows: str, head_dim: int, rotate_k: bo
     entry = (
         f"FX_QUANTIZE_NVFP4_ENTRY({name}, {_C_TYPES[rows]}, {head_dim}, "
         f"{'true' if rotate_k else 'false'})"
+    )
+    return get_kernel(Q4_FILE, name, device, select=entry)
+
+
+def by_value_append4_kernel(
+    device: Device, fmt: str, rows: str, head_dim: int, rotate_k: bool, n: int
+) -> Kernel:
+    """The kernel that quantizes one token's K and V rows of ``n`` values of kernel dtype
+    ``rows`` (f32, f16, bf16), passed by value, into a 4-bit cache of format ``fmt`` ("q4"
+    in groups of 32, "nvfp4") and ``head_dim``, K rotated where ``rotate_k`` (compiled for
+    this ``n`` alone)."""
+    name = f"kv_append4_{fmt}_{rows}_d{head_dim}" + ("_rk" if rotate_k else "") + f"_n{n}"
+    group = 32 if fmt == "q4" else 0
+    entry = (
+        f"FX_APPEND4_ENTRY({name}, {_C_TYPES[rows]}, {head_dim}, {group}, "
+        f"{'true' if rotate_k else 'false'}, {n})"
     )
     return get_kernel(Q4_FILE, name, device, select=entry)
 

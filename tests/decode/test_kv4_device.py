@@ -143,3 +143,23 @@ def test_a_4bit_one_query_decode_takes_the_split_kernels_where_they_can():
                                 "q4", False),
     ):  # fmt: skip
         assert refused is None
+
+
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90"])  # (nvfp4's e4m3 conversions: 8.9)
+def test_the_by_value_4bit_append_kernels_compile_without_stack_or_spills(arch):
+    # KVCache.append's one-launch path: the rows in the arguments (a generic pointer into
+    # the parameter space, __grid_constant__), q4 and nvfp4, every head_dim, K rotated or not
+    source = kernel_source("kv_quantize4.cu")
+    entries = {}
+    for d, n_kv, rows, fmt, rotate in ((64, 8, "float", "q4", True), (128, 8, "fx_bf16", "q4",
+                                        True), (256, 4, "fx_half", "nvfp4", False),
+                                       (128, 1, "fx_bf16", "nvfp4", True)):  # fmt: skip
+        name = f"append4_{fmt}_d{d}_{n_kv}"
+        group = 32 if fmt == "q4" else 0
+        entries[name] = (f"FX_APPEND4_ENTRY({name}, {rows}, {d}, {group}, "
+                         f"{'true' if rotate else 'false'}, {n_kv * d})")  # fmt: skip
+    program = compile_source(f"{source}\n" + "\n".join(entries.values()), arch=arch,
+                             name="append4.cu")  # fmt: skip
+    for name in entries:
+        res = program.resources[name]
+        assert res.stack_bytes == 0 and res.spill_stores == 0, (arch, name, res)
