@@ -298,12 +298,14 @@ def _traced_four_bit(monkeypatch):
 
 # A 4-bit cache's logits against the bf16 model's: the toy Llama-shaped model (8 layers of
 # 32/8/128) after 512 tokens measured 0.035 (int4) and 0.036 (nvfp4) relative on an H100
-# (docs/guides/kv4-cache.md); 0.1 leaves about 3x of that. A parting token is then a near
-# tie at that scale: a logits error of e moves each logit by about e x their rms, so two
-# tokens within 3e x rms may swap. Eager against compiled: both quantize the same model's
-# rows, but the compiled graph rounds the projections differently, which moves a few
-# elements across a 4-bit step (fp8's 1e-2 is too tight for that).
-KV4_RTOL, KV4_TIE = 0.1, 0.3
+# (docs/guides/kv4-cache.md); this test's small Gemma 2 (soft-capped scores) measured up
+# to 0.104 (int4, step 3) and 0.102 (nvfp4, step 6) on an H200, llama3 less; 0.15 leaves
+# room over that, where a wrong kernel (a lost scale, a token misread) is off by O(1). A
+# parting token is then a near tie at that scale: a logits error of e moves each logit by
+# about e x their rms, so two tokens within 3e x rms may swap. Eager against compiled:
+# both quantize the same model's rows, but the compiled graph rounds the projections
+# differently, which moves a few elements across a 4-bit step (fp8's 1e-2 is too tight).
+KV4_RTOL, KV4_TIE = 0.15, 0.45
 KV4_COMPILED_RTOL, KV4_COMPILED_TIE = 5e-2, 0.15
 
 
