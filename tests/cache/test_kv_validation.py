@@ -171,7 +171,7 @@ def _pair(shape=HND, dtype=np.float16, v_shape=None, strides=None):
         (_pair(dtype=np.float64), {}, TypeError, "k_cache: expected float32, float16"),
         (_pair((64, 8, 128), strides=(4096, 256, 2)), {"kv_layout": "NHD"}, ValueError,
          "k_cache: expected a C-contiguous token-major"),
-        (_pair((1, 8, 64, 300)), {}, ValueError, "head_dim"),
+        (_pair((1, 8, 64, 600)), {}, ValueError, "head_dim"),
         (_pair(), {"seq_len": None}, TypeError, "seq_len: a .* pair needs its length"),
         (_pair(), {"seq_len": FakeDevice((1,), np.int64)}, TypeError, "seq_len: expected dtype"),
         (_pair(), {"seq_len": FakeDevice((2,), np.int32)}, ValueError, "seq_len: expected 1"),

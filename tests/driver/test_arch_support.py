@@ -179,7 +179,9 @@ def test_every_plan_fits_its_architecture(compiled, arch):
     assert {"gqa_decode_bf16", "kv_append_row", "merge_states_f32"} <= set(others), others
     for name, r in others.items():  # (small blocks, at most 1024 threads)
         assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (arch, name, r)
-        assert 0 < r.registers <= 64 and r.shared_bytes <= 48 * KiB, (arch, name, r)
+        # (the parity kernel's _d512 twins hold 16 elements a lane of q and the accumulator)
+        most = 128 if name.endswith("_d512") else 64
+        assert 0 < r.registers <= most and r.shared_bytes <= 48 * KiB, (arch, name, r)
 
 
 def test_turing_runs_the_cuda_core_kernels_and_the_tensor_core_ones_do_not_compile_there(
