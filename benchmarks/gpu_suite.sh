@@ -6,13 +6,18 @@
 #
 #     PARTS=6 bash benchmarks/gpu_suite.sh [pytest args, e.g. -k verify]
 #
-# (FERROX_REQUIRE_GPU=1 is set: a GPU test that would skip fails.)
+# (FERROX_REQUIRE_GPU=1 is set: a GPU test that would skip fails.) The files in SERIAL,
+# whose tests measure the whole machine's memory (free device memory, MemAvailable), run
+# after the parts, alone (their log: part_serial.log): beside other processes their
+# readings move with those processes' allocations.
 set -u
 cd "$(dirname "$0")/.."
 PARTS=${PARTS:-6}
 LOGS=${LOGS:-${OUT:-/tmp}/gpu_suite}
+SERIAL=(tests/driver/test_gpu_reliability.py tests/decode/test_gpu_growing.py)
 mkdir -p "$LOGS"
-mapfile -t files < <(grep -rl "mark.gpu" tests --include='test_*.py' | xargs ls -S)
+mapfile -t files < <(grep -rl "mark.gpu" tests --include='test_*.py' | xargs ls -S |
+  grep -vxF -f <(printf '%s\n' "${SERIAL[@]}"))
 pids=()
 for ((p = 0; p < PARTS; p++)); do
   part=()
@@ -28,6 +33,10 @@ for pid in "${pids[@]}"; do
   rc=$?
   [ "$rc" -gt "$worst" ] && worst=$rc
 done
+PYTHONPATH=. FERROX_REQUIRE_GPU=1 python3 -m pytest -q -m gpu -p no:cacheprovider \
+  "${SERIAL[@]}" "$@" >"$LOGS/part_serial.log" 2>&1
+rc=$?
+[ "$rc" -gt "$worst" ] && worst=$rc
 for log in "$LOGS"/part*.log; do
   echo "$(basename "$log"): $(tail -n 1 "$log")"
 done
