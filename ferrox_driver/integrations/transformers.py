@@ -294,6 +294,24 @@ def bound_layer(module: Any, key: Any, attr: str, cache: str, what: str) -> Any:
     return layer
 
 
+def bind_layers(model: Any, layers: list[Any], attr: str, cache: str) -> None:
+    """Bind a quantized cache's ``layers`` to ``model``'s attention modules (each module's
+    ``attr`` its layer_idx's layer), where its decode steps find them.
+
+    Raises:
+        ValueError: naming ``model``, where it has no attention module with a layer_idx.
+    """
+    bound = 0
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and type(module).__name__.endswith("Attention"):
+            setattr(module, attr, layers[idx])
+            bound += 1
+    if bound == 0:
+        raise ValueError(f"model: no attention modules with a layer_idx in "
+                         f"{type(model).__name__} to bind the {cache} to")  # fmt: skip
+
+
 def quantized_step(
     cache: str, what: str, query: Any, key: Any, dropout: float, kwargs: dict[str, Any]
 ) -> tuple[int, int, int | None]:
@@ -718,15 +736,7 @@ def _fp8_cache_class() -> Any:
             layers = [FP8Layer(max_cache_len, fp8_dtype, k_scale, v_scale, scale_margin)
                       for _ in range(config.num_hidden_layers)]  # fmt: skip
             super().__init__(layers=layers)
-            bound = 0
-            for module in model.modules():
-                idx = getattr(module, "layer_idx", None)
-                if isinstance(idx, int) and type(module).__name__.endswith("Attention"):
-                    module.ferrox_fp8_layer = layers[idx]
-                    bound += 1
-            if bound == 0:
-                raise ValueError(f"model: no attention modules with a layer_idx in "
-                                 f"{type(model).__name__} to bind the FP8Cache to")  # fmt: skip
+            bind_layers(model, layers, "ferrox_fp8_layer", "FP8Cache")
 
         @property
         def nbytes(self) -> int:

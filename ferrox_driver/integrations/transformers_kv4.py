@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .transformers import bound_layer, masked_step, quantized_step
+from .transformers import bind_layers, bound_layer, masked_step, quantized_step
 
 __all__ = ["four_bit_cache_class", "four_bit_forward"]
 
@@ -230,15 +230,7 @@ def four_bit_cache_class() -> Any:
                       for _ in range(config.num_hidden_layers)]  # fmt: skip
             super().__init__(layers=layers)
             self.fmt, self.rotate = fmt, rotated
-            bound = 0
-            for module in model.modules():
-                idx = getattr(module, "layer_idx", None)
-                if isinstance(idx, int) and type(module).__name__.endswith("Attention"):
-                    module.ferrox_kv4_layer = layers[idx]
-                    bound += 1
-            if bound == 0:
-                raise ValueError(f"model: no attention modules with a layer_idx in "
-                                 f"{type(model).__name__} to bind the FourBitCache to")  # fmt: skip
+            bind_layers(model, layers, "ferrox_kv4_layer", "FourBitCache")
 
         @property
         def nbytes(self) -> int:
