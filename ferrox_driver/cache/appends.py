@@ -37,6 +37,7 @@ from ..kernels.catalogue import get_kernel
 from ..kernels.spec import FOUR_BIT_FORMATS as _FOUR_BIT
 from ..kernels.spec import NVFP4_FORMAT, Q4_FORMAT
 from ..types import ArrayLike, HostArrayLike, StreamLike
+from .four_bit import quantize_grid
 from .state import CacheState
 
 _OK = SUCCESS
@@ -101,7 +102,7 @@ class Appends(CacheState):
                             np.int32(self.n_kv_heads), np.int32(0), self.state,
                             four.inv_sqrt, np.uint64(0) if self.kv_scales is None
                             else self.kv_scales)  # fmt: skip
-                    threads = 32 * min(self.n_kv_heads, 16)
+                    threads = quantize_grid(1, self.n_kv_heads)[1]
                 else:
                     kernel = by_value_append_kernel(self.fp8, self.device, dtype_name(dt),
                                                     self.row_elems)  # fmt: skip

@@ -217,6 +217,29 @@ def _kernel(fmt: str, device: Any, rows: str, head_dim: int, rotate: bool,
     return nvfp4_quantize_kernel(device, rows, head_dim, rotate)
 
 
+def quantize_grid(n: int, n_kv: int) -> tuple[int, int]:
+    """The 4-bit quantizing kernels' launch shape for ``n`` rows of ``n_kv`` KV heads (a
+    row a warp): one block bumping the length for one row, else blocks of 8 warps."""
+    if n == 1:
+        return 1, 32 * min(n_kv, _WARPS_MAX)
+    return max(1, min(4096, -(-n * n_kv // 8))), 256
+
+
+def append_sequence(
+    device: Any, launch: PackedLaunch, state: Any, n: int, capacity: int, stream: Any
+) -> LaunchSequence:
+    """An append of ``n`` rows as a packed sequence: ``launch`` (its first two arguments
+    the rows' addresses, roles k and v) and, for several rows, the length bumped after
+    every block has read it (``kv_bump``)."""
+    launches = [launch]
+    if n > 1:
+        bump = get_kernel("kv_cache.cu", "kv_bump", device)
+        launches.append(PackedLaunch(bump, 1, 1, (state, np.int32(n), np.int32(capacity)),
+                                     stream=stream))  # fmt: skip
+    slots = [((0, "k"), (1, "v"))] + [()] * (len(launches) - 1)
+    return LaunchSequence(launches, ("k", "v"), slots, device)
+
+
 class FourBitStore:
     """The block scales of a 4-bit cache ``kv`` (made by its ``__init__``), its device
     staging for host rows and its quantizing launches, one per row dtype (float32, float16,
@@ -296,17 +319,10 @@ class FourBitStore:
         length for one row; for n, the rows' launch then the bump."""
         kernel = _kernel(self.fmt, self.device, dtype_name(rows), self.head_dim, self.rotate,
                          self.v_fmt)  # fmt: skip
-        if n == 1:
-            launch = PackedLaunch(kernel, 1, 32 * min(self.n_kv, _WARPS_MAX),
-                                  self.args(kv, None, None, 1, -1), stream=stream)  # fmt: skip
-            return LaunchSequence([launch], ("k", "v"), [((0, "k"), (1, "v"))], self.device)
-        grid = max(1, min(4096, -(-n * self.n_kv // 8)))
-        launch = PackedLaunch(kernel, grid, 256, self.args(kv, None, None, n, -2), stream=stream)
-        bump = get_kernel("kv_cache.cu", "kv_bump", self.device)
-        bumped = PackedLaunch(bump, 1, 1, (kv.state, np.int32(n), np.int32(self.capacity)),
-                              stream=stream)  # fmt: skip
-        return LaunchSequence([launch, bumped], ("k", "v"), [((0, "k"), (1, "v")), ()],
-                              self.device)  # fmt: skip
+        grid, threads = quantize_grid(n, self.n_kv)
+        args = self.args(kv, None, None, n, -1 if n == 1 else -2)
+        launch = PackedLaunch(kernel, grid, threads, args, stream=stream)
+        return append_sequence(self.device, launch, kv.state, n, self.capacity, stream)
 
     def dequantized(
         self, k_vals: np.ndarray, v_vals: np.ndarray, k_scales: np.ndarray | None,

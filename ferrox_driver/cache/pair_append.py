@@ -33,14 +33,13 @@ from ..driver.memory import DeviceArray
 from ..driver.stream import Stream, stream_handle, stream_key
 from ..kernels.catalogue import get_kernel
 from ..kernels.spec import Q4_FORMAT
+from .four_bit import append_sequence, quantize_grid
 
 __all__ = ["append_async_pair", "append_launches", "four_bit_launches"]
 
 THREADS = 256
 MAX_BLOCKS = 1024  # a multi-row append's grid (grid-stride loops past it)
 MAX_APPENDERS = 256
-# a 4-bit one-row append's block: a warp per KV head, up to this many (cache/four_bit.py's)
-_WARPS_MAX = 16
 _appenders = Kept(MAX_APPENDERS)  # packed appends, by signature
 
 
@@ -187,17 +186,9 @@ def four_bit_launches(
     )  # fmt: skip
     if sc is not None:  # nvfp4's per-head scales
         args += (wrap(sc, np.float32),)
-    if n == 1:
-        grid, threads = 1, 32 * min(n_kv, _WARPS_MAX)
-    else:
-        grid, threads = max(1, min(4096, -(-n * n_kv // 8))), 256
-    launches = [PackedLaunch(kernel, grid, threads, args, stream=stream)]
-    if n > 1:  # the length, bumped after every block has read it
-        bump = get_kernel("kv_cache.cu", "kv_bump", dev)
-        launches.append(PackedLaunch(bump, 1, 1, (state, np.int32(n), np.int32(capacity)),
-                                     stream=stream))  # fmt: skip
-    slots = [((0, "k"), (1, "v"))] + [()] * (len(launches) - 1)
-    return LaunchSequence(launches, ("k", "v"), slots, dev)
+    grid, threads = quantize_grid(n, n_kv)
+    launch = PackedLaunch(kernel, grid, threads, args, stream=stream)
+    return append_sequence(dev, launch, state, n, capacity, stream)
 
 
 def append_launches(
@@ -215,7 +206,6 @@ def append_launches(
     state = wrap(st, (2,), np.int32)
     item = np.dtype(kc[2]).itemsize
     blocks = max(1, min(MAX_BLOCKS, -(-n * row * item // (16 * THREADS))))
-    launches: list[PackedLaunch] = []
     args: tuple[Any, ...]
     if fp8:
         n_kv_hd = (np.int32(row // kc[1][2]), np.int32(kc[1][2]))
@@ -224,22 +214,15 @@ def append_launches(
         first, grid = (np.int32(-1), 1) if n == 1 else (np.int32(-2), blocks)
         args = (None, None, *caches, scales, *n_kv_hd, np.int32(n), first, state,
                 np.int32(capacity))  # fmt: skip
-        launches.append(PackedLaunch(kernel, grid, THREADS, args, stream=stream))
     elif n == 1 and ((row * item) | refs[2][0] | refs[3][0]) % 16 == 0:  # one block, bumping
         args = (None, None, *caches, state, np.int64(row * item), np.int32(capacity))
-        kernel = get_kernel("kv_cache.cu", "kv_append_row", dev)
-        launches.append(PackedLaunch(kernel, 1, THREADS, args, stream=stream))
+        kernel, grid = get_kernel("kv_cache.cu", "kv_append_row", dev), 1
     else:
         args = (None, None, *caches, state, np.int64(row * item), np.int32(n),
                 np.int32(capacity))  # fmt: skip
-        kernel = get_kernel("kv_cache.cu", "kv_append_rows", dev)
-        launches.append(PackedLaunch(kernel, blocks, THREADS, args, stream=stream))
-    if n > 1:  # the length, bumped after every block has read it
-        bump = get_kernel("kv_cache.cu", "kv_bump", dev)
-        launches.append(PackedLaunch(bump, 1, 1, (state, np.int32(n), np.int32(capacity)),
-                                     stream=stream))  # fmt: skip
-    slots = [((0, "k"), (1, "v"))] + [()] * (len(launches) - 1)
-    return LaunchSequence(launches, ("k", "v"), slots, dev)
+        kernel, grid = get_kernel("kv_cache.cu", "kv_append_rows", dev), blocks
+    launch = PackedLaunch(kernel, grid, THREADS, args, stream=stream)
+    return append_sequence(dev, launch, state, n, capacity, stream)
 
 
 def append_async_pair(
