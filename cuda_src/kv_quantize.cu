@@ -20,16 +20,9 @@ __device__ __forceinline__ void fx_quantize_rows(const QT* __restrict__ k_src,
                                                  const float* __restrict__ kv_scales, int n_kv,
                                                  int head_dim, int n_rows, int first,
                                                  int* __restrict__ state, int capacity) {
-    const bool on_device = first < 0, bump = first == -1;
-    int row0 = first;
-    if (on_device) {
-        row0 = state[0];
-        if (bump) __syncthreads();  // every thread has read the length before thread 0 bumps it
-        if (row0 < 0 || row0 > capacity - n_rows) {
-            if (threadIdx.x == 0 && blockIdx.x == 0) state[1] = 1;
-            return;
-        }
-    }
+    const bool bump = first == -1;
+    int row0;
+    if (!fx_append_row0(first, n_rows, state, capacity, row0)) return;
     const long long row = (long long)n_kv * head_dim, n = row * n_rows;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -67,12 +60,6 @@ FX_QUANTIZE_ENTRY(kv_quantize_e5m2_bf16, 2, fx_bf16)
 // values each ([n_kv][head_dim]), passed by value as one argument (the driver copies the
 // arguments when it queues the launch: no host-to-device copy, no staging ring), quantized
 // into row `at` of the caches as above; then state[0] = at + 1. Launch ONE block.
-template <class QT, int N>
-struct FxRowPair {
-    QT k[N];
-    QT v[N];
-};
-
 template <int Q8, class QT, int N>
 __device__ __forceinline__ void fx_quantize_pair(const FxRowPair<QT, N>& rows,
                                                  unsigned char* __restrict__ k_cache,

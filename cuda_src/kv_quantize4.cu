@@ -94,16 +94,9 @@ __device__ __forceinline__ void fx_quantize_q4_rows(
     const float* __restrict__ globals = nullptr) {
     constexpr int E = D / 32;
     static_assert(D % 32 == 0 && (E & (E - 1)) == 0, "head_dim 32 x a power of two");
-    const bool on_device = first < 0, bump = first == -1;
-    int row0 = first;
-    if (on_device) {
-        row0 = state[0];
-        if (bump) __syncthreads();  // every thread has read the length before the bump
-        if (row0 < 0 || row0 > capacity - n_rows) {
-            if (threadIdx.x == 0 && blockIdx.x == 0) state[1] = 1;
-            return;
-        }
-    }
+    const bool bump = first == -1;
+    int row0;
+    if (!fx_append_row0(first, n_rows, state, capacity, row0)) return;
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     for (long long w = (long long)blockIdx.x * warps + (threadIdx.x >> 5);
          w < (long long)n_rows * n_kv; w += (long long)gridDim.x * warps) {
@@ -192,16 +185,9 @@ __device__ __forceinline__ void fx_quantize_mixed_rows(
     constexpr int E = D / 32;
     static_assert(D % 32 == 0 && (E & (E - 1)) == 0, "head_dim 32 x a power of two");
     static_assert(!ROT_K || KF >= 3, "a 4-bit K is rotated");
-    const bool on_device = first < 0, bump = first == -1;
-    int row0 = first;
-    if (on_device) {
-        row0 = state[0];
-        if (bump) __syncthreads();  // every thread has read the length before the bump
-        if (row0 < 0 || row0 > capacity - n_rows) {
-            if (threadIdx.x == 0 && blockIdx.x == 0) state[1] = 1;
-            return;
-        }
-    }
+    const bool bump = first == -1;
+    int row0;
+    if (!fx_append_row0(first, n_rows, state, capacity, row0)) return;
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     for (long long w = (long long)blockIdx.x * warps + (threadIdx.x >> 5);
          w < (long long)n_rows * n_kv; w += (long long)gridDim.x * warps) {
@@ -240,13 +226,8 @@ __device__ __forceinline__ void fx_quantize_mixed_rows(
 // kv_quantize.cu's FX_APPEND_ENTRY: no host-to-device copy, no staging), quantized into
 // row `at` as above (G 0: nvfp4, `globals` its scales); then state[0] = at + 1. Launch ONE
 // block of 32 x min(n_kv, 16) threads.
-template <class QT, int N>
-struct FxRowPair4 {
-    QT k[N];
-    QT v[N];
-};
 #define FX_APPEND4_ENTRY(NAME, QT, D, G, ROT_K, N)                                          \
-    extern "C" __global__ void NAME(const __grid_constant__ FxRowPair4<QT, N> rows,          \
+    extern "C" __global__ void NAME(const __grid_constant__ FxRowPair<QT, N> rows,           \
                                     unsigned char* k_vals, unsigned char* v_vals,             \
                                     void* k_scales, void* v_scales, int n_kv, int at,         \
                                     int* state, float inv_sqrt_b, const float* globals) {     \
