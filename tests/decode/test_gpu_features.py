@@ -13,7 +13,14 @@ import ferrox_driver as fd
 from ferrox_driver.decode import launches
 from ferrox_driver.kernels.traits import F_WINDOW
 
-from ..helpers.gpu_helpers import DTYPES, TOL, poisoned, random_decode_inputs, rel_err
+from ..helpers.gpu_helpers import (
+    DTYPES,
+    TOL,
+    feature_kwargs,
+    poisoned,
+    random_decode_inputs,
+    rel_err,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -22,18 +29,7 @@ WINDOW = 96
 
 
 def _features(rng, n_heads, which):
-    kw = {}
-    if "window" in which:
-        kw["sliding_window"] = WINDOW
-    if "cap" in which:
-        kw["logits_soft_cap"] = 5.0
-    if "sinks" in which:
-        kw["sinks"] = rng.standard_normal(n_heads).astype(np.float32)
-    if "alibi" in which:
-        kw["alibi_slopes"] = (2.0 ** -np.arange(1, n_heads + 1) * 4).astype(np.float32)
-    if "scale" in which:
-        kw["scale"] = 0.05
-    return kw
+    return feature_kwargs(rng, n_heads, which, window=WINDOW, scale=0.05)
 
 
 def _check(rng, dtype, n_heads, n_kv, head_dim, seq, kw, q_scale=1.0):

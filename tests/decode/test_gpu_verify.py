@@ -9,7 +9,7 @@ import pytest
 
 import ferrox_driver as fd
 
-from ..helpers.gpu_helpers import DTYPES, TOL, poisoned, rel_err
+from ..helpers.gpu_helpers import DTYPES, TOL, feature_kwargs, poisoned, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -17,18 +17,7 @@ LSE_TOL = {"f32": 1e-4, "f16": 2e-2, "bf16": 2e-2}
 
 
 def _features(rng, n_heads, which):
-    kw = {}
-    if "window" in which:
-        kw["sliding_window"] = 40
-    if "cap" in which:
-        kw["logits_soft_cap"] = 5.0
-    if "sinks" in which:
-        kw["sinks"] = rng.standard_normal(n_heads).astype(np.float32)
-    if "alibi" in which:
-        kw["alibi_slopes"] = (2.0 ** -np.arange(1, n_heads + 1) * 4).astype(np.float32)
-    if "scale" in which:
-        kw["scale"] = 0.05
-    return kw
+    return feature_kwargs(rng, n_heads, which, window=40, scale=0.05)
 
 
 def _inputs(rng, n_q, n_heads, n_kv, head_dim, seq, dtype, layout="NHD"):

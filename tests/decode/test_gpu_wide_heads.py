@@ -12,7 +12,7 @@ import pytest
 import ferrox_driver as fd
 from ferrox_driver.decode import launches
 
-from ..helpers.gpu_helpers import DTYPES, TOL, poisoned, rel_err
+from ..helpers.gpu_helpers import DTYPES, TOL, feature_kwargs, poisoned, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -25,18 +25,7 @@ Q_DTYPES = {"f16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 
 def _features(rng, n_heads, which):
-    kw = {}
-    if "window" in which:
-        kw["sliding_window"] = 96
-    if "cap" in which:
-        kw["logits_soft_cap"] = 5.0
-    if "sinks" in which:
-        kw["sinks"] = rng.standard_normal(n_heads).astype(np.float32)
-    if "alibi" in which:
-        kw["alibi_slopes"] = (2.0 ** -np.arange(1, n_heads + 1) * 4).astype(np.float32)
-    if "scale" in which:
-        kw["scale"] = 0.03
-    return kw
+    return feature_kwargs(rng, n_heads, which, window=96, scale=0.03)
 
 
 def _inputs(rng, lead, n_kv, head_dim, seq, dt, layout="NHD"):

@@ -11,6 +11,24 @@ DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 TOL = {"f32": 1e-5, "f16": 1e-2, "bf16": 1e-2}
 
 
+def feature_kwargs(rng, n_heads, which, *, window, scale):
+    """A decode's feature keywords for the features named in ``which`` (a "+"-joined
+    string of window, cap, sinks, alibi, scale): sinks drawn from ``rng``, the sliding
+    ``window`` and ``scale`` as given."""
+    kw = {}
+    if "window" in which:
+        kw["sliding_window"] = window
+    if "cap" in which:
+        kw["logits_soft_cap"] = 5.0
+    if "sinks" in which:
+        kw["sinks"] = rng.standard_normal(n_heads).astype(np.float32)
+    if "alibi" in which:
+        kw["alibi_slopes"] = (2.0 ** -np.arange(1, n_heads + 1) * 4).astype(np.float32)
+    if "scale" in which:
+        kw["scale"] = scale
+    return kw
+
+
 def rel_err(out, ref) -> float:
     out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)
