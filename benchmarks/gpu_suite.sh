@@ -14,7 +14,8 @@ set -u
 cd "$(dirname "$0")/.."
 PARTS=${PARTS:-6}
 LOGS=${LOGS:-${OUT:-/tmp}/gpu_suite}
-SERIAL=(tests/driver/test_gpu_reliability.py tests/decode/test_gpu_growing.py)
+SERIAL=(tests/driver/test_gpu_reliability.py tests/decode/test_gpu_growing.py
+  tests/cache/test_gpu_graphs.py)
 mkdir -p "$LOGS"
 mapfile -t files < <(grep -rl "mark.gpu" tests --include='test_*.py' | xargs ls -S |
   grep -vxF -f <(printf '%s\n' "${SERIAL[@]}"))

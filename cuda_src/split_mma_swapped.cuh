@@ -401,9 +401,10 @@ __device__ __forceinline__ FxScore<F> fx_folded(FxScore<F> sc, float f) {
 }
 
 // Q8 = FX_Q4, FX_NVFP4: a 4-bit cache (k_sc / v_sc its block scales as bytes, nvfp4's per
-// head in kv_scales; fx_widen4), R: K was rotated on append and q is here (fx_load_q4).
+// head in kv_scales; fx_widen4), R: K was rotated on append and q is here (fx_load_q4),
+// S4: a 4-bit ring's steps where not FxStages4's (the narrow kernels').
 template <class T, int D, bool CLUSTER, int WARPS, int DR = D, int TILED = 0, int F = 0,
-          int PAIR = 1, int Q8 = 0, class QT = T, int R = 0>
+          int PAIR = 1, int Q8 = 0, class QT = T, int R = 0, int S4 = 0>
 __device__ __forceinline__ void gqa_split_mma_swapped(
     const QT* __restrict__ q, const typename FxStore<T, Q8>::type* __restrict__ k,
     const typename FxStore<T, Q8>::type* __restrict__ v, float* __restrict__ ws_o,
@@ -416,7 +417,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     constexpr bool Q4 = Q8 == FX_Q4, NIB = Q4 || Q8 == FX_NVFP4;  // (NIB: 4-bit values)
     static_assert(!NIB || (DR == D && PAIR == 1), "4-bit: the kernel's own head_dim");
     // (an fp8 ring: twice the kernel's steps of bytes; a pair's: the kernel's; 4-bit: its own)
-    constexpr int S = NIB ? FxStages4<D>::value
+    constexpr int S = NIB ? (S4 ? S4 : FxStages4<D>::value)
                       : Q8 ? 2 * FxStages<D>::value
                            : FxStages<D, PAIR == 1 ? DR : D>::value;
     constexpr int THREADS = WARPS * 32;
@@ -907,29 +908,30 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 // A 4-bit cache (Q8: FX_Q4 or FX_NVFP4; values: nibbles [token][n_kv_heads][D / 2];
 // k_scales / v_scales: its block scales [token][n_kv_heads][...] as bytes, q4 float16 per 32,
 // nvfp4 e4m3 per 16; kv_scales: nvfp4's float32 per KV head, K's then V's, unread for q4)
-// with q and the output of type QT, FX_WARPS4_D<D> warps, R: K rotated on append:
-// gqa_split_mma_<dt>_<q4|nvfp4>[r]_d<D>[_t2]_x<F> and its _cluster twin.
-#define FX_MMA4_KERNELS(NAME, QT, Q8, D, TILED, F, R)                                       \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS4_D##D * 32, FX_BLOCKS4_D##D) NAME( \
+// with q and the output of type QT, R: K rotated on append, W warps a block, S steps in each
+// warp's ring (FX_WARPS4_D<D> and FX_STAGES4_D<D>; the narrow kernels, for short contexts,
+// FX_WARPS4N_D<D> and FX_STAGES4N_D<D>):
+// gqa_split_mma_<dt>_<q4|nvfp4>[r]_d<D>[_t2][_n]_x<F> and its _cluster twin.
+#define FX_MMA4_KERNELS(NAME, QT, Q8, D, TILED, F, R, W, S)                                 \
+    extern "C" __global__ void __launch_bounds__(W * 32, FX_BLOCKS4_D##D) NAME(             \
         const QT* q, const unsigned char* k, const unsigned char* v, float* ws_o,           \
         float* ws_ml, int n_heads, int n_kv_heads, int seq_len, const int* seq_len_dev,     \
         int splits, int tile, const float* kv_scales, const unsigned char* k_scales,        \
         const unsigned char* v_scales, float scale, float cap, int window,                  \
         const float* slopes, long long head_stride) {                                       \
         const FxFeat feat{scale, cap, window, slopes, nullptr, nullptr, head_stride};       \
-        gqa_split_mma_swapped<fx_half, D, false, FX_WARPS4_D##D, D, TILED, F, 1, Q8, QT, R>( \
+        gqa_split_mma_swapped<fx_half, D, false, W, D, TILED, F, 1, Q8, QT, R, S>(          \
             q, k, v, ws_o, ws_ml, nullptr, n_heads, n_kv_heads, seq_len, seq_len_dev,       \
             splits, tile, feat, kv_scales, k_scales, v_scales);                             \
     }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FX_WARPS4_D##D * 32, FX_BLOCKS4_D##D)      \
-        NAME##_cluster(                                                                     \
+    extern "C" __global__ void __launch_bounds__(W * 32, FX_BLOCKS4_D##D) NAME##_cluster(   \
         const QT* q, const unsigned char* k, const unsigned char* v, QT* out, int n_heads,  \
         int n_kv_heads, int seq_len, const int* seq_len_dev, int splits, int tile,          \
         const float* kv_scales, const unsigned char* k_scales,                              \
         const unsigned char* v_scales, float scale, float cap, int window,                  \
         const float* slopes, long long head_stride, const float* sinks, float* lse) {       \
         const FxFeat feat{scale, cap, window, slopes, sinks, lse, head_stride};             \
-        gqa_split_mma_swapped<fx_half, D, true, FX_WARPS4_D##D, D, TILED, F, 1, Q8, QT, R>(  \
+        gqa_split_mma_swapped<fx_half, D, true, W, D, TILED, F, 1, Q8, QT, R, S>(           \
             q, k, v, nullptr, nullptr, out, n_heads, n_kv_heads, seq_len, seq_len_dev,      \
             splits, tile, feat, kv_scales, k_scales, v_scales);                             \
     }

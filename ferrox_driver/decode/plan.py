@@ -145,6 +145,9 @@ class Overrides:
         four_bit_split: a 4-bit cache's one-query decodes on the swapped split kernels
             (``four_bit_plan``, widened in registers) where they take the call
             (``FERROX_FOUR_BIT_SPLIT=0``: the rows kernel, as before them).
+        four_bit_narrow_to: the longest plan length (tokens) a 4-bit cache's split plan
+            takes the narrow kernels at (FX_WARPS4N_D<D>; past it FX_WARPS4_D<D>), 0 never
+            (``FERROX_FOUR_BIT_NARROW_TO``).
     """
 
     heads_per_block: int = 4
@@ -160,6 +163,7 @@ class Overrides:
     rows_min_chunk: int = 0
     rows4_warps: int = 2
     four_bit_split: bool = True
+    four_bit_narrow_to: int = 8192
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -183,6 +187,7 @@ class Overrides:
             rows_min_chunk=int(env.get("FERROX_ROWS_MIN_CHUNK", "0")),
             rows4_warps=int(env.get("FERROX_ROWS4_WARPS", "2")),
             four_bit_split=on("FERROX_FOUR_BIT_SPLIT"),
+            four_bit_narrow_to=int(env.get("FERROX_FOUR_BIT_NARROW_TO", "8192")),
         )
 
 
@@ -323,9 +328,15 @@ def fitting(
 
 
 # A 4-bit cache's swapped split kernels (gqa_split_mma_<dt>_<q4|nvfp4>): warps and ring
-# steps by head_dim (the traits' FX_WARPS4_D<D>, FX_STAGES4_D<D>)
-FOUR_BIT_WARPS = {d: kernel_define(f"FX_WARPS4_D{d}") for d in MMA_HEAD_DIMS}
-FOUR_BIT_STAGES = {d: kernel_define(f"FX_STAGES4_D{d}") for d in MMA_HEAD_DIMS}
+# steps by head_dim (the traits' FX_WARPS4_D<D>, FX_STAGES4_D<D>), and the narrow kernels'
+# for short contexts (FX_WARPS4N_D<D>, FX_STAGES4N_D<D>)
+FOUR_BIT_WIDE = {
+    d: (kernel_define(f"FX_WARPS4_D{d}"), kernel_define(f"FX_STAGES4_D{d}")) for d in MMA_HEAD_DIMS
+}
+FOUR_BIT_NARROW = {
+    d: (kernel_define(f"FX_WARPS4N_D{d}"), kernel_define(f"FX_STAGES4N_D{d}"))
+    for d in MMA_HEAD_DIMS
+}
 
 # The tensor-core kernels' shape by head_dim: warps per block and each warp's ring of
 # steps (one fewer are in flight), for fp16/bf16 (FxWarps/FxStages, 16-token steps) and
@@ -554,10 +565,12 @@ def four_bit_plan(
     if traits.compute_capability < least:
         return None
     tiles = -(-group // 8)
+    narrow = plan_seq <= ov.four_bit_narrow_to
+    warps, stages = (FOUR_BIT_NARROW if narrow else FOUR_BIT_WIDE)[head_dim]
     spec = KernelSpec("mma", name, head_dim, tiles=tiles, fp8=fmt, rotate=rotate,
-                      features=features)  # fmt: skip
+                      features=features, narrow=narrow)  # fmt: skip
     chosen = fitting(traits, head_dim, 2, SplitPlan(
-        spec, tiles, 32, 1, 32 * FOUR_BIT_WARPS[head_dim], TILE, FOUR_BIT_STAGES[head_dim], 16,
+        spec, tiles, 32, 1, 32 * warps, TILE, stages, 16,
     ))  # fmt: skip
     if chosen is None:
         return None

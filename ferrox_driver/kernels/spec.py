@@ -11,7 +11,8 @@ The names, as they have been since the kernels were first cached on disk:
     gqa_split_tc32_f32_d<D>[_x<F>][_cluster]                      fp32 on tensor cores
     gqa_split_mma_<dt>[_<fp8>]_d<D>[_r<DR>][_wide][_p2][_t2[b<2|4>]][_x<F>][_cluster]
                                                                   fp16/bf16 on tensor cores
-    gqa_split_mma_<dt>_<q4|nvfp4>[r]_d<D>[_t2]_x<F>[_cluster]    ... over a 4-bit cache
+    gqa_split_mma_<dt>_<q4|nvfp4>[r]_d<D>[_t2][_n]_x<F>[_cluster]  ... over a 4-bit cache
+                                                                  (_n: the narrow blocks)
     gqa_split_combine_<dt>[_x<F>]                                 merges the chunks
     gqa_verify_tail_<dt>[_<fp8>][_d512]_x<F>, gqa_verify_combine_<dt>_x<F>  a verify's tail,
                                                                   combine
@@ -147,6 +148,8 @@ class KernelSpec:
             append, q is rotated by the kernel.
         v_fp8: vrows: V's format where it is not K's (``fp8``; both of QUANTIZED_FORMATS),
             or "" (V as K).
+        narrow: mma of a 4-bit cache: the short contexts' kernel, FX_WARPS4N_D<D> warps of
+            FX_STAGES4N_D<D> steps (not FX_WARPS4_D<D> of FX_STAGES4_D<D>).
         cluster: the twin whose blocks merge a KV head's chunks on chip.
 
     Raises:
@@ -169,6 +172,7 @@ class KernelSpec:
     row_warps: int = 0
     rotate: bool = False
     v_fp8: str = ""
+    narrow: bool = False
 
     def __post_init__(self) -> None:
         if self.family == "mma" and self.row_dim == 0:
@@ -191,6 +195,8 @@ class KernelSpec:
             return "rotate is a 4-bit cache's rows or mma kernel's"
         if self.v_fp8 and not rows:
             return "v_fp8 (V's own format) is the rows kernel's"
+        if self.narrow and not (mma and self.fp8 in FOUR_BIT_FORMATS):
+            return "narrow is a 4-bit cache's mma kernel's"
         if self.v_fp8 and (self.v_fp8 == self.fp8 or not {self.fp8, self.v_fp8} <= set(
                 QUANTIZED_FORMATS)):  # fmt: skip
             return f"v_fp8 and fp8 two of {QUANTIZED_FORMATS} (K's and V's), not the same"
@@ -332,6 +338,7 @@ class KernelSpec:
             stem += "_p2" if self.paired else ""
             stem += "_t2" if self.tiles == 2 else ""
             stem += f"b{self.block_tiles}" if self.block_tiles > 1 else ""
+            stem += "_n" if self.narrow else ""
         stem += f"_x{self.features}" if self.features or self.fp8 else ""
         return stem + ("_cluster" if self.cluster else "")
 
@@ -407,7 +414,9 @@ class KernelSpec:
             return f"FX_TC32_FEAT_ENTRY({name}, {d}, {f})" if f else f"FX_TC32_ENTRY({base}, {d})"
         if self.fp8 in FOUR_BIT_FORMATS:
             q8 = FOUR_BIT_Q8[self.fp8]
-            return f"FX_MMA4_KERNELS({base}, {t}, {q8}, {d}, {tiled}, {f}, {int(self.rotate)})"
+            n = "N" if self.narrow else ""
+            return (f"FX_MMA4_KERNELS({base}, {t}, {q8}, {d}, {tiled}, {f}, {int(self.rotate)}, "
+                    f"FX_WARPS4{n}_D{d}, FX_STAGES4{n}_D{d})")  # fmt: skip
         if self.fp8:
             q8 = FP8_FORMATS[self.fp8]
             if self.wide:

@@ -83,6 +83,17 @@ SPLIT_TRAITS: dict[str, int] = {
     "FX_WARPS4_D256": 8,
     "FX_STAGES4_D256": 4,
     "FX_BLOCKS4_D256": 1,
+    # ... and the narrow kernels the plans take for short contexts (Overrides.four_bit_narrow_to):
+    # a chunk of a few hundred tokens is one step or none for most of twelve warps, and the
+    # block's merge of its warps' partial softmaxes grows with them. Measured on an H100,
+    # graph-replayed, q4 us at 512/1024/2048/4096 tokens: 32/8/128 12 x 4 6.6/8.3/8.9/10.5,
+    # 4 x 8 5.8/6.9/7.2/10.1; 28/4/128 7.3/7.1/8.3/9.3 against 6.2/6.3/6.7/7.9
+    "FX_WARPS4N_D64": 4,
+    "FX_STAGES4N_D64": 8,
+    "FX_WARPS4N_D128": 4,
+    "FX_STAGES4N_D128": 8,
+    "FX_WARPS4N_D256": 4,
+    "FX_STAGES4N_D256": 6,
     # the fp32 split-TF32 kernels per head_dim: warps, ring steps and tokens per step (8 or
     # 16: 8-token steps fit more warps or a wider head_dim into shared memory). Head_dim 64
     # and 128 keep one step in flight per warp while they compute another: 8-12% faster at

@@ -250,7 +250,7 @@ def test_the_torch_op(rng, layout):
             continue
         kn, vn = (x.float().cpu().numpy() for x in (k, v))
         if layout == "HND":
-            kn, vn = (x[0].transpose(1, 0, 2) for x in (kn, vn))
+            kn, vn = (np.ascontiguousarray(x[0].transpose(1, 0, 2)) for x in (kn, vn))
         want, want_lse = fd.reference_gqa_decode(q.float().cpu().numpy(), kn[:n], vn[:n],
                                                  logits_soft_cap=10.0, return_lse=True)  # fmt: skip
         assert rel_err(out.float().cpu().numpy(), want) < TOL["bf16"]

@@ -89,12 +89,20 @@ def test_the_4bit_split_kernels_names_entries_and_refusals():
     assert spec.name == "gqa_split_mma_bf16_q4r_d128_x0"
     assert (
         spec.entry
-        == "FX_MMA4_KERNELS(gqa_split_mma_bf16_q4r_d128_x0, fx_bf16, 3, 128, false, 0, 1)"
+        == "FX_MMA4_KERNELS(gqa_split_mma_bf16_q4r_d128_x0, fx_bf16, 3, 128, false, 0, 1, "
+        "FX_WARPS4_D128, FX_STAGES4_D128)"
     )
+    short = spec.but(narrow=True)
+    assert short.name == "gqa_split_mma_bf16_q4r_d128_n_x0"
+    assert short.entry.endswith(", 1, FX_WARPS4N_D128, FX_STAGES4N_D128)")
+    with pytest.raises(ValueError, match="narrow"):
+        KernelSpec("mma", "bf16", 128, fp8="e4m3", narrow=True)
     nv = KernelSpec("mma", "f16", 64, fp8="nvfp4", tiles=2, features=F_WINDOW, cluster=True)
     assert nv.name == "gqa_split_mma_f16_nvfp4_d64_t2_x1_cluster"
     assert (
-        nv.entry == "FX_MMA4_KERNELS(gqa_split_mma_f16_nvfp4_d64_t2_x1, fx_half, 4, 64, true, 1, 0)"
+        nv.entry
+        == "FX_MMA4_KERNELS(gqa_split_mma_f16_nvfp4_d64_t2_x1, fx_half, 4, 64, true, 1, 0, "
+        "FX_WARPS4_D64, FX_STAGES4_D64)"
     )
     for bad in ({"row_dim": 96}, {"features": F_HND}, {"block_tiles": 2, "tiles": 2}):
         with pytest.raises(ValueError):
@@ -105,6 +113,7 @@ def test_the_4bit_split_kernels_compile_without_spills():
     specs = [KernelSpec("mma", "bf16", d, fp8=fmt, rotate=True, tiles=t, features=f)
              for d in (64, 128, 256) for fmt in ("q4", "nvfp4") for t in (1, 2)
              for f in (0, F_WINDOW | 2 | 4 | 32) if not (d == 256 and t == 2)]  # fmt: skip
+    specs += [s.but(narrow=True) for s in specs]
     program = split_program(specs + [s.but(cluster=True) for s in specs], "sm_90")
     for spec in specs:
         for name in (spec.name, spec.name + "_cluster"):
@@ -114,22 +123,30 @@ def test_the_4bit_split_kernels_compile_without_spills():
 def test_a_4bit_one_query_decode_takes_the_split_kernels_where_they_can():
     bf16 = np.dtype(ml_dtypes.bfloat16)
 
-    def four(
-        n_heads=32, n_kv=8, head_dim=128, fmt="q4", features=0, traits=None, ov=None, aligned=True
-    ):
+    def four(n_heads=32, n_kv=8, head_dim=128, fmt="q4", features=0, traits=None, ov=None,
+             aligned=True, seq=131072):  # fmt: skip
         return attention.four_bit_plan(traits or _traits(), bf16, n_heads, n_kv, head_dim,
-                                       131072, aligned, features, fmt, True, ov)  # fmt: skip
+                                       seq, aligned, features, fmt, True, ov)  # fmt: skip
 
-    found = four()
-    assert found is not None and found.spec.fp8 == "q4" and found.spec.rotate
-    assert found.threads == 32 * attention.FOUR_BIT_WARPS[128]
-    # each warp's ring: steps of 16 tokens of K and V nibbles and their scales
-    stages = attention.FOUR_BIT_STAGES[128]
-    ring = attention.FOUR_BIT_WARPS[128] * stages * 16 * 2 * (64 + 8)
-    assert found.shared_bytes(128, 2) == ring + (
-        attention.cluster_recv_bytes(128) if found.cluster else 0
-    )
-    assert found.splits * 8 <= 132 * 2  # one wave of resident blocks
+    for seq, narrow in ((131072, False), (4096, True)):
+        found = four(seq=seq)
+        assert found is not None and found.spec.fp8 == "q4" and found.spec.rotate
+        assert found.spec.narrow == narrow and found.spec.name.endswith("_n_x0") == narrow
+        warps, stages = (attention.FOUR_BIT_NARROW if narrow else attention.FOUR_BIT_WIDE)[128]
+        assert (warps, stages) == ((4, 8) if narrow else (12, 4))
+        assert found.threads == 32 * warps
+        # each warp's ring: steps of 16 tokens of K and V nibbles and their scales
+        ring = warps * stages * 16 * 2 * (64 + 8)
+        assert found.shared_bytes(128, 2) == ring + (
+            attention.cluster_recv_bytes(128) if found.cluster else 0
+        )
+        # one wave of resident blocks (the fake H200 holds 228 KiB of rings)
+        per_sm = 228 * 1024 // (found.shared_bytes(128, 2) + 1024)
+        assert found.splits * 8 <= 132 * per_sm and per_sm == (3 if narrow else 2)
+    # the narrow kernels up to Overrides.four_bit_narrow_to tokens of plan, inclusive
+    edge = attention.Overrides().four_bit_narrow_to
+    assert four(seq=edge).spec.narrow and not four(seq=edge + 1).spec.narrow
+    assert not four(seq=512, ov=attention.Overrides(four_bit_narrow_to=0)).spec.narrow
     assert four(n_heads=128, n_kv=8).spec.tiles == 2  # groups of 16: two tiles of 8
     assert four(fmt="nvfp4").spec.name.startswith("gqa_split_mma_bf16_nvfp4r_d128")
     for refused in (

@@ -215,9 +215,9 @@ def set_traits(pairs: list[str]) -> None:
         if not sep or name not in SPLIT_TRAITS:
             raise SystemExit(f"--traits: expected NAME=VALUE, NAME in SPLIT_TRAITS; got {pair!r}")
         SPLIT_TRAITS[name] = int(value)
-    for d in planner.FOUR_BIT_WARPS:
-        planner.FOUR_BIT_WARPS[d] = SPLIT_TRAITS[f"FX_WARPS4_D{d}"]
-        planner.FOUR_BIT_STAGES[d] = SPLIT_TRAITS[f"FX_STAGES4_D{d}"]
+    for d in planner.FOUR_BIT_WIDE:
+        for n, kinds in (("", planner.FOUR_BIT_WIDE), ("N", planner.FOUR_BIT_NARROW)):
+            kinds[d] = (SPLIT_TRAITS[f"FX_WARPS4{n}_D{d}"], SPLIT_TRAITS[f"FX_STAGES4{n}_D{d}"])
 
 
 def main() -> None:
