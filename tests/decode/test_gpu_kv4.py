@@ -6,11 +6,14 @@ token and several, with features, fresh random inputs, outputs poisoned."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import ferrox_driver as fd
 from ferrox_driver.decode import kv4
+from ferrox_driver.decode import plan as planner
 from ferrox_driver.decode.kv4_device import quantize_4bit_async
 from ferrox_driver.decode.records import launches_for
 from ferrox_driver.kernels.abi import FeatureArgs, feature_bits
@@ -88,9 +91,23 @@ def _decode(q_d, bufs, n_q, n_heads, n_kv, d, seq, rotate, stream, fmt="q4", kv_
     return out.to_host().astype(np.float64), lse.to_host().reshape(n_q, n_heads)
 
 
+# the one-query split plans' narrow kernels (short contexts: these tests' lengths) and the
+# wide ones (Overrides.four_bit_narrow_to 0)
+NARROW = pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "wide"])
+
+
+@pytest.fixture
+def narrow_plans(request, monkeypatch):
+    if not request.getfixturevalue("narrow"):
+        wide = dataclasses.replace(planner.OVERRIDES, four_bit_narrow_to=0)
+        monkeypatch.setattr(planner, "OVERRIDES", wide)
+
+
+@NARROW
 @pytest.mark.parametrize("qdt", ["bf16", "f16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_a_q4_cache_decodes_as_the_reference_on_its_dequantized_rows(rng, qdt, head_dim):
+def test_a_q4_cache_decodes_as_the_reference_on_its_dequantized_rows(rng, qdt, head_dim, narrow,
+                                                                      narrow_plans):  # fmt: skip
     n_kv, seq = 4, 1537
     with fd.Stream() as s:
         _, _, bufs = _q4_cache(rng, seq, n_kv, head_dim, qdt, True, s)
@@ -137,8 +154,10 @@ def test_nvfp4_rows_are_quantized_as_the_host_helper_does(rng, rows_dtype, head_
     np.testing.assert_array_equal(bufs["v_scales"].to_host(), v_bs.view(np.uint8))
 
 
+@NARROW
 @pytest.mark.parametrize("rotate", [False, True])
-def test_an_nvfp4_cache_decodes_as_the_reference_on_its_dequantized_rows(rng, rotate):
+def test_an_nvfp4_cache_decodes_as_the_reference_on_its_dequantized_rows(rng, rotate, narrow,
+                                                                         narrow_plans):  # fmt: skip
     n_kv, d, seq = 2, 128, 900
     with fd.Stream() as s:
         _, _, bufs = _q4_cache(rng, seq, n_kv, d, "bf16", rotate, s, "nvfp4")
