@@ -83,11 +83,13 @@ SPLIT_TRAITS: dict[str, int] = {
     "FX_WARPS4_D256": 8,
     "FX_STAGES4_D256": 4,
     "FX_BLOCKS4_D256": 1,
-    # ... and the narrow kernels the plans take for short contexts (Overrides.four_bit_narrow_to):
-    # a chunk of a few hundred tokens is one step or none for most of twelve warps, and the
-    # block's merge of its warps' partial softmaxes grows with them. Measured on an H100,
-    # graph-replayed, q4 us at 512/1024/2048/4096 tokens: 32/8/128 12 x 4 6.6/8.3/8.9/10.5,
-    # 4 x 8 5.8/6.9/7.2/10.1; 28/4/128 7.3/7.1/8.3/9.3 against 6.2/6.3/6.7/7.9
+    # ... and the narrow kernels the plans take for short contexts (Overrides.four_bit_narrow_to,
+    # 8192 tokens): a chunk of a few hundred tokens is one step or none for most of twelve
+    # warps, and the block's merge of its warps' partial softmaxes grows with them. Measured
+    # on an H100, graph-replayed, q4 us narrow against wide: 32/8/128 at 512/1024/2048 tokens
+    # 5.8/6.9/7.2 vs 6.6/8.3/8.9, 4096 10.0 vs 10.7, 8192 12.6 vs 13.5, 16384 18.9 vs 17.3,
+    # 32768 27.9 vs 23.0; 28/4/128 4096 7.8 vs 9.5, 8192 10.3 vs 11.2, 16384 13.4 vs 14.1,
+    # 32768 19.8 vs 17.7; 8/1/256 4096 8.2 vs 9.3, 8192 9.7 vs 12.4, 16384 16.1 vs 13.5
     "FX_WARPS4N_D64": 4,
     "FX_STAGES4N_D64": 8,
     "FX_WARPS4N_D128": 4,
@@ -144,6 +146,16 @@ SPLIT_TRAITS: dict[str, int] = {
     "FX_ROWS_STAGES_D64": 4,
     "FX_ROWS_STAGES_D128": 4,
     "FX_ROWS_STAGES_D256": 3,
+    # the latent (MLA) kernels (split_latent.cuh): warps per block, and the ring's stages per
+    # step size (64 tokens where a block's shared memory holds them, else 32) and format
+    # (16-bit, fp8 with its widened stage). Not yet measured: two 64-token stages of
+    # 16-bit rows of 576 (144 KB) keep one step in flight while one is computed; fp8's
+    # three fill the 227 KB of a Hopper block with the widened stage and the scores
+    "FX_LATENT_WARPS": 8,
+    "FX_LATENT_STAGES_T64": 2,
+    "FX_LATENT_STAGES8_T64": 3,
+    "FX_LATENT_STAGES_T32": 2,
+    "FX_LATENT_STAGES8_T32": 2,
 }
 
 
