@@ -31,3 +31,4 @@
 #include "split_combine.cuh"
 #include "split_verify.cuh"
 #include "split_rows.cuh"
+#include "split_latent.cuh"
