@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..decode.checks import MAX_HEAD_DIM
+
 NAME = "ferrox"
 logger = logging.getLogger(__name__)
 _REGISTERED: Any = None  # ferrox_attention_forward as registered (not traced by torch.compile)
@@ -123,7 +125,7 @@ def decode_call(
     n_kv, kv_len = key.shape[1], key.shape[2]
     if tuple(value.shape) != tuple(key.shape) or key.shape[3] != head_dim or key.shape[0] != 1:
         return f"key {tuple(key.shape)} and value {tuple(value.shape)} do not match the query"
-    if head_dim > 256 or n_heads % n_kv:
+    if head_dim > MAX_HEAD_DIM or n_heads % n_kv:
         return f"{n_heads} query heads of {head_dim} over {n_kv} KV heads"
     if key.stride(-1) != 1 or key.stride(-2) != head_dim or value.stride() != key.stride():
         return f"K/V rows not contiguous (strides {key.stride()}, {value.stride()})"

@@ -45,6 +45,10 @@ MODELS = {
     "gemma3": (transformers.Gemma3TextConfig, dict(num_attention_heads=8, num_key_value_heads=4,
                                                    head_dim=256, sliding_window=24,
                                                    query_pre_attn_scalar=256)),
+    # sliding layers of head_dim 256, global ones of 512 (global_head_dim)
+    "gemma4": (transformers.Gemma4TextConfig, dict(num_attention_heads=8, num_key_value_heads=4,
+                                                   head_dim=256, global_head_dim=512,
+                                                   sliding_window=24)),
 }  # fmt: skip
 NEW_TOKENS = 64
 # what ferrox's model is compared with: SDPA ignores Gemma 2's soft-cap (and transformers
@@ -164,7 +168,7 @@ def _traced(monkeypatch):
     return runs
 
 
-COMPILED = ["gemma2", "gemma3", "llama3", "mistral", "qwen3"]
+COMPILED = ["gemma2", "gemma3", "gemma4", "llama3", "mistral", "qwen3"]
 
 
 @pytest.mark.parametrize("name", COMPILED)

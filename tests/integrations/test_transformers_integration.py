@@ -129,6 +129,13 @@ def test_sinks_come_from_s_aux_as_float32_per_query_head():
     assert (call.length, call.sliding_window, call.scale) == (10, None, 0.25)
 
 
+@pytest.mark.parametrize("head_dim", [300, 512])
+def test_heads_up_to_512_wide_decode_on_ferrox(head_dim):  # (Gemma 4's global layers: 512)
+    q, kv = torch.zeros(1, 8, 1, head_dim), torch.zeros(1, 2, 10, head_dim)
+    call = fxt.decode_call(None, q, kv, kv, None, require_cuda=False)
+    assert isinstance(call, fxt.DecodeCall) and call.length == 10
+
+
 def _mask(keep):
     return torch.tensor(keep, dtype=torch.bool).view(1, 1, 1, -1)
 
@@ -163,8 +170,8 @@ Q, KV = torch.zeros(1, 8, 1, 16), torch.zeros(1, 2, 10, 16)
         ((Q, KV, KV), {"output_attentions": True}, "output_attentions"),
         ((Q.double(), KV.double(), KV.double()), {}, "dtypes torch.float64"),
         ((Q.half(), KV, KV), {}, "dtypes torch.float16, torch.float32"),
-        ((torch.zeros(1, 8, 1, 300), torch.zeros(1, 2, 10, 300), torch.zeros(1, 2, 10, 300)), {},
-         "8 query heads of 300"),
+        ((torch.zeros(1, 8, 1, 520), torch.zeros(1, 2, 10, 520), torch.zeros(1, 2, 10, 520)), {},
+         "8 query heads of 520"),
         ((torch.zeros(1, 6, 1, 16), torch.zeros(1, 4, 10, 16), torch.zeros(1, 4, 10, 16)), {},
          "6 query heads of 16 over 4 KV heads"),
         ((Q, KV.transpose(2, 3).contiguous().transpose(2, 3), KV), {}, "K/V rows not contiguous"),
