@@ -193,7 +193,7 @@ def test_compiled_generate_traces_ferrox_with_no_graph_break(name, monkeypatch):
     print(f"{name}, compiled: {same} tokens the same")
 
 
-@pytest.mark.parametrize("name", ["llama3", "gemma2"])
+@pytest.mark.parametrize("name", ["llama3", "gemma2", "gemma4"])
 def test_fp8_cache_generates_eager_and_compiled_alike_near_sdpa(name, monkeypatch):
     """FP8Cache: every decode step reads fp8 bytes in ferrox's kernel; eager and compiled
     runs of it agree (tokens, logits within 1e-2 until a near tie), its first decode step's
