@@ -22,6 +22,7 @@ from .decode.kv4 import (
     quantize_int4,
     quantize_nvfp4,
 )
+from .decode.latent import mla_decode, reference_mla_decode
 from .decode.merge import merge_states
 from .decode.reference import reference_gqa_decode
 from .driver.compiler import KernelResources, Program, compile_source
@@ -84,11 +85,13 @@ __all__ = [
     "kv_append_async",
     "kv_truncate_async",
     "merge_states",
+    "mla_decode",
     "quantize_fp8",
     "quantize_int4",
     "quantize_nvfp4",
     "pinned_empty",
     "reference_gqa_decode",
+    "reference_mla_decode",
     "to_device",
     "zeros",
 ]

@@ -20,6 +20,9 @@ The names, as they have been since the kernels were first cached on disk:
     gqa_verify_rows_<dt>_<fp8>[r]_v<fp8>_d<D>_w<RW>_x<F>           ... K and V in formats of
                                                                   their own (K's, then V's)
     gqa_verify_rows_combine_<dt>_x<F>                             ... and its combine
+    gqa_split_latent_<dt>[_<fp8>]_dk<DK>_dv<DV>[_sv]_h<HT>[_t32]_x<F>  multi-head latent
+                                                                  attention (split_latent.cuh;
+                                                                  _sv: V rows of their own)
     gqa_decode_<dt>[_d512]                                        the parity kernel
 
 (an fp8 or 4-bit cache's kernels always carry ``_x<F>``, F = 0 included; ``r``: K
@@ -36,13 +39,17 @@ from typing import Any
 
 import numpy as np
 
-from .traits import COMBINE_FEATURES, F_HND, F_LIMIT, F_LSE, F_SINKS
+from .traits import COMBINE_FEATURES, F_CAP, F_HND, F_LIMIT, F_LSE, F_SCALE, F_SINKS, F_WINDOW
 
 __all__ = [
     "ENTRY_TYPES",
     "FP8_FORMATS",
     "KERNEL_DTYPE_NAMES",
     "KernelSpec",
+    "LATENT_FEATURES",
+    "LATENT_HEADS_PER_BLOCK",
+    "LATENT_MAX_HEAD_DIM",
+    "LATENT_STEP_TOKENS",
     "MMA_HEAD_DIMS",
     "NARROW_ROWS_HEAD_DIM",
     "PARITY_FILE",
@@ -89,9 +96,17 @@ WIDE_ROWS_MAX_HEADS = 4  # a _d512 split kernel's query heads per block (registe
 
 FAMILIES = (
     "generic", "tc32", "mma", "combine", "parity", "verify", "vcombine", "vrows", "vrcombine",
+    "latent",
 )  # fmt: skip
 ROWS_HEAD_DIMS = (64, 128, 256)  # a verify's rows kernel's (split_rows.cuh)
 ROWS_MAX_WARPS = 8  # ... warps of 16 rows per block, at most
+# the latent (MLA) kernels' (split_latent.cuh): query rows per block (16 x its row tiles),
+# tokens per step, the widest K row (q's fragments of a quarter of it stay in registers),
+# and the features the kernel itself applies (the window, sinks and LSE reach its combine)
+LATENT_HEADS_PER_BLOCK = (16, 32)
+LATENT_STEP_TOKENS = (32, 64)
+LATENT_MAX_HEAD_DIM = 576
+LATENT_FEATURES = F_WINDOW | F_CAP | F_SCALE
 
 
 def mixed_format(k_fmt: str, v_fmt: str) -> str:
@@ -150,6 +165,10 @@ class KernelSpec:
             or "" (V as K).
         narrow: mma of a 4-bit cache: the short contexts' kernel, FX_WARPS4N_D<D> warps of
             FX_STAGES4N_D<D> steps (not FX_WARPS4_D<D> of FX_STAGES4_D<D>).
+        head_dim_v: latent: the value rows' width DV (head_dim is K's, DK).
+        step_tokens: latent: tokens per step of its ring (LATENT_STEP_TOKENS).
+        own_v: latent: V rows of their own (a separate value cache), not the first
+            head_dim_v columns of K's rows (MLA's latent).
         cluster: the twin whose blocks merge a KV head's chunks on chip.
 
     Raises:
@@ -173,6 +192,9 @@ class KernelSpec:
     rotate: bool = False
     v_fp8: str = ""
     narrow: bool = False
+    head_dim_v: int = 0
+    step_tokens: int = 0
+    own_v: bool = False
 
     def __post_init__(self) -> None:
         if self.family == "mma" and self.row_dim == 0:
@@ -191,6 +213,11 @@ class KernelSpec:
             return f"features not in [0, {F_LIMIT})"
         mma = self.family == "mma"
         rows = self.family == "vrows"
+        latent = self.family == "latent"
+        if not latent and (self.head_dim_v or self.step_tokens or self.own_v):
+            return "head_dim_v, step_tokens and own_v are the latent kernels'"
+        if latent:
+            return self._latent_problem()
         if self.rotate and not (rows or (mma and self.fp8 in FOUR_BIT_FORMATS)):
             return "rotate is a 4-bit cache's rows or mma kernel's"
         if self.v_fp8 and not rows:
@@ -290,9 +317,34 @@ class KernelSpec:
             return "" if 0 < dr <= d and dr % 16 == 0 else "a pair's row_dim a multiple of 16"
         return "" if 0 < dr <= d and dr % 8 == 0 else "row_dim a multiple of 8 up to head_dim"
 
+    def _latent_problem(self) -> str:
+        """Why no latent kernel has these fields ("" when one does)."""
+        others = (self.row_dim, self.vec, self.paired, self.wide, self.cluster, self.row_warps,
+                  self.rotate, self.v_fp8, self.narrow, self.tiles != 1,
+                  self.block_tiles != 1)  # fmt: skip
+        if any(others):
+            return ("a latent kernel takes dtype, fp8, head_dim, head_dim_v, own_v, "
+                    "heads_per_block, step_tokens and features")  # fmt: skip
+        if self.dtype == "f32":
+            return "fp16/bf16"
+        if self.fp8 and self.fp8 not in FP8_FORMATS:
+            return f"fp8 one of {tuple(FP8_FORMATS)}"
+        dk, dv = self.head_dim, self.head_dim_v
+        if not (0 < dk <= LATENT_MAX_HEAD_DIM and dk % 64 == 0):
+            return f"head_dim a multiple of 64 up to {LATENT_MAX_HEAD_DIM}"
+        if not (0 < dv <= (512 if self.own_v else dk) and dv % 128 == 0):
+            return "head_dim_v a multiple of 128 up to head_dim (own_v: up to 512)"
+        if self.heads_per_block not in LATENT_HEADS_PER_BLOCK:
+            return f"heads_per_block one of {LATENT_HEADS_PER_BLOCK}"
+        if self.step_tokens not in LATENT_STEP_TOKENS:
+            return f"step_tokens one of {LATENT_STEP_TOKENS}"
+        if self.features & ~LATENT_FEATURES:
+            return "features: the window, the soft-cap and the scale (its combine: sinks, LSE)"
+        return ""
+
     @property
     def tensor_cores(self) -> bool:
-        return self.family in ("tc32", "mma")
+        return self.family in ("tc32", "mma", "latent")
 
     @property
     def file(self) -> str:
@@ -322,6 +374,16 @@ class KernelSpec:
             return f"gqa_verify_rows_{dt}{fp8}_d{d}_w{self.row_warps}_x{self.features}"
         if family == "vrcombine":
             return f"gqa_verify_rows_combine_{dt}_x{self.features}"
+        if family == "latent":
+            return (
+                f"gqa_split_latent_{dt}"
+                + (f"_{self.fp8}" if self.fp8 else "")
+                + f"_dk{d}_dv{self.head_dim_v}"
+                + ("_sv" if self.own_v else "")
+                + f"_h{self.heads_per_block}"
+                + (f"_t{self.step_tokens}" if self.step_tokens != 64 else "")
+                + f"_x{self.features}"
+            )
         if family == "generic":
             fp8 = f"_{self.fp8}" if self.fp8 else ""
             stem = f"gqa_split_{dt}{fp8}_g{self.heads_per_block}_{'vec' if self.vec else 'any'}"
@@ -392,6 +454,12 @@ class KernelSpec:
             return f"FX_VERIFY_ROWS_ENTRY({name}, {t}, {d}, {self.row_warps}, {f})"
         if family == "vrcombine":
             return f"FX_VERIFY_ROWS_COMBINE_ENTRY({name}, {t}, {f})"
+        if family == "latent":
+            q8 = FP8_FORMATS[self.fp8] if self.fp8 else 0
+            vk = "false" if self.own_v else "true"
+            rt = self.heads_per_block // 16
+            return (f"FX_LATENT_ENTRY({name}, {t}, {q8}, {d}, {self.head_dim_v}, {vk}, {rt}, "
+                    f"{self.step_tokens}, {f})")  # fmt: skip
         if family == "generic":
             vec = "true" if self.vec else "false"
             g = self.heads_per_block
