@@ -99,7 +99,7 @@ def test_the_ring_fits_the_blocks_shared_memory():
 
 
 def test_a_plan_refuses_devices_without_the_kernels_needs():
-    with pytest.raises(ValueError, match="device: .*compute capability"):
+    with pytest.raises(ValueError, match=r"device: .*compute capability"):
         _plan(device={**H100, "compute_capability": (7, 5)})
     with pytest.raises(ValueError, match="device: an fp8"):
         _plan(fp8="e4m3", device={**H100, "compute_capability": (8, 6)})
