@@ -47,6 +47,7 @@ GPU_EXAMPLES = [
     "sharded_nccl.py",
     "speculative_verify.py",
     "kv4_cache_decode.py",
+    "mla_layer.py",
 ]
 
 

@@ -49,7 +49,9 @@ _FP8_CACHE = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "uint8": "e4m3"}
 
 def reference_mla_decode(
     q: HostArrayLike, ckv: HostArrayLike, *, head_dim_v: int = 512, kv_scale: float = 1.0,
-    **features: Any,
+    scale: float | None = None, sliding_window: int | None = None,
+    logits_soft_cap: float | None = None, sinks: HostArrayLike | None = None,
+    return_lse: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """`mla_decode` in float64 on the CPU: `reference_gqa_decode` of one latent KV head
     whose first ``head_dim_v`` columns are the values (an fp8 cache's values times
@@ -60,8 +62,15 @@ def reference_mla_decode(
         ckv: ``(seq_len, head_dim)``, any float dtype (uint8: float8_e4m3fn's bytes).
         head_dim_v: the values' width.
         kv_scale: an fp8 cache's scale (its values are ``byte * kv_scale``).
-        **features: `reference_gqa_decode`'s (scale, sliding_window, logits_soft_cap,
-            sinks, return_lse).
+        scale: the score scale (default ``1/sqrt(head_dim)``).
+        sliding_window: attend to the last ``sliding_window`` tokens (each query's own).
+        logits_soft_cap: scores become ``cap * tanh(score / cap)``.
+        sinks: one logit per query head in the softmax's denominator.
+        return_lse: also return the log-sum-exp per row.
+
+    Returns:
+        float64 ``(n_heads, head_dim_v)`` or ``(n_q, n_heads, head_dim_v)``; with
+            ``return_lse``, ``(out, lse)``.
     """
     c = np.asarray(ckv)
     if c.dtype == np.uint8:
@@ -69,8 +78,11 @@ def reference_mla_decode(
 
         c = c.view(ml_dtypes.float8_e4m3fn)
     rows = c.astype(np.float64) * float(kv_scale)
-    return reference_gqa_decode(q, rows.reshape(rows.shape[0], 1, -1), None,
-                                head_dim_v=head_dim_v, **features)  # fmt: skip
+    return reference_gqa_decode(
+        q, rows.reshape(rows.shape[0], 1, -1), None, head_dim_v=head_dim_v, scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        return_lse=return_lse,
+    )  # fmt: skip
 
 
 def _shape_dtype(obj: Any, ref: Any, name: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -100,7 +112,7 @@ def _check_length(seq_len: Any, capacity: int) -> tuple[int, Any]:
 def mla_decode(
     q: ArrayLike,
     ckv: ArrayLike,
-    seq_len: Any = None,
+    seq_len: int | DeviceArrayLike | None = None,
     *,
     head_dim_v: int = 512,
     out: DeviceArrayLike = None,
@@ -110,10 +122,10 @@ def mla_decode(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: ArrayLike = None,
-    kv_scale: Any = None,
+    kv_scale: float | DeviceArrayLike | None = None,
     stream: StreamLike = None,
     device: DeviceLike = None,
-) -> Any:
+) -> np.ndarray | DeviceArray | tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]:
     """Multi-head latent attention of one query token (or of n_q) over a latent cache, on
     tensor cores: every query head reads the one latent row of each token.
 
@@ -147,8 +159,8 @@ def mla_decode(
 
     Returns:
         The output, of q's dtype (numpy for numpy inputs, else a DeviceArray queued on
-        ``stream``), with the LSE ``(out, lse)`` where asked. seq_len 0 gives zeros (and
-        an LSE of -inf, or the sink's logit).
+            ``stream``), with the LSE ``(out, lse)`` where asked. seq_len 0 gives zeros
+            (and an LSE of -inf, or the sink's logit).
 
     Raises:
         ValueError, TypeError: naming the argument, before any device work.
