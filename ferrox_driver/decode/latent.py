@@ -287,8 +287,11 @@ def mla_decode(
                                       features=values, kv_scale=scale_value,
                                       kv_scale_dev=scale_d):  # fmt: skip
             launch.run(stream, dev)
-        if on_device:
-            return (out_d, lse_d) if lse_d is not None else out_d
+        if on_device:  # (the caller's own objects where given: a torch tensor stays one)
+            got = out if out is not None else out_d
+            if lse_d is None:
+                return got
+            return got, (lse if lse is not None else lse_d)
         host = out_d.to_host(stream)
         return (host, lse_d.to_host(stream)) if lse_d is not None else host
     except BaseException:

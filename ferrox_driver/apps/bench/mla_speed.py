@@ -71,7 +71,7 @@ def _floor_us(rotated: RotatedKV, seq: int, itemsize: int, stream: Any, dev: Any
     n16 = DK * itemsize // 16
 
     def read(i: int) -> None:
-        c = rotated.sets[i][0]
+        c = rotated.sets[i % len(rotated.sets)][0]
         args = (c, np.int32(seq), np.int32(chunk), np.int32(n16), sink)
         kernel.launch(blocks, 256, args, stream=stream)
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                     def decode(i: int, q_d: DeviceArray = q_d, out: DeviceArray = out,
                                kw: dict[str, Any] = kw,
                                sets: Any = rotated.sets) -> None:  # fmt: skip
-                        mla_decode(q_d, sets[i][0], out=out, stream=stream, **kw)
+                        mla_decode(q_d, sets[i % len(sets)][0], out=out, stream=stream, **kw)
 
                     us = rotated_graph_us(decode, rotated, stream, 20)
                     sdpa = None if args.no_sdpa else _sdpa_us(q, rotated, n_q, seq, fmt)
