@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite (`pytest -m gpu`) in PARTS processes at once on one GPU, for a device lease
-# of minutes: the test files that hold GPU tests dealt out by size, each part's log in
-# $LOGS (default ${OUT:-/tmp}/gpu_suite), then each part's summary line and the exit status
-# of the worst. Run from the checkout:
+# of minutes: each process takes one of PARTS contiguous runs of the collected GPU tests
+# (FERROX_SHARD, tests/conftest.py: a file of a thousand tests, test_gpu_decode.py, is
+# spread over several), each part's log in $LOGS (default ${OUT:-/tmp}/gpu_suite), then
+# each part's summary line and the exit status of the worst. Run from the checkout:
 #
 #     PARTS=6 bash benchmarks/gpu_suite.sh [pytest args, e.g. -k verify]
 #
@@ -17,15 +18,12 @@ LOGS=${LOGS:-${OUT:-/tmp}/gpu_suite}
 SERIAL=(tests/driver/test_gpu_reliability.py tests/decode/test_gpu_growing.py
   tests/cache/test_gpu_graphs.py)
 mkdir -p "$LOGS"
-mapfile -t files < <(grep -rl "mark.gpu" tests --include='test_*.py' | xargs ls -S |
-  grep -vxF -f <(printf '%s\n' "${SERIAL[@]}"))
+ignore=()
+for f in "${SERIAL[@]}"; do ignore+=("--ignore=$f"); done
 pids=()
 for ((p = 0; p < PARTS; p++)); do
-  part=()
-  for ((i = p; i < ${#files[@]}; i += PARTS)); do part+=("${files[i]}"); done
-  [ ${#part[@]} -gt 0 ] || continue
-  PYTHONPATH=. FERROX_REQUIRE_GPU=1 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    "${part[@]}" "$@" >"$LOGS/part$p.log" 2>&1 &
+  FERROX_SHARD=$p/$PARTS PYTHONPATH=. FERROX_REQUIRE_GPU=1 python3 -m pytest -q -m gpu \
+    -p no:cacheprovider tests "${ignore[@]}" "$@" >"$LOGS/part$p.log" 2>&1 &
   pids+=("$!")
 done
 worst=0

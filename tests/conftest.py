@@ -10,6 +10,21 @@ import pytest
 import ferrox_driver as fd
 
 REQUIRE_GPU = os.environ.get("FERROX_REQUIRE_GPU") == "1"
+SHARD = os.environ.get("FERROX_SHARD", "")
+
+
+@pytest.hookimpl(trylast=True)  # (after -m and -k have deselected theirs)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """FERROX_SHARD=i/n keeps the i-th of n contiguous runs of the collected tests, so n
+    processes at once run them all once (benchmarks/gpu_suite.sh)."""
+    if not SHARD:
+        return
+    i, sep, n = SHARD.partition("/")
+    if not (sep and i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
+        raise pytest.UsageError(f"FERROX_SHARD: expected i/n with 0 <= i < n, got {SHARD!r}")
+    lo, hi = int(i) * len(items) // int(n), (int(i) + 1) * len(items) // int(n)
+    config.hook.pytest_deselected(items=items[:lo] + items[hi:])
+    items[:] = items[lo:hi]
 
 
 _AVAILABLE: bool | None = None
