@@ -49,6 +49,7 @@ from .features import Features, check_features
 from .launches import plan_split
 from .plan import check_algorithm
 from .records import DecodeRecord, decode_record, launch_decode, launches_for, length_bound
+from .values import takes_own_width, values_decode
 from .verify import is_many_queries, verify_decode
 
 __all__ = ["gqa_decode"]
@@ -256,6 +257,7 @@ def gqa_decode(
     return_lse: Literal[False] = False,
     kv_layout: str = "NHD",
     tree_mask: ArrayLike = None,
+    head_dim_v: int | None = None,
 ) -> np.ndarray | DeviceArray: ...
 @overload
 def gqa_decode(
@@ -278,6 +280,7 @@ def gqa_decode(
     return_lse: Literal[True],
     kv_layout: str = "NHD",
     tree_mask: ArrayLike = None,
+    head_dim_v: int | None = None,
 ) -> tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]: ...
 def gqa_decode(
     q: ArrayLike,
@@ -299,6 +302,7 @@ def gqa_decode(
     return_lse: bool = False,
     kv_layout: str = "NHD",
     tree_mask: ArrayLike = None,
+    head_dim_v: int | None = None,
 ) -> np.ndarray | DeviceArray | tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]:
     """Attention of one query token (or of several: a speculative verify) over a KV cache,
     on the GPU (ferrox-cuda's ``launch_gqa_decode``), with the features real models use.
@@ -352,6 +356,14 @@ def gqa_decode(
             (``numpy.packbits(mask, axis=1, bitorder="little")``), on the host or the
             device (read there at run time: a captured graph takes a new mask in place).
             The diagonal must be set (checked for a host mask). None: causal.
+        head_dim_v: the values' width where it differs from K's head_dim (None: equal):
+            ``v_cache`` then has rows of ``head_dim_v`` in K's layout and the result is
+            ``q.shape[:-1] + (head_dim_v,)``. On the latent tensor-core kernels: q
+            ``(n_heads, head_dim)`` or ``(n_q, n_heads, head_dim)`` (n_q up to 16) of
+            float16 or bfloat16, head_dim a multiple of 64 up to 576, head_dim_v a multiple
+            of 128 up to 512, shaped K and V (device views with contiguous, 16-byte aligned
+            rows read in place); every feature but ALiBi and ``tree_mask``
+            (`decode.values.values_decode`).
 
     Returns:
         With numpy inputs, a numpy array (copied back, complete). With device inputs
@@ -364,6 +376,14 @@ def gqa_decode(
         ValueError: bad shapes, layouts, or arrays on different devices.
         TypeError: bad types or dtypes. Both raised before any device work.
     """
+    if head_dim_v is not None and takes_own_width(q, head_dim, head_dim_v):
+        return values_decode(
+            q, k_cache, v_cache, head_dim_v, n_heads=n_heads, n_kv_heads=n_kv_heads,
+            head_dim=head_dim, stream=stream, algorithm=algorithm, device=device, out=out,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+            alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
+            kv_layout=kv_layout, tree_mask=tree_mask,
+        )  # fmt: skip
     if tree_mask is not None:
         return _many(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim, stream, algorithm,
                      device, out, sliding_window, logits_soft_cap, sinks, alibi_slopes, scale,

@@ -344,19 +344,20 @@ _plans: dict[tuple[Any, ...], LatentPlan] = {}
 
 def _plan(
     dev: Device, dtype: str, fp8: str, n_q: int, n_heads: int, head_dim: int, head_dim_v: int,
-    plan_seq: int, bits: int,
+    plan_seq: int, bits: int, n_kv_heads: int = 1, own_v: bool = False,
 ) -> LatentPlan:  # fmt: skip
     """`latent_plan` for ``dev``, memoised (planning is pure; the kernels load on first use)."""
-    key = (dev.context_handle, dtype, fp8, n_q, n_heads, head_dim, head_dim_v, plan_seq, bits)
+    key = (dev.context_handle, dtype, fp8, n_q, n_heads, head_dim, head_dim_v, plan_seq, bits,
+           n_kv_heads, own_v)  # fmt: skip
     found = _plans.get(key)
     if found is None:
         if len(_plans) >= 1024:
             _plans.clear()
         found = _plans[key] = latent_plan(
-            dtype, fp8, n_q, n_heads, 1, head_dim, head_dim_v, plan_seq, bits,
+            dtype, fp8, n_q, n_heads, n_kv_heads, head_dim, head_dim_v, plan_seq, bits,
             multiprocessor_count=dev.multiprocessor_count,
             shared_per_block=dev.max_shared_per_block_optin,
-            compute_capability=dev.compute_capability,
+            compute_capability=dev.compute_capability, own_v=own_v,
         )  # fmt: skip
     return found
 
@@ -365,21 +366,28 @@ def latent_launches(
     plan: LatentPlan, q: DeviceArray, ckv: DeviceArray, out: DeviceArray,
     workspace: DeviceArray, *, n_q: int, n_heads: int, seq_len: int,
     seq_len_dev: DeviceArray | None, features: abi.FeatureArgs, kv_scale: float = 1.0,
-    kv_scale_dev: DeviceArray | None = None,
+    kv_scale_dev: DeviceArray | None = None, v: DeviceArray | None = None,
+    n_kv_heads: int = 1, strides: tuple[int, int, int, int] | None = None,
 ) -> list[abi.Launch]:  # fmt: skip
     """The two launches of an MLA decode: the latent kernel of ``plan`` (its partials into
     ``workspace``, ``plan.workspace_floats``), then the verify rows' combine into ``out``
-    with the sinks and the LSE (``features``), launched early."""
+    with the sinks and the LSE (``features``), launched early.
+
+    A value cache of its own (``plan.spec.own_v``, decode/values.py) comes as ``v``, with
+    ``n_kv_heads`` KV heads and ``strides``, in elements: (K's token rows, V's token rows,
+    K's heads, V's heads) apart; by default one latent head of contiguous rows, ``ckv``."""
     spec = plan.spec
     dk, dv = spec.head_dim, spec.head_dim_v
+    k_row, v_row, k_head, v_head = strides if strides is not None else (dk, dk, 0, 0)
     rows = n_q * n_heads
     n_partial = rows * plan.splits
     ws_ml = workspace.view((n_partial * 2,), np.float32, offset=n_partial * dv * 4)
     splits, tile = np.int32(plan.splits), np.int32(plan.tile)
     args = (
-        q, ckv, ckv, workspace, ws_ml, np.int32(n_heads), np.int32(1), np.int32(n_q),
-        np.int32(seq_len), seq_len_dev, splits, tile, np.int64(dk), np.int64(dk), np.int64(0),
-        np.int64(0), np.float32(features.scale), np.float32(features.cap),
+        q, ckv, ckv if v is None else v, workspace, ws_ml, np.int32(n_heads),
+        np.int32(n_kv_heads), np.int32(n_q), np.int32(seq_len), seq_len_dev, splits, tile,
+        np.int64(k_row), np.int64(v_row), np.int64(k_head), np.int64(v_head),
+        np.float32(features.scale), np.float32(features.cap),
         np.int32(features.window), kv_scale_dev, kv_scale_dev, np.float32(kv_scale),
     )  # fmt: skip
     combine_args = (
@@ -388,7 +396,7 @@ def latent_launches(
         features.lse,
     )  # fmt: skip
     return [
-        abi.Launch(spec, plan.grid(1), plan.threads, args, plan.shared_bytes),
+        abi.Launch(spec, plan.grid(n_kv_heads), plan.threads, args, plan.shared_bytes),
         abi.Launch(plan.combine_spec(), (rows, -(-dv // 32), 1), COMBINE_THREADS, combine_args,
                    early=planner.OVERRIDES.early_combine),
     ]  # fmt: skip

@@ -92,13 +92,14 @@ class LatentPlan:
 def latent_plan(
     dtype: str, fp8: str, n_q: int, n_heads: int, n_kv_heads: int, head_dim: int,
     head_dim_v: int, plan_seq: int, features: int, *, multiprocessor_count: int,
-    shared_per_block: int, compute_capability: tuple[int, int],
+    shared_per_block: int, compute_capability: tuple[int, int], own_v: bool = False,
 ) -> LatentPlan:  # fmt: skip
     """The latent kernel's plan for ``n_q`` queries of ``n_heads`` heads over up to
     ``plan_seq`` tokens (``dtype``: the kernels' f16 or bf16; ``fp8``: the cache's format
     or ""; ``features``: F_* bits, those past LATENT_FEATURES and COMBINE_FEATURES
-    refused by the spec). Steps of 64 tokens where the block's shared memory holds their
-    ring, else 32.
+    refused by the spec; ``own_v``: V rows of their own, a value cache apart from K's,
+    rather than K's first ``head_dim_v`` columns). Steps of 64 tokens where the block's
+    shared memory holds their ring, else 32.
 
     Raises:
         ValueError: a device without the kernel's instructions (compute capability 8.0 for
@@ -117,7 +118,7 @@ def latent_plan(
     spec = None
     for tokens in (64, 32):
         spec = KernelSpec("latent", dtype, head_dim, fp8=fp8, head_dim_v=head_dim_v,
-                          heads_per_block=heads, step_tokens=tokens,
+                          heads_per_block=heads, step_tokens=tokens, own_v=own_v,
                           features=features & LATENT_FEATURES)  # fmt: skip
         if latent_shared_bytes(spec) <= shared_per_block:
             break
