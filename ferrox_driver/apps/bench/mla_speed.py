@@ -48,6 +48,48 @@ extern "C" __global__ void __launch_bounds__(256) read_latent_rows(
 """
 
 
+MMA_SOURCE = r"""
+// Tensor-core issue rate: each warp chains independent bf16 m16n8k16 mma.sync (8
+// accumulators, operands in registers), as the latent kernel issues them; no memory.
+extern "C" __global__ void __launch_bounds__(256) mma_only(int steps, float* sink) {
+    unsigned a0 = threadIdx.x, a1 = a0 * 3u, a2 = a0 ^ 5u, a3 = a0 + 7u, b0 = a0 * 11u, b1 = 1u;
+    float c[8][4] = {};
+    for (int s = 0; s < steps; ++s) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            asm volatile(
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(c[j][0]), "+f"(c[j][1]), "+f"(c[j][2]), "+f"(c[j][3])
+                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc += c[j][0] + c[j][1] + c[j][2] + c[j][3];
+    if (acc == 1.2345f) sink[0] = acc;
+}
+"""
+MMA_STEPS = 4096
+
+
+def mma_tflops(stream: Any, dev: Any) -> float:
+    """The GPU's bf16 mma.sync m16n8k16 rate (TFLOPS), 8 warps a block, two blocks per
+    multiprocessor: what bounds the latent kernel where it is not bound by reading."""
+    module = ensure_module_loaded(MMA_SOURCE, "mma_only.cu", "mma_only", device=dev)
+    kernel = module.get_function("mma_only")
+    sink = empty((1,), np.float32, device=dev)
+    blocks = 2 * dev.multiprocessor_count
+    rotated = RotatedKV([(sink, sink)], 8, sink)
+
+    def run(_: int) -> None:
+        kernel.launch(blocks, 256, (np.int32(MMA_STEPS), sink), stream=stream)
+
+    us = rotated_graph_us(run, rotated, stream, 10)
+    sink.close()
+    flops = blocks * 8 * MMA_STEPS * 8 * 16 * 8 * 16 * 2
+    return flops / us / 1e6
+
+
 def _sets(seq: int, fmt: str, stream: Any, dev: Any) -> RotatedKV:
     dt = np.dtype(FORMATS[fmt])
     one = seq * DK * dt.itemsize
@@ -120,9 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     dev = default_device()
     stream = bench_stream(dev)
     rng = np.random.default_rng(0)
-    print(f"# {dev.name}: MLA decode, latent {DK} (values {DV}); us per decode, graph-replayed")
+    tflops = mma_tflops(stream, dev)
+    print(f"# {dev.name}: MLA decode, latent {DK} (values {DV}); us per decode, graph-replayed;"
+          f" mma.sync bf16 {tflops:.0f} TFLOPS measured: 'mma us' = the decode's "
+          f"n_q x heads x seq x {DK + DV} x 2 flops at that rate")  # fmt: skip
     print(f"{'fmt':>5} {'seq':>7} {'heads':>5} {'n_q':>3} {'us':>9} {'TB/s':>6} "
-          f"{'floor us':>9} {'% floor':>7} {'sdpa us':>9}")  # fmt: skip
+          f"{'floor us':>9} {'% floor':>7} {'mma us':>8} {'sdpa us':>9}")  # fmt: skip
     for fmt in args.formats:
         fp8 = fmt != "bf16"
         itemsize = np.dtype(FORMATS[fmt]).itemsize
@@ -145,9 +190,10 @@ def main(argv: list[str] | None = None) -> None:
 
                     us = rotated_graph_us(decode, rotated, stream, 20)
                     sdpa = None if args.no_sdpa else _sdpa_us(q, rotated, n_q, seq, fmt)
+                    mma_us = n_q * heads * seq * (DK + DV) * 2 / tflops / 1e6
                     print(f"{fmt:>5} {seq:>7} {heads:>5} {n_q:>3} {us:>9.2f} "
                           f"{latent_bytes / us / 1e6:>6.2f} {floor:>9.2f} "
-                          f"{100 * floor / us:>6.1f}% "
+                          f"{100 * floor / us:>6.1f}% {mma_us:>8.2f} "
                           f"{'-' if sdpa is None else f'{sdpa:.1f}':>9}", flush=True)  # fmt: skip
                     q_d.close()
                     out.close()
