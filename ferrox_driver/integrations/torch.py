@@ -20,7 +20,10 @@ stream and read every length on the device, so one captured graph serves every s
   capacity, head_dim)`` / ``(1, n_kv_heads, capacity, head_dim)`` ("HND", a transformers
   StaticCache layer's buffers); bf16, fp16, fp32, or fp8 bytes read with ``kv_scales``;
   every feature; the LSE with ``return_lse=True``. ``seq_len=None``: every token of
-  ``k_cache`` (the eager form, for a cache that grows by concatenation).
+  ``k_cache`` (the eager form, for a cache that grows by concatenation). A ``v_cache``
+  whose rows are narrower or wider than K's (DeepSeek V2/V3's expanded heads: K 192, V
+  128) gives an output ``q.shape[:-1] + (v_cache.shape[-1],)``: values of their own width
+  (``ferrox_driver.gqa_decode(..., head_dim_v=)``), eager form only.
 - ``kv_append(k_cache, v_cache, k, v, state, kv_scales=None)``: one token ``(n_kv_heads,
   head_dim)`` or several ``(n, n_kv_heads, head_dim)`` into a token-major cache at
   ``state[0]``, which is then bumped; an fp8 cache quantizes them with ``kv_scales``.
@@ -46,9 +49,11 @@ from ..decode.eager import gqa_decode as _eager_decode
 from ..decode.merge import merge_states as _merge
 from ..decode.pair import decode_async_pair
 from ..decode.queries import query_heads, single_query_only
+from ..decode.values import VALUES_MAX_HEAD_DIM_V, VALUES_MAX_QUERIES
 from ..driver.device import device_for
 from ..driver.graph import relaxed_capture, stream_capturing
 from ..driver.pool import stream_buffer
+from ..kernels.spec import LATENT_MAX_HEAD_DIM
 from .torch_kv4 import check_rows, dequantize_4bit, four_bit_args, hadamard
 
 __all__ = ["dequantize_4bit", "gqa_decode", "hadamard", "kv_append", "merge_states",
@@ -89,6 +94,68 @@ def _lse_shape(q: torch.Tensor, n_heads: int, return_lse: bool) -> tuple[int, ..
     if not return_lse:
         return (0,)
     return (q.shape[0], n_heads) if q.dim() == 3 else (n_heads,)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _own_width(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: torch.Tensor | None,
+    kv_scales: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
+    tree_mask: torch.Tensor | None, kv_format: str | None,
+) -> int | None:  # fmt: skip
+    """V's width where it is not K's (values of their own width: ``head_dim_v``), checked
+    against what their kernels take (decode/values.py), or None where the widths agree.
+    Shapes and dtypes only: CPU and fake tensors alike.
+
+    Raises:
+        TypeError, ValueError: naming the argument.
+    """
+    if kv_format is not None or v_cache.dim() != k_cache.dim() or v_cache.dim() == 0:
+        return None  # (a 4-bit cache's V is K's width, checked with it; the rest by _dims)
+    d, dv = k_cache.shape[-1], v_cache.shape[-1]
+    if d == dv:
+        return None
+    what = f"values of their own width (v_cache's {dv} against k_cache's {d})"
+    if tuple(v_cache.shape[:-1]) != tuple(k_cache.shape[:-1]):
+        raise ValueError(f"v_cache: expected k_cache's tokens and heads {tuple(k_cache.shape)[:-1]}"
+                         f" with rows of its own width, got {tuple(v_cache.shape)}")  # fmt: skip
+    refused = (
+        ("seq_len", seq_len, "are decoded over every token of k_cache: pass seq_len=None "
+         "with the caches' first n tokens (a view, k_cache[:n] or k_cache[:, :, :n], is read "
+         "in place)"),
+        ("kv_scales", kv_scales, "are not read from fp8 caches"),
+        ("alibi_slopes", alibi_slopes, "take no ALiBi (their kernels have none)"),
+        ("tree_mask", tree_mask, "are causal only (their kernels take no tree mask)"),
+    )  # fmt: skip
+    for name, given, why in refused:
+        if given is not None:
+            raise ValueError(f"{name}: {what} {why}")
+    if q.dtype not in _HALF:
+        raise TypeError(f"q: {what} need float16 or bfloat16 (tensor-core kernels), got {q.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: expected q's dtype {q.dtype}, got {t.dtype}")
+    if d % 64 or d > LATENT_MAX_HEAD_DIM:
+        raise ValueError(f"k_cache: with {what}, head_dim must be a multiple of 64 up to "
+                         f"{LATENT_MAX_HEAD_DIM}, got {d}")  # fmt: skip
+    if dv % 128 or dv > VALUES_MAX_HEAD_DIM_V:
+        raise ValueError(f"v_cache: its width (head_dim_v) must be a multiple of 128 up to "
+                         f"{VALUES_MAX_HEAD_DIM_V}, got {dv}")  # fmt: skip
+    if q.dim() == 0 or q.shape[-1] % d:
+        raise ValueError(f"q: with {what}, q's last axis must hold whole heads of {d}, got "
+                         f"shape {tuple(q.shape)}")  # fmt: skip
+    if q.dim() == 3 and q.shape[0] > VALUES_MAX_QUERIES:
+        raise ValueError(f"q: up to {VALUES_MAX_QUERIES} query tokens with {what}, got "
+                         f"{q.shape[0]}")  # fmt: skip
+    return int(dv)
+
+
+def _out_shape(q: torch.Tensor, head_dim: int, head_dim_v: int | None) -> tuple[int, ...]:
+    """The output's shape: q's, each head ``head_dim_v`` wide where given."""
+    if head_dim_v is None:
+        return tuple(q.shape)
+    return (*q.shape[:-1], q.shape[-1] // head_dim * head_dim_v)
 
 
 # Per-head float32 copies of feature tensors given in another dtype (a model's bf16 sinks):
@@ -158,13 +225,26 @@ def _decode_op(
     four = four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
                          kv_layout, rotate_k)  # fmt: skip
     n_heads, n_kv, head_dim = _dims(q, k_cache, kv_layout, kv_format)
+    dv = _own_width(q, k_cache, v_cache, seq_len, kv_scales, alibi_slopes, tree_mask, kv_format)
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if dv is None else q.new_empty(_out_shape(q, head_dim, dv))
     lse = torch.empty(_lse_shape(q, n_heads, return_lse), dtype=torch.float32, device=q.device)
     stream = _current_stream(q.device)
     features: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                     sinks=float32_copy(sinks), alibi_slopes=float32_copy(alibi_slopes),
                     scale=scale)  # fmt: skip
+    if dv is not None:  # values of their own width: every token of k_cache (seq_len None)
+        qh = q if q.dim() == 3 else q.view(n_heads, head_dim)  # (n_q, H, D) or (H, D)
+        qh = qh.clone() if qh.data_ptr() % 16 else qh  # (the kernels read 16-byte pieces)
+        with _relaxed_if_captured(stream):
+            own: Any = _eager_decode(qh, k_cache, v_cache, n_heads=n_heads, n_kv_heads=n_kv,
+                                     head_dim=head_dim, head_dim_v=dv,
+                                     out=out.view(*qh.shape[:-1], dv), stream=stream,
+                                     kv_layout=kv_layout, return_lse=return_lse,  # type: ignore[call-overload]
+                                     **features)  # fmt: skip
+        if return_lse:
+            lse.copy_(torch.from_dlpack(own[1]).view(lse.shape))
+        return out, lse
     if seq_len is None:  # every token of k_cache: the eager decode (a record per length bucket)
         if kv_scales is not None or four is not None:
             what = "kv_scales: an fp8" if four is None else f"kv_format: a {kv_format}"
@@ -200,8 +280,9 @@ def _decode_fake(
     # (checked while tracing, as the shapes are)
     four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
                   kv_layout, rotate_k)  # fmt: skip
-    n_heads, _, _ = _dims(q, k_cache, kv_layout, kv_format)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    n_heads, _, head_dim = _dims(q, k_cache, kv_layout, kv_format)
+    dv = _own_width(q, k_cache, v_cache, seq_len, kv_scales, alibi_slopes, tree_mask, kv_format)
+    out = torch.empty(_out_shape(q, head_dim, dv), dtype=q.dtype, device=q.device)
     lse = q.new_empty(_lse_shape(q, n_heads, return_lse), dtype=torch.float32)
     return out, lse
 
@@ -324,6 +405,7 @@ def gqa_decode(
     k_block_scales: torch.Tensor | None = None,
     v_block_scales: torch.Tensor | None = None,
     rotate_k: bool | None = None,
+    head_dim_v: int | None = None,
 ) -> Any:
     """Attention of one query token, or of the last n_q tokens (a speculative verify), over
     the first ``seq_len`` tokens of a cache, on PyTorch's current stream
@@ -339,7 +421,13 @@ def gqa_decode(
             heads any number of rows apart): float32, float16, bfloat16, or
             ``torch.float8_e4m3fn`` / ``float8_e5m2`` with ``kv_scales``, or a 4-bit cache's
             values, uint8 ``(capacity, n_kv_heads, head_dim // 2)``, with ``kv_format``.
-        v_cache: like ``k_cache``.
+        v_cache: like ``k_cache``; or, with rows of a width of their own (``head_dim_v``:
+            DeepSeek V2/V3's expanded heads, K 192 and V 128), the same tokens and heads of
+            q's dtype (float16 or bfloat16), each token's row contiguous and 16-byte
+            aligned (views such as a ``torch.split`` of wider rows are read in place), with
+            ``seq_len=None``: K's width a multiple of 64 up to 576, V's a multiple of 128 up
+            to 512, up to 16 query tokens; every feature but ALiBi and ``tree_mask``; not fp8
+            or 4-bit caches.
         seq_len: a one-element int32 CUDA tensor, the tokens to read (``[0, capacity]``,
             read by the kernels at each run). None: all of ``k_cache``'s tokens (eager).
         n_heads, n_kv_heads, head_dim: optional, checked against the shapes.
@@ -362,10 +450,13 @@ def gqa_decode(
         rotate_k: whether the 4-bit K is Hadamard-rotated (q is rotated alike in the
             decode); None: the format's default, as ``KVCache(rotate=None)``'s (int4
             rotated, nvfp4 not).
+        head_dim_v: optional, checked against ``v_cache``'s last dimension (which says
+            the values' width).
 
     Returns:
-        ``out`` of q's shape and dtype, or ``(out, lse)`` with ``return_lse`` (LSE
-        ``(n_heads,)``, or ``(n_q, n_heads)`` for a 3-D q).
+        ``out`` of q's shape and dtype (each head ``head_dim_v`` wide where V's rows are
+        not K's width: ``q.shape[:-1] + (head_dim_v,)``), or ``(out, lse)`` with
+        ``return_lse`` (LSE ``(n_heads,)``, or ``(n_q, n_heads)`` for a 3-D q).
 
     Raises:
         ValueError, TypeError: naming the argument, before any device work.
@@ -384,6 +475,14 @@ def gqa_decode(
                                  (n_heads, n_kv_heads, head_dim), got, strict=True):  # fmt: skip
         if given is not None and given != have:
             raise ValueError(f"{name}: {given} given, but the shapes say {have}")
+    dv = _own_width(q, k_cache, v_cache, seq_len, kv_scales, alibi_slopes, tree_mask, kv_format)
+    if head_dim_v is not None:
+        if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int):
+            raise TypeError(f"head_dim_v: expected an int, got {head_dim_v!r}")
+        have = got[2] if dv is None else dv
+        if head_dim_v != have:
+            raise ValueError(f"head_dim_v: {head_dim_v} given, but v_cache's shape "
+                             f"{tuple(v_cache.shape)} says {have}")  # fmt: skip
     if tree_mask is not None and q.dim() != 3:
         raise ValueError("tree_mask: only with several query tokens, q (n_q, n_heads, head_dim)")
     out, lse = torch.ops.ferrox.gqa_decode(
