@@ -10,7 +10,10 @@ Which attention computes each call:
 
 - ferrox: single-token decode steps of a batch of one on CUDA, reading the cache's K and V
   in place (head-major, ``gqa_decode(..., kv_layout="HND")``), with the layer's scale,
-  sliding window (from the attention mask), soft-cap (Gemma 2) and sinks (gpt-oss).
+  sliding window (from the attention mask), soft-cap (Gemma 2) and sinks (gpt-oss). Values
+  of their own width (DeepSeek V2/V3: K 192, V 128 wide, V a ``torch.split`` view): decode
+  steps of 1 to 16 query tokens (a verify's, causal, after earlier tokens), eager
+  (``gqa_decode(..., head_dim_v=)`` over the first tokens the mask keeps); compiled, SDPA.
 - eager attention, every other call (prefill, batches, padding, dropout, CPU tensors) of a
   layer with a feature that SDPA cannot express: a soft-cap, sinks, ``output_attentions``,
   another keyword that SDPA does not read, or a model whose ``_supports_sdpa`` is False.
@@ -35,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..decode.checks import MAX_HEAD_DIM
+from ..decode.values import VALUES_MAX_HEAD_DIM_V, VALUES_MAX_QUERIES
+from ..kernels.spec import LATENT_MAX_HEAD_DIM
 
 NAME = "ferrox"
 logger = logging.getLogger(__name__)
@@ -71,13 +76,15 @@ def register(name: str = NAME) -> None:
 @dataclass(frozen=True)
 class DecodeCall:
     """How one attention call runs on ferrox: the first ``length`` tokens of the cache,
-    the window (None: all of them) and the features."""
+    the window (None: all of them) and the features; ``head_dim_v`` the values' width
+    where it is not the keys' (None: equal)."""
 
     length: int
     sliding_window: int | None
     scale: float | None
     logits_soft_cap: float | None
     sinks: Any  # a float32 torch tensor of n_heads, or None
+    head_dim_v: int | None = None
 
 
 _DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32")
@@ -102,17 +109,24 @@ def decode_call(
     sentence for the debug log). ``query`` is ``[batch, n_heads, q_len, head_dim]``, ``key``
     and ``value`` ``[batch, n_kv_heads, kv_len, head_dim]`` (a static cache's whole buffer,
     or a dynamic cache's tokens); the mask, where given, says which of kv_len are read.
-    Reads the mask's last row on the host (one small copy). ``require_cuda=False``: the
-    plan of CPU tensors too (for tests). ``read_mask=False`` (a compiled step): the mask is
-    not read here; ``length`` is then the whole cache and the window the layer's
-    ``sliding_window`` keyword, both checked against the mask on the device."""
+    Reads the mask's last row on the host (one small copy). A ``value`` whose rows are
+    not the keys' width (DeepSeek V2/V3) takes 1 to 16 query tokens, the last of a run
+    that the mask's rows show causal after earlier tokens (``_rows_span``), eager only.
+    ``require_cuda=False``: the plan of CPU tensors too (for tests). ``read_mask=False``
+    (a compiled step): the mask is not read here; ``length`` is then the whole cache and
+    the window the layer's ``sliding_window`` keyword, both checked against the mask on
+    the device."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "query, key and value are not 4-D [batch, heads, tokens, head_dim]"
     batch, n_heads, q_len, head_dim = query.shape
+    dv = int(value.shape[3]) if value.shape[3] != key.shape[3] else None  # (DeepSeek V2/V3)
     if batch != 1:
         return f"a batch of {batch} (ferrox decodes one sequence)"
-    if q_len != 1:
+    if q_len != 1 and dv is None:
         return f"{q_len} query tokens (prefill; ferrox decodes one token)"
+    if q_len > VALUES_MAX_QUERIES:
+        return (f"{q_len} query tokens (prefill; ferrox decodes 1 to {VALUES_MAX_QUERIES} "
+                f"with values of their own width)")  # fmt: skip
     if dropout:
         return f"dropout {dropout}"
     if kwargs.get("output_attentions"):
@@ -123,11 +137,16 @@ def decode_call(
     if str(query.dtype) not in _DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return f"dtypes {query.dtype}, {key.dtype}, {value.dtype}"
     n_kv, kv_len = key.shape[1], key.shape[2]
-    if tuple(value.shape) != tuple(key.shape) or key.shape[3] != head_dim or key.shape[0] != 1:
+    if (tuple(value.shape[:3]) != tuple(key.shape[:3]) or key.shape[3] != head_dim
+            or key.shape[0] != 1):  # fmt: skip
         return f"key {tuple(key.shape)} and value {tuple(value.shape)} do not match the query"
-    if head_dim > MAX_HEAD_DIM or n_heads % n_kv:
+    if dv is not None:
+        why = _why_not_values(query, key, value, read_mask)
+        if why:
+            return why
+    elif head_dim > MAX_HEAD_DIM or n_heads % n_kv:
         return f"{n_heads} query heads of {head_dim} over {n_kv} KV heads"
-    if key.stride(-1) != 1 or key.stride(-2) != head_dim or value.stride() != key.stride():
+    elif key.stride(-1) != 1 or key.stride(-2) != head_dim or value.stride() != key.stride():
         return f"K/V rows not contiguous (strides {key.stride()}, {value.stride()})"
     if (
         key.device != query.device
@@ -140,11 +159,16 @@ def decode_call(
         window = kwargs.get("sliding_window")
         window = None if window is None or window >= kv_len else int(window)
     elif attention_mask is not None:
-        span = _mask_span(attention_mask, kv_len)
+        span = (_mask_span(attention_mask, kv_len) if q_len == 1
+                else _rows_span(attention_mask, kv_len, q_len))  # fmt: skip
         if isinstance(span, str):
             return span
         first, length = span
         window = length - first if first else None
+    if q_len > 1 and (attention_mask is None or length <= q_len):
+        # (no earlier token: a prompt's; SDPA's is_causal, without a mask, aligns its
+        # queries with the first keys, ferrox's with the last)
+        return f"{q_len} query tokens with no earlier token to read (prefill)"
     sinks = None
     if s_aux is not None:  # (a compiled step hands s_aux to the op, which makes its copy)
         sinks = s_aux if not read_mask else _float32_copy(s_aux).reshape(-1)
@@ -152,7 +176,34 @@ def decode_call(
         return f"{sinks.numel()} sinks for {n_heads} query heads"
     cap = float(softcap) if softcap else None
     scale = None if scaling is None else float(scaling)
-    return DecodeCall(length, window, scale, cap, sinks)
+    return DecodeCall(length, window, scale, cap, sinks, dv)
+
+
+def _why_not_values(query: Any, key: Any, value: Any, read_mask: bool) -> str | None:
+    """Why ferrox does not decode values of their own width (``value``'s rows narrower
+    or wider than ``key``'s) from these tensors, or None: the kernels' dtypes and widths
+    (decode/values.py), rows contiguous and 16-byte aligned, and an eager call (the length
+    is read from the mask on the host and the first tokens passed as views; a compiled
+    step has no host read)."""
+    d, dv, n_heads, n_kv = key.shape[3], value.shape[3], query.shape[1], key.shape[1]
+    what = f"values {dv} wide against keys {d}"
+    if not read_mask:
+        return f"{what}, compiled (ferrox reads their length on the host)"
+    if str(query.dtype) not in _DTYPES[:2]:
+        return f"{what} in {query.dtype} (ferrox's kernels for them: float16, bfloat16)"
+    if d % 64 or d > LATENT_MAX_HEAD_DIM or dv % 128 or dv > VALUES_MAX_HEAD_DIM_V:
+        return (f"{what} (ferrox: keys a multiple of 64 up to {LATENT_MAX_HEAD_DIM}, values "
+                f"of 128 up to {VALUES_MAX_HEAD_DIM_V})")  # fmt: skip
+    if n_heads % n_kv:
+        return f"{n_heads} query heads over {n_kv} KV heads"
+    size = key.element_size()
+    for name, t, width in (("K", key, d), ("V", value, dv)):
+        apart = [t.stride(1) if t.shape[1] > 1 else 0, t.stride(2) if t.shape[2] > 1 else width]
+        if t.stride(3) != 1 or apart[1] < width or apart[0] < 0:
+            return f"{name} rows not contiguous (strides {t.stride()})"
+        if (t.data_ptr() % 16) or any(a * size % 16 for a in apart):
+            return f"{name} rows not 16-byte aligned (strides {t.stride()})"
+    return None
 
 
 # The last mask read on the host and its span: a step's layers share one mask, read once.
@@ -170,6 +221,48 @@ def _mask_span(mask: Any, kv_len: int) -> tuple[int, int] | str:
     span = _read_span(mask)
     _SPAN[:] = [mask, mask._version, span]
     return span
+
+
+# The last mask of several rows read on the host and its span (as _SPAN).
+_ROWS: list[Any] = [None, -1, None]
+
+
+def _rows_span(mask: Any, kv_len: int, n_q: int) -> tuple[int, int] | str:
+    """``_mask_span`` of a mask of ``n_q`` query rows, which ferrox reads as its causal
+    queries: the last n_q tokens of a run ending at ``end``, query t's row keeping the
+    tokens up to ``end - n_q + t`` from where the window (the last row's, None: token 0)
+    starts. ``(first, end)`` of the last row, or why the mask is not that."""
+    shape = tuple(mask.shape)
+    if mask.dim() != 4 or shape[:2] != (1, 1) or shape[2:] != (n_q, kv_len):
+        return f"an attention mask of shape {shape} for {n_q} query tokens"
+    if _ROWS[0] is mask and _ROWS[1] == mask._version:
+        return _ROWS[2]
+    span = _read_rows(mask, n_q)
+    _ROWS[:] = [mask, mask._version, span]
+    return span
+
+
+def _read_rows(mask: Any, n_q: int) -> tuple[int, int] | str:
+    import torch
+
+    rows = mask[0, 0]
+    keep = (rows if rows.dtype == torch.bool else rows == 0).cpu()  # (one host copy)
+    at = torch.arange(keep.shape[1])
+    count = keep.sum(1)
+    if bool((count == 0).any()):
+        return "a mask that hides every token from a query"
+    end = torch.where(keep, at + 1, 0).amax(1)
+    first = torch.where(keep, at, keep.shape[1]).amin(1)
+    if not torch.equal(end - first, count):
+        return "a mask that is not one run of tokens for each query (padding)"
+    n = int(end[-1])
+    if not torch.equal(end, torch.arange(n - n_q + 1, n + 1)):
+        return f"a mask whose {n_q} queries are not the last tokens it keeps, in order"
+    window = n - int(first[-1]) if int(first[-1]) else None
+    start = torch.zeros_like(end) if window is None else (end - window).clamp(min=0)
+    if not torch.equal(first, start):
+        return "a mask whose queries' windows differ"
+    return int(first[-1]), n
 
 
 def _read_span(mask: Any) -> tuple[int, int] | str:
@@ -223,6 +316,8 @@ def ferrox_attention_forward(
     if isinstance(call, str):
         return _fallback(call, module, query, key, value, attention_mask, dropout, scaling,
                          **kwargs)  # fmt: skip
+    if call.head_dim_v is not None:
+        return _values_forward(call, query, key, value), None
     _, n_heads, _, head_dim = query.shape
     features: dict[str, Any] = dict(sliding_window=call.sliding_window, scale=call.scale,
                                     logits_soft_cap=call.logits_soft_cap)  # fmt: skip
@@ -252,6 +347,30 @@ def ferrox_attention_forward(
                       head_dim=head_dim, out=out, kv_layout="HND", stream=stream,
                       **features)  # fmt: skip
     return out, None
+
+
+def _values_forward(call: DecodeCall, query: Any, key: Any, value: Any) -> Any:
+    """A decode step whose values are ``call.head_dim_v`` wide (not the keys' width) on
+    ferrox: ``gqa_decode(..., head_dim_v=)`` of the query tokens ``(q_len, n_heads,
+    head_dim)`` over the first ``call.length`` tokens of K and V (views, read in place),
+    into ``[1, q_len, n_heads, head_dim_v]``."""
+    import torch
+
+    import ferrox_driver as fd
+    from ferrox_driver.driver.stream import torch_stream
+
+    _, n_heads, q_len, head_dim = query.shape
+    dv, n = call.head_dim_v, call.length
+    assert dv is not None
+    q = query[0].transpose(0, 1).contiguous()  # (q_len, n_heads, head_dim)
+    q = q.clone() if q.data_ptr() % 16 else q  # (the kernels read 16-byte pieces)
+    out = torch.empty((1, q_len, n_heads, dv), dtype=query.dtype, device=query.device)
+    fd.gqa_decode(q, key[:, :, :n], value[:, :, :n], n_heads=n_heads, n_kv_heads=key.shape[1],
+                  head_dim=head_dim, head_dim_v=dv, out=out.view(q_len, n_heads, dv),
+                  kv_layout="HND", stream=torch_stream(query.get_device()),
+                  sliding_window=call.sliding_window, scale=call.scale,
+                  logits_soft_cap=call.logits_soft_cap, sinks=call.sinks)  # fmt: skip
+    return out
 
 
 def _fp8_forward(
@@ -427,15 +546,22 @@ def _fallback(
     scaling: float | None,
     **kwargs: Any,
 ) -> tuple[Any, Any]:
-    """A call ferrox does not decode (``why``), on eager attention or SDPA."""
+    """A call ferrox does not decode (``why``), on eager attention or SDPA; logged where
+    not compiled (dynamo breaks the graph at a logger call: a compiled step's fallback,
+    as DeepSeek's, is traced into the graph instead)."""
+    import torch
+
+    quiet = torch.compiler.is_compiling()
     feature = _why_eager(module, kwargs)
     if feature is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        logger.debug("ferrox: %s: SDPA instead", why)
+        if not quiet:
+            logger.debug("ferrox: %s: SDPA instead", why)
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)  # fmt: skip
-    logger.debug("ferrox: %s: eager attention instead (%s)", why, feature)
+    if not quiet:
+        logger.debug("ferrox: %s: eager attention instead (%s)", why, feature)
     if attention_mask is not None and attention_mask.shape[-1] > key.shape[-2]:
         # (an FP8Cache's prefill: its mask covers the whole cache, its keys the tokens so far,
         # which are the mask's first columns; SDPA's attention slices it the same way)
