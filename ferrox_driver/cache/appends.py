@@ -282,12 +282,19 @@ class Appends(CacheState):
         for it: the device copies are freed)."""
         dt = k_rows.dtype if k_rows.dtype == v_rows.dtype else ROW_DTYPES[0]
         shape = (n, self.row_elems)
-        with (empty(shape, dt, device=self.device) as k_dev,
-              empty(shape, dt, device=self.device) as v_dev):  # fmt: skip
-            k_dev.copy_from_host(np.ascontiguousarray(k_rows, dt).reshape(shape), self.stream)
-            v_dev.copy_from_host(np.ascontiguousarray(v_rows, dt).reshape(shape), self.stream)
-            self._quantize_rows(k_dev, v_dev, n, seq)
+        # V is K (a latent cache's one buffer, given the same rows): one copy to the device
+        k_dev = empty(shape, dt, device=self.device)
+        pairs = [(k_rows, k_dev)]
+        if not (v_rows is k_rows and self._v_ptr == self._k_ptr):
+            pairs.append((v_rows, empty(shape, dt, device=self.device)))
+        try:
+            for rows, dev in pairs:
+                dev.copy_from_host(np.ascontiguousarray(rows, dt).reshape(shape), self.stream)
+            self._quantize_rows(k_dev, pairs[-1][1], n, seq)
             self.stream.synchronize()
+        finally:
+            for _, dev in pairs:
+                dev.close()
 
     def _quantize_rows(self, k_dev: DeviceArray, v_dev: DeviceArray, n: int, seq: int) -> None:
         """Quantize ``n`` device rows of K and V (float32, float16 or bfloat16) into tokens
@@ -354,8 +361,9 @@ class Appends(CacheState):
                 # caller may reuse its arrays at once.
                 drv("cuMemcpyHtoDAsync", self._k_ptr + offset, k_src.ctypes.data, nbytes,
                     self._h)  # fmt: skip
-                drv("cuMemcpyHtoDAsync", self._v_ptr + offset, v_src.ctypes.data, nbytes,
-                    self._h)  # fmt: skip
+                if self._v_ptr != self._k_ptr:  # (V is K in a latent cache: one copy)
+                    drv("cuMemcpyHtoDAsync", self._v_ptr + offset, v_src.ctypes.data, nbytes,
+                        self._h)  # fmt: skip
             self._seq_len = seq + n
             self._device_seq_current = False
             self.device_length()  # a prefill is rare: keep the device's copy current
@@ -416,7 +424,8 @@ class Appends(CacheState):
                 else:
                     offset, nbytes = seq * self.row_bytes, n * self.row_bytes
                     drv("cuMemcpyDtoDAsync", self._k_ptr + offset, kr[0], nbytes, self._h)
-                    drv("cuMemcpyDtoDAsync", self._v_ptr + offset, vr[0], nbytes, self._h)
+                    if self._v_ptr != self._k_ptr:  # (V is K in a latent cache: one copy)
+                        drv("cuMemcpyDtoDAsync", self._v_ptr + offset, vr[0], nbytes, self._h)
                 self._seq_len = seq + n
                 self._device_seq_current = False
                 if self._eager_seq or not one:  # (as host appends: see append and extend)

@@ -8,7 +8,6 @@ captured graphs read it there, so one captured graph serves every token.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any
 
 import numpy as np
@@ -26,10 +25,9 @@ from ..decode.fp8 import (
     ROW_DTYPES,
     check_scales,
 )
-from ..decode.records import Kept
 from ..driver.device import resolve
 from ..driver.memory import DeviceArray, as_dtype, empty
-from ..driver.stream import Event, Stream, stream_handle
+from ..driver.stream import Stream, stream_handle
 from ..kernels.spec import FOUR_BIT_FORMATS, NVFP4_FORMAT, Q4_FORMAT
 from ..types import DeviceLike, DTypeLike, HostArrayLike
 from .appends import Appends, append_kernel, truncate_kernel
@@ -43,8 +41,7 @@ from .four_bit import (
     format_dtype,
     four_bit_format,
 )
-from .host_decode import HostDecoder
-from .staging import STAGING_SLOTS, StagingRing
+from .staging import STAGING_SLOTS
 
 __all__ = ["KVCache", "append_kernel", "check_cache", "check_kv_shape", "truncate_kernel"]
 
@@ -196,44 +193,11 @@ class KVCache(Appends, Decodes):
         self._k = values(four, self.dtype)
         self._v = values(v_fmt, self.v_dtype)
         self._k_ptr, self._v_ptr = self._k.ptr, self._v.ptr
-        # state[0] = seq_len, state[1] = a flag set by kernels, read by the host (1: an append
-        # past the capacity; 2: kv_truncate_async given a negative length).
-        self.state = empty((2,), np.int32, device=self.device)
-        self.state.fill_bytes(0, self.stream)
         self._scales = scales  # the host's copy of kv_scales
         self.kv_scales = None  # fp8: n_kv K scales, then n_kv V ones
-        # page-locked staging for host rows (an fp8 cache's K and V of a slot side by side,
-        # in the rows' dtype: one copy, see _init_fp8); bound once for the per-token path
-        ring = self._ring = StagingRing(slots, self.row_elems, None if self.fp8 else self.dtype,
-                                        self.device, self._h)  # fmt: skip
-        self._stage_k, self._stage_v, self._stage_seq = ring.k, ring.v, ring.seq
-        self._stage_k_addr, self._stage_v_addr = ring.k_addr, ring.v_addr
-        self._stage_seq_addr = ring.seq_addr
-        self._take_slot, self._done_slot = ring.take, ring.done
-        if self.fp8:
-            self._stage_kv = ring.kv
-            self._stage_kv_addr = ring.kv.ctypes.data
         self.four_bit: FourBitStore | None = None  # a 4-bit cache's scales and appends
         self.rotate = rotated  # K (and q, in the decode) Hadamard-rotated
-        self._seq_len = 0
-        self._host_seq_valid = True
-        self._device_seq_current = True  # state[0] == seq_len once queued work has run
-        self._eager_seq = False  # a graph captured elsewhere reads state[0]: keep it current
-        # A graph captured elsewhere (PyTorch, CuPy) appends: ferrox cannot see its replays,
-        # so the host length is never trusted again (each host use reads the device's).
-        self._graph_appends = False
-        self._workspaces: dict[int, DeviceArray] = {}
-        self._outgrown: list[DeviceArray] = []  # graphs captured earlier may still write them
-        self._records = Kept()  # this cache's launch records, by signature
-        self._decoders: dict[tuple[int, str, np.dtype], HostDecoder] = {}
-        self.feature_decoders: dict[tuple[Any, ...], HostDecoder] = {}  # (host_decode's)
-        self.appenders: dict[tuple[Any, ...], Any] = {}  # kv_append_async's packed launches
-        self.async_records = Kept()  # gqa_decode_async's validated calls
-        self._join_events: tuple[Event, Event] | None = None  # (made at a device call's join)
-        self._closed = False
-        # Appends, decodes and the state they share (length, staging ring, scratch) are
-        # ordered by one lock: re-entrant, as a decode may synchronize to read the length.
-        self.lock = threading.RLock()  # (public: the device ops and graphs take it too)
+        self._init_state(slots)  # the length, the staging ring, the memos, the lock
         if four:
             if four == NVFP4_FORMAT or mixed is not None:  # float32 scales per KV head
                 self.kv_scales = empty((2 * self.n_kv_heads,), np.float32, device=self.device)

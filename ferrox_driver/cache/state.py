@@ -7,6 +7,7 @@ device ops and graphs over caches go through its methods."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,18 +27,27 @@ from ..driver.calls import capture_state as _capture_state
 from ..driver.device import Device
 from ..driver.graph import keep_for_capture, stream_capturing
 from ..driver.launch import PackedLaunch
-from ..driver.memory import DeviceArray
+from ..driver.memory import DeviceArray, empty
 from ..driver.stream import Event, Stream
 from ..errors import ClosedError, FerroxError, KVCapacityError
 from .host_decode import HostDecoder
 from .staging import StagingRing
 
-__all__ = ["CacheState"]
+__all__ = ["CacheState", "capturing"]
+
+
+def capturing(sid: int) -> bool:
+    """Whether work queued now on the stream with int handle ``sid`` would be captured into
+    a graph: a ferrox capture open on this thread, or any capture of that stream."""
+    return bool(getattr(_capture_state, "depth", 0) or (sid and stream_capturing(sid)))
 
 
 class CacheState:
     """What every part of `KVCache` shares: its buffers, staging and length state
-    (declared here, set by `KVCache.__init__`), and the length protocol's methods."""
+    (declared here, set by `KVCache.__init__` and ``_init_state``), and the length
+    protocol's methods."""
+
+    _kind = "KVCache"  # the cache's name in errors (a LatentCache's store names its own)
 
     n_kv_heads: int
     head_dim: int
@@ -90,6 +100,45 @@ class CacheState:
     _fp8_appends: dict[np.dtype, tuple[np.ndarray, PackedLaunch]]
     _fp8_value_appends: dict[np.dtype, tuple[np.ndarray, PackedLaunch] | None]
 
+    def _init_state(self, slots: int) -> None:
+        """The length's device copy, the staging ring of ``slots``, the length flags, the
+        memos and the lock: what a cache sets up once its shape, dtype, device, stream and
+        buffers are set (``KVCache.__init__``; a LatentCache's store)."""
+        # state[0] = seq_len, state[1] = a flag set by kernels, read by the host (1: an append
+        # past the capacity; 2: kv_truncate_async given a negative length).
+        self.state = empty((2,), np.int32, device=self.device)
+        self.state.fill_bytes(0, self.stream)
+        # page-locked staging for host rows (an fp8 cache's K and V of a slot side by side,
+        # in the rows' dtype: one copy, see _init_fp8); bound once for the per-token path
+        ring = self._ring = StagingRing(slots, self.row_elems, None if self.fp8 else self.dtype,
+                                        self.device, self._h)  # fmt: skip
+        self._stage_k, self._stage_v, self._stage_seq = ring.k, ring.v, ring.seq
+        self._stage_k_addr, self._stage_v_addr = ring.k_addr, ring.v_addr
+        self._stage_seq_addr = ring.seq_addr
+        self._take_slot, self._done_slot = ring.take, ring.done
+        if self.fp8:
+            self._stage_kv = ring.kv
+            self._stage_kv_addr = ring.kv.ctypes.data
+        self._seq_len = 0
+        self._host_seq_valid = True
+        self._device_seq_current = True  # state[0] == seq_len once queued work has run
+        self._eager_seq = False  # a graph captured elsewhere reads state[0]: keep it current
+        # A graph captured elsewhere (PyTorch, CuPy) appends: ferrox cannot see its replays,
+        # so the host length is never trusted again (each host use reads the device's).
+        self._graph_appends = False
+        self._workspaces = {}
+        self._outgrown = []  # graphs captured earlier may still write them
+        self._records = Kept()  # this cache's launch records, by signature
+        self._decoders = {}
+        self.feature_decoders = {}  # (host_decode's)
+        self.appenders = {}  # kv_append_async's packed launches
+        self.async_records = Kept()  # gqa_decode_async's validated calls
+        self._join_events = None  # (made at a device call's join)
+        self._closed = False
+        # Appends, decodes and the state they share (length, staging ring, scratch) are
+        # ordered by one lock: re-entrant, as a decode may synchronize to read the length.
+        self.lock = threading.RLock()  # (public: the device ops and graphs take it too)
+
     # -- lifetime checks -------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -100,11 +149,11 @@ class CacheState:
         """Raise ClosedError when the cache, or the stream it runs on, was closed; naming
         ``user`` (``"DecodeGraph"``...), the object that uses the cache, where given."""
         if self._closed and user:
-            raise ClosedError(user, "uses a KVCache that was closed")
+            raise ClosedError(user, f"uses a {self._kind} that was closed")
         if self._closed:
-            raise ClosedError("KVCache")
+            raise ClosedError(self._kind)
         if self.stream._closed:
-            raise ClosedError(user or "KVCache", "runs on a Stream that was closed")
+            raise ClosedError(user or self._kind, "runs on a Stream that was closed")
 
     def _resources(self) -> tuple[Any, ...]:
         """The device memory a graph that uses this cache must hold (see Graph)."""
@@ -310,9 +359,9 @@ class CacheState:
         """
         if sid == self.stream._handle_int:
             return False
-        if getattr(_capture_state, "depth", 0) or (sid and stream_capturing(sid)):
+        if capturing(sid):
             raise FerroxError(
-                f"stream: KVCache.{call} with device arrays cannot be captured into a graph "
+                f"stream: {self._kind}.{call} with device arrays cannot be captured into a graph "
                 f"(it reads the cache's length on the host): capture fd.{instead}(kv, ...) "
                 f"instead, which reads it on the device"
             )
