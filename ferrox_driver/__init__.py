@@ -11,6 +11,7 @@ from ._version import __version__ as __version__
 from .cache.device_ops import gqa_decode_async, kv_append_async, kv_truncate_async
 from .cache.graphs import DecodeGraph, LayerDecodeGraph
 from .cache.kv_cache import KVCache
+from .cache.latent_cache import LatentCache
 from .cache.layers import LayerKVCache
 from .cache.resident import clear_layer_kv, ensure_layer_kv, gqa_decode_resident
 from .decode.eager import gqa_decode
@@ -59,6 +60,7 @@ __all__ = [
     "KVCapacityError",
     "Kernel",
     "KernelResources",
+    "LatentCache",
     "LayerKVCache",
     "LocalGroup",
     "Module",
