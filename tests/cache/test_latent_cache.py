@@ -66,7 +66,7 @@ def test_rows_are_one_row_or_n(shape, dtype, fp8, tokens):
         ((W + 64,), BF16, "", ValueError, r"rows: expected one latent row \(576,\) or rows"),
         ((2, 1, W), BF16, "", ValueError, "rows: expected one latent row"),
         ((W * 2,), BF16, "", ValueError, "rows"),
-        ((W,), F16, "", TypeError, "rows: expected bfloat16 .the cache's dtype., got float16"),
+        ((W,), F16, "", TypeError, r"rows: expected bfloat16 \(the cache's dtype\), got float16"),
         ((W,), np.dtype(np.float64), "e4m3", TypeError, "rows: expected float32, float16 or"),
         ((W,), E4M3, "e4m3", TypeError, "rows: expected float32"),
     ],
@@ -182,10 +182,11 @@ def _row(n: int | None = None, dtype: Any = BF16) -> np.ndarray:
 
 
 def test_good_calls_get_through_to_the_device(cache):
+    q = np.zeros((16, W), BF16)
+    feats = dict(return_lse=True, sinks=np.zeros(16), sliding_window=8, logits_soft_cap=2.0,
+                 scale=0.1)  # fmt: skip
     for call in (lambda: cache.append(_row()), lambda: cache.append(_row(5)),
-                 lambda: cache.decode(np.zeros((16, W), BF16)),
-                 lambda: cache.decode(np.zeros((16, W), BF16), return_lse=True, sinks=np.zeros(16),
-                                      sliding_window=8, logits_soft_cap=2.0, scale=0.1)):  # fmt: skip
+                 lambda: cache.decode(q), lambda: cache.decode(q, **feats)):  # fmt: skip
         with pytest.raises(DeviceTouched):
             call()
     assert cache.seq_len == 0
@@ -236,7 +237,7 @@ def test_bad_decodes_are_refused_by_name_before_any_device_work(cache, q, kw, er
 
 
 def test_a_q_of_another_dtype_is_refused_naming_q():
-    with pytest.raises(TypeError, match="q: expected bfloat16 .the cache's dtype., got float16"):
+    with pytest.raises(TypeError, match=r"q: expected bfloat16 \(the cache's dtype\), got float16"):
         _fake_cache().decode(np.zeros((16, W), F16))
     with pytest.raises(TypeError, match="q: expected float16 or bfloat16 for an fp8"):
         _fake_cache(dtype=E4M3).decode(np.zeros((16, W), np.float32))
