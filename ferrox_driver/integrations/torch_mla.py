@@ -58,6 +58,9 @@ def _shapes(
     if latent.dim() != 2 or latent.shape[1] != q.shape[-1]:
         raise ValueError(f"latent: expected (capacity, {q.shape[-1]}) (q's head_dim), got "
                          f"{tuple(latent.shape)}")  # fmt: skip
+    if not latent.is_contiguous():
+        raise ValueError(f"latent: expected a C-contiguous tensor, got a strided view of shape "
+                         f"{tuple(latent.shape)}")  # fmt: skip
     fp8 = latent.dtype in _FP8
     if latent.dtype != q.dtype and not fp8:
         raise TypeError(f"latent: expected q's dtype {q.dtype} or fp8 (float8_e4m3fn, "

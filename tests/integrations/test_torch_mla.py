@@ -88,6 +88,7 @@ def test_the_op_writes_nothing_it_is_given():
         (dict(q=torch.zeros(1, 1, H, D, dtype=torch.bfloat16)), ValueError, "q: expected"),
         (dict(latent=torch.zeros(64, 512, dtype=torch.bfloat16)), ValueError, r"latent: expected"),
         (dict(latent=torch.zeros(64, D, dtype=torch.float16)), TypeError, "latent: expected q's"),
+        (dict(latent=torch.zeros(D, 64, dtype=torch.bfloat16).t()), ValueError, "C-contiguous"),
         (dict(kv_scale=0.5), ValueError, "kv_scale: only for an fp8 latent"),
         (dict(kv_scale="x"), TypeError, "kv_scale: expected a float"),
         (dict(seq=torch.tensor([5])), ValueError, "seq_len: expected one int32"),
