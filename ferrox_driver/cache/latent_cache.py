@@ -39,7 +39,7 @@ from ..kernels.spec import LATENT_MAX_HEAD_DIM
 from ..types import ArrayLike, DeviceArrayLike, DeviceLike, DTypeLike, StreamLike
 from .device_ops import kv_append_async, kv_truncate_async
 from .four_bit import refuse_four_bit
-from .kv_cache import KVCache
+from .kv_cache import KVCache, append_kernel
 from .staging import STAGING_SLOTS
 from .state import capturing
 
@@ -130,6 +130,9 @@ class _LatentStore(KVCache):
         self._eager_seq = True
         if fp8:
             self._init_fp8(slots)
+        # the device-side appends' module (one row, n rows, the bump, the roll-back) loaded
+        # now, so that a capture of append_async or truncate_async need not load it
+        append_kernel(device)
         self.stream.synchronize()
 
     def append_row(self, row: np.ndarray) -> None:

@@ -157,6 +157,7 @@ def _fake_cache(**kw: Any) -> fd.LatentCache:
         "pinned_empty": lambda shape, dtype=np.float32: np.zeros(shape, dtype),
         "Event": lambda *a, **k: FakeBuffer((1,), np.uint8),
         "quantize_kernel": lambda *a, **k: None,
+        "append_kernel": lambda *a, **k: None,
         "PackedLaunch": lambda *a, **k: FakeBuffer((1,), np.uint8),
     }
     ARMED[0] = False
