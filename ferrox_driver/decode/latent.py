@@ -368,6 +368,7 @@ def latent_launches(
     seq_len_dev: DeviceArray | None, features: abi.FeatureArgs, kv_scale: float = 1.0,
     kv_scale_dev: DeviceArray | None = None, v: DeviceArray | None = None,
     n_kv_heads: int = 1, strides: tuple[int, int, int, int] | None = None,
+    v_scale_dev: DeviceArray | None = None, head_major: bool = False,
 ) -> list[abi.Launch]:  # fmt: skip
     """The two launches of an MLA decode: the latent kernel of ``plan`` (its partials into
     ``workspace``, ``plan.workspace_floats``), then the verify rows' combine into ``out``
@@ -375,7 +376,11 @@ def latent_launches(
 
     A value cache of its own (``plan.spec.own_v``, decode/values.py) comes as ``v``, with
     ``n_kv_heads`` KV heads and ``strides``, in elements: (K's token rows, V's token rows,
-    K's heads, V's heads) apart; by default one latent head of contiguous rows, ``ckv``."""
+    K's heads, V's heads) apart; by default one latent head of contiguous rows, ``ckv``.
+    An fp8 cache's scales: ``kv_scale_dev`` (per KV head; K's and V's alike unless
+    ``v_scale_dev`` gives V's), else ``kv_scale``. The launches' roles name q, k, v, out,
+    the host length, the sinks, the LSE and (``head_major``: the heads' stride is the
+    call's head-major stride) the heads' strides, for a launch record to rewrite."""
     spec = plan.spec
     dk, dv = spec.head_dim, spec.head_dim_v
     k_row, v_row, k_head, v_head = strides if strides is not None else (dk, dk, 0, 0)
@@ -388,7 +393,14 @@ def latent_launches(
         np.int32(n_kv_heads), np.int32(n_q), np.int32(seq_len), seq_len_dev, splits, tile,
         np.int64(k_row), np.int64(v_row), np.int64(k_head), np.int64(v_head),
         np.float32(features.scale), np.float32(features.cap),
-        np.int32(features.window), kv_scale_dev, kv_scale_dev, np.float32(kv_scale),
+        np.int32(features.window), kv_scale_dev,
+        kv_scale_dev if v_scale_dev is None else v_scale_dev, np.float32(kv_scale),
+    )  # fmt: skip
+    on_host = seq_len_dev is None
+    roles: abi.Roles = (*abi.QKV, *(((8, "seq"),) if on_host else ()),
+                        *(((14, "heads"), (15, "heads")) if head_major else ()))  # fmt: skip
+    combine_roles: abi.Roles = (
+        (0, "out"), *(((4, "seq"),) if on_host else ()), (11, "sinks"), (12, "lse"),
     )  # fmt: skip
     combine_args = (
         out, workspace, ws_ml, np.int32(dv), np.int32(seq_len), seq_len_dev, splits, tile,
@@ -396,7 +408,8 @@ def latent_launches(
         features.lse,
     )  # fmt: skip
     return [
-        abi.Launch(spec, plan.grid(n_kv_heads), plan.threads, args, plan.shared_bytes),
+        abi.Launch(spec, plan.grid(n_kv_heads), plan.threads, args, plan.shared_bytes,
+                   roles=roles),
         abi.Launch(plan.combine_spec(), (rows, -(-dv // 32), 1), COMBINE_THREADS, combine_args,
-                   early=planner.OVERRIDES.early_combine),
+                   early=planner.OVERRIDES.early_combine, roles=combine_roles),
     ]  # fmt: skip

@@ -148,6 +148,9 @@ class Overrides:
         four_bit_narrow_to: the longest plan length (tokens) a 4-bit cache's split plan
             takes the narrow kernels at (FX_WARPS4N_D<D>; past it FX_WARPS4_D<D>), 0 never
             (``FERROX_FOUR_BIT_NARROW_TO``).
+        wide_tensor_cores: fp16/bf16 q over 16-bit or fp8 caches of head_dim 384 or 512
+            on the latent tensor-core kernels with V rows of their own (records.py
+            ``wide_launches``; ``FERROX_WIDE_TC=0``: the CUDA-core ``_d512`` kernels).
     """
 
     heads_per_block: int = 4
@@ -164,6 +167,7 @@ class Overrides:
     rows4_warps: int = 2
     four_bit_split: bool = True
     four_bit_narrow_to: int = 8192
+    wide_tensor_cores: bool = True
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -188,6 +192,7 @@ class Overrides:
             rows4_warps=int(env.get("FERROX_ROWS4_WARPS", "2")),
             four_bit_split=on("FERROX_FOUR_BIT_SPLIT"),
             four_bit_narrow_to=int(env.get("FERROX_FOUR_BIT_NARROW_TO", "8192")),
+            wide_tensor_cores=on("FERROX_WIDE_TC"),
         )
 
 

@@ -18,13 +18,15 @@ from typing import Any
 
 import numpy as np
 
+from ..archs import FP8_FROM, TENSOR_CORES_FROM
 from ..driver.device import Device
 from ..driver.graph import keep_for_capture
 from ..driver.launch import LaunchSequence
 from ..driver.memory import DeviceArray
 from ..driver.stream import Stream, stream_handle, stream_key
 from ..kernels.abi import FeatureArgs, Launch
-from ..kernels.spec import FOUR_BIT_FORMATS, kv_formats
+from ..kernels.spec import FOUR_BIT_FORMATS, FP8_FORMATS, kernel_dtype, kv_formats
+from ..kernels.traits import F_ALIBI, F_HND
 from . import plan as attention
 from .checks import MAX_TOKENS
 from .launches import (
@@ -45,6 +47,7 @@ __all__ = [
     "FEATURE_ROLES",
     "MAX_RECORDS",
     "VERIFY_ROLES",
+    "WIDE_TC_HEAD_DIMS",
     "ROLES",
     "DecodeRecord",
     "Kept",
@@ -57,6 +60,7 @@ __all__ = [
     "launch_decode",
     "lock",
     "store",
+    "wide_launches",
 ]
 
 ROLES = ("q", "k", "v", "out", "seq")
@@ -297,6 +301,66 @@ def planned(
     return plan, made
 
 
+WIDE_TC_HEAD_DIMS = (384, 512)  # head_dims past 256 that `wide_launches` takes
+_WIDE_TC_MAX_QUERIES = 16  # (decode/values.py's VALUES_MAX_QUERIES)
+
+
+def wide_launches(
+    q: DeviceArray, k: DeviceArray, v: DeviceArray, out: DeviceArray, *, n_heads: int,
+    n_kv_heads: int, head_dim: int, seq_len: int, plan_seq: int, aligned: bool, algorithm: str,
+    seq_len_dev: DeviceArray | None, workspace: Callable[[int], DeviceArray | None]
+    | DeviceArray | None, qdt: np.dtype, bits: int, fp8: str,
+    features: FeatureArgs | None, kv_scales: DeviceArray | None, n_q: int,
+    mask: DeviceArray | None,
+) -> tuple[list[Launch], DeviceArray] | None:  # fmt: skip
+    """A head_dim 384 or 512 decode of fp16/bf16 q over a 16-bit or fp8 (e4m3, e5m2)
+    cache on the latent tensor-core kernels with V rows of their own (split_latent.cuh,
+    DK = DV = head_dim): the launches and their workspace, or None where those kernels do
+    not take it (ALiBi, a tree mask, the parity algorithm, fp32, unaligned rows, more than
+    16 queries, a GPU before compute capability 8.0 / 8.9 for fp8, or
+    ``OVERRIDES.wide_tensor_cores`` off): the CUDA-core ``_d512`` kernels take it then.
+    Measured on an H100 (benchmarks/wide_speed.py, bf16, 4 KV heads, groups 1-8): 96-99% of
+    head_dim 128's TB/s on the same bytes from 32768 tokens, against 27-96% on CUDA cores."""
+    dev = q.device
+    if (
+        head_dim not in WIDE_TC_HEAD_DIMS
+        or not attention.OVERRIDES.wide_tensor_cores
+        or algorithm == "parity"
+        or mask is not None
+        or not aligned
+        or bits & F_ALIBI
+        or fp8 not in ("", *FP8_FORMATS)
+        or np.dtype(qdt).name not in ("float16", "bfloat16")
+        or not 1 <= n_q <= _WIDE_TC_MAX_QUERIES
+        or n_kv_heads * -(-(n_q * n_heads // n_kv_heads) // 16) > 65535
+        or dev.compute_capability < (FP8_FROM if fp8 else TENSOR_CORES_FROM)
+    ):
+        return None
+    from .latent import _plan, latent_launches  # (latent imports verify, which imports us)
+
+    found = _plan(dev, kernel_dtype(qdt), fp8, n_q, n_heads, head_dim, head_dim,
+                  max(1, plan_seq), bits & ~F_HND, n_kv_heads=n_kv_heads, own_v=True)  # fmt: skip
+    floats = found.workspace_floats(n_q * n_heads)
+    made = workspace(floats) if callable(workspace) else workspace
+    if made is None or made.size * made.dtype.itemsize < 4 * floats:
+        return None
+    values = features or FeatureArgs(scale=head_dim**-0.5)
+    head_major = bool(bits & F_HND)
+    row, head = (head_dim, values.head_stride) if head_major else (n_kv_heads * head_dim, head_dim)
+    v_scales = None
+    if fp8:
+        if kv_scales is None:
+            raise ValueError("kv_scales: an fp8 plan reads the cache's scales")
+        v_scales = kv_scales.view((n_kv_heads,), np.float32, offset=4 * n_kv_heads)
+    launches = latent_launches(
+        found, q, k, out, made, n_q=n_q, n_heads=n_heads, seq_len=seq_len,
+        seq_len_dev=seq_len_dev, features=values, kv_scale_dev=kv_scales, v=v,
+        n_kv_heads=n_kv_heads, strides=(row, row, head, head), v_scale_dev=v_scales,
+        head_major=head_major,
+    )  # fmt: skip
+    return launches, made
+
+
 def launches_for(
     q: DeviceArray,
     k: DeviceArray,
@@ -342,6 +406,15 @@ def launches_for(
             64, 128 or 256, fp32 q, a head-major cache).
     """
     dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    if head_dim in WIDE_TC_HEAD_DIMS:
+        wide = wide_launches(
+            q, k, v, out, **dims, seq_len=seq_len, plan_seq=plan_seq, aligned=aligned,
+            algorithm=algorithm, seq_len_dev=seq_len_dev, workspace=workspace,
+            qdt=q.dtype if dtype is None else dtype, bits=bits, fp8=fp8, features=features,
+            kv_scales=kv_scales, n_q=n_q, mask=mask,
+        )  # fmt: skip
+        if wide is not None:
+            return wide
     k_fmt, v_fmt = kv_formats(fp8)
     mixed = k_fmt != v_fmt  # (the rows kernel alone reads K and V of formats of their own)
     four_bit = fp8 in FOUR_BIT_FORMATS
