@@ -5,7 +5,7 @@
 # spread over several), each part's log in $LOGS (default ${OUT:-/tmp}/gpu_suite), then
 # each part's summary line and the exit status of the worst. Run from the checkout:
 #
-#     PARTS=6 bash benchmarks/gpu_suite.sh [pytest args, e.g. -k verify]
+#     PARTS=10 bash benchmarks/gpu_suite.sh [pytest args, e.g. -k verify]
 #
 # (FERROX_REQUIRE_GPU=1 is set: a GPU test that would skip fails.) The files in SERIAL,
 # whose tests measure the whole machine's memory (free device memory, MemAvailable), run
@@ -13,7 +13,7 @@
 # readings move with those processes' allocations.
 set -u
 cd "$(dirname "$0")/.."
-PARTS=${PARTS:-6}
+PARTS=${PARTS:-10}
 LOGS=${LOGS:-${OUT:-/tmp}/gpu_suite}
 SERIAL=(tests/driver/test_gpu_reliability.py tests/decode/test_gpu_growing.py
   tests/cache/test_gpu_graphs.py)
