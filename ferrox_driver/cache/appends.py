@@ -178,6 +178,8 @@ class Appends(CacheState):
             KVCapacityError: the cache is full. Nothing was written in either case.
             ClosedError: the cache or its stream was closed.
         """
+        if self.own_v is not None:  # V rows head_dim_v wide (KVCache(head_dim_v=...))
+            return self.own_v.append(self, k_tok, v_tok, True, stream)
         if self.fp8:
             return self._append_fp8(k_tok, v_tok, stream)
         shapes = self._row_shapes
@@ -335,6 +337,8 @@ class Appends(CacheState):
             ClosedError: the cache or its stream was closed.
             FerroxError: device rows with ``stream`` being captured into a graph.
         """
+        if self.own_v is not None:  # V rows head_dim_v wide (KVCache(head_dim_v=...))
+            return self.own_v.append(self, k_rows, v_rows, False, stream)
         if not (isinstance(k_rows, np.ndarray) and isinstance(v_rows, np.ndarray)):
             return self._extend_device(k_rows, v_rows, ("k_rows", "v_rows"), False, stream)
         self._check_rows(k_rows, "k_rows", one=False)

@@ -38,6 +38,7 @@ from ..kernels.catalogue import split_kernel
 from ..types import ArrayLike, DeviceArrayLike, DTypeLike, StreamLike
 from .appends import append_kernel
 from .host_decode import HostDecoder, check_q_dtype, decode_features
+from .own_values import refuse
 from .state import CacheState
 
 _OK = SUCCESS
@@ -148,6 +149,9 @@ class Decodes(CacheState):
                 the result has q's shape. Or ``(n_q, n_heads, head_dim)``: n_q queries,
                 the cache's last n_q tokens (append them first), as `gqa_decode` takes
                 them; the result ``(n_q, n_heads, head_dim)``, the LSE ``(n_q, n_heads)``.
+                A cache with ``head_dim_v`` apart: fp16/bf16 q, results ``head_dim_v``
+                wide (``q.shape[:-1] + (head_dim_v,)``; flat q, ``(n_heads*head_dim_v,)``),
+                through ``gqa_decode(..., head_dim_v=)`` over the host's length.
             n_heads: query heads, a multiple of ``n_kv_heads`` (default: read from q's
                 shape; given, checked against it).
             stream: with a device q, the stream it was written on and the result is
@@ -173,6 +177,13 @@ class Decodes(CacheState):
             ClosedError: the cache or its stream was closed.
             FerroxError: a device q with ``stream`` being captured into a graph.
         """
+        if self.own_v is not None:  # V rows head_dim_v wide: gqa_decode(..., head_dim_v=)
+            return self.own_v.decode(
+                self, q, n_heads, stream, algorithm,
+                dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                     sinks=sinks, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse),
+                tree_mask,
+            )  # fmt: skip
         qs: tuple[int, ...] = tuple(getattr(q, "shape", ()))
         if tree_mask is not None or len(qs) == 3:  # (n_q, n_heads, head_dim)
             from .device_ops import decode_many  # (device_ops imports this module)
@@ -332,7 +343,10 @@ class Decodes(CacheState):
 
         Raises:
             ClosedError: the cache or its stream was closed.
+            FerroxError: a cache with ``head_dim_v`` apart (it has no graph path).
         """
+        if self.own_v is not None:
+            refuse(self, "prepare")
         n_heads, _, _ = check_dims(n_heads, self.n_kv_heads, self.head_dim)
         algorithm = check_algorithm(algorithm)
         feats = check_features(

@@ -40,6 +40,7 @@ from ..types import DeviceArrayLike, StreamLike
 from .decoding import Decodes
 from .host_decode import check_q_dtype_of
 from .kv_cache import KVCache, append_kernel, check_cache, truncate_kernel
+from .own_values import refuse
 from .pair_append import append_async_pair, append_launches
 
 __all__ = ["decode_device", "gqa_decode_async", "kv_append_async", "kv_truncate_async"]
@@ -211,6 +212,8 @@ def kv_append_async(
         raise ValueError("state, kv_scales: only with a (k_cache, v_cache) pair; a KVCache "
                          "keeps its own")  # fmt: skip
     kv = check_cache(kv)
+    if kv.own_v is not None:  # (V rows of their own width: no device-side append yet)
+        refuse(kv, "kv_append_async")
     kr, vr = array_ref(k_dev, "k_dev"), array_ref(v_dev, "v_dev")
     sid = stream_key(stream)
     key = (sid, _signature(kr), _signature(vr))
@@ -371,6 +374,8 @@ def gqa_decode_async(
             "own length and layout"
         )
     kv = check_cache(kv)
+    if kv.own_v is not None:  # (its decode reads the length on the host: not capturable)
+        refuse(kv, "gqa_decode_async")
     if (
         tree_mask is None and out_lse is None and sliding_window is None
         and logits_soft_cap is None and sinks is None and alibi_slopes is None and scale is None

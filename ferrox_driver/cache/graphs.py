@@ -25,6 +25,7 @@ from ..types import ArrayLike, DTypeLike
 from .device_ops import gqa_decode_async, kv_append_async
 from .kv_cache import KVCache, check_cache
 from .layers import LayerKVCache
+from .own_values import refuse
 
 __all__ = ["DecodeGraph", "LayerDecodeGraph"]
 
@@ -164,6 +165,8 @@ class DecodeGraph:
     ) -> None:
         self._closed = True  # until built
         self.kv = check_cache(kv)
+        if kv.own_v is not None:  # (its decode reads the length on the host)
+            refuse(kv, "DecodeGraph")
         self.n_heads, _, _ = check_dims(n_heads, kv.n_kv_heads, kv.head_dim)
         algorithm = check_algorithm(algorithm)
         self.n_q = n_q = check_int(n_q, "n_q", 1, kv.capacity)

@@ -41,6 +41,7 @@ from .four_bit import (
     format_dtype,
     four_bit_format,
 )
+from .own_values import OwnValues, check_head_dim_v
 from .staging import STAGING_SLOTS
 
 __all__ = ["KVCache", "append_kernel", "check_cache", "check_kv_shape", "truncate_kernel"]
@@ -93,6 +94,14 @@ class KVCache(Appends, Decodes):
             quantized as a cache of its format would (``k_scale`` for an fp8 or nvfp4 K,
             ``v_scale`` for such a V), head_dim 64, 128 or 256, decoded by the rows kernels
             (one query or several; compute capability 8.9 and up).
+        head_dim_v: V's width where it is not K's (None: head_dim). A float16 or
+            bfloat16 cache, token-major as every KVCache: V of (capacity, n_kv_heads,
+            head_dim_v), head_dim a multiple of 64 and head_dim_v of 128 up to 512 (the
+            values kernels' tiles, `gqa_decode`'s ``head_dim_v``); appends take V rows of
+            that width, and ``decode`` returns ``head_dim_v`` wide rows, reading the length
+            on the host (every feature but ALiBi and tree masks, up to 16 queries). Graphs,
+            ``prepare``, ``gqa_decode_async`` and ``kv_append_async`` need the length on the
+            device and refuse such a cache; fp8, 4-bit and float32 caches do not take it.
         rotate: a 4-bit cache's Hadamard rotation of K over the head_dim (q is rotated
             the same way in the decode, so the scores are unchanged; it spreads outlier
             channels before they are quantized). None: the measured default, on for
@@ -126,9 +135,11 @@ class KVCache(Appends, Decodes):
         staging_slots: int = STAGING_SLOTS,
         v_dtype: DTypeLike = None,
         rotate: bool | None = None,
+        head_dim_v: int | None = None,
     ) -> None:
         self.n_kv_heads, self.head_dim = check_kv_shape(n_kv_heads, head_dim)
         self.capacity = check_int(capacity, "capacity", 1, MAX_TOKENS)
+        own_v = check_head_dim_v(head_dim_v, self.head_dim, dtype, v_dtype, rotate)
         mixed = check_mixed(dtype, v_dtype, self.head_dim, rotate, k_scale, v_scale)
         four = four_bit_format(dtype)
         if mixed is not None:  # K and V in formats of their own: a 4-bit cache's parts hold it
@@ -191,13 +202,16 @@ class KVCache(Appends, Decodes):
 
         v_fmt = four if mixed is None else mixed.v_fmt
         self._k = values(four, self.dtype)
-        self._v = values(v_fmt, self.v_dtype)
+        self._v = values(v_fmt, self.v_dtype) if own_v is None else empty(
+            (self.capacity, self.n_kv_heads, own_v), self.dtype, device=self.device)  # fmt: skip
         self._k_ptr, self._v_ptr = self._k.ptr, self._v.ptr
         self._scales = scales  # the host's copy of kv_scales
         self.kv_scales = None  # fp8: n_kv K scales, then n_kv V ones
         self.four_bit: FourBitStore | None = None  # a 4-bit cache's scales and appends
         self.rotate = rotated  # K (and q, in the decode) Hadamard-rotated
         self._init_state(slots)  # the length, the staging ring, the memos, the lock
+        if own_v is not None:  # V rows of their own width: their staging (own_values.py)
+            self.own_v = OwnValues(self, own_v, slots)
         if four:
             if four == NVFP4_FORMAT or mixed is not None:  # float32 scales per KV head
                 self.kv_scales = empty((2 * self.n_kv_heads,), np.float32, device=self.device)
@@ -262,6 +276,7 @@ class KVCache(Appends, Decodes):
             f"KVCache(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
             f"capacity={self.capacity}, dtype={self.dtype.name}, "
             + (f"v_dtype={self.v_dtype.name}, " if self.v_dtype != self.dtype else "")
+            + (f"head_dim_v={self.head_dim_v}, " if self.own_v is not None else "")
             + f"{state})"
         )
 

@@ -48,6 +48,9 @@ class CacheState:
     protocol's methods."""
 
     _kind = "KVCache"  # the cache's name in errors (a LatentCache's store names its own)
+    # V rows of a width of their own (KVCache(head_dim_v=...)): their sizes, staging, appends
+    # and decode (own_values.OwnValues); None for every other cache, whose paths never look
+    own_v: Any = None
 
     n_kv_heads: int
     head_dim: int
@@ -330,8 +333,15 @@ class CacheState:
         return self._k.view((self.seq_len, self.n_kv_heads, self.head_dim))
 
     @property
+    def head_dim_v(self) -> int:
+        """V's width: ``head_dim``, or the cache's ``head_dim_v`` where it differs."""
+        return self.head_dim if self.own_v is None else self.own_v.head_dim_v
+
+    @property
     def v(self) -> DeviceArray:
-        """Device view of the ``seq_len`` V rows, shape (seq_len, n_kv_heads, head_dim)."""
+        """Device view of the ``seq_len`` V rows, shape (seq_len, n_kv_heads, head_dim_v)."""
+        if self.own_v is not None:
+            return self._v.view((self.seq_len, self.n_kv_heads, self.own_v.head_dim_v))
         return self._v.view((self.seq_len, self.n_kv_heads, self.head_dim))
 
     @property
@@ -342,7 +352,7 @@ class CacheState:
 
     @property
     def v_buffer(self) -> DeviceArray:
-        """The whole V buffer, (capacity, n_kv_heads, head_dim)."""
+        """The whole V buffer, (capacity, n_kv_heads, head_dim_v)."""
         self.check_open()
         return self._v
 
