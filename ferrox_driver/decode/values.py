@@ -11,7 +11,9 @@ tensor-core ones), ALiBi and tree masks (not in the kernel), widths off their ti
 
 A plan is made for the length rounded up to a power of two (at least LATENT_MIN_CHUNK), so a
 cache growing by a token per call meets a handful of plans, not one per length; the chunks
-themselves are cut from the actual length on the device.
+themselves are cut from the actual length on the device. A length on the device (``seq_len``
+an int32 device scalar, as `mla_decode` and the pair decodes take it) is planned for K's and
+V's token count, its bound, so one captured graph serves every length up to it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 from ..driver.calls import stream_sync_raw
 from ..driver.device import device_for, ordinal_of, resolve
 from ..driver.interop import array_ref, is_torch
-from ..driver.memory import DeviceArray, empty, to_device
+from ..driver.memory import DeviceArray, empty, to_device, view_of
 from ..driver.pool import stream_buffer
 from ..driver.stream import stream_handle, stream_key, torch_stream
 from ..errors import CudaError, FerroxError
@@ -41,6 +43,7 @@ from .verify import per_head_operand
 __all__ = [
     "VALUES_MAX_HEAD_DIM_V",
     "VALUES_MAX_QUERIES",
+    "plan_length",
     "takes_own_width",
     "value_strides",
     "values_decode",
@@ -70,6 +73,30 @@ def takes_own_width(q: Any, head_dim: Any, head_dim_v: Any) -> bool:
         shape = tuple(getattr(q, "shape", ())) if ref is None else tuple(ref[1])
         width = shape[-1] if shape else None
     return bool(width != head_dim_v)
+
+
+def _check_length(seq_len: Any, tokens: int) -> tuple[int, Any]:
+    """The host length (K's ``tokens``, the bound, for a device length) and the device
+    length's ref (None on the host). (latent.py's for ``ckv``, in K's words.)"""
+    if seq_len is None:
+        return tokens, None
+    if isinstance(seq_len, (int, np.integer)) and not isinstance(seq_len, bool):
+        if not 0 <= seq_len <= tokens:
+            raise ValueError(f"seq_len: expected 0..{tokens} (k_cache's tokens), got {seq_len}")
+        return int(seq_len), None
+    ref = array_ref(seq_len, "seq_len") if not isinstance(seq_len, (bool, float)) else None
+    if ref is None or tuple(ref[1]) not in ((), (1,)) or np.dtype(ref[2]) != np.int32:
+        raise TypeError("seq_len: expected None, an int, or a one-element int32 device array "
+                        "(a length read on the device)")  # fmt: skip
+    return tokens, ref
+
+
+def plan_length(tokens: int, window: int | None, n_q: int) -> int:
+    """The length a decode of up to ``tokens`` tokens is planned for: the tokens it can
+    read (at most the window's, each query's own), at least LATENT_MIN_CHUNK, rounded up
+    to a power of two (a growing cache meets a handful of plans)."""
+    bound = max(tokens if window is None else min(tokens, window + n_q - 1), LATENT_MIN_CHUNK)
+    return 1 << (bound - 1).bit_length()
 
 
 def _kv_shape(
@@ -140,9 +167,10 @@ def values_decode(
     device: Any = None, out: Any = None, sliding_window: Any = None,
     logits_soft_cap: Any = None, sinks: Any = None, alibi_slopes: Any = None,
     scale: Any = None, return_lse: Any = False, kv_layout: Any = "NHD", tree_mask: Any = None,
+    seq_len: Any = None, lse: Any = None,
 ) -> Any:  # fmt: skip
     """`gqa_decode` with values ``head_dim_v`` wide (differing from K's head_dim), on the
-    latent kernels: the arguments as gqa_decode's, but for these.
+    latent kernels: the arguments as gqa_decode's, but for these, and the length apart.
 
     Args:
         q: ``(n_heads, head_dim)`` or ``(n_q, n_heads, head_dim)`` (n_q 1 to 16, the
@@ -155,6 +183,13 @@ def values_decode(
         v_cache: like ``k_cache`` with rows ``head_dim_v`` wide.
         head_dim_v: the values' width, a multiple of 128 up to 512.
         out: a C-contiguous device array ``q.shape[:-1] + (head_dim_v,)`` of q's dtype.
+        seq_len: the tokens to attend to: None (all of K's and V's), an int up to their
+            tokens, or a one-element int32 device array read on the device (device inputs;
+            planned for K's and V's tokens, so a captured graph serves every length up to
+            them; it must stay within them: the kernels read it, nothing checks it). Rows
+            past the length are never read.
+        lse: a C-contiguous float32 device array ``q.shape[:-1]`` for the LSE (implies
+            ``return_lse``; device inputs only), so a captured call writes the caller's.
 
     Returns:
         The output ``q.shape[:-1] + (head_dim_v,)`` of q's dtype (numpy for numpy inputs,
@@ -211,21 +246,28 @@ def values_decode(
                          f"{n_kv}")  # fmt: skip
     if h % n_kv:
         raise ValueError(f"n_heads: {h} query heads are not groups of k_cache's {n_kv} KV heads")
+    host_seq, len_ref = _check_length(seq_len, seq)
+    if len_ref is not None and not on_device:
+        raise ValueError("seq_len: a device length takes device arrays q, k_cache, v_cache")
     if len(q_shape) == 3:
-        check_query_count(n_q, seq)
+        check_query_count(n_q, host_seq)
     rows_kv = n_q * (h // n_kv)
     if n_kv * -(-rows_kv // 16) > _MAX_ROW_BLOCKS:
         raise ValueError(f"n_kv_heads: {n_kv} KV heads of {rows_kv} query rows pass the "
                          f"kernel's {_MAX_ROW_BLOCKS} blocks of rows")  # fmt: skip
     feats = check_features(h, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                           sinks=sinks, scale=scale, return_lse=return_lse)  # fmt: skip
+                           sinks=sinks, scale=scale,
+                           return_lse=return_lse or lse is not None)  # fmt: skip
     out_shape, lse_shape = (*q_shape[:-1], dv), q_shape[:-1]
     qref, kref, vref = refs
+    lse_ref = _check_out(lse, "lse", lse_shape, np.dtype(np.float32), on_device, qref)
     if on_device:
         assert qref is not None and kref is not None and vref is not None
         ordinal = qref[3]
         if kref[3] != ordinal or vref[3] != ordinal:
             raise ValueError("q, k_cache, v_cache: pass all three on one device")
+        if len_ref is not None and len_ref[3] != ordinal:
+            raise ValueError("seq_len: on another device than q")
         if not qref[4] or qref[0] % 16:
             raise ValueError("q: expected a C-contiguous, 16-byte aligned array")
         k_row, k_head = value_strides(k_cache, k_shape, layout, d, q_dt.itemsize, kref[0],
@@ -245,7 +287,7 @@ def values_decode(
         (k_row, k_head), (v_row, v_head) = (
             (n_kv * w, w) if layout == "NHD" else (w, seq * w) for w in (d, dv)
         )
-        if seq == 0:  # (nothing to read: no device needed)
+        if host_seq == 0:  # (nothing to read: no device needed)
             zeros = np.zeros(out_shape, q_dt)
             if not feats.return_lse:
                 return zeros
@@ -257,8 +299,7 @@ def values_decode(
     sid = stream_key(stream)
 
     window = feats.sliding_window
-    plan_seq = max(seq if window is None else min(seq, window + n_q - 1), LATENT_MIN_CHUNK)
-    plan_seq = 1 << (plan_seq - 1).bit_length()
+    plan_seq = plan_length(host_seq, window, n_q)  # (a device length's: K's tokens)
     bits, _ = abi.feature_args(feats, d)
     found = _plan(dev, kernel_dtype(q_dt), "", n_q, h, d, dv, plan_seq, bits, n_kv_heads=n_kv,
                   own_v=True)  # fmt: skip
@@ -281,10 +322,13 @@ def values_decode(
             if not on_device:
                 made.append(out_d)
         lse_d = None
-        if feats.return_lse:
+        if lse_ref is not None:
+            lse_d = view_of(lse_ref, lse, "lse")
+        elif feats.return_lse:
             lse_d = empty(lse_shape, np.float32, device=dev)
             if not on_device:
                 made.append(lse_d)
+        len_d = view_of(len_ref, seq_len, "seq_len") if len_ref is not None else None
         sinks_d = per_head_operand(feats.sinks, "sinks", dev, stream, made)
         values = abi.FeatureArgs(feats.score_scale(d), feats.logits_soft_cap or 1.0,
                                  window or 0, None, sinks_d, lse_d)  # fmt: skip
@@ -298,13 +342,13 @@ def values_decode(
                 ) from exc
             raise
         for launch in latent_launches(found, q_d, k_d, out_d, workspace, n_q=n_q, n_heads=h,
-                                      seq_len=seq, seq_len_dev=None, features=values, v=v_d,
+                                      seq_len=host_seq, seq_len_dev=len_d, features=values, v=v_d,
                                       n_kv_heads=n_kv,
                                       strides=(k_row, v_row, k_head, v_head)):  # fmt: skip
             launch.run(stream, dev)
-        if on_device:
-            result = out if out is not None else out_d  # (a torch tensor stays one)
-            return result if lse_d is None else (result, lse_d)
+        if on_device:  # (the caller's own objects where given: a torch tensor stays one)
+            result = out if out is not None else out_d
+            return result if lse_d is None else (result, lse if lse is not None else lse_d)
         host = out_d.to_host(stream)
         return (host, lse_d.to_host(stream)) if lse_d is not None else host
     except BaseException:

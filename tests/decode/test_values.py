@@ -1,20 +1,24 @@
 """``gqa_decode(..., head_dim_v=...)`` on the CPU (issue 50): values of their own width on
 the latent kernels with V rows of their own. The arguments refused by name before any device
 work, the strides a view is read through, the plans and kernels chosen for DeepSeek's
-expanded heads and wide GQA heads, their launches' arguments, and those kernels compiling
+expanded heads and wide GQA heads, their launches' arguments, a length on the device (its
+checks, its plan for K's tokens, the launches reading it), and those kernels compiling
 without spills on Hopper."""
 
 from __future__ import annotations
+
+import types
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import ferrox_driver as fd
+import ferrox_driver.decode.values as values
 from ferrox_driver.decode.latent import latent_launches
-from ferrox_driver.decode.latent_plan import latent_plan
+from ferrox_driver.decode.latent_plan import LATENT_MIN_CHUNK, latent_plan
 from ferrox_driver.decode.launches import split_program
-from ferrox_driver.decode.values import takes_own_width, value_strides
+from ferrox_driver.decode.values import plan_length, takes_own_width, value_strides, values_decode
 from ferrox_driver.driver.memory import DeviceArray
 from ferrox_driver.kernels import abi
 from ferrox_driver.kernels.traits import F_CAP, F_LSE, F_SCALE, F_SINKS, F_WINDOW
@@ -261,3 +265,89 @@ def test_the_kernels_these_plans_name_compile_without_spills():
         res = program.resources[spec.name]
         assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, spec.name
         assert res.registers <= 255, spec.name
+
+
+@pytest.mark.parametrize(
+    ("change", "kw", "error", "match"),
+    [
+        ({}, dict(seq_len=21), ValueError, r"seq_len: expected 0..20 \(k_cache's tokens\)"),
+        ({}, dict(seq_len=-1), ValueError, "seq_len: expected 0..20"),
+        ({}, dict(seq_len=True), TypeError, "seq_len: expected None, an int, or a one-element"),
+        ({}, dict(seq_len=3.0), TypeError, "seq_len: expected None, an int"),
+        ({}, dict(seq_len=np.array([3], np.int32)), TypeError, "seq_len: expected None"),
+        ({}, dict(seq_len=_DeviceLike((1,), "<i8")), TypeError, "int32 device array"),
+        ({}, dict(seq_len=_DeviceLike((2,), "<i4")), TypeError, "one-element int32"),
+        ({}, dict(seq_len=_DeviceLike((1,), "<i4")), ValueError,
+         "seq_len: a device length takes device arrays q, k_cache, v_cache"),
+        (dict(n_q=3), dict(seq_len=2), ValueError, "q: 3 query tokens for a cache of 2"),
+        ({}, dict(lse=np.zeros(16, np.float32)), TypeError, "lse: only with device inputs"),
+    ],
+)  # fmt: skip
+def test_a_bad_length_or_lse_is_refused_by_name(change, kw, error, match):
+    q, k, v = _args(**change)
+    with pytest.raises(error, match=match):
+        values_decode(q, k, v, 128, **kw)
+
+
+def test_a_host_length_of_no_tokens_gives_zeros_without_a_device():
+    q, k, v = _args(n_q=0, seq=20)
+    out, lse = values_decode(q, k, v, 128, seq_len=0, return_lse=True)
+    assert out.shape == (16, 128) and not out.astype(float).any() and np.isneginf(lse).all()
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(lse=_DeviceLike((16, 128), "<f4")), r"lse: expected a C-contiguous .* \(16,\)"),
+        (dict(lse=_DeviceLike((16,), "<f2")), "lse: expected .* of float32"),
+        (dict(seq_len=_DeviceLike((1,), "<u4")), "seq_len: expected None, an int"),
+    ],
+)  # fmt: skip
+def test_a_device_calls_length_and_lse_are_checked_before_any_device_work(kw, match):
+    q, k, v = _DeviceLike((16, 192)), _DeviceLike((20, 16, 192)), _DeviceLike((20, 16, 128))
+    with pytest.raises((TypeError, ValueError), match=match):
+        values_decode(q, k, v, 128, **kw)
+
+
+def test_a_length_is_planned_for_what_it_can_read_rounded_up():
+    assert plan_length(1000, None, 1) == 1024  # (a device length's bound: K's tokens)
+    assert plan_length(1024, None, 3) == 1024
+    assert plan_length(100_000, 400, 3) == 512  # (a window's: its tokens and the queries')
+    assert plan_length(0, None, 1) == plan_length(1, None, 1) == LATENT_MIN_CHUNK
+
+
+def test_a_device_length_reaches_both_launches_planned_for_ks_tokens(monkeypatch):
+    """A decode over K and V of 1000 tokens with the length on the device (the driver
+    stood in for: no device): planned for K's 1000 tokens (1024), the launches given the
+    length's array to read (and K's tokens as the host bound), the caller's out and lse."""
+    dev = types.SimpleNamespace(
+        context_handle=1,
+        multiprocessor_count=132,
+        max_shared_per_block_optin=232448,
+        compute_capability=(9, 0),
+    )
+    seen = {}
+
+    def launches(plan, q, k, out, workspace, **kw):
+        seen.update(kw, plan=plan, out=out)
+        return []
+
+    def wrap(ref, obj, name):
+        return DeviceArray._wrap(ref[0], tuple(ref[1]), np.dtype(ref[2]), None, obj)
+
+    monkeypatch.setattr(values, "device_for", lambda ordinal: dev)
+    monkeypatch.setattr(values, "view_of", wrap)
+    monkeypatch.setattr(values, "latent_launches", launches)
+    monkeypatch.setattr(
+        values, "stream_buffer", lambda d, sid, role, n: wrap((0, (n,), np.float32), None, role)
+    )
+    q = _DeviceLike((16, 192))
+    k, v = _DeviceLike((1000, 16, 192)), _DeviceLike((1000, 16, 128))
+    out, lse, length = _DeviceLike((16, 128)), _DeviceLike((16,), "<f4"), _DeviceLike((1,), "<i4")
+    got = values_decode(q, k, v, 128, out=out, lse=lse, seq_len=length)
+    assert got == (out, lse)
+    want = latent_plan("f16", "", 1, 16, 16, 192, 128, 1024, F_LSE, own_v=True, **H100)
+    assert seen["plan"] == want and want.splits == 4  # (a 256-token plan has one split)
+    assert seen["seq_len"] == 1000 and seen["seq_len_dev"].dtype == np.int32
+    assert seen["seq_len_dev"].shape == (1,) and seen["features"].lse.shape == (16,)
+    assert seen["n_kv_heads"] == 16 and seen["strides"] == (16 * 192, 16 * 128, 192, 128)
