@@ -23,7 +23,8 @@ stream and read every length on the device, so one captured graph serves every s
   ``k_cache`` (the eager form, for a cache that grows by concatenation). A ``v_cache``
   whose rows are narrower or wider than K's (DeepSeek V2/V3's expanded heads: K 192, V
   128) gives an output ``q.shape[:-1] + (v_cache.shape[-1],)``: values of their own width
-  (``ferrox_driver.gqa_decode(..., head_dim_v=)``), eager form only.
+  (``ferrox_driver.gqa_decode(..., head_dim_v=)``), over a ``seq_len`` tensor or all of
+  ``k_cache``.
 - ``kv_append(k_cache, v_cache, k, v, state, kv_scales=None)``: one token ``(n_kv_heads,
   head_dim)`` or several ``(n, n_kv_heads, head_dim)`` into a token-major cache at
   ``state[0]``, which is then bumped; an fp8 cache quantizes them with ``kv_scales``.
@@ -49,7 +50,7 @@ from ..decode.eager import gqa_decode as _eager_decode
 from ..decode.merge import merge_states as _merge
 from ..decode.pair import decode_async_pair
 from ..decode.queries import query_heads, single_query_only
-from ..decode.values import VALUES_MAX_HEAD_DIM_V, VALUES_MAX_QUERIES
+from ..decode.values import VALUES_MAX_HEAD_DIM_V, VALUES_MAX_QUERIES, values_decode
 from ..driver.device import device_for
 from ..driver.graph import relaxed_capture, stream_capturing
 from ..driver.pool import stream_buffer
@@ -120,10 +121,12 @@ def _own_width(
     if tuple(v_cache.shape[:-1]) != tuple(k_cache.shape[:-1]):
         raise ValueError(f"v_cache: expected k_cache's tokens and heads {tuple(k_cache.shape)[:-1]}"
                          f" with rows of its own width, got {tuple(v_cache.shape)}")  # fmt: skip
+    if seq_len is not None and (seq_len.dtype != torch.int32 or seq_len.numel() != 1
+                                or seq_len.device != q.device):  # fmt: skip
+        raise ValueError(f"seq_len: with {what}, one int32 on q's device {q.device} (the "
+                         f"tokens to read), got {seq_len.dtype} {tuple(seq_len.shape)} on "
+                         f"{seq_len.device}")  # fmt: skip
     refused = (
-        ("seq_len", seq_len, "are decoded over every token of k_cache: pass seq_len=None "
-         "with the caches' first n tokens (a view, k_cache[:n] or k_cache[:, :, :n], is read "
-         "in place)"),
         ("kv_scales", kv_scales, "are not read from fp8 caches"),
         ("alibi_slopes", alibi_slopes, "take no ALiBi (their kernels have none)"),
         ("tree_mask", tree_mask, "are causal only (their kernels take no tree mask)"),
@@ -233,17 +236,17 @@ def _decode_op(
     features: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                     sinks=float32_copy(sinks), alibi_slopes=float32_copy(alibi_slopes),
                     scale=scale)  # fmt: skip
-    if dv is not None:  # values of their own width: every token of k_cache (seq_len None)
+    if dv is not None:  # values of their own width: over seq_len, or every token of k_cache
         qh = q if q.dim() == 3 else q.view(n_heads, head_dim)  # (n_q, H, D) or (H, D)
         qh = qh.clone() if qh.data_ptr() % 16 else qh  # (the kernels read 16-byte pieces)
+        # (into the op's own out and lse: a captured call writes the graph's tensors; its
+        # first call inside a capture plans, loads and makes its workspace relaxed)
         with _relaxed_if_captured(stream):
-            own: Any = _eager_decode(qh, k_cache, v_cache, n_heads=n_heads, n_kv_heads=n_kv,
-                                     head_dim=head_dim, head_dim_v=dv,
-                                     out=out.view(*qh.shape[:-1], dv), stream=stream,
-                                     kv_layout=kv_layout, return_lse=return_lse,  # type: ignore[call-overload]
-                                     **features)  # fmt: skip
-        if return_lse:
-            lse.copy_(torch.from_dlpack(own[1]).view(lse.shape))
+            values_decode(qh, k_cache, v_cache, dv, n_heads=n_heads, n_kv_heads=n_kv,
+                          head_dim=head_dim, out=out.view(*qh.shape[:-1], dv), stream=stream,
+                          kv_layout=kv_layout, seq_len=seq_len,
+                          lse=lse.view(qh.shape[:-1]) if return_lse else None,
+                          **features)  # fmt: skip
         return out, lse
     if seq_len is None:  # every token of k_cache: the eager decode (a record per length bucket)
         if kv_scales is not None or four is not None:
@@ -424,10 +427,10 @@ def gqa_decode(
         v_cache: like ``k_cache``; or, with rows of a width of their own (``head_dim_v``:
             DeepSeek V2/V3's expanded heads, K 192 and V 128), the same tokens and heads of
             q's dtype (float16 or bfloat16), each token's row contiguous and 16-byte
-            aligned (views such as a ``torch.split`` of wider rows are read in place), with
-            ``seq_len=None``: K's width a multiple of 64 up to 576, V's a multiple of 128 up
-            to 512, up to 16 query tokens; every feature but ALiBi and ``tree_mask``; not fp8
-            or 4-bit caches.
+            aligned (views such as a ``torch.split`` of wider rows are read in place): K's
+            width a multiple of 64 up to 576, V's a multiple of 128 up to 512, up to 16
+            query tokens; every feature but ALiBi and ``tree_mask``; not fp8 or 4-bit
+            caches; over a ``seq_len`` tensor (capturable) or all of their tokens.
         seq_len: a one-element int32 CUDA tensor, the tokens to read (``[0, capacity]``,
             read by the kernels at each run). None: all of ``k_cache``'s tokens (eager).
         n_heads, n_kv_heads, head_dim: optional, checked against the shapes.

@@ -1,7 +1,8 @@
 """``torch.ops.ferrox.gqa_decode`` with values of their own width, without a GPU: a
 ``v_cache`` whose rows are not K's width gives an output ``q.shape[:-1] + (DV,)`` (the
-fake implementation too, so a decode layer traces to it and compiles whole), and what its
-kernels cannot do is refused by name before any device work."""
+fake implementation too, so a decode layer traces to it and compiles whole), over a
+``seq_len`` tensor as over all of K's tokens, and what its kernels cannot do is refused by
+name before any device work."""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ SEQ = torch.ones(1, dtype=torch.int32)
 @pytest.mark.parametrize(
     "args,kwargs,error,match",
     [
-        ((Q, K, V, SEQ), {}, ValueError, "seq_len: values of their own width"),
+        ((Q, K, V, SEQ.long()), {}, ValueError, "seq_len: with values .* one int32"),
+        ((Q, K, V, torch.ones(2, dtype=torch.int32)), {}, ValueError, r"seq_len: .*\(2,\)"),
         ((Q, K, V), {"kv_scales": torch.ones(2, KV)}, ValueError, "kv_scales"),
         ((Q, K, V), {"alibi_slopes": torch.ones(H)}, ValueError, "alibi_slopes"),
         ((torch.zeros(3, H, D, **BF16), K, V), {"tree_mask": torch.ones(3, 3, dtype=torch.bool)},
@@ -130,12 +132,55 @@ def test_a_call_its_kernels_take_passes_the_checks_to_the_device():
                        sinks=torch.zeros(H), sliding_window=8, logits_soft_cap=5.0)  # fmt: skip
 
 
-def test_the_op_called_directly_refuses_a_seq_len_while_tracing():
-    """The op's own fake implementation checks too (not only the wrapper)."""
+def test_a_seq_len_tensor_passes_the_checks_to_the_device():
+    """A length on the device (capturable) with values of their own width: the checks pass
+    it, the op itself names q (CPU tensors)."""
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
+        fxt.gqa_decode(torch.zeros(3, H, D, **BF16), K, V, SEQ, kv_layout="HND",
+                       return_lse=True, sinks=torch.zeros(H), sliding_window=8)  # fmt: skip
+
+
+def test_the_op_called_directly_checks_its_seq_len_while_tracing():
+    """The op's own fake implementation takes a one-int32 seq_len (out ``(H, DV)``) and
+    refuses another by name (not only the wrapper)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(), pytest.raises(ValueError, match="seq_len"):
+    def op(seq):
         k, v = _caches()
-        torch.ops.ferrox.gqa_decode(torch.empty(H, D, **BF16), k, v,
-                                    torch.empty(1, dtype=torch.int32), None, None, None, "HND",
-                                    None, None, None, False)  # fmt: skip
+        return torch.ops.ferrox.gqa_decode(torch.empty(H, D, **BF16), k, v, seq, None, None,
+                                           None, "HND", None, None, None, True)  # fmt: skip
+
+    with FakeTensorMode():
+        out, lse = op(torch.empty(1, dtype=torch.int32))
+        assert out.shape == (H, DV) and lse.shape == (H,)
+        with pytest.raises(ValueError, match="seq_len: with values"):
+            op(torch.empty(1, dtype=torch.float32))
+
+
+def _layer_over_a_length(q, kv, seq):
+    k, v = kv[..., :D], kv[..., D:]
+    out = fxt.gqa_decode(q, k, v, seq, kv_layout="HND", scale=0.07)
+    return out.reshape(1, H * DV) @ torch.ones(H * DV, 8, **BF16)
+
+
+def test_a_compiled_decode_layer_over_a_length_tensor_is_one_graph():
+    """torch.compile(fullgraph=True) of a decode layer over a static cache's buffer and its
+    length on the device: the op inside with the length as an input (a backend that keeps
+    the graph and runs nothing: no GPU)."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+        fakes = [n.meta["example_value"] for n in outputs]
+        return lambda *args: [torch.zeros(f.shape, dtype=f.dtype) for f in fakes]
+
+    torch._dynamo.reset()
+    got = torch.compile(_layer_over_a_length, backend=keep, fullgraph=True)(
+        torch.zeros(H, D, **BF16), torch.zeros(1, KV, 40, D + DV, **BF16), SEQ
+    )
+    assert got.shape == (1, 8)
+    (graph,) = graphs
+    (node,) = [n for n in graph.graph.nodes if "ferrox.gqa_decode" in str(n.target)]
+    assert tuple(node.meta["example_value"][0].shape) == (H, DV)
+    assert node.args[3].op == "placeholder"  # (the length: the graph's input, read at run time)
