@@ -13,7 +13,9 @@ Which attention computes each call:
   sliding window (from the attention mask), soft-cap (Gemma 2) and sinks (gpt-oss). Values
   of their own width (DeepSeek V2/V3: K 192, V 128 wide, V a ``torch.split`` view): decode
   steps of 1 to 16 query tokens (a verify's, causal, after earlier tokens), eager
-  (``gqa_decode(..., head_dim_v=)`` over the first tokens the mask keeps); compiled, SDPA.
+  (``gqa_decode(..., head_dim_v=)`` over the first tokens the mask keeps); compiled, one
+  query token's (the op over the whole buffers and a length on the device, as other
+  models' compiled steps), more on SDPA.
 - eager attention, every other call (prefill, batches, padding, dropout, CPU tensors) of a
   layer with a feature that SDPA cannot express: a soft-cap, sinks, ``output_attentions``,
   another keyword that SDPA does not read, or a model whose ``_supports_sdpa`` is False.
@@ -111,7 +113,7 @@ def decode_call(
     or a dynamic cache's tokens); the mask, where given, says which of kv_len are read.
     Reads the mask's last row on the host (one small copy). A ``value`` whose rows are
     not the keys' width (DeepSeek V2/V3) takes 1 to 16 query tokens, the last of a run
-    that the mask's rows show causal after earlier tokens (``_rows_span``), eager only.
+    that the mask's rows show causal after earlier tokens (``_rows_span``); compiled, one.
     ``require_cuda=False``: the plan of CPU tensors too (for tests). ``read_mask=False``
     (a compiled step): the mask is not read here; ``length`` is then the whole cache and
     the window the layer's ``sliding_window`` keyword, both checked against the mask on
@@ -182,13 +184,15 @@ def decode_call(
 def _why_not_values(query: Any, key: Any, value: Any, read_mask: bool) -> str | None:
     """Why ferrox does not decode values of their own width (``value``'s rows narrower
     or wider than ``key``'s) from these tensors, or None: the kernels' dtypes and widths
-    (decode/values.py), rows contiguous and 16-byte aligned, and an eager call (the length
-    is read from the mask on the host and the first tokens passed as views; a compiled
-    step has no host read)."""
+    (decode/values.py), rows contiguous and 16-byte aligned, and, compiled (no host read:
+    the mask is checked on the device, as ``_device_span`` checks one query's row), one
+    query token. Compiled, the pointers are not read here (a traced tensor has none): the
+    op checks them when it runs, and refuses a view off 16 bytes by name."""
     d, dv, n_heads, n_kv = key.shape[3], value.shape[3], query.shape[1], key.shape[1]
     what = f"values {dv} wide against keys {d}"
-    if not read_mask:
-        return f"{what}, compiled (ferrox reads their length on the host)"
+    if not read_mask and query.shape[2] != 1:
+        return (f"{what}, {query.shape[2]} query tokens compiled (ferrox checks one query's "
+                f"mask on the device)")  # fmt: skip
     if str(query.dtype) not in _DTYPES[:2]:
         return f"{what} in {query.dtype} (ferrox's kernels for them: float16, bfloat16)"
     if d % 64 or d > LATENT_MAX_HEAD_DIM or dv % 128 or dv > VALUES_MAX_HEAD_DIM_V:
@@ -201,7 +205,7 @@ def _why_not_values(query: Any, key: Any, value: Any, read_mask: bool) -> str | 
         apart = [t.stride(1) if t.shape[1] > 1 else 0, t.stride(2) if t.shape[2] > 1 else width]
         if t.stride(3) != 1 or apart[1] < width or apart[0] < 0:
             return f"{name} rows not contiguous (strides {t.stride()})"
-        if (t.data_ptr() % 16) or any(a * size % 16 for a in apart):
+        if (read_mask and t.data_ptr() % 16) or any(a * size % 16 for a in apart):
             return f"{name} rows not 16-byte aligned (strides {t.stride()})"
     return None
 
@@ -316,19 +320,20 @@ def ferrox_attention_forward(
     if isinstance(call, str):
         return _fallback(call, module, query, key, value, attention_mask, dropout, scaling,
                          **kwargs)  # fmt: skip
-    if call.head_dim_v is not None:
-        return _values_forward(call, query, key, value), None
     _, n_heads, _, head_dim = query.shape
     features: dict[str, Any] = dict(sliding_window=call.sliding_window, scale=call.scale,
                                     logits_soft_cap=call.logits_soft_cap)  # fmt: skip
-    if compiling:
+    if compiling:  # (one query token; values of their own width too: the op reads V's)
         import ferrox_driver.integrations.torch as fxt
 
         seq_len, ok = _device_span(attention_mask, key.shape[2], call.sliding_window, query.device)
         out = fxt.gqa_decode(query.reshape(n_heads, head_dim), key, value, seq_len,
                              kv_layout="HND", sinks=kwargs.get("s_aux"), **features)  # fmt: skip
-        out = torch.where(ok, out, torch.nan).reshape(1, 1, n_heads, head_dim)
+        width = head_dim if call.head_dim_v is None else call.head_dim_v
+        out = torch.where(ok, out, torch.nan).reshape(1, 1, n_heads, width)
         return out, None
+    if call.head_dim_v is not None:
+        return _values_forward(call, query, key, value), None
 
     import ferrox_driver as fd
     from ferrox_driver.driver.stream import torch_stream
@@ -548,7 +553,7 @@ def _fallback(
 ) -> tuple[Any, Any]:
     """A call ferrox does not decode (``why``), on eager attention or SDPA; logged where
     not compiled (dynamo breaks the graph at a logger call: a compiled step's fallback,
-    as DeepSeek's, is traced into the graph instead)."""
+    a compiled DeepSeek verify's say, is traced into the graph instead)."""
     import torch
 
     quiet = torch.compiler.is_compiling()

@@ -1,10 +1,10 @@
 """The transformers integration with DeepSeek V2/V3 on the CPU (no GPU): their attention
 hands ferrox expanded heads whose keys are 192 wide (128 + 64 rope) and whose values, a
 ``torch.split`` view, are 128 wide. What a decode step becomes (``head_dim_v``, the length,
-a verify's query rows), what falls back and why, a compiled step traced whole onto SDPA,
-and whole greedy and prompt-lookup generations with ``fd.gqa_decode`` standing in as the
-float64 reference (the plumbing: query rows, views, output layout; the kernels' numbers are
-the GPU tests')."""
+a verify's query rows), what falls back and why, a compiled step traced whole onto ferrox's
+op (one query token; a compiled verify's rows onto SDPA), and whole greedy and
+prompt-lookup generations with ``fd.gqa_decode`` standing in as the float64 reference (the
+plumbing: query rows, views, output layout; the kernels' numbers are the GPU tests')."""
 
 from __future__ import annotations
 
@@ -145,7 +145,8 @@ K10, V10 = _split_kv(10)
          (torch.zeros(1, H, 10, 160, dtype=torch.bfloat16), V10), {}, "keys a multiple of 64"),
         (Q1, (K10, torch.zeros(1, H, 10, 96, dtype=torch.bfloat16)), {}, "values 96 wide"),
         (Q1, (K10, torch.zeros(1, H, 10, 640, dtype=torch.bfloat16)), {}, "values 640 wide"),
-        (Q1, (K10, V10), {"read_mask": False}, "compiled"),
+        (torch.zeros(1, H, 3, DK, dtype=torch.bfloat16), (K10, V10),
+         {"read_mask": False, "mask": _rows(3, 10, 9)}, "3 query tokens compiled"),
         (Q1, _misaligned(), {}, "V rows not 16-byte aligned"),
         (Q1, (K10, V10.transpose(2, 3).contiguous().transpose(2, 3)), {}, "V rows not contiguous"),
         (torch.zeros(1, 6, 1, DK, dtype=torch.bfloat16), (K10, V10), {},
@@ -175,28 +176,67 @@ def test_values_ferrox_cannot_decode_say_why(q, kv, kwargs, reason):
     assert isinstance(got, str) and reason in got, got
 
 
-def test_a_compiled_deepseek_step_is_traced_whole_onto_sdpa(monkeypatch):
-    """A compiled decode step (no host read, so no ferrox for values of their own width)
-    runs on SDPA inside the graph: fullgraph (no break at the fallback's log line), the
-    first lookup of the model's eager attention traced too."""
+@pytest.mark.parametrize("window", [None, 6, 16])
+def test_a_compiled_step_plans_the_whole_buffer_and_the_layers_window(window):
+    """Compiled (nothing read on the host), a one-token step is ferrox's: the length is the
+    buffer's (the op reads the real one on the device), the window the layer's keyword
+    where it is smaller than the buffer."""
+    k, v = _split_kv(16)
+    call = fxt.decode_call(None, Q1, k, v, _rows(1, 16, 5), scaling=0.1, require_cuda=False,
+                           read_mask=False, sliding_window=window)  # fmt: skip
+    assert isinstance(call, fxt.DecodeCall), call
+    assert (call.length, call.head_dim_v) == (16, DV)
+    assert call.sliding_window == (6 if window == 6 else None)
+
+
+def _compiled_graph(monkeypatch, q, mask):
+    """The graph of one compiled DeepSeek attention call over a static cache's buffers
+    (16 tokens; CPU tensors planned as if on CUDA; a backend that keeps the graph and runs
+    nothing), fullgraph: no break (the fallback's log line included)."""
     graphs = []
 
     def keep(gm, example_inputs):
         graphs.append(gm)
-        return gm.forward
+        (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+        fakes = [n.meta["example_value"] for n in outputs]
+        return lambda *args: [torch.zeros(f.shape, dtype=f.dtype) for f in fakes]
 
     ours, _ = model_pair(deepseek())
     module = ours.model.layers[0].self_attn
-    monkeypatch.setattr(fxt, "_EAGER", {})
+    monkeypatch.setattr(fxt, "_EAGER", {})  # (the first lookup of the eager one traced too)
+    real = fxt.decode_call
+    monkeypatch.setattr(fxt, "decode_call", lambda *a, **kw: real(*a, require_cuda=False, **kw))
 
     def step(q, k, v, mask):
         return fxt.ferrox_attention_forward(module, q, k, v, mask, scaling=0.1)[0]
 
     k, v = _split_kv(16)
     torch._dynamo.reset()
-    out = torch.compile(step, backend=keep, fullgraph=True)(Q1, k, v, _rows(1, 16, 5))
-    assert out.shape == (1, 1, H, DV)
+    out = torch.compile(step, backend=keep, fullgraph=True)(q, k, v, mask)
+    assert out.shape == (1, q.shape[2], H, DV)
     (graph,) = graphs
+    return graph
+
+
+def test_a_compiled_deepseek_step_is_traced_whole_onto_ferroxs_op(monkeypatch):
+    """A compiled decode step (one query token) runs ferrox's op inside the graph over the
+    whole buffers, its length computed on the device from the mask: V's width out, no SDPA."""
+    graph = _compiled_graph(monkeypatch, Q1, _rows(1, 16, 5))
+    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
+    targets = [str(n.target) for n in nodes]
+    assert not any("scaled_dot_product_attention" in t for t in targets), targets
+    (op,) = [n for n in nodes if "ferrox.gqa_decode" in str(n.target)]
+    assert tuple(op.meta["example_value"][0].shape) == (H, DV)
+    k, v, seq_len = (op.args[i].meta["example_value"] for i in (1, 2, 3))
+    assert (k.shape[2], k.shape[3], v.shape[3]) == (16, DK, DV)  # (the buffers, whole)
+    assert seq_len.dtype == torch.int32 and seq_len.numel() == 1
+
+
+def test_a_compiled_verify_is_traced_whole_onto_sdpa(monkeypatch):
+    """A compiled call of several query rows (their causal run is checked on the host
+    only) runs on SDPA inside the graph, with no break at the fallback's log line."""
+    q = torch.zeros(1, H, 3, DK, dtype=torch.bfloat16)
+    graph = _compiled_graph(monkeypatch, q, _rows(3, 16, 9))
     targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
     assert any("scaled_dot_product_attention" in t for t in targets), targets
     assert not any("ferrox" in t for t in targets), targets
