@@ -4,8 +4,10 @@ small random models with DeepSeek's real head widths (K 128 + 64 rope = 192, V 1
 token: no top-k choice for a rounding to flip). Every eager decode step runs on ferrox
 (``gqa_decode(..., head_dim_v=128)``, counted, its output poisoned) and gives SDPA's
 greedy tokens over 64 new tokens, static and dynamic caches, each step's logits within
-2e-2 until a near tie; a verify's four query rows decode together; compiled, the decode
-steps run on SDPA inside the graph and add no graph break."""
+2e-2 until a near tie; a verify's four query rows decode together; compiled (generate's
+default: a static cache, reduce-overhead CUDA graphs), each decode step runs ferrox's op
+over the whole buffers and a length on the device, adds no graph break, and gives the
+compiled SDPA model's tokens."""
 
 from __future__ import annotations
 
@@ -118,15 +120,34 @@ def test_a_verify_step_decodes_its_query_rows_on_ferrox(name, monkeypatch):
     assert rel < RTOL, rel
 
 
-def test_compiled_generate_runs_the_steps_on_sdpa_with_no_more_graph_breaks(monkeypatch):
-    """generate's default (a static cache's steps compiled): values of their own width
-    are decoded on ferrox only eagerly (their length is read on the host), so each
-    compiled step's attention is SDPA's, traced into the graph: ferrox's model breaks the
-    graph where the SDPA model does and nowhere else, and gives its tokens."""
+def _traced(monkeypatch):
+    """The op's decodes of values of their own width from here on (a CUDA graph's replays
+    run none): whether each read a length on the device."""
+    import ferrox_driver.integrations.torch as fxt_torch
+
+    runs = []
+    real = fxt_torch.values_decode
+
+    def counted(*args, **kwargs):
+        runs.append(kwargs.get("seq_len") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fxt_torch, "values_decode", counted)
+    return runs
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_compiled_generate_runs_the_steps_on_ferrox_with_no_more_graph_breaks(name, monkeypatch):
+    """generate's default (a static cache's steps compiled, reduce-overhead CUDA graphs):
+    each step's attention is ferrox's op, traced into the graph, over the whole buffers and
+    the length computed on the device; no eager decode; ferrox's model breaks the graph
+    where the SDPA model does and nowhere else, and gives the compiled SDPA model's tokens
+    (logits within RTOL) until a near tie."""
     from torch._dynamo.utils import counters
 
-    ours, theirs, config = _models("deepseek_v3")
+    ours, theirs, config = _models(name)
     decodes = _counted(monkeypatch)
+    runs = _traced(monkeypatch)
     ids = _ids(config)
     torch._dynamo.reset()
     counters.clear()
@@ -136,5 +157,8 @@ def test_compiled_generate_runs_the_steps_on_sdpa_with_no_more_graph_breaks(monk
     counters.clear()
     want = _generate(theirs, ids, cache_implementation="static")
     assert ours_breaks == dict(counters["graph_break"])
-    assert decodes == []
-    _same_until_a_near_tie(got, want, ids.shape[1], RTOL)
+    assert runs, "ferrox's op never ran"
+    assert all(runs), runs  # (every one over the length on the device)
+    assert decodes == []  # (no step eager)
+    same = _same_until_a_near_tie(got, want, ids.shape[1], RTOL)
+    print(f"{name}, compiled: {same} tokens the same")
