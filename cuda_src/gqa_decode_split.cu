@@ -32,3 +32,4 @@
 #include "split_verify.cuh"
 #include "split_rows.cuh"
 #include "split_latent.cuh"
+#include "split_latent_wg.cuh"

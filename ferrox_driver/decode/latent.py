@@ -348,7 +348,7 @@ def _plan(
 ) -> LatentPlan:  # fmt: skip
     """`latent_plan` for ``dev``, memoised (planning is pure; the kernels load on first use)."""
     key = (dev.context_handle, dtype, fp8, n_q, n_heads, head_dim, head_dim_v, plan_seq, bits,
-           n_kv_heads, own_v)  # fmt: skip
+           n_kv_heads, own_v, planner.OVERRIDES.latent_wgmma)  # fmt: skip
     found = _plans.get(key)
     if found is None:
         if len(_plans) >= 1024:
@@ -358,6 +358,7 @@ def _plan(
             multiprocessor_count=dev.multiprocessor_count,
             shared_per_block=dev.max_shared_per_block_optin,
             compute_capability=dev.compute_capability, own_v=own_v,
+            wgmma=planner.OVERRIDES.latent_wgmma,
         )  # fmt: skip
     return found
 

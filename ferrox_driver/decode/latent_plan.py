@@ -16,7 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..archs import FP8_FROM, TENSOR_CORES_FROM
-from ..kernels.spec import LATENT_FEATURES, KernelSpec
+from ..kernels.spec import (
+    LATENT_FEATURES,
+    LATENT_WG_HEAD_DIM_V,
+    LATENT_WG_HEADS,
+    KernelSpec,
+)
 from ..kernels.traits import COMBINE_FEATURES, SPLIT_TRAITS
 
 __all__ = [
@@ -43,8 +48,14 @@ def latent_stages(step_tokens: int, fp8: str) -> int:
 def latent_shared_bytes(spec: KernelSpec) -> int:
     """The latent kernel ``spec``'s dynamic shared memory (split_latent.cuh's
     FxLatentSmem, part by part): the ring, (fp8) the widened step, the partial scores, P,
-    the maxima, q's largest magnitudes."""
+    the maxima, q's largest magnitudes; the wgmma kernel's (split_latent_wg.cuh's
+    FxLatentWgSmem): 1024 bytes to align its tiles, q's tile, (fp8) the widened step, two
+    stages, P, the maxima and q's largest magnitudes."""
     tok, rt, fp8 = spec.step_tokens, spec.heads_per_block // 16, spec.fp8
+    if spec.heads_per_block == LATENT_WG_HEADS:
+        tile = tok * spec.head_dim * 2
+        stage = tok * spec.head_dim * (1 if fp8 else 2)
+        return 1024 + tile + (tile if fp8 else 0) + 2 * stage + 64 * tok * 2 + 3 * 64 * 4
     row = spec.head_dim + (spec.head_dim_v if spec.own_v else 0)
     ring = latent_stages(tok, fp8) * tok * row * (1 if fp8 else 2)
     wide = tok * row * 2 if fp8 else 0
@@ -93,13 +104,16 @@ def latent_plan(
     dtype: str, fp8: str, n_q: int, n_heads: int, n_kv_heads: int, head_dim: int,
     head_dim_v: int, plan_seq: int, features: int, *, multiprocessor_count: int,
     shared_per_block: int, compute_capability: tuple[int, int], own_v: bool = False,
+    wgmma: bool = True,
 ) -> LatentPlan:  # fmt: skip
     """The latent kernel's plan for ``n_q`` queries of ``n_heads`` heads over up to
     ``plan_seq`` tokens (``dtype``: the kernels' f16 or bf16; ``fp8``: the cache's format
     or ""; ``features``: F_* bits, those past LATENT_FEATURES and COMBINE_FEATURES
     refused by the spec; ``own_v``: V rows of their own, a value cache apart from K's,
     rather than K's first ``head_dim_v`` columns). Steps of 64 tokens where the block's
-    shared memory holds their ring, else 32.
+    shared memory holds their ring, else 32. More than 32 rows a KV head, values K's first
+    512 columns, on compute capability 9.0 (``wgmma``): the warpgroup-MMA kernel, blocks
+    of 64 rows (split_latent_wg.cuh), where its shared memory fits.
 
     Raises:
         ValueError: a device without the kernel's instructions (compute capability 8.0 for
@@ -113,6 +127,14 @@ def latent_plan(
         raise ValueError(f"device: an fp8 latent cache needs compute capability {FP8_FROM} "
                          f"or newer, got {compute_capability}")  # fmt: skip
     rows_kv = n_q * (n_heads // n_kv_heads)
+    if (wgmma and rows_kv > 32 and compute_capability == (9, 0) and not own_v
+            and head_dim_v == LATENT_WG_HEAD_DIM_V):  # fmt: skip
+        wg = KernelSpec("latent", dtype, head_dim, fp8=fp8, head_dim_v=head_dim_v,
+                        heads_per_block=LATENT_WG_HEADS, step_tokens=64,
+                        features=features & LATENT_FEATURES)  # fmt: skip
+        if latent_shared_bytes(wg) <= shared_per_block:
+            return _spread(wg, -(-rows_kv // LATENT_WG_HEADS), n_kv_heads, plan_seq,
+                           multiprocessor_count, features)  # fmt: skip
     heads = 16 if rows_kv <= 16 else 32
     row_blocks = -(-rows_kv // heads)
     spec = None
@@ -128,6 +150,14 @@ def latent_plan(
             f"device: its {shared_per_block} bytes of shared memory per block do not hold "
             f"the latent kernel's ring ({latent_shared_bytes(spec)} bytes at 32 tokens a step)"
         )
+    return _spread(spec, row_blocks, n_kv_heads, plan_seq, multiprocessor_count, features)
+
+
+def _spread(
+    spec: KernelSpec, row_blocks: int, n_kv_heads: int, plan_seq: int,
+    multiprocessor_count: int, features: int,
+) -> LatentPlan:  # fmt: skip
+    """The plan of ``spec``: chunks enough to fill one wave, each at least LATENT_MIN_CHUNK."""
     most = max(1, multiprocessor_count // (n_kv_heads * row_blocks))
     splits = max(1, min(most, -(-max(plan_seq, 1) // LATENT_MIN_CHUNK), _MAX_SPLITS))
     return LatentPlan(spec, row_blocks, splits, features & COMBINE_FEATURES)

@@ -321,6 +321,7 @@ def ensure_module_loaded(
     *,
     options: Sequence[str] = (),
     device: Device | None = None,
+    arch: str | None = None,
 ) -> Module:
     """Compile (once) and load (once per context) the module holding ``function_name``.
 
@@ -330,6 +331,8 @@ def ensure_module_loaded(
         function_name: a kernel the module must contain; checked on load.
         options: extra NVRTC options (part of the cache key).
         device: the device whose context loads it (default: device 0).
+        arch: the target (default: the device's, e.g. ``"sm_90"``; ``"sm_90a"`` for a
+            kernel of that target's own instructions, such as wgmma).
 
     Returns:
         The loaded Module; ``module.get_function(function_name)`` is ready.
@@ -340,14 +343,15 @@ def ensure_module_loaded(
     """
     dev = resolve(device)
     opts = tuple(options)
-    key = cache_key(source, opts, dev.arch, _nvrtc_version())
+    target = dev.arch if arch is None else normalize_arch(arch)
+    key = cache_key(source, opts, target, _nvrtc_version())
     mod_key = (dev.context_handle, key)
     module = _modules.get(mod_key)
     if module is None or module._closed:  # a closed module is loaded afresh
         with _key_lock("load:" + key):
             module = _modules.get(mod_key)
             if module is None or module._closed:
-                program = get_program(source, arch=dev.arch, options=opts, name=module_name)
+                program = get_program(source, arch=target, options=opts, name=module_name)
                 dev.activate()
                 module = Module(program, dev)
                 _count("loads")

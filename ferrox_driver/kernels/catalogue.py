@@ -28,15 +28,17 @@ _kernels: dict[tuple[int, str, str], Kernel] = {}
 
 
 def get_kernel(
-    filename: str, function_name: str, device: Device | None = None, *, select: str | None = None
-) -> Kernel:
+    filename: str, function_name: str, device: Device | None = None, *,
+    select: str | None = None, arch_suffix: str = "",
+) -> Kernel:  # fmt: skip
     """A kernel from one of the package's ``cuda_src`` files, memoised per context so hot
     paths skip hashing the source.
 
     ``select``: compile only this instantiation (a line of the file's own macros, e.g.
     ``FX_COMBINE_ENTRY(gqa_split_combine_f16, fx_half)``) in a module of its own, the
     file's instantiations left out (``FX_SELECTED``): a first use compiles its kernels,
-    not the file's every kernel.
+    not the file's every kernel. ``arch_suffix``: compile for the device's target with it
+    (``"a"``: sm_90a, for a kernel of that target's own instructions).
     """
     dev = resolve(device)
     key = (dev.context_handle, filename, function_name)
@@ -45,7 +47,8 @@ def get_kernel(
         source = kernel_source(filename)
         if select is not None:
             source = f"#define FX_SELECTED 1\n{source}\n{select}\n"
-        module = ensure_module_loaded(source, filename, function_name, device=dev)
+        arch = dev.arch + arch_suffix if arch_suffix else None
+        module = ensure_module_loaded(source, filename, function_name, device=dev, arch=arch)
         kernel = _kernels[key] = module.get_function(function_name)
     return kernel
 
@@ -53,4 +56,6 @@ def get_kernel(
 def split_kernel(spec: KernelSpec, device: Device | None = None) -> Kernel:
     """The kernel ``spec`` names, compiled (on first use) in a module of its own (its entry
     line alone; the parity kernel's file whole)."""
-    return get_kernel(spec.file, spec.name, device, select=spec.select)
+    return get_kernel(
+        spec.file, spec.name, device, select=spec.select, arch_suffix=spec.arch_suffix
+    )

@@ -50,6 +50,8 @@ __all__ = [
     "LATENT_HEADS_PER_BLOCK",
     "LATENT_MAX_HEAD_DIM",
     "LATENT_STEP_TOKENS",
+    "LATENT_WG_HEADS",
+    "LATENT_WG_HEAD_DIM_V",
     "MMA_HEAD_DIMS",
     "NARROW_ROWS_HEAD_DIM",
     "PARITY_FILE",
@@ -103,9 +105,13 @@ ROWS_MAX_WARPS = 8  # ... warps of 16 rows per block, at most
 # the latent (MLA) kernels' (split_latent.cuh): query rows per block (16 x its row tiles),
 # tokens per step, the widest K row (q's fragments of a quarter of it stay in registers),
 # and the features the kernel itself applies (the window, sinks and LSE reach its combine)
-LATENT_HEADS_PER_BLOCK = (16, 32)
+LATENT_HEADS_PER_BLOCK = (16, 32, 64)
 LATENT_STEP_TOKENS = (32, 64)
 LATENT_MAX_HEAD_DIM = 576
+# the latent kernel on Hopper's warpgroup MMA (split_latent_wg.cuh, sm_90a alone): blocks of
+# 64 rows, values K's first 512 columns
+LATENT_WG_HEADS = 64
+LATENT_WG_HEAD_DIM_V = 512
 LATENT_FEATURES = F_WINDOW | F_CAP | F_SCALE
 
 
@@ -336,6 +342,11 @@ class KernelSpec:
             return "head_dim_v a multiple of 128 up to head_dim (own_v: up to 512)"
         if self.heads_per_block not in LATENT_HEADS_PER_BLOCK:
             return f"heads_per_block one of {LATENT_HEADS_PER_BLOCK}"
+        if self.heads_per_block == LATENT_WG_HEADS and (
+            self.own_v or dv != LATENT_WG_HEAD_DIM_V or self.step_tokens != 64
+        ):
+            return (f"heads_per_block {LATENT_WG_HEADS} (the wgmma kernel): values of "
+                    f"{LATENT_WG_HEAD_DIM_V} within K's rows, steps of 64 tokens")  # fmt: skip
         if self.step_tokens not in LATENT_STEP_TOKENS:
             return f"step_tokens one of {LATENT_STEP_TOKENS}"
         if self.features & ~LATENT_FEATURES:
@@ -454,6 +465,9 @@ class KernelSpec:
             return f"FX_VERIFY_ROWS_ENTRY({name}, {t}, {d}, {self.row_warps}, {f})"
         if family == "vrcombine":
             return f"FX_VERIFY_ROWS_COMBINE_ENTRY({name}, {t}, {f})"
+        if family == "latent" and self.heads_per_block == LATENT_WG_HEADS:
+            q8 = FP8_FORMATS[self.fp8] if self.fp8 else 0
+            return f"FX_LATENT_WG_ENTRY({name}, {t}, {q8}, {d}, {self.head_dim_v}, {f})"
         if family == "latent":
             q8 = FP8_FORMATS[self.fp8] if self.fp8 else 0
             vk = "false" if self.own_v else "true"
@@ -507,6 +521,13 @@ class KernelSpec:
         if dr != d:
             return f"FX_MMA_PAD_ENTRY({base}, {t}, {d}, {dr})"
         return f"FX_MMA_ENTRY({base}, {t}, {d})"
+
+    @property
+    def arch_suffix(self) -> str:
+        """What its module's target adds to the device's (``"a"``: the wgmma latent
+        kernel, sm_90a's own instructions)."""
+        wg = self.family == "latent" and self.heads_per_block == LATENT_WG_HEADS
+        return "a" if wg else ""
 
     @property
     def select(self) -> str | None:

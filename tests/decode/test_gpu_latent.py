@@ -160,3 +160,33 @@ def test_a_graph_captured_once_serves_a_growing_device_length(rng, fp8):
             got = out.to_host().astype(np.float64)
             assert rel_err(got, ref) < (FP8_TOL if fp8 else TOL["bf16"]), n
             np.testing.assert_allclose(lse.to_host(), ref_lse, rtol=LSE_TOL, atol=LSE_TOL)
+
+
+def test_past_32_rows_a_hopper_gpu_takes_the_wgmma_kernel(rng):
+    """The plan a call takes on this GPU: blocks of 64 rows (split_latent_wg.cuh) on compute
+    capability 9.0, the mma.sync kernel's 32 elsewhere; the outputs checked above are its."""
+    from ferrox_driver.decode.latent import _plan
+    from ferrox_driver.driver.device import default_device
+
+    dev = default_device()
+    plan = _plan(dev, "bf16", "", 1, 128, DK, DV, 4096, 0)
+    assert plan.spec.heads_per_block == (64 if dev.compute_capability == (9, 0) else 32)
+    _check(rng, 1, 128, 4099, sliding_window=3000, logits_soft_cap=4.0, scale=0.1)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("n_heads,n_q", [(128, 1), (64, 2), (40, 1)])
+def test_the_mma_sync_kernel_still_serves_many_rows_when_wgmma_is_off(
+    rng, monkeypatch, fp8, n_heads, n_q
+):
+    """FERROX_LATENT_WG=0's route (and every non-Hopper GPU's) at 40-128 rows, against the
+    reference as the wgmma kernel is above."""
+    import dataclasses
+
+    from ferrox_driver.decode import plan as planner
+
+    monkeypatch.setattr(planner, "OVERRIDES",
+                        dataclasses.replace(planner.OVERRIDES, latent_wgmma=False))  # fmt: skip
+    for seq in (n_q, 1031):
+        _check(rng, n_q, n_heads, seq, fp8=fp8, sinks=rng.standard_normal(n_heads).astype(
+            np.float32))  # fmt: skip

@@ -44,7 +44,10 @@ def test_a_latent_kernel_is_named_by_its_fields():
         dict(head_dim=600),
         dict(head_dim_v=576),
         dict(head_dim_v=448),
-        dict(heads_per_block=64),
+        dict(heads_per_block=48),
+        dict(heads_per_block=64, step_tokens=32),  # the wgmma kernel: steps of 64,
+        dict(heads_per_block=64, head_dim=512, own_v=True),  # values within K's rows
+        dict(heads_per_block=64, head_dim_v=256),  # of 512
         dict(step_tokens=16),
         dict(features=F_SINKS),
         dict(features=F_LSE),
@@ -63,23 +66,48 @@ def test_other_families_take_no_latent_fields():
         KernelSpec("mma", "bf16", 128, head_dim_v=128)
 
 
-def _plan(n_q=1, n_heads=128, seq=131072, fp8="", features=0, device=H100):
-    return latent_plan("bf16", fp8, n_q, n_heads, 1, 576, 512, seq, features, **device)
+def _plan(n_q=1, n_heads=128, seq=131072, fp8="", features=0, device=H100, **kw):
+    return latent_plan("bf16", fp8, n_q, n_heads, 1, 576, 512, seq, features, **device, **kw)
 
 
 def test_a_plan_takes_blocks_of_32_rows_and_fills_the_multiprocessors_once():
-    plan = _plan()
+    plan = _plan(wgmma=False)
     assert isinstance(plan, LatentPlan)
     assert plan.spec.heads_per_block == 32 and plan.row_blocks == 4 and plan.splits == 33
     assert plan.grid(1) == (33, 4, 1) and plan.threads == 256 and plan.tile == 64
     assert plan.workspace_floats(128) == 128 * 33 * 514
-    two = _plan(n_q=2, n_heads=64)  # rows query-major: 128 rows
+    two = _plan(n_q=2, n_heads=64, wgmma=False)  # rows query-major: 128 rows
     assert two.row_blocks == 4 and two.splits == 33
     sixteen = _plan(n_heads=16)
     assert sixteen.spec.heads_per_block == 16 and sixteen.row_blocks == 1
     assert sixteen.splits == 132
-    assert _plan(seq=1000).splits == 4  # chunks of at least LATENT_MIN_CHUNK tokens
+    assert _plan(seq=1000, wgmma=False).splits == 4  # chunks of LATENT_MIN_CHUNK or more
     assert _plan(seq=1).splits == 1
+
+
+def test_past_32_rows_a_hopper_plan_takes_the_wgmma_kernel_in_blocks_of_64():
+    plan = _plan()  # 128 heads: two blocks of 64 rows, 66 chunks
+    assert plan.spec.heads_per_block == 64 and plan.spec.arch_suffix == "a"
+    assert plan.row_blocks == 2 and plan.splits == 66 and plan.grid(1) == (66, 2, 1)
+    assert plan.spec.name == "gqa_split_latent_bf16_dk576_dv512_h64_x0"
+    assert plan.spec.entry == f"FX_LATENT_WG_ENTRY({plan.spec.name}, fx_bf16, 0, 576, 512, 0)"
+    assert plan.threads == 256 and plan.tile == 64
+    sixty_four = _plan(n_heads=64)
+    assert sixty_four.row_blocks == 1 and sixty_four.splits == 132
+    assert _plan(n_q=3, n_heads=16).spec.heads_per_block == 64  # 48 rows (16 padding)
+    assert _plan(n_q=2, n_heads=16).spec.heads_per_block == 32  # 32 rows: mma.sync
+    assert _plan(fp8="e4m3").spec.name == "gqa_split_latent_bf16_e4m3_dk576_dv512_h64_x0"
+    # elsewhere, or turned off: the mma.sync kernel (sm_100 has no wgmma)
+    for cc in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        other = _plan(device={**H100, "compute_capability": cc})
+        assert other.spec.heads_per_block == 32 and other.spec.arch_suffix == ""
+    assert _plan(wgmma=False).spec.heads_per_block == 32
+    # Q, (fp8) the widened step, two stages, P, maxima and q's magnitudes, 1024 to align
+    for fp8 in ("", "e4m3"):
+        wg = _plan(fp8=fp8)
+        assert wg.shared_bytes == 1024 + 3 * 64 * 576 * 2 + 64 * 64 * 2 + 768
+        assert wg.shared_bytes <= H100["shared_per_block"]
+    assert _plan(device={**H100, "shared_per_block": 200000}).spec.heads_per_block == 32
 
 
 def test_a_plan_passes_the_combines_features_on():
@@ -208,3 +236,20 @@ def test_the_latent_kernels_compile_without_spills(arch):
         res = program.resources[spec.name]
         assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, spec.name
         assert res.registers <= 255, spec.name
+
+
+def test_the_wgmma_latent_kernels_compile_for_sm_90a_without_spills():
+    specs = [
+        _latent(dtype=dt, fp8=fp8, heads_per_block=64, features=f)
+        for dt in ("bf16", "f16")
+        for fp8 in ("", "e4m3", "e5m2")
+        for f in (0, F_WINDOW | F_CAP | F_SCALE)
+    ]
+    program = split_program(specs, "sm_90a")
+    for spec in specs:
+        res = program.resources[spec.name]
+        assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, spec.name
+        assert res.registers <= 255, spec.name
+    # sm_90 without the a: the kernel's body is empty (the plan never takes it there)
+    empty = split_program(specs[:1], "sm_90").resources[specs[0].name]
+    assert empty.registers < 32

@@ -9,18 +9,23 @@ MLA targets ask (90% of the floor from 32768 tokens).
         [--seqs 4096 32768 131072] [--formats bf16 e4m3] [--no-sdpa]
 
 Prints us per decode, the latent's TB/s (its bytes read once / time), the floor's us and
-the share of it reached, and SDPA's us (eager, its own rotation; "-" where it does not run).
+the share of it reached, 'sync us': the same decode with the warpgroup-MMA kernel turned
+off (``FERROX_LATENT_WG=0``: the mma.sync latent kernel; the same kernel where the plan
+takes it anyway, up to 32 rows), and SDPA's us (eager, its own rotation; "-" where it does
+not run).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from ...decode import plan as planner
 from ...decode.latent import mla_decode
 from ...driver.device import default_device
 from ...driver.memory import DeviceArray, empty
@@ -167,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
           f" mma.sync bf16 {tflops:.0f} TFLOPS measured: 'mma us' = the decode's "
           f"n_q x heads x seq x {DK + DV} x 2 flops at that rate")  # fmt: skip
     print(f"{'fmt':>5} {'seq':>7} {'heads':>5} {'n_q':>3} {'us':>9} {'TB/s':>6} "
-          f"{'floor us':>9} {'% floor':>7} {'mma us':>8} {'sdpa us':>9}")  # fmt: skip
+          f"{'floor us':>9} {'% floor':>7} {'mma us':>8} {'sync us':>8} "
+          f"{'sdpa us':>9}")  # fmt: skip
     for fmt in args.formats:
         fp8 = fmt != "bf16"
         itemsize = np.dtype(FORMATS[fmt]).itemsize
@@ -189,11 +195,17 @@ def main(argv: list[str] | None = None) -> None:
                         mla_decode(q_d, sets[i % len(sets)][0], out=out, stream=stream, **kw)
 
                     us = rotated_graph_us(decode, rotated, stream, 20)
+                    before = planner.OVERRIDES
+                    planner.OVERRIDES = dataclasses.replace(before, latent_wgmma=False)
+                    try:
+                        sync_us = rotated_graph_us(decode, rotated, stream, 20)
+                    finally:
+                        planner.OVERRIDES = before
                     sdpa = None if args.no_sdpa else _sdpa_us(q, rotated, n_q, seq, fmt)
                     mma_us = n_q * heads * seq * (DK + DV) * 2 / tflops / 1e6
                     print(f"{fmt:>5} {seq:>7} {heads:>5} {n_q:>3} {us:>9.2f} "
                           f"{latent_bytes / us / 1e6:>6.2f} {floor:>9.2f} "
-                          f"{100 * floor / us:>6.1f}% {mma_us:>8.2f} "
+                          f"{100 * floor / us:>6.1f}% {mma_us:>8.2f} {sync_us:>8.2f} "
                           f"{'-' if sdpa is None else f'{sdpa:.1f}':>9}", flush=True)  # fmt: skip
                     q_d.close()
                     out.close()
