@@ -152,8 +152,9 @@ class Overrides:
             on the latent tensor-core kernels with V rows of their own (records.py
             ``wide_launches``; ``FERROX_WIDE_TC=0``: the CUDA-core ``_d512`` kernels).
         latent_wgmma: MLA decodes of more than 32 query rows a latent head on an sm_90 GPU
-            on the warpgroup-MMA latent kernel (split_latent_wg.cuh, blocks of 64 rows;
-            ``FERROX_LATENT_WG=0``: the mma.sync one, blocks of 32).
+            on the warpgroup-MMA latent kernel (split_latent_wg.cuh, blocks of 64 rows),
+            opt-in (``FERROX_LATENT_WG=1``) until it has run on a GPU; off: the mma.sync
+            latent kernel, blocks of 32.
     """
 
     heads_per_block: int = 4
@@ -171,7 +172,7 @@ class Overrides:
     four_bit_split: bool = True
     four_bit_narrow_to: int = 8192
     wide_tensor_cores: bool = True
-    latent_wgmma: bool = True
+    latent_wgmma: bool = False
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -197,7 +198,7 @@ class Overrides:
             four_bit_split=on("FERROX_FOUR_BIT_SPLIT"),
             four_bit_narrow_to=int(env.get("FERROX_FOUR_BIT_NARROW_TO", "8192")),
             wide_tensor_cores=on("FERROX_WIDE_TC"),
-            latent_wgmma=on("FERROX_LATENT_WG"),
+            latent_wgmma=env.get("FERROX_LATENT_WG", "0") == "1",
         )
 
 

@@ -162,12 +162,36 @@ def test_a_graph_captured_once_serves_a_growing_device_length(rng, fp8):
             np.testing.assert_allclose(lse.to_host(), ref_lse, rtol=LSE_TOL, atol=LSE_TOL)
 
 
-def test_past_32_rows_a_hopper_gpu_takes_the_wgmma_kernel(rng):
-    """The plan a call takes on this GPU: blocks of 64 rows (split_latent_wg.cuh) on compute
-    capability 9.0, the mma.sync kernel's 32 elsewhere; the outputs checked above are its."""
+@pytest.mark.parametrize("n_heads,n_q", [(128, 1), (64, 2), (40, 1), (16, 3)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_wgmma_kernel_matches_the_reference(rng, monkeypatch, fp8, n_heads, n_q):
+    """FERROX_LATENT_WG=1's route: blocks of 64 rows (split_latent_wg.cuh) on compute
+    capability 9.0 (padding rows at 40 and 48), with every feature it takes."""
+    import dataclasses
+
+    from ferrox_driver.decode import plan as planner
+
+    monkeypatch.setattr(planner, "OVERRIDES",
+                        dataclasses.replace(planner.OVERRIDES, latent_wgmma=True))  # fmt: skip
+    sinks = rng.standard_normal(n_heads).astype(np.float32)
+    for seq in (n_q, 64, 65, 777, 4099):
+        _check(rng, n_q, n_heads, seq, fp8=fp8)
+    _check(rng, n_q, n_heads, 1500, fp8=fp8, sliding_window=700, logits_soft_cap=4.0,
+           scale=0.1, sinks=sinks)  # fmt: skip
+    _check(rng, n_q, n_heads, 1500, fp8=fp8, q_scale=30.0)
+
+
+def test_past_32_rows_a_hopper_gpu_can_take_the_wgmma_kernel(rng, monkeypatch):
+    """The plan a call takes on this GPU with the wgmma kernel on: blocks of 64 rows on
+    compute capability 9.0, the mma.sync kernel's 32 elsewhere."""
+    import dataclasses
+
+    from ferrox_driver.decode import plan as planner
     from ferrox_driver.decode.latent import _plan
     from ferrox_driver.driver.device import default_device
 
+    monkeypatch.setattr(planner, "OVERRIDES",
+                        dataclasses.replace(planner.OVERRIDES, latent_wgmma=True))  # fmt: skip
     dev = default_device()
     plan = _plan(dev, "bf16", "", 1, 128, DK, DV, 4096, 0)
     assert plan.spec.heads_per_block == (64 if dev.compute_capability == (9, 0) else 32)

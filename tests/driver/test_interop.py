@@ -179,6 +179,9 @@ def test_the_environment_knobs_are_read_into_overrides_once() -> None:
         False, 2, True, True, True,
     )  # fmt: skip
     assert attention.Overrides.from_env({}).wide
+    # the wgmma latent kernel: opt-in
+    assert not attention.Overrides.from_env({}).latent_wgmma
+    assert attention.Overrides.from_env({"FERROX_LATENT_WG": "1"}).latent_wgmma
 
 
 def test_importing_ferrox_imports_no_framework():

@@ -9,10 +9,10 @@ MLA targets ask (90% of the floor from 32768 tokens).
         [--seqs 4096 32768 131072] [--formats bf16 e4m3] [--no-sdpa]
 
 Prints us per decode, the latent's TB/s (its bytes read once / time), the floor's us and
-the share of it reached, 'sync us': the same decode with the warpgroup-MMA kernel turned
-off (``FERROX_LATENT_WG=0``: the mma.sync latent kernel; the same kernel where the plan
-takes it anyway, up to 32 rows), and SDPA's us (eager, its own rotation; "-" where it does
-not run).
+the share of it reached, all with the warpgroup-MMA latent kernel on
+(``FERROX_LATENT_WG=1``: past 32 rows on an sm_90 GPU), 'sync us': the same decode with it
+off (the mma.sync latent kernel; the same kernel as 'us' up to 32 rows), and SDPA's us
+(eager, its own rotation; "-" where it does not run).
 """
 
 from __future__ import annotations
@@ -194,10 +194,11 @@ def main(argv: list[str] | None = None) -> None:
                                sets: Any = rotated.sets) -> None:  # fmt: skip
                         mla_decode(q_d, sets[i % len(sets)][0], out=out, stream=stream, **kw)
 
-                    us = rotated_graph_us(decode, rotated, stream, 20)
                     before = planner.OVERRIDES
-                    planner.OVERRIDES = dataclasses.replace(before, latent_wgmma=False)
                     try:
+                        planner.OVERRIDES = dataclasses.replace(before, latent_wgmma=True)
+                        us = rotated_graph_us(decode, rotated, stream, 20)
+                        planner.OVERRIDES = dataclasses.replace(before, latent_wgmma=False)
                         sync_us = rotated_graph_us(decode, rotated, stream, 20)
                     finally:
                         planner.OVERRIDES = before
