@@ -57,11 +57,22 @@ __device__ __forceinline__ int fx_wg_at(int r, int c) {
     return (c >> 3) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
 #ifdef FX_WG_OK
-// a shared-memory matrix descriptor, 128-byte swizzle, stride offset 1024 (8 rows)
-__device__ __forceinline__ unsigned long long fx_wg_desc(const void* p, unsigned lead) {
+// a shared-memory matrix descriptor, 128-byte swizzle: the leading and stride byte offsets
+__device__ __forceinline__ unsigned long long fx_wg_desc(const void* p, unsigned lead,
+                                                         unsigned stride = 1024) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
     return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
-           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+           ((unsigned long long)(stride >> 4) << 32) | (1ull << 62);
+}
+// V's descriptor, N-major: column blocks TOK 128 bytes apart (leading), 8 tokens 1024
+// (stride); FX_WG_V_SWAP swaps them (a diagnostic for the offsets' meaning)
+template <int TOK>
+__device__ __forceinline__ unsigned long long fx_wg_v_desc(const void* p) {
+#ifdef FX_WG_V_SWAP
+    return fx_wg_desc(p, 1024, TOK * 128);
+#else
+    return fx_wg_desc(p, TOK * 128, 1024);
+#endif
 }
 __device__ __forceinline__ void fx_wg_fence() {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -372,7 +383,7 @@ __device__ __forceinline__ void gqa_split_latent_wg(
 #pragma unroll
         for (int kt = 0; kt < TOK / 16; ++kt)
             fx_wg_pv(o, fx_wg_desc(p_s + kt * 32, 16),
-                     fx_wg_desc(ks + 4 * wg * (TOK * 128) + kt * 16 * 128, TOK * 128), T{});
+                     fx_wg_v_desc<TOK>(ks + 4 * wg * (TOK * 128) + kt * 16 * 128), T{});
         fx_wg_commit_wait();
     }
     fx_cp_async_wait<0>();  // no copy may land after the block has left
