@@ -348,7 +348,8 @@ def _plan(
 ) -> LatentPlan:  # fmt: skip
     """`latent_plan` for ``dev``, memoised (planning is pure; the kernels load on first use)."""
     key = (dev.context_handle, dtype, fp8, n_q, n_heads, head_dim, head_dim_v, plan_seq, bits,
-           n_kv_heads, own_v, planner.OVERRIDES.latent_wgmma)  # fmt: skip
+           n_kv_heads, own_v, planner.OVERRIDES.latent_wgmma,
+           planner.OVERRIDES.latent_wg_min_chunk)  # fmt: skip
     found = _plans.get(key)
     if found is None:
         if len(_plans) >= 1024:
@@ -359,6 +360,7 @@ def _plan(
             shared_per_block=dev.max_shared_per_block_optin,
             compute_capability=dev.compute_capability, own_v=own_v,
             wgmma=planner.OVERRIDES.latent_wgmma,
+            wg_min_chunk=planner.OVERRIDES.latent_wg_min_chunk,
         )  # fmt: skip
     return found
 

@@ -27,6 +27,7 @@ from ..kernels.traits import COMBINE_FEATURES, SPLIT_TRAITS
 __all__ = [
     "LATENT_MIN_CHUNK",
     "LATENT_WARPS",
+    "LATENT_WG_MIN_CHUNK",
     "LatentPlan",
     "latent_plan",
     "latent_shared_bytes",
@@ -35,6 +36,10 @@ __all__ = [
 
 LATENT_WARPS = SPLIT_TRAITS["FX_LATENT_WARPS"]
 LATENT_MIN_CHUNK = 256  # tokens: not yet measured (4 steps of 64)
+# the wgmma kernel's shortest chunk (tokens): below it the mma.sync kernel measured faster
+# (H100, benchmarks/mla_speed.py: 64 heads at 32768 tokens, chunks of 256: 41 vs 37 us;
+# 128 heads at 32768, chunks of 512: 53 vs 66 us)
+LATENT_WG_MIN_CHUNK = 512
 _MAX_SPLITS = SPLIT_TRAITS["FX_MAX_SPLITS"]
 
 
@@ -104,7 +109,7 @@ def latent_plan(
     dtype: str, fp8: str, n_q: int, n_heads: int, n_kv_heads: int, head_dim: int,
     head_dim_v: int, plan_seq: int, features: int, *, multiprocessor_count: int,
     shared_per_block: int, compute_capability: tuple[int, int], own_v: bool = False,
-    wgmma: bool = True,
+    wgmma: bool = True, wg_min_chunk: int = LATENT_WG_MIN_CHUNK,
 ) -> LatentPlan:  # fmt: skip
     """The latent kernel's plan for ``n_q`` queries of ``n_heads`` heads over up to
     ``plan_seq`` tokens (``dtype``: the kernels' f16 or bf16; ``fp8``: the cache's format
@@ -113,7 +118,8 @@ def latent_plan(
     rather than K's first ``head_dim_v`` columns). Steps of 64 tokens where the block's
     shared memory holds their ring, else 32. More than 32 rows a KV head, values K's first
     512 columns, on compute capability 9.0 (``wgmma``): the warpgroup-MMA kernel, blocks
-    of 64 rows (split_latent_wg.cuh), where its shared memory fits.
+    of 64 rows (split_latent_wg.cuh), where its shared memory fits and its chunks are
+    ``wg_min_chunk`` tokens or more (shorter: the mma.sync kernel measured faster).
 
     Raises:
         ValueError: a device without the kernel's instructions (compute capability 8.0 for
@@ -133,8 +139,11 @@ def latent_plan(
                         heads_per_block=LATENT_WG_HEADS, step_tokens=64,
                         features=features & LATENT_FEATURES)  # fmt: skip
         if latent_shared_bytes(wg) <= shared_per_block:
-            return _spread(wg, -(-rows_kv // LATENT_WG_HEADS), n_kv_heads, plan_seq,
+            plan = _spread(wg, -(-rows_kv // LATENT_WG_HEADS), n_kv_heads, plan_seq,
                            multiprocessor_count, features)  # fmt: skip
+            chunk = -(-max(plan_seq, 1) // plan.splits)
+            if -(-chunk // plan.tile) * plan.tile >= wg_min_chunk:  # (whole steps, fx_chunk)
+                return plan
     heads = 16 if rows_kv <= 16 else 32
     row_blocks = -(-rows_kv // heads)
     spec = None

@@ -152,9 +152,13 @@ class Overrides:
             on the latent tensor-core kernels with V rows of their own (records.py
             ``wide_launches``; ``FERROX_WIDE_TC=0``: the CUDA-core ``_d512`` kernels).
         latent_wgmma: MLA decodes of more than 32 query rows a latent head on an sm_90 GPU
-            on the warpgroup-MMA latent kernel (split_latent_wg.cuh, blocks of 64 rows),
-            opt-in (``FERROX_LATENT_WG=1``) until it has run on a GPU; off: the mma.sync
-            latent kernel, blocks of 32.
+            on the warpgroup-MMA latent kernel (split_latent_wg.cuh, blocks of 64 rows)
+            where its chunks are ``latent_wg_min_chunk`` tokens or more
+            (``FERROX_LATENT_WG=0``: the mma.sync latent kernel, blocks of 32, always).
+        latent_wg_min_chunk: the shortest chunk (tokens) the wgmma latent kernel takes;
+            shorter ones, the mma.sync kernel, which measured faster there (H100: 4 steps
+            of 64 tokens a block, 64 heads at 32768 tokens, 37 vs 41 us; 128 heads at
+            32768, chunks of 512, 53 vs 66 us the other way); ``FERROX_LATENT_WG_MIN_CHUNK``.
     """
 
     heads_per_block: int = 4
@@ -172,7 +176,8 @@ class Overrides:
     four_bit_split: bool = True
     four_bit_narrow_to: int = 8192
     wide_tensor_cores: bool = True
-    latent_wgmma: bool = False
+    latent_wgmma: bool = True
+    latent_wg_min_chunk: int = 512
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -198,7 +203,8 @@ class Overrides:
             four_bit_split=on("FERROX_FOUR_BIT_SPLIT"),
             four_bit_narrow_to=int(env.get("FERROX_FOUR_BIT_NARROW_TO", "8192")),
             wide_tensor_cores=on("FERROX_WIDE_TC"),
-            latent_wgmma=env.get("FERROX_LATENT_WG", "0") == "1",
+            latent_wgmma=on("FERROX_LATENT_WG"),
+            latent_wg_min_chunk=int(env.get("FERROX_LATENT_WG_MIN_CHUNK", "512")),
         )
 
 

@@ -165,14 +165,15 @@ def test_a_graph_captured_once_serves_a_growing_device_length(rng, fp8):
 @pytest.mark.parametrize("n_heads,n_q", [(128, 1), (64, 2), (40, 1), (16, 3)])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_the_wgmma_kernel_matches_the_reference(rng, monkeypatch, fp8, n_heads, n_q):
-    """FERROX_LATENT_WG=1's route: blocks of 64 rows (split_latent_wg.cuh) on compute
-    capability 9.0 (padding rows at 40 and 48), with every feature it takes."""
+    """The wgmma kernel at every length (its shortest chunk 0): blocks of 64 rows
+    (split_latent_wg.cuh) on compute capability 9.0 (padding rows at 40 and 48), with every
+    feature it takes."""
     import dataclasses
 
     from ferrox_driver.decode import plan as planner
 
-    monkeypatch.setattr(planner, "OVERRIDES",
-                        dataclasses.replace(planner.OVERRIDES, latent_wgmma=True))  # fmt: skip
+    monkeypatch.setattr(planner, "OVERRIDES", dataclasses.replace(
+        planner.OVERRIDES, latent_wgmma=True, latent_wg_min_chunk=0))  # fmt: skip
     sinks = rng.standard_normal(n_heads).astype(np.float32)
     for seq in (n_q, 64, 65, 777, 4099):
         _check(rng, n_q, n_heads, seq, fp8=fp8)
@@ -182,8 +183,8 @@ def test_the_wgmma_kernel_matches_the_reference(rng, monkeypatch, fp8, n_heads, 
 
 
 def test_past_32_rows_a_hopper_gpu_can_take_the_wgmma_kernel(rng, monkeypatch):
-    """The plan a call takes on this GPU with the wgmma kernel on: blocks of 64 rows on
-    compute capability 9.0, the mma.sync kernel's 32 elsewhere."""
+    """The plan a long call takes on this GPU: blocks of 64 rows on compute capability 9.0,
+    the mma.sync kernel's 32 elsewhere."""
     import dataclasses
 
     from ferrox_driver.decode import plan as planner
@@ -193,7 +194,7 @@ def test_past_32_rows_a_hopper_gpu_can_take_the_wgmma_kernel(rng, monkeypatch):
     monkeypatch.setattr(planner, "OVERRIDES",
                         dataclasses.replace(planner.OVERRIDES, latent_wgmma=True))  # fmt: skip
     dev = default_device()
-    plan = _plan(dev, "bf16", "", 1, 128, DK, DV, 4096, 0)
+    plan = _plan(dev, "bf16", "", 1, 128, DK, DV, 131072, 0)
     assert plan.spec.heads_per_block == (64 if dev.compute_capability == (9, 0) else 32)
     _check(rng, 1, 128, 4099, sliding_window=3000, logits_soft_cap=4.0, scale=0.1)
 

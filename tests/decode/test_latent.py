@@ -102,6 +102,11 @@ def test_past_32_rows_a_hopper_plan_takes_the_wgmma_kernel_in_blocks_of_64():
         other = _plan(device={**H100, "compute_capability": cc})
         assert other.spec.heads_per_block == 32 and other.spec.arch_suffix == ""
     assert _plan(wgmma=False).spec.heads_per_block == 32
+    # chunks shorter than LATENT_WG_MIN_CHUNK: the mma.sync kernel (measured faster there)
+    assert _plan(n_heads=64, seq=32768).spec.heads_per_block == 32  # 132 chunks of 256
+    assert _plan(n_heads=128, seq=32768).spec.heads_per_block == 64  # 66 chunks of 512
+    assert _plan(seq=4096).spec.heads_per_block == 32
+    assert _plan(n_heads=64, seq=32768, wg_min_chunk=0).spec.heads_per_block == 64
     # Q, (fp8) the widened step, two stages, P, maxima and q's magnitudes, 1024 to align
     for fp8 in ("", "e4m3"):
         wg = _plan(fp8=fp8)

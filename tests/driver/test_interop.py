@@ -179,9 +179,13 @@ def test_the_environment_knobs_are_read_into_overrides_once() -> None:
         False, 2, True, True, True,
     )  # fmt: skip
     assert attention.Overrides.from_env({}).wide
-    # the wgmma latent kernel: opt-in
-    assert not attention.Overrides.from_env({}).latent_wgmma
-    assert attention.Overrides.from_env({"FERROX_LATENT_WG": "1"}).latent_wgmma
+    # the wgmma latent kernel: on, from chunks of 512 tokens
+    assert attention.Overrides.from_env({}).latent_wgmma
+    assert not attention.Overrides.from_env({"FERROX_LATENT_WG": "0"}).latent_wgmma
+    assert attention.Overrides.from_env({}).latent_wg_min_chunk == 512
+    assert (
+        attention.Overrides.from_env({"FERROX_LATENT_WG_MIN_CHUNK": "0"}).latent_wg_min_chunk == 0
+    )
 
 
 def test_importing_ferrox_imports_no_framework():
