@@ -15,6 +15,7 @@ from ..errors import ClosedError
 from ..types import DeviceLike, DTypeLike, HostArrayLike
 from .four_bit import check_mixed, four_bit_format
 from .kv_cache import KVCache, check_kv_shape
+from .own_values import check_head_dim_v
 
 __all__ = ["LayerKVCache"]
 
@@ -35,6 +36,7 @@ class LayerKVCache:
         v_scale: as `KVCache`, every layer's.
         v_dtype: as `KVCache` (V's format where it is not K's).
         rotate: as `KVCache` (a 4-bit K's Hadamard rotation).
+        head_dim_v: as `KVCache` (V rows of their own width, every layer's).
 
     Raises:
         TypeError, ValueError: an argument `KVCache` refuses, named (nothing is left
@@ -55,11 +57,13 @@ class LayerKVCache:
         v_scale: HostArrayLike = None,
         v_dtype: DTypeLike = None,
         rotate: bool | None = None,
+        head_dim_v: int | None = None,
     ) -> None:
         n_layers = check_int(n_layers, "n_layers", 1)
         _, head_dim = check_kv_shape(n_kv_heads, head_dim)
         check_int(capacity, "capacity", 1, MAX_TOKENS)
         check_mixed(dtype, v_dtype, head_dim, rotate, k_scale, v_scale)  # (before any stream)
+        check_head_dim_v(head_dim_v, head_dim, dtype, v_dtype, rotate)
         if not four_bit_format(dtype) and not FP8_DTYPES.get(as_dtype(dtype, "dtype")):
             dtype = check_dtype(dtype, "dtype")
         self.device = resolve(device)
@@ -80,6 +84,7 @@ class LayerKVCache:
                         v_scale=v_scale,
                         v_dtype=v_dtype,
                         rotate=rotate,
+                        head_dim_v=head_dim_v,
                     )
                 )
         except BaseException:
@@ -88,6 +93,7 @@ class LayerKVCache:
         self.n_kv_heads, self.head_dim, self.capacity = n_kv_heads, head_dim, capacity
         self.dtype = self.layers[0].dtype  # (a 4-bit cache's: its ml_dtypes name)
         self.v_dtype = self.layers[0].v_dtype
+        self.head_dim_v = self.layers[0].head_dim_v
 
     _closed = False
 

@@ -169,3 +169,23 @@ def test_closed_cache_refuses(rng):
         kv.append(np.zeros((N_KV, 192), dt), np.zeros((N_KV, 128), dt))
     with pytest.raises(fd.ClosedError):
         kv.decode(np.zeros((8, 192), dt))
+
+
+def test_a_layered_cache_holds_values_of_their_own_width_in_every_layer(rng):
+    """LayerKVCache(head_dim_v=): each layer a KVCache of that width, appended and decoded
+    on its own against the reference on its rows."""
+    dt = DTYPES["bf16"]
+    with fd.LayerKVCache(3, N_KV, 192, 40, dtype=dt, head_dim_v=128) as layers:
+        assert layers.head_dim_v == 128 and len(layers) == 3
+        rows = []
+        for i, layer in enumerate(layers):
+            assert layer.head_dim_v == 128 and layer.v_buffer.shape == (40, N_KV, 128)
+            layer.k_buffer.fill_bytes(0xFF, layer.stream)  # NaN past the length
+            layer.v_buffer.fill_bytes(0xFF, layer.stream)
+            rows.append(_fill(layer, rng, 17 + 6 * i, dt, one_row=i == 1))
+        for layer, (k, v) in zip(layers, rows, strict=True):
+            q = rng.standard_normal((2 * N_KV, 192)).astype(dt)
+            ref, _ = _reference(q, k, v, 128)
+            got = layer.decode(q)
+            assert got.shape == (2 * N_KV, 128) and np.isfinite(got.astype(np.float64)).all()
+            assert rel_err(got, ref) < TOL["bf16"]

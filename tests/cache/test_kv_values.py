@@ -293,3 +293,24 @@ def test_truncate_checks_its_length(cache):
     with pytest.raises(ValueError, match="n"):
         cache.truncate(1)
     assert cache.seq_len == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        ({"dtype": np.float32, "head_dim_v": DV}, ValueError, "dtype: a cache with head_dim_v"),
+        ({"dtype": F16, "head_dim_v": 100}, ValueError, "head_dim_v: a multiple of 128"),
+        ({"dtype": F16, "head_dim_v": 2.0}, TypeError, "head_dim_v: expected"),
+        ({"dtype": F16, "rotate": True, "head_dim_v": DV}, ValueError, "rotate: not with"),
+    ],
+)
+def test_a_layered_cache_checks_head_dim_v_before_the_device(monkeypatch, kwargs, exc, pattern):
+    """LayerKVCache(head_dim_v=) refuses by name before it asks for a device or a stream."""
+    from ferrox_driver.cache import layers
+
+    def touched(*a: Any, **k: Any) -> None:
+        raise AssertionError("the device was asked for")
+
+    monkeypatch.setattr(layers, "resolve", touched)
+    with pytest.raises(exc, match=pattern):
+        fd.LayerKVCache(2, N_KV, D, CAP, **kwargs)
