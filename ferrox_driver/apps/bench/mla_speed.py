@@ -9,10 +9,11 @@ MLA targets ask (90% of the floor from 32768 tokens).
         [--seqs 4096 32768 131072] [--formats bf16 e4m3] [--no-sdpa]
 
 Prints us per decode, the latent's TB/s (its bytes read once / time), the floor's us and
-the share of it reached, all with the warpgroup-MMA latent kernel on
-(``FERROX_LATENT_WG=1``: past 32 rows on an sm_90 GPU), 'sync us': the same decode with it
-off (the mma.sync latent kernel; the same kernel as 'us' up to 32 rows), and SDPA's us
-(eager, its own rotation; "-" where it does not run).
+the share of it reached, all as the plan takes it with the warpgroup-MMA latent kernel on
+(past 32 rows on an sm_90 GPU, chunks of ``latent_wg_min_chunk`` tokens or more), 'sync
+us': the same decode with it off (the mma.sync latent kernel; the same kernel as 'us'
+where the plan does not take the wgmma one), and SDPA's us (eager, its own rotation; "-"
+where it does not run).
 """
 
 from __future__ import annotations
