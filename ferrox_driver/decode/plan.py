@@ -47,6 +47,7 @@ from ..kernels.traits import (
     SPLIT_TRAITS,
     padded_stages,
 )
+from .latent_plan import LATENT_WG_MIN_CHUNK
 
 __all__ = [
     "ALGORITHMS",
@@ -156,9 +157,8 @@ class Overrides:
             where its chunks are ``latent_wg_min_chunk`` tokens or more
             (``FERROX_LATENT_WG=0``: the mma.sync latent kernel, blocks of 32, always).
         latent_wg_min_chunk: the shortest chunk (tokens) the wgmma latent kernel takes;
-            shorter ones, the mma.sync kernel, which measured faster there (H100: 4 steps
-            of 64 tokens a block, 64 heads at 32768 tokens, 37 vs 41 us; 128 heads at
-            32768, chunks of 512, 53 vs 66 us the other way); ``FERROX_LATENT_WG_MIN_CHUNK``.
+            shorter ones, the mma.sync kernel (default: latent_plan.LATENT_WG_MIN_CHUNK,
+            where it measured faster; ``FERROX_LATENT_WG_MIN_CHUNK``).
     """
 
     heads_per_block: int = 4
@@ -177,7 +177,7 @@ class Overrides:
     four_bit_narrow_to: int = 8192
     wide_tensor_cores: bool = True
     latent_wgmma: bool = True
-    latent_wg_min_chunk: int = 512
+    latent_wg_min_chunk: int = LATENT_WG_MIN_CHUNK
 
     @classmethod
     def from_env(cls, env: Any = None) -> Overrides:
@@ -204,7 +204,9 @@ class Overrides:
             four_bit_narrow_to=int(env.get("FERROX_FOUR_BIT_NARROW_TO", "8192")),
             wide_tensor_cores=on("FERROX_WIDE_TC"),
             latent_wgmma=on("FERROX_LATENT_WG"),
-            latent_wg_min_chunk=int(env.get("FERROX_LATENT_WG_MIN_CHUNK", "512")),
+            latent_wg_min_chunk=int(
+                env.get("FERROX_LATENT_WG_MIN_CHUNK", str(LATENT_WG_MIN_CHUNK))
+            ),
         )
 
 

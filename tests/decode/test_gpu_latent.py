@@ -162,18 +162,22 @@ def test_a_graph_captured_once_serves_a_growing_device_length(rng, fp8):
             np.testing.assert_allclose(lse.to_host(), ref_lse, rtol=LSE_TOL, atol=LSE_TOL)
 
 
+def _route(monkeypatch, **overrides):
+    """The latent kernels' route for this test (planner.OVERRIDES' latent_* fields)."""
+    import dataclasses
+
+    from ferrox_driver.decode import plan as planner
+
+    monkeypatch.setattr(planner, "OVERRIDES", dataclasses.replace(planner.OVERRIDES, **overrides))
+
+
 @pytest.mark.parametrize("n_heads,n_q", [(128, 1), (64, 2), (40, 1), (16, 3)])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_the_wgmma_kernel_matches_the_reference(rng, monkeypatch, fp8, n_heads, n_q):
     """The wgmma kernel at every length (its shortest chunk 0): blocks of 64 rows
     (split_latent_wg.cuh) on compute capability 9.0 (padding rows at 40 and 48), with every
     feature it takes."""
-    import dataclasses
-
-    from ferrox_driver.decode import plan as planner
-
-    monkeypatch.setattr(planner, "OVERRIDES", dataclasses.replace(
-        planner.OVERRIDES, latent_wgmma=True, latent_wg_min_chunk=0))  # fmt: skip
+    _route(monkeypatch, latent_wgmma=True, latent_wg_min_chunk=0)
     sinks = rng.standard_normal(n_heads).astype(np.float32)
     for seq in (n_q, 64, 65, 777, 4099):
         _check(rng, n_q, n_heads, seq, fp8=fp8)
@@ -185,14 +189,10 @@ def test_the_wgmma_kernel_matches_the_reference(rng, monkeypatch, fp8, n_heads, 
 def test_past_32_rows_a_hopper_gpu_can_take_the_wgmma_kernel(rng, monkeypatch):
     """The plan a long call takes on this GPU: blocks of 64 rows on compute capability 9.0,
     the mma.sync kernel's 32 elsewhere."""
-    import dataclasses
-
-    from ferrox_driver.decode import plan as planner
     from ferrox_driver.decode.latent import _plan
     from ferrox_driver.driver.device import default_device
 
-    monkeypatch.setattr(planner, "OVERRIDES",
-                        dataclasses.replace(planner.OVERRIDES, latent_wgmma=True))  # fmt: skip
+    _route(monkeypatch, latent_wgmma=True)
     dev = default_device()
     plan = _plan(dev, "bf16", "", 1, 128, DK, DV, 131072, 0)
     assert plan.spec.heads_per_block == (64 if dev.compute_capability == (9, 0) else 32)
@@ -206,12 +206,7 @@ def test_the_mma_sync_kernel_still_serves_many_rows_when_wgmma_is_off(
 ):
     """FERROX_LATENT_WG=0's route (and every non-Hopper GPU's) at 40-128 rows, against the
     reference as the wgmma kernel is above."""
-    import dataclasses
-
-    from ferrox_driver.decode import plan as planner
-
-    monkeypatch.setattr(planner, "OVERRIDES",
-                        dataclasses.replace(planner.OVERRIDES, latent_wgmma=False))  # fmt: skip
+    _route(monkeypatch, latent_wgmma=False)
     for seq in (n_q, 1031):
         _check(rng, n_q, n_heads, seq, fp8=fp8, sinks=rng.standard_normal(n_heads).astype(
             np.float32))  # fmt: skip
