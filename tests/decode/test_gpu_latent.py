@@ -186,6 +186,23 @@ def test_the_wgmma_kernel_matches_the_reference(rng, monkeypatch, fp8, n_heads, 
     _check(rng, n_q, n_heads, 1500, fp8=fp8, q_scale=30.0)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_wgmma_kernel_takes_values_as_wide_as_the_latent(rng, monkeypatch, fp8):
+    """A latent of 512 columns, all of them the values (no rope block after them): the
+    wgmma kernel at 40-128 rows with DK == DV, bf16 and e4m3."""
+    _route(monkeypatch, latent_wgmma=True, latent_wg_min_chunk=0)
+    for n_heads, n_q, seq in ((128, 1, 777), (64, 2, 4099), (40, 1, 65)):
+        q = rng.standard_normal((n_q, n_heads, DV)).astype(ml_dtypes.bfloat16)
+        ckv = rng.standard_normal((seq, DV))
+        ckv = (ckv * 16).astype(E4M3) if fp8 else ckv.astype(ml_dtypes.bfloat16)
+        scale = {"kv_scale": 1.0 / 16} if fp8 else {}
+        ref = fd.reference_mla_decode(q, ckv, head_dim_v=DV, **scale)
+        out = poisoned((n_q, n_heads, DV), q.dtype)
+        fd.mla_decode(fd.to_device(q), fd.to_device(ckv), seq, head_dim_v=DV, out=out, **scale)
+        err = rel_err(out.to_host().astype(np.float64), ref)
+        assert err < (FP8_TOL if fp8 else TOL["bf16"]), (n_heads, n_q, seq, err)
+
+
 def test_past_32_rows_a_hopper_gpu_can_take_the_wgmma_kernel(rng, monkeypatch):
     """The plan a long call takes on this GPU: blocks of 64 rows on compute capability 9.0,
     the mma.sync kernel's 32 elsewhere."""
