@@ -18,6 +18,7 @@ from ..cache.layers import LayerKVCache
 from ..decode.checks import SUPPORTED_DTYPES
 from ..decode.plan import SplitPlan
 from ..decode.reference import reference_gqa_decode
+from ..kernels.traits import chunk_tokens
 from .progress import progress
 
 __all__ = ["DemoConfig", "describe_plan", "run_cpu_demo", "run_demo", "run_model_demo"]
@@ -179,8 +180,7 @@ def describe_plan(
     group = n_heads // n_kv_heads
     heads = "two KV heads' rows read as one (a pair), " if plan.paired else ""
     per_block = -(-(2 * group if plan.paired else group) // plan.head_tiles)
-    per_split = -(-seq // plan.splits)
-    chunk = -(-per_split // plan.tile) * plan.tile
+    chunk = chunk_tokens(seq, plan.splits, plan.tile)
     shared = plan.shared_bytes(head_dim, dtype.itemsize)
     lines = [
         f"{plan.kernel}: {kind}",

@@ -22,7 +22,7 @@ from ..kernels.spec import (
     LATENT_WG_HEADS,
     KernelSpec,
 )
-from ..kernels.traits import COMBINE_FEATURES, SPLIT_TRAITS
+from ..kernels.traits import COMBINE_FEATURES, SPLIT_TRAITS, chunk_tokens
 
 __all__ = [
     "LATENT_MIN_CHUNK",
@@ -141,8 +141,7 @@ def latent_plan(
         if latent_shared_bytes(wg) <= shared_per_block:
             plan = _spread(wg, -(-rows_kv // LATENT_WG_HEADS), n_kv_heads, plan_seq,
                            multiprocessor_count, features)  # fmt: skip
-            chunk = -(-max(plan_seq, 1) // plan.splits)
-            if -(-chunk // plan.tile) * plan.tile >= wg_min_chunk:  # (whole steps, fx_chunk)
+            if chunk_tokens(max(plan_seq, 1), plan.splits, plan.tile) >= wg_min_chunk:
                 return plan
     heads = 16 if rows_kv <= 16 else 32
     row_blocks = -(-rows_kv // heads)

@@ -27,6 +27,7 @@ __all__ = [
     "GENERATED_PARTS",
     "SPLIT_TRAITS",
     "SPLIT_TRAITS_INCLUDE",
+    "chunk_tokens",
     "padded_stages",
     "traits_header",
 ]
@@ -182,6 +183,13 @@ COMBINE_FEATURES = F_WINDOW | F_SINKS | F_LSE
 
 # the padded head dims' own traits: FX_<TRAIT>_D<D>_R<DR> -> Fx<Trait><D, DR>
 _PADDED = re.compile(r"FX_(STAGES|TRIM)_D(\d+)_R(\d+)")
+
+
+def chunk_tokens(seq: int, splits: int, tile: int) -> int:
+    """Tokens per chunk of a split decode over ``seq`` tokens: split_common.cuh's
+    ``fx_chunk`` on the host (at most ``splits`` chunks, each a multiple of ``tile``)."""
+    per_split = -(-seq // splits)
+    return -(-per_split // tile) * tile
 
 
 def padded_stages(kernel_dim: int, head_dim: int) -> int | None:
