@@ -194,17 +194,26 @@ __device__ __forceinline__ void gqa_split_latent_wg(
     // ---- stage j: tokens start + j TOK .. (rows past `end`: zeros, never read from memory);
     // 16-bit rows swizzled for wgmma, fp8 rows as they are (widened below)
     const int steps = (end - start + TOK - 1) / TOK;
+    // each thread's copies at offsets fixed for the block: (16-bit) chunk cj = t % 8 of every
+    // 64-column block of rows cr = t / 8 and cr + 32 (swizzled); (fp8) chunks cj + 4 b of row
+    // cr = t / 4; a step adds its row pointers and immediates
+    constexpr int CPR = Q8 ? 4 : 8, RPP = THREADS / CPR;
+    const int cr = threadIdx.x / CPR, cj = threadIdx.x % CPR;
+    const int c_smem = Q8 ? cr * DK + cj * 16 : cr * 128 + ((cj ^ (cr & 7)) << 4);
+    const KT* c_src = kg + cj * EPC;
     auto issue = [&](int j) {
         if (j < steps) {
-            unsigned char* st = ring + (j % S) * SM::STAGE;
+            unsigned char* st = ring + (j % S) * SM::STAGE + c_smem;
             const int t0 = start + j * TOK;
-            constexpr int KCH = DK / EPC;
-#pragma unroll 2
-            for (int i = threadIdx.x; i < TOK * KCH; i += THREADS) {
-                const int r = i / KCH, c = i % KCH;
-                const bool ok = t0 + r < end;
-                const long long off = (long long)(ok ? t0 + r : start) * k_row + c * EPC;
-                fx_cp_async16(st + (Q8 ? r * DK + c * 16 : fx_wg_at<TOK>(r, c)), kg + off, ok);
+#pragma unroll
+            for (int h = 0; h < TOK / RPP; ++h) {
+                const int row = t0 + cr + h * RPP;
+                const bool ok = row < end;
+                const KT* src = c_src + (long long)(ok ? row : start) * k_row;
+#pragma unroll
+                for (int b = 0; b < DK / 64; ++b)
+                    fx_cp_async16(st + (Q8 ? b * 64 : b * (TOK * 128) + h * (RPP * 128)),
+                                  src + b * 64, ok);
             }
         }
         fx_cp_async_commit();
@@ -250,6 +259,9 @@ __device__ __forceinline__ void gqa_split_latent_wg(
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
 
+    // Q's and P's descriptors (a k-step adds its offset / 16 to the start address field, which
+    // holds any offset of shared memory without a carry)
+    const unsigned long long qd = fx_wg_desc(q_s, 16), pd = fx_wg_desc(p_s, 16);
     for (int j = 0; j < steps; ++j) {
         fx_cp_async_wait<0>();
         fx_fence_async_shared();
@@ -258,11 +270,15 @@ __device__ __forceinline__ void gqa_split_latent_wg(
         const unsigned char* ks;
         if constexpr (Q8 != 0) {  // the step's bytes widened into `wide`, swizzled
             const KT* kb = reinterpret_cast<const KT*>(ring + (j % S) * SM::STAGE);
-            for (int i = threadIdx.x; i < TOK * (DK / 8); i += THREADS) {
-                const int r = i / (DK / 8), c = i % (DK / 8);
-                *reinterpret_cast<uint4*>(wide + fx_wg_at<TOK>(r, c)) =
-                    FxRead<Q8>::at(kb + r * DK, c * 8);
-            }
+            // (as the 16-bit copies: chunk wj of every 64-column block, rows wr and wr + 32)
+            const int wr = threadIdx.x >> 3, wj = threadIdx.x & 7;
+            unsigned char* wd = wide + wr * 128 + ((wj ^ (wr & 7)) << 4);
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int b = 0; b < DK / 64; ++b)
+                    *reinterpret_cast<uint4*>(wd + b * (TOK * 128) + h * 4096) =
+                        FxRead<Q8>::at(kb + (wr + 32 * h) * DK, b * 64 + wj * 8);
             fx_fence_async_shared();
             __syncthreads();
             ks = wide;
@@ -273,24 +289,37 @@ __device__ __forceinline__ void gqa_split_latent_wg(
 
         // ---- S = Q K^T: the 64 rows x this WG's 32 tokens
         float s[16];
+        const unsigned long long kd = fx_wg_desc(ks + wg * 32 * 128, 16);
         fx_wg_fence();
 #pragma unroll
         for (int kk = 0; kk < DK / 16; ++kk) {
             const int blk = kk >> 2, in = (kk & 3) * 32;
-            fx_wg_qk(s, fx_wg_desc(q_s + blk * (HT * 128) + in, 16),
-                     fx_wg_desc(ks + blk * (TOK * 128) + wg * 32 * 128 + in, 16), kk, T{});
+            fx_wg_qk(s, qd + ((blk * (HT * 128) + in) >> 4),
+                     kd + ((blk * (TOK * 128) + in) >> 4), kk, T{});
         }
         fx_wg_commit_wait();
 
         // ---- scores, their maxima over both WGs' tokens
+        // (a step whose 64 tokens this thread's rows all see: no mask)
         float x[16], mx[2] = {-INFINITY, -INFINITY};
+        const bool whole = t0 + TOK <= end && t0 + TOK - 1 <= min(hi[0], hi[1]) &&
+                           t0 >= max(lo[0], lo[1]);
+        if (whole) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const int h = (i >> 1) & 1;
-            const int tok = t0 + 32 * wg + 8 * (i >> 2) + 2 * tig + (i & 1);
-            const bool in = tok < end && tok <= hi[h] && tok >= lo[h];
-            x[i] = in ? sc[h](s[i], tok) : -INFINITY;
-            mx[h] = fmaxf(mx[h], x[i]);
+            for (int i = 0; i < 16; ++i) {
+                const int h = (i >> 1) & 1;
+                x[i] = sc[h](s[i], t0 + 32 * wg + 8 * (i >> 2) + 2 * tig + (i & 1));
+                mx[h] = fmaxf(mx[h], x[i]);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int h = (i >> 1) & 1;
+                const int tok = t0 + 32 * wg + 8 * (i >> 2) + 2 * tig + (i & 1);
+                const bool in = tok < end && tok <= hi[h] && tok >= lo[h];
+                x[i] = in ? sc[h](s[i], tok) : -INFINITY;
+                mx[h] = fmaxf(mx[h], x[i]);
+            }
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -323,22 +352,24 @@ __device__ __forceinline__ void gqa_split_latent_wg(
             }
         l_run[0] = l_run[0] * alpha[0] + ps[0];
         l_run[1] = l_run[1] * alpha[1] + ps[1];
+        if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {  // a max moved
 #pragma unroll
-        for (int n = 0; n < 32; ++n) {
-            o[4 * n] *= alpha[0];
-            o[4 * n + 1] *= alpha[0];
-            o[4 * n + 2] *= alpha[1];
-            o[4 * n + 3] *= alpha[1];
+            for (int n = 0; n < 32; ++n) {
+                o[4 * n] *= alpha[0];
+                o[4 * n + 1] *= alpha[0];
+                o[4 * n + 2] *= alpha[1];
+                o[4 * n + 3] *= alpha[1];
+            }
         }
         fx_fence_async_shared();
         __syncthreads();  // P is in
 
         // ---- O += P V: this WG's 256 output columns
+        const unsigned long long vd = fx_wg_v_desc<TOK>(ks + 4 * wg * (TOK * 128));
         fx_wg_fence();
 #pragma unroll
         for (int kt = 0; kt < TOK / 16; ++kt)
-            fx_wg_pv(o, fx_wg_desc(p_s + kt * 32, 16),
-                     fx_wg_v_desc<TOK>(ks + 4 * wg * (TOK * 128) + kt * 16 * 128), T{});
+            fx_wg_pv(o, pd + ((kt * 32) >> 4), vd + ((kt * 16 * 128) >> 4), T{});
         fx_wg_commit_wait();
     }
     fx_cp_async_wait<0>();  // no copy may land after the block has left
