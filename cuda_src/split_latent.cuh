@@ -86,6 +86,39 @@ struct FxLatentSmem {
     static constexpr int BYTES = RING + WIDE + PART + P + RED + TOP;
 };
 
+// TOK rows of W elements (16-byte chunks of EPC) from `src` (rows `row` apart; rows from
+// `end` on: zeros, never read) into a stage `dst` by cp.async: SWZ, swizzled for ldmatrix
+// (fx_rows_at), else as they are. Each thread's copies sit at offsets fixed for the block (a
+// chunk cj of every 8 (SWZ) or 4, rows r + passes of THREADS / 8 or / 4): a step computes
+// its row pointers and adds immediates, not a divide and a swizzle per chunk (where the
+// shapes do not divide so: the chunk-by-chunk loop).
+template <int W, int EPC, int TOK, int THREADS, bool SWZ, class KT>
+__device__ __forceinline__ void fx_latent_copy(KT* dst, const KT* src, long long row, int t0,
+                                               int end, int start) {
+    constexpr int CH = W / EPC, CPR = SWZ ? 8 : 4, RPP = THREADS / CPR;
+    if constexpr (CH % CPR == 0 && TOK % RPP == 0 && RPP % 8 == 0) {
+        const int r = threadIdx.x / CPR, cj = threadIdx.x % CPR;
+        KT* d = dst + r * W + (SWZ ? (cj ^ (r & 7)) : cj) * EPC;  // (rows RPP on: r & 7 alike)
+#pragma unroll
+        for (int h = 0; h < TOK / RPP; ++h) {
+            const int t = t0 + r + h * RPP;
+            const bool ok = t < end;
+            const KT* s = src + (long long)(ok ? t : start) * row + cj * EPC;
+#pragma unroll
+            for (int k = 0; k < CH / CPR; ++k)
+                fx_cp_async16(d + h * RPP * W + k * CPR * EPC, s + k * CPR * EPC, ok);
+        }
+    } else {
+#pragma unroll 2
+        for (int i = threadIdx.x; i < TOK * CH; i += THREADS) {
+            const int r = i / CH, c = i % CH;
+            const bool ok = t0 + r < end;
+            const long long off = (long long)(ok ? t0 + r : start) * row + c * EPC;
+            fx_cp_async16(dst + (SWZ ? fx_rows_at<W>(r, c) : r * W + c * EPC), src + off, ok);
+        }
+    }
+}
+
 // QT: q's and the output's type (fx_half, fx_bf16); Q8: 0 (a cache of QT), FX_E4M3 or
 // FX_E5M2; DK, DV: K's and V's widths; VK: V is the first DV columns of K's rows (MLA; v
 // and v_row unread); RT: row tiles of 16 per block; TOK: tokens a step; F: the features
@@ -153,27 +186,10 @@ __device__ __forceinline__ void gqa_split_latent(
         if (j < steps) {
             KT* ks = reinterpret_cast<KT*>(ring + (j % S) * SM::STAGE);
             const int t0 = start + j * TOK;
-            constexpr int KCH = DK / EPC;
-#pragma unroll 2
-            for (int i = threadIdx.x; i < TOK * KCH; i += THREADS) {
-                const int r = i / KCH, c = i % KCH;
-                const bool ok = t0 + r < end;
-                const long long off = (long long)(ok ? t0 + r : start) * k_row + c * EPC;
-                // (Q8: rows as they are, widened below; else swizzled for ldmatrix)
-                fx_cp_async16(ks + (Q8 ? r * DK + c * EPC : fx_rows_at<DK>(r, c)), kg + off, ok);
-            }
-            if constexpr (!VK) {
-                KT* vs = ks + TOK * DK;
-                constexpr int VCH = DV / EPC;
-#pragma unroll 2
-                for (int i = threadIdx.x; i < TOK * VCH; i += THREADS) {
-                    const int r = i / VCH, c = i % VCH;
-                    const bool ok = t0 + r < end;
-                    const long long off = (long long)(ok ? t0 + r : start) * v_row + c * EPC;
-                    fx_cp_async16(vs + (Q8 ? r * DV + c * EPC : fx_rows_at<DV>(r, c)), vg + off,
-                                  ok);
-                }
-            }
+            fx_latent_copy<DK, EPC, TOK, THREADS, Q8 == 0>(ks, kg, k_row, t0, end, start);
+            if constexpr (!VK)
+                fx_latent_copy<DV, EPC, TOK, THREADS, Q8 == 0>(ks + TOK * DK, vg, v_row, t0, end,
+                                                               start);
         }
         fx_cp_async_commit();  // (one group per stage, even empty: the waits count stages)
     };
