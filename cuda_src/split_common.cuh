@@ -53,6 +53,34 @@ __device__ __forceinline__ bool fx_chunk_bounds(int seq_len, const int* seq_len_
     return seq > 0 && start < seq;
 }
 
+// Where a block of HT query rows stands (the rows and latent kernels: blockIdx.y = KV head
+// x blocks of HT of its n_q x group rows, query-major; blockIdx.x = its chunk): its KV head
+// g_kv and first row r0, the length, query 0's place (query t sits at base + t) and its
+// chunk [start, end) of the tokens from query 0's first (FX_F_WINDOW: base + 1 - window);
+// idle() where it has none.
+template <int F, int HT>
+struct FxRowBlock {
+    int group, rows_kv, g_kv, r0, seq, base, start, end;
+    // none of its own work (the combine reads none of it)
+    __device__ __forceinline__ bool idle() const { return base < 0 || start >= end; }
+    __device__ __forceinline__ FxRowBlock(int n_heads, int n_kv_heads, int n_q, int seq_len,
+                                          const int* seq_len_dev, int splits, int tile,
+                                          int window) {
+        group = n_heads / n_kv_heads;
+        rows_kv = n_q * group;
+        const int row_blocks = (rows_kv + HT - 1) / HT;
+        g_kv = blockIdx.y / row_blocks;
+        r0 = blockIdx.y % row_blocks * HT;
+        seq = fx_seq_len(seq_len, seq_len_dev);
+        base = seq - n_q;
+        const int first = (F & FX_F_WINDOW) ? max(0, base + 1 - window) : 0;
+        const int chunk = fx_chunk(seq - first, splits, tile);
+        const int split = blockIdx.x;
+        start = first + split * chunk;
+        end = min(seq, start + chunk);
+    }
+};
+
 __device__ __forceinline__ float fx_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
