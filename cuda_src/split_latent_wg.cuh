@@ -180,7 +180,10 @@ __device__ __forceinline__ void gqa_split_latent_wg(
     const int split = blockIdx.x, window = feat.window;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int wg = warp >> 2, wl = warp & 3, g = lane >> 2, tig = lane & 3;
+    // (the WG broadcast from lane 0: the compiler then knows it is warp-uniform and keeps
+    // the descriptors that depend on it in uniform registers)
+    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
+    const int wl = warp & 3, g = lane >> 2, tig = lane & 3;
     const KT* kg = k + (long long)g_kv * k_head;
     auto out_row = [&](int i) {
         const int kr = r0 + i;
