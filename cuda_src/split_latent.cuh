@@ -86,6 +86,27 @@ struct FxLatentSmem {
     static constexpr int BYTES = RING + WIDE + PART + P + RED + TOP;
 };
 
+// two floats as a 16-bit pair (lo in the low half) by one cvt: fx_pack2's rounding, round to
+// nearest even, in hardware (the bits agree but for a NaN's payload; bf16 in software takes
+// ten instructions a value, which a latent step's P pays 16 times a thread). sm_80 on, as
+// the latent kernels.
+template <class T>
+__device__ __forceinline__ unsigned fx_pack2_rn(float lo, float hi);
+#if __CUDA_ARCH__ >= 800
+template <>
+__device__ __forceinline__ unsigned fx_pack2_rn<fx_bf16>(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <>
+__device__ __forceinline__ unsigned fx_pack2_rn<fx_half>(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#endif
+
 // TOK rows of W elements (16-byte chunks of EPC) from `src` (rows `row` apart; rows from
 // `end` on: zeros, never read) into a stage `dst` by cp.async: SWZ, swizzled for ldmatrix
 // (fx_rows_at), else as they are. Each thread's copies sit at offsets fixed for the block (a
@@ -402,8 +423,8 @@ __device__ __forceinline__ void gqa_split_latent(
             l_sh[i][0] = l_sh[i][0] * al[0] + (p[0] + p[1]);
             l_sh[i][1] = l_sh[i][1] * al[1] + (p[2] + p[3]);
             T* pr = p_s + (rt * 16 + g) * PS + nt * 8 + 2 * tig;
-            *reinterpret_cast<unsigned*>(pr) = fx_pack2<T>(p[0], p[1]);
-            *reinterpret_cast<unsigned*>(pr + 8 * PS) = fx_pack2<T>(p[2], p[3]);
+            *reinterpret_cast<unsigned*>(pr) = fx_pack2_rn<T>(p[0], p[1]);
+            *reinterpret_cast<unsigned*>(pr + 8 * PS) = fx_pack2_rn<T>(p[2], p[3]);
         }
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)

@@ -347,7 +347,7 @@ __device__ __forceinline__ void gqa_split_latent_wg(
                 ps[h] += p0 + p1;
                 const int row = 16 * wl + g + 8 * h;
                 *reinterpret_cast<unsigned*>(p_s + fx_wg_at<HT>(row, 4 * wg + n) + 4 * tig) =
-                    fx_pack2<T>(p0, p1);
+                    fx_pack2_rn<T>(p0, p1);
             }
         l_run[0] = l_run[0] * alpha[0] + ps[0];
         l_run[1] = l_run[1] * alpha[1] + ps[1];
