@@ -8,8 +8,9 @@
 #     PARTS=10 bash benchmarks/gpu_suite.sh [pytest args, e.g. -k verify]
 #
 # (FERROX_REQUIRE_GPU=1 is set: a GPU test that would skip fails.) The files in SERIAL,
-# whose tests measure the whole machine's memory (free device memory, MemAvailable), run
-# after the parts, alone (their log: part_serial.log): beside other processes their
+# whose tests measure the whole machine's memory (free device memory, MemAvailable), and
+# the tests marked `alone` elsewhere (one that reads the GPU's free memory) run after the
+# parts, by themselves (their log: part_serial.log): beside other processes their
 # readings move with those processes' allocations.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,8 +23,9 @@ ignore=()
 for f in "${SERIAL[@]}"; do ignore+=("--ignore=$f"); done
 pids=()
 for ((p = 0; p < PARTS; p++)); do
-  FERROX_SHARD=$p/$PARTS PYTHONPATH=. FERROX_REQUIRE_GPU=1 python3 -m pytest -q -m gpu \
-    -p no:cacheprovider tests "${ignore[@]}" "$@" >"$LOGS/part$p.log" 2>&1 &
+  FERROX_SHARD=$p/$PARTS PYTHONPATH=. FERROX_REQUIRE_GPU=1 python3 -m pytest -q \
+    -m "gpu and not alone" -p no:cacheprovider tests "${ignore[@]}" "$@" \
+    >"$LOGS/part$p.log" 2>&1 &
   pids+=("$!")
 done
 worst=0
@@ -34,6 +36,10 @@ for pid in "${pids[@]}"; do
 done
 PYTHONPATH=. FERROX_REQUIRE_GPU=1 python3 -m pytest -q -m gpu -p no:cacheprovider \
   "${SERIAL[@]}" "$@" >"$LOGS/part_serial.log" 2>&1
+rc=$?
+[ "$rc" -gt "$worst" ] && worst=$rc
+PYTHONPATH=. FERROX_REQUIRE_GPU=1 python3 -m pytest -q -m "gpu and alone" \
+  -p no:cacheprovider tests "${ignore[@]}" "$@" >"$LOGS/part_alone.log" 2>&1
 rc=$?
 [ "$rc" -gt "$worst" ] && worst=$rc
 for log in "$LOGS"/part*.log; do

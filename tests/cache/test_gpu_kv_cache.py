@@ -155,6 +155,7 @@ def test_ensure_layer_kv_rebuilds_on_shape_change():
         resident.release_layer_kv()
 
 
+@pytest.mark.alone
 def test_create_close_cycles_do_not_grow_device_memory(device):
     def cycle():
         with fd.KVCache(8, 128, 1024, dtype=np.float16) as kv:

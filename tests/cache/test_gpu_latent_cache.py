@@ -296,6 +296,7 @@ def test_a_closed_cache_refuses_every_use_naming_itself(rng):
     cache.close()  # (again: nothing)
 
 
+@pytest.mark.alone
 def test_a_dropped_cache_gives_its_memory_back(rng, device):
     gc.collect()
     device.synchronize()

@@ -308,6 +308,7 @@ def _raw_launch(exec_, stream):
     stream.synchronize()
 
 
+@pytest.mark.alone
 def test_closing_what_a_graph_uses_keeps_its_memory_until_the_graph_goes(rng, device):
     s = fd.Stream()
     kv = fd.KVCache(KV, D, 2**19)  # 256 MiB per K and V buffer
