@@ -147,12 +147,14 @@ def source_at(rev: str, filename: str = "gqa_decode_split.cu") -> str:
         return subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout
 
     # the parts the host writes, as that revision's kernel_traits wrote them (when it had one)
+    # (ferrox_driver/kernels/traits.py since the package's layers; kernel_traits.py before)
     parts = None
-    traits = "ferrox_driver/kernel_traits.py"
-    if traits in git("ls-tree", "-r", "--full-tree", "--name-only", rev, traits).split():
-        namespace: dict[str, Any] = {"__name__": f"kernel_traits_at_{rev}"}
-        exec(compile(git("show", f"{rev}:{traits}"), traits, "exec"), namespace)
-        parts = namespace.get("GENERATED_PARTS")
+    for traits in ("ferrox_driver/kernels/traits.py", "ferrox_driver/kernel_traits.py"):
+        if traits in git("ls-tree", "-r", "--full-tree", "--name-only", rev, traits).split():
+            namespace: dict[str, Any] = {"__name__": f"kernel_traits_at_{rev}"}
+            exec(compile(git("show", f"{rev}:{traits}"), traits, "exec"), namespace)
+            parts = namespace.get("GENERATED_PARTS")
+            break
     with tempfile.TemporaryDirectory() as tmp:
         for path in git("ls-tree", "--full-tree", "--name-only", rev, "cuda_src/").split():
             (Path(tmp) / Path(path).name).write_text(git("show", f"{rev}:{path}"))
