@@ -53,9 +53,9 @@ __device__ __forceinline__ bool fx_chunk_bounds(int seq_len, const int* seq_len_
     return seq > 0 && start < seq;
 }
 
-// Where a block of HT query rows stands (the latent kernels, whose grid is the rows kernel's,
-// split_rows.cuh, which still does this arithmetic itself: blockIdx.y = KV head x blocks of
-// HT of its n_q x group rows, query-major; blockIdx.x = its chunk): its KV head
+// Where a block of HT query rows stands (the rows kernels, split_rows.cuh, and the latent
+// ones: blockIdx.y = KV head x blocks of HT of its n_q x group rows, query-major;
+// blockIdx.x = its chunk): its KV head
 // g_kv and first row r0, the length, query 0's place (query t sits at base + t) and its
 // chunk [start, end) of the tokens from query 0's first (FX_F_WINDOW: base + 1 - window);
 // idle() where it has none.

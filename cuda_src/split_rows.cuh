@@ -162,17 +162,14 @@ __device__ __forceinline__ void gqa_verify_rows(
     fx_check_launch(S * STAGE_B + ((Q8 ? STAGE : 0) + 16 * RW * D) * sizeof(T), THREADS);
     fx_let_combine_start<2>();
 
-    const int group = n_heads / n_kv_heads, rows_kv = n_q * group;
-    const int row_blocks = (rows_kv + 16 * RW - 1) / (16 * RW);
-    const int g_kv = blockIdx.y / row_blocks, r0 = blockIdx.y % row_blocks * 16 * RW;
-    const int split = blockIdx.x;
-    const int seq = fx_seq_len(seq_len, seq_len_dev);
-    const int base = seq - n_q;  // query t sits at base + t
-    const int window = feat.window;
-    const int first = (F & FX_F_WINDOW) ? max(0, base + 1 - window) : 0;  // query 0's first
-    const int chunk = fx_chunk(seq - first, splits, tile);
-    const int start = first + split * chunk, end = min(seq, start + chunk);
-    if (base < 0 || start >= end) return;  // (gqa_verify_rows_combine reads none of it)
+    // ---- where the block stands: its rows, its chunk
+    const FxRowBlock<F, 16 * RW> blk(n_heads, n_kv_heads, n_q, seq_len, seq_len_dev, splits,
+                                     tile, feat.window);
+    if (blk.idle()) return;  // (gqa_verify_rows_combine reads none of it)
+    const int group = blk.group, rows_kv = blk.rows_kv, g_kv = blk.g_kv, r0 = blk.r0;
+    const int seq = blk.seq, base = blk.base;  // query t sits at base + t
+    const int start = blk.start, end = blk.end;
+    const int split = blockIdx.x, window = feat.window;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
