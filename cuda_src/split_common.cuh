@@ -53,12 +53,6 @@ __device__ __forceinline__ bool fx_chunk_bounds(int seq_len, const int* seq_len_
     return seq > 0 && start < seq;
 }
 
-// a compile-time flag as an argument (a generic lambda's two versions: `f(FxFlag<true>{})`)
-template <bool B>
-struct FxFlag {
-    static constexpr bool value = B;
-};
-
 // Where a block of HT query rows stands (the rows kernels, split_rows.cuh, and the latent
 // ones: blockIdx.y = KV head x blocks of HT of its n_q x group rows, query-major;
 // blockIdx.x = its chunk): its KV head

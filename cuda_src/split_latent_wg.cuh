@@ -303,20 +303,23 @@ __device__ __forceinline__ void gqa_split_latent_wg(
         float x[16], mx[2] = {-INFINITY, -INFINITY};
         const bool whole = t0 + TOK <= end && t0 + TOK - 1 <= min(hi[0], hi[1]) &&
                            t0 >= max(lo[0], lo[1]);
-        auto scores = [&](auto masked) {  // (masked: FxFlag<bool>, a loop for each)
+        if (whole) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int h = (i >> 1) & 1;
+                x[i] = sc[h](s[i], t0 + 32 * wg + 8 * (i >> 2) + 2 * tig + (i & 1));
+                mx[h] = fmaxf(mx[h], x[i]);
+            }
+        } else {
 #pragma unroll
             for (int i = 0; i < 16; ++i) {
                 const int h = (i >> 1) & 1;
                 const int tok = t0 + 32 * wg + 8 * (i >> 2) + 2 * tig + (i & 1);
-                const bool in = !masked.value || (tok < end && tok <= hi[h] && tok >= lo[h]);
+                const bool in = tok < end && tok <= hi[h] && tok >= lo[h];
                 x[i] = in ? sc[h](s[i], tok) : -INFINITY;
                 mx[h] = fmaxf(mx[h], x[i]);
             }
-        };
-        if (whole)
-            scores(FxFlag<false>{});
-        else
-            scores(FxFlag<true>{});
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
