@@ -140,6 +140,31 @@ __device__ __forceinline__ void fx_latent_copy(KT* dst, const KT* src, long long
     }
 }
 
+// (Q8) TOK rows of W fp8 elements (`src`, rows W bytes apart) widened into 16-bit rows of
+// `dst`, swizzled for ldmatrix (fx_rows_at): each thread's chunks at offsets fixed for the
+// block (chunk c = t % 8 of every 64 columns of rows t / 8 + passes of THREADS / 8), not a
+// divide a chunk (where the shapes do not divide so: the chunk-by-chunk loop)
+template <int W, int TOK, int THREADS, int Q8, class T, class KT>
+__device__ __forceinline__ void fx_latent_widen(T* dst, const KT* src) {
+    constexpr int CH = W / 8, RPP = THREADS / 8;
+    if constexpr (CH % 8 == 0 && TOK % RPP == 0 && RPP % 8 == 0) {
+        const int r = threadIdx.x >> 3, c = threadIdx.x & 7;
+        T* d = dst + r * W + ((c ^ (r & 7)) << 3);  // (rows RPP on: r & 7 alike)
+        const KT* s = src + r * W + c * 8;
+#pragma unroll
+        for (int h = 0; h < TOK / RPP; ++h)
+#pragma unroll
+            for (int b = 0; b < CH / 8; ++b)
+                *reinterpret_cast<uint4*>(d + h * RPP * W + b * 64) =
+                    FxRead<Q8>::at(s + h * RPP * W, b * 64);
+    } else {
+        for (int i = threadIdx.x; i < TOK * CH; i += THREADS) {
+            const int r = i / CH, c = i % CH;
+            *reinterpret_cast<uint4*>(dst + fx_rows_at<W>(r, c)) = FxRead<Q8>::at(src + r * W, c * 8);
+        }
+    }
+}
+
 // QT: q's and the output's type (fx_half, fx_bf16); Q8: 0 (a cache of QT), FX_E4M3 or
 // FX_E5M2; DK, DV: K's and V's widths; VK: V is the first DV columns of K's rows (MLA; v
 // and v_row unread); RT: row tiles of 16 per block; TOK: tokens a step; F: the features
@@ -308,18 +333,8 @@ __device__ __forceinline__ void gqa_split_latent(
         const T* ks;
         if constexpr (Q8 != 0) {  // the step's bytes widened into `wide`, swizzled
             const KT* kb = reinterpret_cast<const KT*>(ring + (j % S) * SM::STAGE);
-            for (int i = threadIdx.x; i < TOK * (DK / 8); i += THREADS) {
-                const int r = i / (DK / 8), c = i % (DK / 8);
-                *reinterpret_cast<uint4*>(wide + fx_rows_at<DK>(r, c)) =
-                    FxRead<Q8>::at(kb + r * DK, c * 8);
-            }
-            if constexpr (!VK) {
-                for (int i = threadIdx.x; i < TOK * (DV / 8); i += THREADS) {
-                    const int r = i / (DV / 8), c = i % (DV / 8);
-                    *reinterpret_cast<uint4*>(wide + TOK * DK + fx_rows_at<DV>(r, c)) =
-                        FxRead<Q8>::at(kb + TOK * DK + r * DV, c * 8);
-                }
-            }
+            fx_latent_widen<DK, TOK, THREADS, Q8>(wide, kb);
+            if constexpr (!VK) fx_latent_widen<DV, TOK, THREADS, Q8>(wide + TOK * DK, kb + TOK * DK);
             __syncthreads();
             ks = wide;
         } else {
