@@ -320,20 +320,27 @@ def test_the_parity_kernel_refuses_a_mixed_cache_by_name(rng):
 def test_fp8_k_with_int4_v_errs_between_its_formats(rng):
     """Against the reference on the unquantized rows: within 10% of the error of the
     reference on the rows the numpy helpers quantize (nothing lost on the device beyond
-    the formats), and below an int4 cache's (K in fp8)."""
+    the formats), and below an int4 cache's (K in fp8). Over eight queries: K's outlier
+    channel makes the softmax sharp, so one query's errors swing with which tokens win
+    (on the host, one query's ratio of the two errors reached 0.99 in 40 draws; eight
+    queries' 0.61 +- 0.06)."""
     n_heads, n_kv, hd = 32, 8, 128
     k, v = _rows(rng, 4096, n_kv, hd)
-    q = rng.standard_normal((n_heads, hd)).astype(BF16)
+    qs = [rng.standard_normal((n_heads, hd)).astype(BF16) for _ in range(8)]
     dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd}
-    ref = fd.reference_gqa_decode(q, k, v, **dims)
+    ref = np.stack([fd.reference_gqa_decode(q, k, v, **dims) for q in qs])
+
+    def decodes(kv):
+        return np.stack([kv.decode(q, n_heads=n_heads).astype(np.float64) for q in qs])
+
     with fd.KVCache(n_kv, hd, 4096, dtype=E4M3, v_dtype="int4") as kv:
         kv.extend(k, v)
-        err = rel_err(kv.decode(q, n_heads=n_heads).astype(np.float64), ref)
+        err = rel_err(decodes(kv), ref)
     kq = fd.quantize_fp8(k, E4M3).astype(np.float32)
     vq = fd.dequantize_int4(*fd.quantize_int4(v))
-    host = rel_err(fd.reference_gqa_decode(q, kq, vq, **dims), ref)
+    host = rel_err(np.stack([fd.reference_gqa_decode(q, kq, vq, **dims) for q in qs]), ref)
     assert 1e-3 < err < 1.1 * host + 1e-2, (err, host)
     with fd.KVCache(n_kv, hd, 4096, dtype="int4") as kv:
         kv.extend(k, v)
-        int4 = rel_err(kv.decode(q, n_heads=n_heads).astype(np.float64), ref)
+        int4 = rel_err(decodes(kv), ref)
     assert err < int4, (err, int4)
