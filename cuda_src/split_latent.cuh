@@ -160,7 +160,8 @@ __device__ __forceinline__ void fx_latent_widen(T* dst, const KT* src) {
     } else {
         for (int i = threadIdx.x; i < TOK * CH; i += THREADS) {
             const int r = i / CH, c = i % CH;
-            *reinterpret_cast<uint4*>(dst + fx_rows_at<W>(r, c)) = FxRead<Q8>::at(src + r * W, c * 8);
+            *reinterpret_cast<uint4*>(dst + fx_rows_at<W>(r, c)) =
+                FxRead<Q8>::at(src + r * W, c * 8);
         }
     }
 }
@@ -334,7 +335,8 @@ __device__ __forceinline__ void gqa_split_latent(
         if constexpr (Q8 != 0) {  // the step's bytes widened into `wide`, swizzled
             const KT* kb = reinterpret_cast<const KT*>(ring + (j % S) * SM::STAGE);
             fx_latent_widen<DK, TOK, THREADS, Q8>(wide, kb);
-            if constexpr (!VK) fx_latent_widen<DV, TOK, THREADS, Q8>(wide + TOK * DK, kb + TOK * DK);
+            if constexpr (!VK)
+                fx_latent_widen<DV, TOK, THREADS, Q8>(wide + TOK * DK, kb + TOK * DK);
             __syncthreads();
             ks = wide;
         } else {
