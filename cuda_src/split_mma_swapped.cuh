@@ -396,11 +396,8 @@ __device__ __forceinline__ FxQ<fx_half, D> fx_load_q4(const QT* q, int h0, int g
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             const int d = lane * E + e, c = d >> 3, el = d & 7;
-            if constexpr (GROUPED)
-                q_s[j][c * 8 + 2 * (el & 3) + (el >> 2)] = fx_from_float<fx_half>(x[e] * down);
-            else
-                q_s[j][(c % NKB) * 32 + (c / NKB) * 8 + 2 * (el & 3) + (el >> 2)] =
-                    fx_from_float<fx_half>(x[e] * down);
+            const int at = GROUPED ? c * 8 : (c % NKB) * 32 + (c / NKB) * 8;
+            q_s[j][at + 2 * (el & 3) + (el >> 2)] = fx_from_float<fx_half>(x[e] * down);
         }
     }
     __syncthreads();
