@@ -143,10 +143,8 @@ __device__ __forceinline__ FxQ<fx_half, D> fx_load_q8(const QT* q, int h0, int g
 // Ring rows are placed so that each of these reads takes the fewest shared-memory
 // wavefronts its bytes need (a bank model of every head_dim's reads): K's 16-byte chunk c of
 // row r at c ^ (r & 1) (head_dim 256), V's rows permuted and their chunks XORed (fx_v4_at).
-template <int D, bool GROUPED = false>
+template <int D>
 __device__ __forceinline__ int fx_k4_at(int r, int c) {  // byte of K's chunk c of row r
-    if constexpr (GROUPED)  // unit-major: [rows 0-7 | 8-15][unit c][row r & 7]
-        return ((r & 7) + 8 * c + (D / 4) * (r >> 3)) << 4;
     return r * (D / 2) + ((c ^ (D == 256 ? r & 1 : 0)) << 4);
 }
 template <int D>
@@ -227,16 +225,6 @@ __device__ __forceinline__ FxNibConst fx_nib_const(unsigned zero) {
     else
         return FxNibConst{0u, 0u, 0x80008000u | zero, 0u};  // (nvfp4: the sign bits)
 }
-// q4's nibbles under the magic exponents alone, r[i] = {e_i, e_i+4} as 1024 + n (even i) or
-// 64 + n (odd i): the subtraction and the scale left to the dot (FX_Q4_GROUPED)
-__device__ __forceinline__ void fx_nib_magic(unsigned w, unsigned (&r)[4], const FxNibConst& k) {
-    const unsigned u = w >> 8;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned t = i & 2 ? u : w;
-        r[i] = i & 1 ? (t & k.c1) | k.c3 : (t & k.c0) | k.c2;
-    }
-}
 template <int Q8>
 __device__ __forceinline__ void fx_widen4(unsigned w, unsigned s2, unsigned (&r)[4],
                                           const FxNibConst& k) {
@@ -280,15 +268,12 @@ struct FxStages4 {
         D == 64 ? FX_STAGES4_D64 : D == 128 ? FX_STAGES4_D128 : FX_STAGES4_D256;
 };
 // One warp's ring of a 4-bit cache: S steps of 16 tokens, each [K values][V values]
-// [K scales][V scales] (rows of D / 2 and D / 16 bytes; GROUPED: K's units placed by
-// fx_k4_at), the block's WARPS warps taking turns as FxWarpRing's do; one commit group per
-// step, even an empty one.
-template <int D, int S, int WARPS, bool GROUPED = false>
+// [K scales][V scales] (rows of D / 2 and D / 16 bytes), the block's WARPS warps taking
+// turns as FxWarpRing's do; one commit group per step, even an empty one.
+template <int D, int S, int WARPS>
 struct FxRing4 {
     static constexpr int RB = D / 2, SCB = D / 16, KCH = RB / 16;
-    static constexpr int V_AT = 16 * RB;  // a step's V values
-    static constexpr int KS_AT = V_AT + 16 * RB, VS_AT = KS_AT + 16 * SCB;  // its scales
-    static constexpr int STEP_B = VS_AT + 16 * SCB;
+    static constexpr int STEP_B = 2 * 16 * (RB + SCB);
     static constexpr int NU = 16 * KCH / 32;  // 16-byte units of K (and of V) a lane copies
     unsigned char* ring;
     const unsigned char *kg, *vg, *ksg, *vsg;  // the block's KV head at token 0
@@ -323,12 +308,12 @@ struct FxRing4 {
                 const int i = n * 32 + lane, r = i / KCH, c = i % KCH;
                 const bool ok = t + r < end;
                 const unsigned char* src = ok ? kp[n] : kg;  // (rows past the end: zeros)
-                fx_cp_async16(st + fx_k4_at<D, GROUPED>(r, c), src, ok);
-                fx_cp_async16(st + V_AT + fx_v4_at<D>(r, c), src + dv, ok);
+                fx_cp_async16(st + fx_k4_at<D>(r, c), src, ok);
+                fx_cp_async16(st + 16 * RB + fx_v4_at<D>(r, c), src + dv, ok);
             }
             const int r = lane & 15;  // lanes 0-15: K's scales, 16-31: V's
             const bool ok = t + r < end;
-            fx_cp_async_small<SCB>(st + KS_AT + (lane >> 4) * 16 * SCB + r * SCB,
+            fx_cp_async_small<SCB>(st + 32 * RB + (lane >> 4) * 16 * SCB + r * SCB,
                                    ok ? sp : ksg, ok);
         }
         fx_cp_async_commit();
@@ -337,15 +322,15 @@ struct FxRing4 {
         sp += WARPS * 16 * srow;
     }
 };
-template <int D, int S, int WARPS, bool GROUPED = false>
-__device__ __forceinline__ FxRing4<D, S, WARPS, GROUPED> fx_ring4(unsigned char* smem,
+template <int D, int S, int WARPS>
+__device__ __forceinline__ FxRing4<D, S, WARPS> fx_ring4(unsigned char* smem,
                                                          const unsigned char* k,
                                                          const unsigned char* v,
                                                          const unsigned char* k_sc,
                                                          const unsigned char* v_sc, int g_kv,
                                                          int n_kv_heads, int start, int end,
                                                          int warp, int lane) {
-    using R = FxRing4<D, S, WARPS, GROUPED>;
+    using R = FxRing4<D, S, WARPS>;
     R r;
     r.ring = smem + warp * S * R::STEP_B;
     r.kg = k + (long long)g_kv * R::RB;
@@ -366,16 +351,10 @@ __device__ __forceinline__ FxRing4<D, S, WARPS, GROUPED> fx_ring4(unsigned char*
 // q for a 4-bit cache's fp16 mmas: as fx_load_q8 (each head's power of two), rotated first
 // in float32 where K was (R, as the rows kernel does), staged in the order fx_widen4 gives
 // K's elements: chunk c = tig * NKB + kb of head j, element e, at q_s[j][kb * 32 + tig * 8 +
-// 2 (e & 3) + (e >> 2)], which FxQ reads as column (kb, tig). GROUPED (q4, FX_Q4_GROUPED):
-// chunk c = 4 kb + tig instead (each mma pair one block scale's 32 elements), and corr_a /
-// corr_b: per scale block kb, the sum over its elements of q (as staged, fp16) times the
-// offset fx_widen4's magic adds (1032 for an even element, 72 for an odd one), of heads
-// 2tig and 2tig + 1: what the mma of the unsubtracted values adds to the dot.
-template <int D, int THREADS, int R, bool GROUPED = false, class QT>
+// 2 (e & 3) + (e >> 2)], which FxQ reads as column (kb, tig).
+template <int D, int THREADS, int R, class QT>
 __device__ __forceinline__ FxQ<fx_half, D> fx_load_q4(const QT* q, int h0, int group, int g,
-                                                      int tig, float& mul_a, float& mul_b,
-                                                      float (&corr_a)[D / 32],
-                                                      float (&corr_b)[D / 32]) {
+                                                      int tig, float& mul_a, float& mul_b) {
     __shared__ __align__(16) fx_half q_s[8][D + 8];
     __shared__ int q_top[8];  // the bits of each head's largest |q|
     constexpr int E = D / 32, NKB = D / 32;
@@ -396,33 +375,13 @@ __device__ __forceinline__ FxQ<fx_half, D> fx_load_q4(const QT* q, int h0, int g
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             const int d = lane * E + e, c = d >> 3, el = d & 7;
-            const int at = GROUPED ? c * 8 : (c % NKB) * 32 + (c / NKB) * 8;
-            q_s[j][at + 2 * (el & 3) + (el >> 2)] = fx_from_float<fx_half>(x[e] * down);
+            q_s[j][(c % NKB) * 32 + (c / NKB) * 8 + 2 * (el & 3) + (el >> 2)] =
+                fx_from_float<fx_half>(x[e] * down);
         }
     }
     __syncthreads();
     mul_a = __int_as_float((127 + fx_q8_shift(q_top[2 * tig])) << 23);
     mul_b = __int_as_float((127 + fx_q8_shift(q_top[2 * tig + 1])) << 23);
-#pragma unroll
-    for (int kb = 0; kb < NKB; ++kb) corr_a[kb] = corr_b[kb] = 0.f;
-    if constexpr (GROUPED) {  // a thread per (head, block): the staged halves' sum
-        __shared__ float q_corr[8][NKB];
-        for (int i = threadIdx.x; i < 8 * NKB; i += THREADS) {
-            const fx_half* h = q_s[i / NKB] + (i % NKB) * 32;
-            float sum = 0.f;
-            // (staged place p holds element (p >> 1 & 3) + 4 (p & 1) of its chunk: odd where
-            // p >> 1 is; the products exact, the sum rounded as it goes)
-#pragma unroll
-            for (int p = 0; p < 32; ++p) sum += ((p >> 1) & 1 ? 72.f : 1032.f) * fx_to_float(h[p]);
-            q_corr[i / NKB][i % NKB] = sum;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int kb = 0; kb < NKB; ++kb) {  // (negated: the dots' starting values)
-            corr_a[kb] = -q_corr[2 * tig][kb];
-            corr_b[kb] = -q_corr[2 * tig + 1][kb];
-        }
-    }
     return FxQ<fx_half, D>::of(q_s[g], tig);
 }
 // (a type by a compile-time choice)
@@ -456,7 +415,6 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     const unsigned char* __restrict__ v_sc = nullptr) {
     using KT = typename FxStore<T, Q8>::type;  // the cache's element
     constexpr bool Q4 = Q8 == FX_Q4, NIB = Q4 || Q8 == FX_NVFP4;  // (NIB: 4-bit values)
-    constexpr bool GROUPED = Q4 && FX_Q4_GROUPED;  // (fx_load_q4, nib_scores)
     static_assert(!NIB || (DR == D && PAIR == 1), "4-bit: the kernel's own head_dim");
     // (an fp8 ring: twice the kernel's steps of bytes; a pair's: the kernel's; 4-bit: its own)
     constexpr int S = NIB ? (S4 ? S4 : FxStages4<D>::value)
@@ -464,8 +422,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                            : FxStages<D, PAIR == 1 ? DR : D>::value;
     constexpr int THREADS = WARPS * 32;
     constexpr int STEP = 16 * D;  // elements of one step's K (or V)
-    using Ring4 = FxRing4<D, S, WARPS, GROUPED>;  // (4-bit)
-    constexpr int RING = NIB ? WARPS * S * Ring4::STEP_B
+    constexpr int RING = NIB ? WARPS * S * FxRing4<D, S, WARPS>::STEP_B
                              : WARPS * S * 2 * STEP * (int)sizeof(KT);
     extern __shared__ __align__(16) unsigned char fx_dyn_smem[];
 
@@ -475,9 +432,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;  // mma fragment coordinates: lane = 4g + tig
-    typename FxPick<NIB, Ring4, FxWarpRing<KT, D, 16, S, WARPS, DR>>::type wr;
+    typename FxPick<NIB, FxRing4<D, S, WARPS>, FxWarpRing<KT, D, 16, S, WARPS, DR>>::type wr;
     if constexpr (NIB)
-        wr = fx_ring4<D, S, WARPS, GROUPED>(fx_dyn_smem, k, v, k_sc, v_sc, blk.g_kv, n_kv_heads,
+        wr = fx_ring4<D, S, WARPS>(fx_dyn_smem, k, v, k_sc, v_sc, blk.g_kv, n_kv_heads,
                                    blk.start, blk.end, warp, lane);
     else
         wr = fx_warp_ring<KT, D, 16, S, WARPS, DR, F>(fx_dyn_smem, k, v, blk.g_kv, n_kv_heads,
@@ -502,15 +459,13 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     // Q as the B operand (n = heads), read as gqa_split_mma reads it for its A operand
     const int a_heads = PAIR == 1 ? 0 : max(0, min(blk.group, blk.heads_per_kv / 2 - blk.tile_h));
     float q_mul_a[NT], q_mul_b[NT];  // (Q8: the heads' power-of-two scales undone)
-    float corr_a[NT][D / 32], corr_b[NT][D / 32];  // (GROUPED: fx_load_q4's)
     FxQ<T, D> qf[NT];
 #pragma unroll
     for (int u = 0; u < NT; ++u) {
         q_mul_a[u] = q_mul_b[u] = 1.f;
         if (u) __syncthreads();  // (the staging is reused: every warp has read tile u - 1's)
         if constexpr (NIB)
-            qf[u] = fx_load_q4<D, THREADS, R, GROUPED>(q, h0[u], group[u], g, tig, q_mul_a[u],
-                                                       q_mul_b[u], corr_a[u], corr_b[u]);
+            qf[u] = fx_load_q4<D, THREADS, R>(q, h0[u], group[u], g, tig, q_mul_a[u], q_mul_b[u]);
         else if constexpr (Q8 != 0)
             qf[u] = fx_load_q8<D, THREADS, DR>(q, h0[u], group[u], g, tig, q_mul_a[u], q_mul_b[u]);
         else
@@ -544,96 +499,16 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                 oacc[u][hb][i][0] = oacc[u][hb][i][1] = oacc[u][hb][i][2] = oacc[u][hb][i][3] = 0.f;
     FxRunning ra[NT], rb[NT];  // heads 2tig (a) and 2tig + 1 (b): their online softmax
 
-    // 4-bit: S^T = K Q^T of the step at `kst` (rows = tokens g (c0, c1) and g + 8 (c2, c3),
-    // columns = heads 2tig, 2tig + 1), in two chains: this lane's words of rows g and g + 8,
-    // widened per chunk
-    auto nib_scores = [&](const unsigned char* kst, float (&s)[NT][4], float (&s2)[NT][4]) {
-        constexpr int NKB = D / 32;
-        const unsigned char* ksc = kst + Ring4::KS_AT;  // K's scales, then V's
-#pragma unroll
-        for (int u = 0; u < NT; ++u)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[u][e] = s2[u][e] = 0.f;
-        if constexpr (GROUPED) {  // (a block scale a pair of mmas: applied to their sum)
-            const unsigned short* sg_a =
-                reinterpret_cast<const unsigned short*>(ksc + g * (D / 16));
-            const unsigned short* sg_c =
-                reinterpret_cast<const unsigned short*>(ksc + (g + 8) * (D / 16));
-            // row g's unit kb at kw + 128 kb, row g + 8's 4 D bytes further (fx_k4_at): a
-            // read's 32 lanes on 32 banks
-            const unsigned char* kw = kst + fx_k4_at<D, true>(g, 0) + 4 * tig;
-#pragma unroll
-            for (int kb = 0; kb < NKB; ++kb) {  // scale block kb: chunks 4 kb + tig
-                const unsigned wa = *reinterpret_cast<const unsigned*>(kw + 128 * kb);
-                const unsigned wc = *reinterpret_cast<const unsigned*>(kw + 4 * D + 128 * kb);
-                const float sa = fx_to_float(fx_half{sg_a[kb]});
-                const float sc = fx_to_float(fx_half{sg_c[kb]});
-                unsigned ka[4], kc[4];  // 1024 + n and 64 + n: the magic's offsets in corr
-                fx_nib_magic(wa, ka, nk);
-                fx_nib_magic(wc, kc, nk);
-                float (&acc)[NT][4] = kb & 1 ? s2 : s;
-#pragma unroll
-                for (int u = 0; u < NT; ++u) {
-                    const uint4 qv = qf[u].at(kb, tig);
-                    float t[4] = {corr_a[u][kb], corr_b[u][kb], corr_a[u][kb], corr_b[u][kb]};
-                    FxMma<T>::run(t[0], t[1], t[2], t[3], ka[0], kc[0], ka[1], kc[1], qv.x,
-                                  qv.y);
-                    FxMma<T>::run(t[0], t[1], t[2], t[3], ka[2], kc[2], ka[3], kc[3], qv.z,
-                                  qv.w);
-                    acc[u][0] = fmaf(sa, t[0], acc[u][0]);
-                    acc[u][1] = fmaf(sa, t[1], acc[u][1]);
-                    acc[u][2] = fmaf(sc, t[2], acc[u][2]);
-                    acc[u][3] = fmaf(sc, t[3], acc[u][3]);
-                }
-            }
-            return;
-        }
-        unsigned wa[NKB], wc[NKB];
-        fx_k4_words<D>(kst, g, tig, wa);
-        fx_k4_words<D>(kst, g + 8, tig, wc);
-        unsigned sk_a = 0, sk_c = 0;  // rows g and g + 8: the block scale of chunk c
-#pragma unroll
-        for (int kb = 0; kb < NKB; ++kb) {
-            const int c = tig * NKB + kb;
-            if (kb % PER4 == 0) {  // (a scale's chunks: once)
-                sk_a = fx_scale4<Q8>(ksc + g * (D / 16), c);
-                sk_c = fx_scale4<Q8>(ksc + (g + 8) * (D / 16), c);
-            }
-            unsigned ka[4], kc[4];
-            fx_widen4<Q8>(wa[kb], sk_a, ka, nk);
-            fx_widen4<Q8>(wc[kb], sk_c, kc, nk);
-#pragma unroll
-            for (int u = 0; u < NT; ++u) {
-                const uint4 qv = qf[u].at(kb, tig);
-                FxMma<T>::run(s[u][0], s[u][1], s[u][2], s[u][3], ka[0], kc[0], ka[1], kc[1],
-                              qv.x, qv.y);
-                FxMma<T>::run(s2[u][0], s2[u][1], s2[u][2], s2[u][3], ka[2], kc[2], ka[3],
-                              kc[3], qv.z, qv.w);
-            }
-        }
-    };
-    // PIPE (4-bit, FX_PIPE4): the scores one step ahead. Step j + 1's K is widened and
-    // multiplied beside step j's softmax and V (two independent chains for the scheduler),
-    // so each step waits for the one after it: one step fewer in flight.
-    constexpr bool PIPE = NIB && FX_PIPE4;
-    static_assert(!PIPE || S >= 3, "a step read ahead, one being refilled");
-    float sn[NT][4], sn2[NT][4];  // PIPE: the next step's dots
-    if constexpr (PIPE) {
-        fx_cp_async_wait<S - 2>();
-        __syncwarp();
-        nib_scores(wr.stage(0), sn, sn2);
-    }
-
     for (int j = 0; wr.t0(j) < blk.end; ++j) {
         wr.issue(j + S - 1);
-        fx_cp_async_wait<PIPE ? S - 2 : S - 1>();
+        fx_cp_async_wait<S - 1>();
         __syncwarp();
         const int t0 = wr.t0(j);
         const KT* ks;
         const KT* vs;
         if constexpr (NIB) {
             ks = wr.stage(j);
-            vs = ks + Ring4::V_AT;
+            vs = ks + 16 * (D / 2);
         } else {
             ks = wr.k_stage(j);
             vs = ks + STEP;
@@ -644,11 +519,34 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #pragma unroll
         for (int u = 0; u < NT; ++u)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[u][e] = PIPE ? sn[u][e] : 0.f;
-                s2[u][e] = PIPE ? sn2[u][e] : 0.f;
+            for (int e = 0; e < 4; ++e) s[u][e] = s2[u][e] = 0.f;
+        if constexpr (NIB) {  // this lane's words of rows g and g + 8, widened per chunk
+            constexpr int NKB = D / 32;
+            const unsigned char* ksc = ks + 32 * (D / 2);  // K's scales, then V's
+            unsigned wa[NKB], wc[NKB];
+            fx_k4_words<D>(ks, g, tig, wa);
+            fx_k4_words<D>(ks, g + 8, tig, wc);
+            unsigned sk_a = 0, sk_c = 0;  // rows g and g + 8: the block scale of chunk c
+#pragma unroll
+            for (int kb = 0; kb < NKB; ++kb) {
+                const int c = tig * NKB + kb;
+                if (kb % PER4 == 0) {  // (a scale's chunks: once)
+                    sk_a = fx_scale4<Q8>(ksc + g * (D / 16), c);
+                    sk_c = fx_scale4<Q8>(ksc + (g + 8) * (D / 16), c);
+                }
+                unsigned ka[4], kc[4];
+                fx_widen4<Q8>(wa[kb], sk_a, ka, nk);
+                fx_widen4<Q8>(wc[kb], sk_c, kc, nk);
+#pragma unroll
+                for (int u = 0; u < NT; ++u) {
+                    const uint4 qv = qf[u].at(kb, tig);
+                    FxMma<T>::run(s[u][0], s[u][1], s[u][2], s[u][3], ka[0], kc[0], ka[1], kc[1],
+                                  qv.x, qv.y);
+                    FxMma<T>::run(s2[u][0], s2[u][1], s2[u][2], s2[u][3], ka[2], kc[2], ka[3],
+                                  kc[3], qv.z, qv.w);
+                }
             }
-        if constexpr (NIB && !PIPE) nib_scores(ks, s, s2);
+        }
 #pragma unroll
         for (int kb = 0; kb < (NIB ? 0 : D / 32); ++kb) {
             const int cg = (kb * 4 + tig) ^ ((g & 1) << 2);  // rows g and g + 8: same parity
@@ -686,15 +584,12 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
             pb0[u] = fx_movmatrix_trans(fx_pack2<T>(pa[0], pb[0]));
             pb1[u] = fx_movmatrix_trans(fx_pack2<T>(pa[1], pb[1]));
         }
-        // (PIPE: step j + 1's dots, its ring slot landed; past the chunk's last step, a
-        // slot's stale bytes, never used)
-        if constexpr (PIPE) nib_scores(wr.stage(j + 1), sn, sn2);
         // ---- O^T = O^T * alpha + V^T P^T; this lane's V rows are 2tig, 2tig+1, 2tig+8,
         // 2tig+9, at d = hb*64 + g*8 .. +8 (rows g and g + 8 of the mma: elements 2i, 2i+1)
         if constexpr (NIB) {  // (4-bit: chunk g * NHB + hb, rows g and g + 8: elements i, i + 4)
             constexpr int NHB = D / 64;
-            const unsigned char* vsc =
-                reinterpret_cast<const unsigned char*>(ks) + Ring4::VS_AT;  // V's scales
+            const unsigned char* vsc = reinterpret_cast<const unsigned char*>(ks) +
+                                       32 * (D / 2) + 16 * (D / 16);  // V's scales
             unsigned w4[4][NHB];  // tokens 2tig, 2tig + 1, 2tig + 8, 2tig + 9
 #pragma unroll
             for (int e = 0; e < 4; ++e) fx_v4_words<D>(vs, 2 * tig + (e & 1) + (e >> 1) * 8, g, w4[e]);

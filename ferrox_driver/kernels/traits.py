@@ -84,12 +84,6 @@ SPLIT_TRAITS: dict[str, int] = {
     "FX_WARPS4_D256": 8,
     "FX_STAGES4_D256": 4,
     "FX_BLOCKS4_D256": 1,
-    # 1: those kernels compute a step's scores one step ahead, beside the step before's
-    # softmax and V (FX_PIPE4 in split_mma_swapped.cuh)
-    "FX_PIPE4": 0,
-    # 1: a q4 cache's K dot per block scale (its nibbles under the magic exponent alone, the
-    # offset taken off with q's sums, the scale applied once per block: FX_Q4_GROUPED)
-    "FX_Q4_GROUPED": 0,
     # ... and the narrow kernels the plans take for short contexts (Overrides.four_bit_narrow_to,
     # 8192 tokens): a chunk of a few hundred tokens is one step or none for most of twelve
     # warps, and the block's merge of its warps' partial softmaxes grows with them. Measured
