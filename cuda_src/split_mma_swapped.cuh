@@ -25,6 +25,10 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
 #define FX_E5M2 2  // Q8: float8_e5m2
 #define FX_Q4 3  // a q4 cache: nibbles and a float16 scale per FX_Q4_GROUP elements
 #define FX_Q4_GROUP 32
+#ifndef FX_Q4_PROBE  // (experiment: 1 copies only, 2 compute only, 3 no widening,
+                      // 4 the values' copies only)
+#define FX_Q4_PROBE 0
+#endif
 #define FX_NVFP4 4  // an nvfp4 cache: e2m1 nibbles, an e4m3 scale per 16, a float32 per head
 // (any quantized format, fp8 or 4-bit, is stored as bytes)
 template <class T, int Q8>
@@ -228,6 +232,14 @@ __device__ __forceinline__ FxNibConst fx_nib_const(unsigned zero) {
 template <int Q8>
 __device__ __forceinline__ void fx_widen4(unsigned w, unsigned s2, unsigned (&r)[4],
                                           const FxNibConst& k) {
+    if constexpr (FX_Q4_PROBE == 3) {
+        const unsigned u = w >> 8;  // (values in [0, 1): no infinities)
+        r[0] = w & 0x3bff3bffu;
+        r[1] = (w & 0x0bff0bffu) | s2;
+        r[2] = u & 0x3bff3bffu;
+        r[3] = u & 0x33ff33ffu;
+        return;
+    }
     const unsigned u = w >> 8;  // (one shift a word: elements 2, 3 and 6, 7 from w >> 8)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -301,7 +313,7 @@ struct FxRing4 {
     }
     __device__ __forceinline__ void issue(int j) {
         const int t = t0(j);
-        if (t < end) {
+        if (t < end && (FX_Q4_PROBE != 2 || j < S - 1)) {
             unsigned char* st = ring + (j % S) * STEP_B;
 #pragma unroll
             for (int n = 0; n < NU; ++n) {
@@ -312,7 +324,7 @@ struct FxRing4 {
                 fx_cp_async16(st + 16 * RB + fx_v4_at<D>(r, c), src + dv, ok);
             }
             const int r = lane & 15;  // lanes 0-15: K's scales, 16-31: V's
-            const bool ok = t + r < end;
+            const bool ok = t + r < end && FX_Q4_PROBE != 4;
             fx_cp_async_small<SCB>(st + 32 * RB + (lane >> 4) * 16 * SCB + r * SCB,
                                    ok ? sp : ksg, ok);
         }
@@ -503,6 +515,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         wr.issue(j + S - 1);
         fx_cp_async_wait<S - 1>();
         __syncwarp();
+        if constexpr (NIB && (FX_Q4_PROBE == 1 || FX_Q4_PROBE == 4)) continue;
         const int t0 = wr.t0(j);
         const KT* ks;
         const KT* vs;
