@@ -62,7 +62,23 @@ def main() -> None:
     )
     parser.add_argument("--fmt", default="q4")
     parser.add_argument("--floors", action="store_true", help="each floor kernel apart")
+    parser.add_argument("--launches", action="store_true", help="print each decode's launches")
     args = parser.parse_args()
+    if args.launches:
+        inner = ks.launches_for
+        seen: set[str] = set()
+
+        def shown(*a, **kw):  # type: ignore[no-untyped-def]
+            got = inner(*a, **kw)
+            for launch in got[0]:
+                line = (f"  {launch.spec.name} grid {launch.grid} block {launch.block} "
+                        f"smem {launch.shared_mem}")  # fmt: skip
+                if line not in seen:
+                    seen.add(line)
+                    print(line, flush=True)
+            return got
+
+        ks.launches_for = shown  # type: ignore[assignment]
     for i, v in enumerate(args.variants):
         print(f"v{i}: {v}")
     print(
