@@ -1,12 +1,18 @@
 """Where a 4-bit decode's time goes: the swapped q4 kernel as built against the same kernel
 with parts of its loop taken out (FX_Q4_PROBE in split_mma_swapped.cuh: 1 copies only, 2
 compute only on the ring's first bytes, 3 one mask a pair in place of the widening, 4 the
-values' copies only) or other traits, and the read floor, in one process, graph-replayed,
-each variant timed twice, alternating (experiment).
+values' copies only, 5 neither copies nor compute: what is left is the fixed cost) or other
+traits, and the read floor, in one process, graph-replayed, each variant timed twice,
+alternating (docs/design.md, issue 49).
 
     PYTHONPATH=. python benchmarks/kv4_probe.py [--shapes 32/8/128 8/1/256] [--seqs 131072]
-        [--variants FX_Q4_PROBE=1 FX_Q4_PROBE=2,FX_WARPS4_D128=16,FX_STAGES4_D128=3 ...]
-    PYTHONPATH=. python benchmarks/kv4_probe.py --floors   # each floor kernel apart
+        [--variants base FX_Q4_PROBE=2 FX_Q4_PROBE=2,FX_WARPS4_D128=16,FX_STAGES4_D128=3 ...]
+        [--floors] [--launches]
+
+--floors: each read floor kernel's time apart (by rows of one head, flat); --launches: each
+decode's kernels, grids and blocks. Compute alone (FX_Q4_PROBE=2) takes the same time on an
+H100 and an H200 (the same multiprocessors and clocks), so it is the H200's compute bound
+measured on either.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=["base", "FX_Q4_PROBE=1", "FX_Q4_PROBE=2", "FX_Q4_PROBE=3", "FX_Q4_PROBE=4"],
+        default=["base", *(f"FX_Q4_PROBE={p}" for p in range(1, 6))],
     )
     parser.add_argument("--fmt", default="q4")
     parser.add_argument("--floors", action="store_true", help="each floor kernel apart")

@@ -26,7 +26,7 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
 #define FX_Q4 3  // a q4 cache: nibbles and a float16 scale per FX_Q4_GROUP elements
 #define FX_Q4_GROUP 32
 #ifndef FX_Q4_PROBE  // (experiment: 1 copies only, 2 compute only, 3 no widening,
-                      // 4 the values' copies only)
+                      // 4 the values' copies only, 5 neither copies nor compute: the fixed costs)
 #define FX_Q4_PROBE 0
 #endif
 #define FX_NVFP4 4  // an nvfp4 cache: e2m1 nibbles, an e4m3 scale per 16, a float32 per head
@@ -313,7 +313,7 @@ struct FxRing4 {
     }
     __device__ __forceinline__ void issue(int j) {
         const int t = t0(j);
-        if (t < end && (FX_Q4_PROBE != 2 || j < S - 1)) {
+        if (t < end && FX_Q4_PROBE != 5 && (FX_Q4_PROBE != 2 || j < S - 1)) {
             unsigned char* st = ring + (j % S) * STEP_B;
 #pragma unroll
             for (int n = 0; n < NU; ++n) {
@@ -515,7 +515,8 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         wr.issue(j + S - 1);
         fx_cp_async_wait<S - 1>();
         __syncwarp();
-        if constexpr (NIB && (FX_Q4_PROBE == 1 || FX_Q4_PROBE == 4)) continue;
+        if constexpr (NIB && (FX_Q4_PROBE == 1 || FX_Q4_PROBE == 4 || FX_Q4_PROBE == 5))
+            continue;
         const int t0 = wr.t0(j);
         const KT* ks;
         const KT* vs;
