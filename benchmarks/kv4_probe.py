@@ -1,4 +1,4 @@
-"""Where a 4-bit decode's time goes: the swapped q4 kernel as built against the same kernel
+r"""Where a 4-bit decode's time goes: the swapped q4 kernel as built against the same kernel
 with parts of its loop taken out (FX_Q4_PROBE in split_mma_swapped.cuh: 1 copies only, 2
 compute only on the ring's first bytes, 3 one mask a pair in place of the widening, 4 the
 values' copies only, 5 neither copies nor compute: what is left is the fixed cost) or other
@@ -13,6 +13,17 @@ alternating (docs/design.md, issue 49).
 decode's kernels, grids and blocks. Compute alone (FX_Q4_PROBE=2) takes the same time on an
 H100 and an H200 (the same multiprocessors and clocks), so it is the H200's compute bound
 measured on either.
+
+The runs issue 49 still owes (docs/design.md), in one device command:
+
+    python3 benchmarks/kv4_probe.py --shapes 32/8/128 8/1/256   # every probe, on an H200
+    python3 benchmarks/kv4_probe.py --variants base FX_Q4_PROBE=2 \
+        FX_Q4_PROBE=2,FX_WARPS4_D128=16,FX_STAGES4_D128=3 \
+        FX_Q4_PROBE=2,FX_WARPS4_D128=8,FX_STAGES4_D128=6 --shapes 32/8/128 --seqs 131072
+    python3 benchmarks/kv4_probe.py --floors --launches --variants base FX_Q4_PROBE=1 \
+        --shapes 32/8/128 16/4/256 8/1/256
+    ncu -k regex:gqa_split_mma_.*q4 -c 1 --section SchedulerStats --section WarpStateStats \
+        python3 benchmarks/kv4_probe.py --variants FX_Q4_PROBE=2 --shapes 32/8/128 --seqs 131072
 """
 
 from __future__ import annotations
