@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 
 from ferrox_driver.apps.bench import kv4_speed as ks
-from ferrox_driver.decode import plan as planner
 from ferrox_driver.kernels import catalogue
 from ferrox_driver.kernels.traits import SPLIT_TRAITS
 
@@ -42,14 +41,7 @@ def set_variant(spec: str) -> None:
     """Traits as DEFAULTS but for ``spec`` (NAME=VALUE,...; "base": none), sources rebuilt."""
     SPLIT_TRAITS.clear()
     SPLIT_TRAITS.update(DEFAULTS)
-    for pair in filter(None, spec.split(",")):
-        if pair == "base":
-            continue
-        name, _, value = pair.partition("=")
-        SPLIT_TRAITS[name] = int(value)
-    for d in planner.FOUR_BIT_WIDE:
-        for n, kinds in (("", planner.FOUR_BIT_WIDE), ("N", planner.FOUR_BIT_NARROW)):
-            kinds[d] = (SPLIT_TRAITS[f"FX_WARPS4{n}_D{d}"], SPLIT_TRAITS[f"FX_STAGES4{n}_D{d}"])
+    ks.set_traits([pair for pair in spec.split(",") if pair and pair != "base"])
     catalogue.kernel_source.cache_clear()
     catalogue._kernels.clear()
 
