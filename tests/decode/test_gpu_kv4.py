@@ -126,6 +126,54 @@ def test_a_q4_cache_decodes_as_the_reference_on_its_dequantized_rows(rng, qdt, h
             np.testing.assert_allclose(lse, ref_lse, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("fmt", ["q4", "nvfp4"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("n_kv", [1, 2])
+def test_a_4bit_decode_whose_scores_climb_and_jump_keeps_its_softmax(rng, fmt, head_dim, n_kv):
+    """Scores that grow along the cache (the running max passes itself every few steps), a
+    spike far above them and a later one higher still, tens of nats apart: the one-query
+    kernels' running max and rescaling against the reference, LSE too."""
+    n_heads, seq, d = 8, 4099, head_dim
+    q = rng.standard_normal((1, n_heads, d)).astype(DTYPES["bf16"])
+    ramp = np.linspace(0.2, 3.0, seq)[:, None, None]
+    k = rng.standard_normal((seq, n_kv, d)) * ramp
+    qk = q[0, :: n_heads // n_kv].astype(np.float64)  # (a head of each group)
+    for t, mul in ((int(0.6 * seq), 4.0), (seq - 700, 6.0)):
+        k[t] = mul * qk / np.linalg.norm(qk, axis=-1, keepdims=True) * np.sqrt(d)
+    v = rng.standard_normal((seq, n_kv, d))
+    nv = fmt == "nvfp4"
+    with fd.Stream() as s:
+        vals, scs = (seq, n_kv, d // 2), (seq, n_kv, d // (16 if nv else 32))
+        bufs = {"k_vals": fd.zeros(vals, np.uint8), "v_vals": fd.zeros(vals, np.uint8),
+                "k_scales": fd.zeros(scs, np.uint8 if nv else np.float16),
+                "v_scales": fd.zeros(scs, np.uint8 if nv else np.float16)}  # fmt: skip
+        kw, g = {}, None
+        if nv:
+            kf = kv4.hadamard(k.astype(np.float32))
+            g = np.concatenate([np.abs(a).max(axis=(0, 2)) / np.float32(6 * 448)
+                                for a in (kf, v.astype(np.float32))]).astype(np.float32)  # fmt: skip
+            kw["globals_"] = fd.to_device(g)
+        quantize_4bit_async(fd.to_device(k.astype(np.float32)), fd.to_device(v.astype(np.float32)),
+                            *(bufs[n_] for n_ in ("k_vals", "v_vals", "k_scales", "v_scales")),
+                            first=0, stream=s, rotate_k=True, **kw)  # fmt: skip
+        s.synchronize()
+        if nv:
+            kd = kv4.dequantize_nvfp4(bufs["k_vals"].to_host(),
+                                      bufs["k_scales"].to_host().view(E4M3), g[:n_kv])  # fmt: skip
+            vd = kv4.dequantize_nvfp4(bufs["v_vals"].to_host(),
+                                      bufs["v_scales"].to_host().view(E4M3), g[n_kv:])  # fmt: skip
+        else:
+            kd = kv4.dequantize_q4(bufs["k_vals"].to_host(), bufs["k_scales"].to_host())
+            vd = kv4.dequantize_q4(bufs["v_vals"].to_host(), bufs["v_scales"].to_host())
+        kd = kv4.hadamard(kd)
+        got, lse = _decode(fd.to_device(q), bufs, 1, n_heads, n_kv, d, seq, True, s, fmt=fmt,
+                           kv_scales=fd.to_device(g) if nv else None)  # fmt: skip
+    ref, ref_lse = fd.reference_gqa_decode(q, kd, vd, return_lse=True)
+    assert ref_lse.max() - np.log(seq) > 20  # (the spikes: the softmax is that sharp)
+    assert rel_err(got, ref) < 2e-2
+    np.testing.assert_allclose(lse, ref_lse, rtol=3e-3, atol=3e-2)
+
+
 def test_an_unrotated_q4_cache_decodes_too(rng):
     n_kv, d, seq = 2, 128, 700
     with fd.Stream() as s:
