@@ -150,8 +150,8 @@ def test_a_4bit_decode_whose_scores_climb_and_jump_keeps_its_softmax(rng, fmt, h
         kw, g = {}, None
         if nv:
             kf = kv4.hadamard(k.astype(np.float32))
-            g = np.concatenate([np.abs(a).max(axis=(0, 2)) / np.float32(6 * 448)
-                                for a in (kf, v.astype(np.float32))]).astype(np.float32)  # fmt: skip
+            amax = [np.abs(a).max(axis=(0, 2)) for a in (kf, v.astype(np.float32))]
+            g = (np.concatenate(amax) / np.float32(6 * 448)).astype(np.float32)
             kw["globals_"] = fd.to_device(g)
         quantize_4bit_async(fd.to_device(k.astype(np.float32)), fd.to_device(v.astype(np.float32)),
                             *(bufs[n_] for n_ in ("k_vals", "v_vals", "k_scales", "v_scales")),
