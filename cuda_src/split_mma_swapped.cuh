@@ -652,9 +652,10 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                     xs[u][1] = scb[u](s[u][1] + s2[u][1], ta);
                     xs[u][2] = sca[u](s[u][2] + s2[u][2], tc);
                     xs[u][3] = scb[u](s[u][3] + s2[u][3], tc);
-                    // (NaN compares false: such a step takes the careful path)
-                    need |= !(fmaxf(xs[u][0], xs[u][2]) <= ra[u].m + FX_LAZY_MAX);
-                    need |= !(fmaxf(xs[u][1], xs[u][3]) <= rb[u].m + FX_LAZY_MAX);
+                    // (NaN compares false: a step with one, or with an infinite max or
+                    // score, -inf - -inf included, takes the careful path)
+                    need |= !(fmaxf(xs[u][0], xs[u][2]) - ra[u].m <= FX_LAZY_MAX);
+                    need |= !(fmaxf(xs[u][1], xs[u][3]) - rb[u].m <= FX_LAZY_MAX);
                 }
                 slow = __any_sync(0xffffffffu, need);
                 if (!slow) {
