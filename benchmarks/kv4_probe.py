@@ -34,7 +34,7 @@ from ferrox_driver.apps.bench import kv4_speed as ks
 from ferrox_driver.kernels import catalogue
 from ferrox_driver.kernels.traits import SPLIT_TRAITS
 
-DEFAULTS = dict(SPLIT_TRAITS, FX_Q4_PROBE=0, FX_Q4_LEAN=0, FX_Q4_FMA=0)
+DEFAULTS = dict(SPLIT_TRAITS, FX_Q4_PROBE=0)
 
 
 def set_variant(spec: str) -> None:

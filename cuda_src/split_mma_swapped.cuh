@@ -29,16 +29,6 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
                       // 4 the values' copies only, 5 neither copies nor compute: the fixed costs)
 #define FX_Q4_PROBE 0
 #endif
-#ifndef FX_Q4_LEAN  // (experiment: 1 a 4-bit step of 16 tokens in range, no features, takes
-                     // the lean path: copies unpredicated, the running max moved only when a
-                     // score passes it by 2^FX_LAZY_MAX)
-#define FX_Q4_LEAN 0
-#endif
-#define FX_LAZY_MAX 8.f
-#ifndef FX_Q4_FMA  // (experiment: q4 widened to 1/16 of its values, the high nibbles by one
-                    // fma: (4 + n/16) s - 4.5 s; K's scores and V's output times 16 at the end)
-#define FX_Q4_FMA 0
-#endif
 #define FX_NVFP4 4  // an nvfp4 cache: e2m1 nibbles, an e4m3 scale per 16, a float32 per head
 // (any quantized format, fp8 or 4-bit, is stored as bytes)
 template <class T, int Q8>
@@ -235,26 +225,13 @@ template <int Q8>
 __device__ __forceinline__ FxNibConst fx_nib_const(unsigned zero) {
     if constexpr (Q8 == FX_Q4)
         return FxNibConst{0x000f000fu | zero, 0x00f000f0u | zero, 0x64006400u | zero,
-                          (FX_Q4_FMA ? 0x44004400u : 0x54005400u) | zero};
+                          0x54005400u | zero};
     else
         return FxNibConst{0u, 0u, 0x80008000u | zero, 0u};  // (nvfp4: the sign bits)
 }
-// (FX_Q4_FMA: a scale pair times -4.5, what a high nibble's fma adds, and times 1/16, what
-// a low nibble's difference is multiplied by)
-struct FxQ4Off {
-    unsigned off = 0u, lo = 0u;
-};
-__device__ __forceinline__ FxQ4Off fx_q4_off(unsigned s2) {
-    FxQ4Off o;
-    if (FX_Q4_FMA) {
-        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o.off) : "r"(s2), "r"(0xc480c480u));
-        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o.lo) : "r"(s2), "r"(0x2c002c00u));
-    }
-    return o;
-}
 template <int Q8>
 __device__ __forceinline__ void fx_widen4(unsigned w, unsigned s2, unsigned (&r)[4],
-                                          const FxNibConst& k, FxQ4Off off = FxQ4Off{}) {
+                                          const FxNibConst& k) {
     if constexpr (FX_Q4_PROBE == 3) {
         const unsigned u = w >> 8;  // (values in [0, 1): no infinities)
         r[0] = w & 0x3bff3bffu;
@@ -270,13 +247,9 @@ __device__ __forceinline__ void fx_widen4(unsigned w, unsigned s2, unsigned (&r)
         if constexpr (Q8 == FX_Q4) {
             const unsigned h = i & 1 ? (t & k.c1) | k.c3   // 64 + n
                                      : (t & k.c0) | k.c2;  // 1024 + n
-            if (FX_Q4_FMA && (i & 1))  // (4 + n/16) s - 4.5 s: (n - 8) s / 16
-                asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r[i]) : "r"(h), "r"(s2), "r"(off.off));
-            else
-                asm("{.reg .b32 t;\n sub.f16x2 t, %1, %2;\n mul.rn.f16x2 %0, t, %3;}"
-                    : "=r"(r[i])
-                    : "r"(h), "r"(i & 1 ? 0x54805480u : 0x64086408u),
-                      "r"(FX_Q4_FMA ? off.lo : s2));
+            asm("{.reg .b32 t;\n sub.f16x2 t, %1, %2;\n mul.rn.f16x2 %0, t, %3;}"
+                : "=r"(r[i])
+                : "r"(h), "r"(i & 1 ? 0x54805480u : 0x64086408u), "r"(s2));
         } else {
             // e2m1 (sign, e1 e0 m) as fp16's sign and bits 9-11
             const unsigned a = i < 3 ? w << (9 - 4 * i) : w >> 3;
@@ -323,8 +296,6 @@ struct FxRing4 {
     const unsigned char* kp[NU];
     const unsigned char* sp;
     long long dv;
-    long long adv, sadv;  // (lean: a step of the block's warps, values and scales)
-    unsigned dst[FX_Q4_LEAN ? 2 * NU + 1 : 1];  // (lean: this lane's shared addresses at step 0)
     __device__ __forceinline__ int t0(int j) const {
         return start + warp * 16 + j * (WARPS * 16);
     }
@@ -339,31 +310,10 @@ struct FxRing4 {
         }
         dv = vg - kg;
         sp = (lane < 16 ? ksg : vsg) + (long long)(start + warp * 16 + (lane & 15)) * srow;
-        if constexpr (FX_Q4_LEAN) {
-            adv = WARPS * 16 * row;
-            sadv = WARPS * 16 * srow;
-            const unsigned r0 = (unsigned)__cvta_generic_to_shared(ring);
-#pragma unroll
-            for (int n = 0; n < NU; ++n) {
-                const int i = n * 32 + lane, r = i / KCH, c = i % KCH;
-                dst[2 * n] = r0 + fx_k4_at<D>(r, c);
-                dst[2 * n + 1] = r0 + 16 * RB + fx_v4_at<D>(r, c);
-            }
-            dst[2 * NU] = r0 + 32 * RB + (lane >> 4) * 16 * SCB + (lane & 15) * SCB;
-        }
     }
     __device__ __forceinline__ void issue(int j) {
         const int t = t0(j);
-        const bool probe_copies = FX_Q4_PROBE != 5 && (FX_Q4_PROBE != 2 || j < S - 1);
-        if (FX_Q4_LEAN && FX_Q4_PROBE != 4 && probe_copies && t + 16 <= end) {  // all rows in range
-            const unsigned st = (j % S) * STEP_B;
-#pragma unroll
-            for (int n = 0; n < NU; ++n) {
-                fx_cp_async16_at(st + dst[2 * n], kp[n]);
-                fx_cp_async16_at(st + dst[2 * n + 1], kp[n] + dv);
-            }
-            fx_cp_async_small_at<SCB>(st + dst[2 * NU], sp);
-        } else if (t < end && probe_copies) {
+        if (t < end && FX_Q4_PROBE != 5 && (FX_Q4_PROBE != 2 || j < S - 1)) {
             unsigned char* st = ring + (j % S) * STEP_B;
 #pragma unroll
             for (int n = 0; n < NU; ++n) {
@@ -380,8 +330,8 @@ struct FxRing4 {
         }
         fx_cp_async_commit();
 #pragma unroll
-        for (int n = 0; n < NU; ++n) kp[n] += FX_Q4_LEAN ? adv : WARPS * 16 * row;
-        sp += FX_Q4_LEAN ? sadv : WARPS * 16 * srow;
+        for (int n = 0; n < NU; ++n) kp[n] += WARPS * 16 * row;
+        sp += WARPS * 16 * srow;
     }
 };
 template <int D, int S, int WARPS>
@@ -506,7 +456,6 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     // 4-bit: the widening's constants and the chunks (8 elements) a block scale covers
     const FxNibConst nk = fx_nib_const<Q8>((unsigned)splits >> 31);
     constexpr int PER4 = (Q8 == FX_Q4 ? FX_Q4_GROUP : 16) / 8;
-    constexpr bool LEAN = NIB && FX_Q4_LEAN && F == 0;
 
     // TILED = 2, 4 (a verify's rows): NT = TILED tiles of 8 heads, tile u's heads h0 + 8u
     // .., each K and V fragment read once for every tile's mmas
@@ -538,9 +487,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
     // heads 2tig (a) and 2tig + 1 (b); Q8: the K scale and q's folded in
     // (nvfp4: the head's, times 2^14 where fx_widen4 widens to 2^-14 of the value)
     constexpr float NIB_UP = Q8 == FX_NVFP4 ? 16384.f : 1.f;
-    // (q4 FX_Q4_FMA: K and V widened to 1/16 of their values)
-    constexpr float Q4_UP = Q4 && FX_Q4_FMA ? 16.f : 1.f;
-    const float k_scale = Q8 && !Q4 ? kv_scales[blk.g_kv] * NIB_UP : Q4_UP;
+    const float k_scale = Q8 && !Q4 ? kv_scales[blk.g_kv] * NIB_UP : 1.f;
     FxScore<F> sca[NT], scb[NT];
 #pragma unroll
     for (int u = 0; u < NT; ++u) {
@@ -594,19 +541,16 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
             fx_k4_words<D>(ks, g, tig, wa);
             fx_k4_words<D>(ks, g + 8, tig, wc);
             unsigned sk_a = 0, sk_c = 0;  // rows g and g + 8: the block scale of chunk c
-            FxQ4Off ok_a, ok_c;  // (FX_Q4_FMA: fx_q4_off of them)
 #pragma unroll
             for (int kb = 0; kb < NKB; ++kb) {
                 const int c = tig * NKB + kb;
                 if (kb % PER4 == 0) {  // (a scale's chunks: once)
                     sk_a = fx_scale4<Q8>(ksc + g * (D / 16), c);
                     sk_c = fx_scale4<Q8>(ksc + (g + 8) * (D / 16), c);
-                    ok_a = fx_q4_off(sk_a);
-                    ok_c = fx_q4_off(sk_c);
                 }
                 unsigned ka[4], kc[4];
-                fx_widen4<Q8>(wa[kb], sk_a, ka, nk, ok_a);
-                fx_widen4<Q8>(wc[kb], sk_c, kc, nk, ok_c);
+                fx_widen4<Q8>(wa[kb], sk_a, ka, nk);
+                fx_widen4<Q8>(wc[kb], sk_c, kc, nk);
 #pragma unroll
                 for (int u = 0; u < NT; ++u) {
                     const uint4 qv = qf[u].at(kb, tig);
@@ -638,44 +582,8 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         const int ta = t0 + g, tc = ta + 8;
         float alpha_a[NT], alpha_b[NT];
         unsigned pb0[NT], pb1[NT];
-        // lean (every token in range, no features): the running max is left where it is
-        // unless a score passes it by more than 2^FX_LAZY_MAX (p up to 2^8: fp16 holds it),
-        // so most steps take no max across the lanes, no rescale and no vote on it
-        bool slow = true;
-        if constexpr (LEAN) {
-            if (t0 + 16 <= blk.end) {
-                float xs[NT][4];
-                bool need = false;
 #pragma unroll
-                for (int u = 0; u < NT; ++u) {
-                    xs[u][0] = sca[u](s[u][0] + s2[u][0], ta);
-                    xs[u][1] = scb[u](s[u][1] + s2[u][1], ta);
-                    xs[u][2] = sca[u](s[u][2] + s2[u][2], tc);
-                    xs[u][3] = scb[u](s[u][3] + s2[u][3], tc);
-                    // (NaN compares false: a step with one, or with an infinite max or
-                    // score, -inf - -inf included, takes the careful path)
-                    need |= !(fmaxf(xs[u][0], xs[u][2]) - ra[u].m <= FX_LAZY_MAX);
-                    need |= !(fmaxf(xs[u][1], xs[u][3]) - rb[u].m <= FX_LAZY_MAX);
-                }
-                slow = __any_sync(0xffffffffu, need);
-                if (!slow) {
-#pragma unroll
-                    for (int u = 0; u < NT; ++u) {
-                        const float pa0 = fx_exp2(xs[u][0] - ra[u].m);
-                        const float pb0_ = fx_exp2(xs[u][1] - rb[u].m);
-                        const float pa1 = fx_exp2(xs[u][2] - ra[u].m);
-                        const float pb1_ = fx_exp2(xs[u][3] - rb[u].m);
-                        ra[u].l += pa0 + pa1;
-                        rb[u].l += pb0_ + pb1_;
-                        alpha_a[u] = alpha_b[u] = 1.f;
-                        pb0[u] = fx_movmatrix_trans(fx_pack2<T>(pa0, pb0_));
-                        pb1[u] = fx_movmatrix_trans(fx_pack2<T>(pa1, pb1_));
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < NT && slow; ++u) {
+        for (int u = 0; u < NT; ++u) {
             float x[4];
             x[0] = ta < blk.end ? sca[u](s[u][0] + s2[u][0], ta) : -INFINITY;  // head a
             x[1] = ta < blk.end ? scb[u](s[u][1] + s2[u][1], ta) : -INFINITY;  // head b
@@ -699,7 +607,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
             unsigned w4[4][NHB];  // tokens 2tig, 2tig + 1, 2tig + 8, 2tig + 9
 #pragma unroll
             for (int e = 0; e < 4; ++e) fx_v4_words<D>(vs, 2 * tig + (e & 1) + (e >> 1) * 8, g, w4[e]);
-            if (slow) {  // O rescaled only where a row's max moved
+            {  // O rescaled only where a row's max moved
                 bool moved = false;
 #pragma unroll
                 for (int u = 0; u < NT; ++u) moved |= alpha_a[u] != 1.f || alpha_b[u] != 1.f;
@@ -719,7 +627,6 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                 }
             }
             unsigned sv[2] = {0u, 0u};  // token pairs 2tig, + 1 and 2tig + 8, + 9: {s_a, s_b}
-            FxQ4Off ov[2];  // (FX_Q4_FMA: fx_q4_off of them)
 #pragma unroll
             for (int hb = 0; hb < NHB; ++hb) {
                 unsigned r4[4][4];
@@ -732,11 +639,10 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                     if (hb % PER4 == 0)
                         sv[p] = fx_scale4_pair<Q8>(vsc + ta4 * (D / 16), vsc + (ta4 + 1) * (D / 16),
                                                    c4);
-                    if (hb % PER4 == 0) ov[p] = fx_q4_off(sv[p]);
                     fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x5410u), sv[p],
-                                  r4[2 * p], nk, ov[p]);
+                                  r4[2 * p], nk);
                     fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x7632u), sv[p],
-                                  r4[2 * p + 1], nk, ov[p]);
+                                  r4[2 * p + 1], nk);
                 }
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
@@ -786,8 +692,8 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         __syncwarp();
     }
     fx_cp_async_wait<0>();
-    if (Q8 && (!Q4 || Q4_UP != 1.f)) {  // the V scale, once (nvfp4: the head's)
-        const float v_scale = Q4 ? Q4_UP : kv_scales[n_kv_heads + blk.g_kv] * NIB_UP;
+    if (Q8 && !Q4) {  // the V scale, once (nvfp4: the head's)
+        const float v_scale = kv_scales[n_kv_heads + blk.g_kv] * NIB_UP;
 #pragma unroll
         for (int u = 0; u < NT; ++u)
 #pragma unroll

@@ -12,10 +12,6 @@ __device__ __forceinline__ void fx_cp_async16(void* dst, const void* src, bool o
                  "r"(ok ? 16 : 0)
                  : "memory");
 }
-// (a 32-bit shared address, every byte read)
-__device__ __forceinline__ void fx_cp_async16_at(unsigned d, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
 __device__ __forceinline__ void fx_cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -58,11 +54,6 @@ __device__ __forceinline__ void fx_cp_async_small(void* dst, const void* src, bo
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(N),
                  "r"(ok ? N : 0)
-                 : "memory");
-}
-template <int N>
-__device__ __forceinline__ void fx_cp_async_small_at(unsigned d, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(src), "n"(N)
                  : "memory");
 }
 
