@@ -17,18 +17,24 @@ measured on either.
 The runs issue 49 still owes (docs/design.md), in one device command:
 
     python3 benchmarks/kv4_probe.py --shapes 32/8/128 8/1/256   # every probe, on an H200
-    python3 benchmarks/kv4_probe.py --variants base FX_Q4_PROBE=2 \
-        FX_Q4_PROBE=2,FX_WARPS4_D128=16,FX_STAGES4_D128=3 \
-        FX_Q4_PROBE=2,FX_WARPS4_D128=8,FX_STAGES4_D128=6 --shapes 32/8/128 --seqs 131072
+    # the warp counts, each timing in a process of its own (--apart): in one process
+    # (after base) the 16- and 8-warp variants faulted (2026-12-07, H100; cause not yet
+    # found: run compute-sanitizer on one if a fresh process faults too)
+    python3 benchmarks/kv4_probe.py --apart --launches --variants FX_Q4_PROBE=2 \
+        FX_Q4_PROBE=2,FX_WARPS4_D128=16,FX_STAGES4_D128=3 base \
+        FX_WARPS4_D128=16,FX_STAGES4_D128=3 --shapes 32/8/128 --seqs 131072
     python3 benchmarks/kv4_probe.py --floors --launches --variants base FX_Q4_PROBE=1 \
         --shapes 32/8/128 16/4/256 8/1/256
-    ncu -k regex:gqa_split_mma_.*q4 -c 1 --section SchedulerStats --section WarpStateStats \
-        python3 benchmarks/kv4_probe.py --variants FX_Q4_PROBE=2 --shapes 32/8/128 --seqs 131072
+    ncu --clock-control none --print-details all -k regex:gqa_split_mma_.*q4 -c 1 \
+        --section WarpStateStats python3 benchmarks/kv4_probe.py --variants FX_Q4_PROBE=2 \
+        --shapes 32/8/128 --seqs 131072   # the stall reasons behind its 4.69 cycles an instruction
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 from ferrox_driver.apps.bench import kv4_speed as ks
 from ferrox_driver.kernels import catalogue
@@ -60,6 +66,34 @@ def floors(shape: tuple[int, ...], seq: int, fmt: str) -> str:
     return ", ".join(out)
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    n_heads, n_kv, d = (int(x) for x in text.split("/"))
+    return n_heads, n_kv, d
+
+
+_SHOWN: set[str] = set()  # (--apart --launches: the children's launch lines printed)
+
+
+def _apart(variant: str, shape: str, seq: int, fmt: str, floor: bool,
+           launches: bool) -> tuple[float, float]:  # fmt: skip
+    """One timing of ``variant`` in a child process: (us, floor us or nan); nan and the
+    child's last line where it fails (a fault there leaves this process's context alone)."""
+    cmd = [sys.executable, __file__, "--child", variant, shape, str(seq), "--fmt", fmt]
+    cmd += ["--floors"] if floor else []
+    cmd += ["--launches"] if launches else []
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            us, fl = line.split()[1:]
+            return float(us), float(fl)
+        if line.startswith("  ") and line not in _SHOWN:
+            _SHOWN.add(line)
+            print(line, flush=True)  # (--launches)
+    tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+    print(f"  {variant} {shape} {seq}: {tail}", flush=True)
+    return float("nan"), float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="+", default=["32/8/128", "8/1/256"])
@@ -72,7 +106,20 @@ def main() -> None:
     parser.add_argument("--fmt", default="q4")
     parser.add_argument("--floors", action="store_true", help="each floor kernel apart")
     parser.add_argument("--launches", action="store_true", help="print each decode's launches")
+    parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="time each variant in a process of its own (the warp counts)",
+    )
+    parser.add_argument("--child", nargs=3, metavar=("VARIANT", "SHAPE", "SEQ"),
+                        help=argparse.SUPPRESS)  # (--apart's one timing)  # fmt: skip
     args = parser.parse_args()
+    if args.child:  # one variant's one timing: "RESULT us floor" (floor nan unless --floors)
+        variant, shape_s, seq_s = args.child
+        set_variant(variant)
+        us, _, fl = ks.four_bit_us(_shape(shape_s), int(seq_s), 1, args.fmt, floor=args.floors)  # type: ignore[arg-type]
+        print(f"RESULT {us} {fl}", flush=True)
+        return
     if args.launches:
         inner = ks.launches_for
         seen: set[str] = set()
@@ -95,21 +142,25 @@ def main() -> None:
         + " ".join(f"{'v' + str(i):>7}" for i in range(len(args.variants)))
     )
     for shape_s in args.shapes:
-        shape = tuple(int(x) for x in shape_s.split("/"))
+        shape = _shape(shape_s)
         for seq in args.seqs:
             best = [float("inf")] * len(args.variants)
             floor = float("nan")
             for rnd in range(2):
                 for i, v in enumerate(args.variants):
-                    set_variant(v)
-                    us, _, fl = ks.four_bit_us(shape, seq, 1, args.fmt, floor=rnd == 0 and i == 0)  # type: ignore[arg-type]
-                    best[i] = min(best[i], us)
+                    first = rnd == 0 and i == 0
+                    if args.apart:
+                        us, fl = _apart(v, shape_s, seq, args.fmt, first, args.launches)
+                    else:
+                        set_variant(v)
+                        us, _, fl = ks.four_bit_us(shape, seq, 1, args.fmt, floor=first)  # type: ignore[arg-type]
+                    best[i] = min(best[i], us) if us == us else best[i]
                     if fl == fl:
                         floor = fl
-            extra = f"  ({floors(shape, seq, args.fmt)})" if args.floors else ""
+            extra = f"  ({floors(shape, seq, args.fmt)})" if args.floors and not args.apart else ""
             print(
                 f"{shape_s:>9} {seq:>7} {floor:7.2f} "
-                + " ".join(f"{b:7.2f}" for b in best)
+                + " ".join(f"{b:7.2f}" if b < float("inf") else f"{'failed':>7}" for b in best)
                 + extra,
                 flush=True,
             )
