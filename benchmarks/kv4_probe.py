@@ -25,9 +25,11 @@ The runs issue 49 still owes (docs/design.md), in one device command:
         FX_WARPS4_D128=16,FX_STAGES4_D128=3 --shapes 32/8/128 --seqs 131072
     python3 benchmarks/kv4_probe.py --floors --launches --variants base FX_Q4_PROBE=1 \
         --shapes 32/8/128 16/4/256 8/1/256
-    ncu --clock-control none --print-details all -k regex:gqa_split_mma_.*q4 -c 1 \
-        --section WarpStateStats python3 benchmarks/kv4_probe.py --variants FX_Q4_PROBE=2 \
-        --shapes 32/8/128 --seqs 131072   # the stall reasons behind its 4.69 cycles an instruction
+    # the stall reasons behind the compute alone's 4.69 cycles an instruction
+    ncu --clock-control none -k regex:gqa_split_mma_.*q4 -c 1 \
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+        python3 benchmarks/kv4_probe.py --variants FX_Q4_PROBE=2 --shapes 32/8/128 \
+        --seqs 131072
 """
 
 from __future__ import annotations
