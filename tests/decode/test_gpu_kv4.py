@@ -26,13 +26,17 @@ pytestmark = pytest.mark.gpu
 E4M3 = np.dtype("float8_e4m3fn")
 
 
-def _q4_cache(rng, n, n_kv, d, rows_dtype, rotate_k, stream, fmt="q4"):
+def _q4_cache(rng, n, n_kv, d, rows_dtype, rotate_k, stream, fmt="q4", rows=None):
     """Rows quantized on the device: (rows, device buffers) of a 4-bit cache of ``n``
-    tokens (nvfp4: its scales per KV head in ``"globals"``, host and device)."""
+    tokens (nvfp4: its scales per KV head in ``"globals"``, host and device); ``rows``: K
+    and V to take in place of random ones with outlier channels."""
     dt = DTYPES[rows_dtype]
-    k = (rng.standard_normal((n, n_kv, d)) * rng.uniform(0.1, 4)).astype(dt)
-    v = rng.standard_normal((n, n_kv, d)).astype(dt)
-    k[:, :, rng.choice(d, 3, replace=False)] *= 20  # outlier channels
+    if rows is None:
+        k = (rng.standard_normal((n, n_kv, d)) * rng.uniform(0.1, 4)).astype(dt)
+        v = rng.standard_normal((n, n_kv, d)).astype(dt)
+        k[:, :, rng.choice(d, 3, replace=False)] *= 20  # outlier channels
+    else:
+        k, v = (r.astype(dt) for r in rows)
     nv = fmt == "nvfp4"
     vals, scales = (n, n_kv, d // 2), (n, n_kv, d // (16 if nv else 32))
     sdt = np.uint8 if nv else np.float16
@@ -143,20 +147,8 @@ def test_a_4bit_decode_whose_scores_climb_and_jump_keeps_its_softmax(rng, fmt, h
     v = rng.standard_normal((seq, n_kv, d))
     nv = fmt == "nvfp4"
     with fd.Stream() as s:
-        vals, scs = (seq, n_kv, d // 2), (seq, n_kv, d // (16 if nv else 32))
-        bufs = {"k_vals": fd.zeros(vals, np.uint8), "v_vals": fd.zeros(vals, np.uint8),
-                "k_scales": fd.zeros(scs, np.uint8 if nv else np.float16),
-                "v_scales": fd.zeros(scs, np.uint8 if nv else np.float16)}  # fmt: skip
-        kw, g = {}, None
-        if nv:
-            kf = kv4.hadamard(k.astype(np.float32))
-            amax = [np.abs(a).max(axis=(0, 2)) for a in (kf, v.astype(np.float32))]
-            g = (np.concatenate(amax) / np.float32(6 * 448)).astype(np.float32)
-            kw["globals_"] = fd.to_device(g)
-        quantize_4bit_async(fd.to_device(k.astype(np.float32)), fd.to_device(v.astype(np.float32)),
-                            *(bufs[n_] for n_ in ("k_vals", "v_vals", "k_scales", "v_scales")),
-                            first=0, stream=s, rotate_k=True, **kw)  # fmt: skip
-        s.synchronize()
+        _, _, bufs = _q4_cache(rng, seq, n_kv, d, "f32", True, s, fmt, rows=(k, v))
+        g = bufs.get("globals")
         if nv:
             kd = kv4.dequantize_nvfp4(bufs["k_vals"].to_host(),
                                       bufs["k_scales"].to_host().view(E4M3), g[:n_kv])  # fmt: skip
