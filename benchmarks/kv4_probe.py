@@ -1,9 +1,10 @@
 r"""Where a 4-bit decode's time goes: the swapped q4 kernel as built against the same kernel
 with parts of its loop taken out (FX_Q4_PROBE in split_mma_swapped.cuh: 1 copies only, 2
 compute only on the ring's first bytes, 3 one mask a pair in place of the widening, 4 the
-values' copies only, 5 neither copies nor compute: what is left is the fixed cost) or other
-traits, and the read floor, in one process, graph-replayed, each variant timed twice,
-alternating (docs/design.md, issue 49).
+values' copies only, 5 neither copies nor compute: what is left is the fixed cost;
+FX_Q4_PAIR=1, the loop over two ring steps a pass, may join them) or other traits, and the
+read floor, in one process, graph-replayed, each variant timed twice, alternating
+(docs/design.md, issue 49).
 
     PYTHONPATH=. python benchmarks/kv4_probe.py [--shapes 32/8/128 8/1/256] [--seqs 131072]
         [--variants base FX_Q4_PROBE=2 FX_Q4_PROBE=2,FX_WARPS4_D128=16,FX_STAGES4_D128=3 ...]
@@ -23,6 +24,10 @@ The runs issue 49 still owes (docs/design.md), in one device command:
     python3 benchmarks/kv4_probe.py --apart --launches --variants FX_Q4_PROBE=2 \
         FX_Q4_PROBE=2,FX_WARPS4_D128=16,FX_STAGES4_D128=3 base \
         FX_WARPS4_D128=16,FX_STAGES4_D128=3 --shapes 32/8/128 --seqs 131072
+    # two ring steps a pass (built 2026-12-07, not yet run on a GPU: before any timing,
+    # test_gpu_kv4.py with the header's FX_Q4_PAIR default set to 1)
+    python3 benchmarks/kv4_probe.py --apart --variants FX_Q4_PROBE=2 FX_Q4_PROBE=2,FX_Q4_PAIR=1 \
+        base FX_Q4_PAIR=1 FX_Q4_PAIR=1,FX_STAGES4_D128=6 --shapes 32/8/128 8/1/256
     python3 benchmarks/kv4_probe.py --floors --launches --variants base FX_Q4_PROBE=1 \
         --shapes 32/8/128 16/4/256 8/1/256
     # the stall reasons behind the compute alone's 4.69 cycles an instruction
@@ -42,7 +47,7 @@ from ferrox_driver.apps.bench import kv4_speed as ks
 from ferrox_driver.kernels import catalogue
 from ferrox_driver.kernels.traits import SPLIT_TRAITS
 
-DEFAULTS = dict(SPLIT_TRAITS, FX_Q4_PROBE=0)
+DEFAULTS = dict(SPLIT_TRAITS, FX_Q4_PROBE=0, FX_Q4_PAIR=0)
 
 
 def set_variant(spec: str) -> None:
