@@ -15,26 +15,10 @@ decode's kernels, grids and blocks. Compute alone (FX_Q4_PROBE=2) takes the same
 H100 and an H200 (the same multiprocessors and clocks), so it is the H200's compute bound
 measured on either.
 
-The runs issue 49 still owes (docs/design.md), in one device command:
-
-    python3 benchmarks/kv4_probe.py --shapes 32/8/128 8/1/256   # every probe, on an H200
-    # the warp counts, each timing in a process of its own (--apart): in one process
-    # (after base) the 16- and 8-warp variants faulted (2026-12-07, H100; cause not yet
-    # found: run compute-sanitizer on one if a fresh process faults too)
-    python3 benchmarks/kv4_probe.py --apart --launches --variants FX_Q4_PROBE=2 \
-        FX_Q4_PROBE=2,FX_WARPS4_D128=16,FX_STAGES4_D128=3 base \
-        FX_WARPS4_D128=16,FX_STAGES4_D128=3 --shapes 32/8/128 --seqs 131072
-    # two ring steps a pass (built 2026-12-07, not yet run on a GPU: before any timing,
-    # test_gpu_kv4.py with the header's FX_Q4_PAIR default set to 1)
-    python3 benchmarks/kv4_probe.py --apart --variants FX_Q4_PROBE=2 FX_Q4_PROBE=2,FX_Q4_PAIR=1 \
-        base FX_Q4_PAIR=1 FX_Q4_PAIR=1,FX_STAGES4_D128=6 --shapes 32/8/128 8/1/256
-    python3 benchmarks/kv4_probe.py --floors --launches --variants base FX_Q4_PROBE=1 \
-        --shapes 32/8/128 16/4/256 8/1/256
-    # the stall reasons behind the compute alone's 4.69 cycles an instruction
-    ncu --clock-control none -k regex:gqa_split_mma_.*q4 -c 1 \
-        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
-        python3 benchmarks/kv4_probe.py --variants FX_Q4_PROBE=2 --shapes 32/8/128 \
-        --seqs 131072
+The runs issue 49 still owes (docs/design.md) are benchmarks/kv4_owed.sh, one device
+command. --apart times each variant in a process of its own: in one process (after base)
+the 16- and 8-warp variants faulted (2026-12-07, H100; cause not yet found: run
+compute-sanitizer on one if a fresh process faults too).
 """
 
 from __future__ import annotations
