@@ -2,9 +2,9 @@ r"""Where a 4-bit decode's time goes: the swapped q4 kernel as built against the
 with parts of its loop taken out (FX_Q4_PROBE in split_mma_swapped.cuh: 1 copies only, 2
 compute only on the ring's first bytes, 3 one mask a pair in place of the widening, 4 the
 values' copies only, 5 neither copies nor compute: what is left is the fixed cost;
-FX_Q4_PAIR=1, the loop over two ring steps a pass, may join them) or other traits, and the
-read floor, in one process, graph-replayed, each variant timed twice, alternating
-(docs/design.md, issue 49).
+FX_Q4_PAIR=1, the loop over two ring steps a pass, once kv4_pair.patch is applied, may join
+them) or other traits, and the read floor, in one process, graph-replayed, each variant timed
+twice, alternating (docs/design.md, issue 49).
 
     PYTHONPATH=. python benchmarks/kv4_probe.py [--shapes 32/8/128 8/1/256] [--seqs 131072]
         [--variants base FX_Q4_PROBE=2 FX_Q4_PROBE=2,FX_WARPS4_D128=16,FX_STAGES4_D128=3 ...]
@@ -105,12 +105,6 @@ def main() -> None:
     parser.add_argument("--child", nargs=3, metavar=("VARIANT", "SHAPE", "SEQ"),
                         help=argparse.SUPPRESS)  # (--apart's one timing)  # fmt: skip
     args = parser.parse_args()
-    if args.child:  # one variant's one timing: "RESULT us floor" (floor nan unless --floors)
-        variant, shape_s, seq_s = args.child
-        set_variant(variant)
-        us, _, fl = ks.four_bit_us(_shape(shape_s), int(seq_s), 1, args.fmt, floor=args.floors)  # type: ignore[arg-type]
-        print(f"RESULT {us} {fl}", flush=True)
-        return
     if args.launches:
         inner = ks.launches_for
         seen: set[str] = set()
@@ -126,6 +120,12 @@ def main() -> None:
             return got
 
         ks.launches_for = shown  # type: ignore[assignment]
+    if args.child:  # one variant's one timing: "RESULT us floor" (floor nan unless --floors)
+        variant, shape_s, seq_s = args.child
+        set_variant(variant)
+        us, _, fl = ks.four_bit_us(_shape(shape_s), int(seq_s), 1, args.fmt, floor=args.floors)  # type: ignore[arg-type]
+        print(f"RESULT {us} {fl}", flush=True)
+        return
     for i, v in enumerate(args.variants):
         print(f"v{i}: {v}")
     print(

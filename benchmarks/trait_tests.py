@@ -1,9 +1,10 @@
 """A pytest plugin that runs the tests on kernels built with other traits: FERROX_TEST_TRAITS
 (NAME=VALUE,...) changes SPLIT_TRAITS, and the 4-bit plans' warps and steps read from them,
-before any kernel is built. Names may be SPLIT_TRAITS' or a kernel file's experiment defaults
-(FX_Q4_PAIR, FX_Q4_PROBE: its #ifndef lines), so an experiment is tested as the library
-would ship it, with no file edited:
+before any kernel is built. Names may be SPLIT_TRAITS' or the experiments' of
+kv4_probe.DEFAULTS (a kernel file's #ifndef defaults), so an experiment is tested as the
+library would ship it, with no file edited:
 
+    git apply benchmarks/kv4_pair.patch   # (FX_Q4_PAIR: not in the library; -R after)
     FERROX_TEST_TRAITS=FX_Q4_PAIR=1 PYTHONPATH=.:benchmarks FERROX_REQUIRE_GPU=1 \\
         python3 -m pytest -q -m gpu -p trait_tests tests/decode/test_gpu_kv4.py
 
@@ -16,21 +17,13 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from ferrox_driver.apps.bench import kv4_speed
-from ferrox_driver.kernels.traits import SPLIT_TRAITS
-
-EXPERIMENTS = ("FX_Q4_PAIR", "FX_Q4_PROBE")  # defaults in the kernel files, 0 there
+from kv4_probe import set_variant
 
 
 def pytest_configure(config: pytest.Config) -> None:
     spec = os.environ.get("FERROX_TEST_TRAITS", "")
-    pairs = [pair for pair in spec.split(",") if pair]
-    if not pairs:
-        return
-    for name in EXPERIMENTS:
-        SPLIT_TRAITS.setdefault(name, 0)
-    kv4_speed.set_traits(pairs)
+    if spec:  # (none: the library's header as it is)
+        set_variant(spec)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

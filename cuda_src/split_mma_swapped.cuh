@@ -29,10 +29,6 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
                       // 4 the values' copies only, 5 neither copies nor compute: the fixed costs)
 #define FX_Q4_PROBE 0
 #endif
-#ifndef FX_Q4_PAIR  // (experiment: a 4-bit loop over two ring steps at a time, one softmax
-                    // for both, so that each warp has twice the independent work in flight)
-#define FX_Q4_PAIR 0
-#endif
 #define FX_NVFP4 4  // an nvfp4 cache: e2m1 nibbles, an e4m3 scale per 16, a float32 per head
 // (any quantized format, fp8 or 4-bit, is stored as bytes)
 template <class T, int Q8>
@@ -317,7 +313,7 @@ struct FxRing4 {
     }
     __device__ __forceinline__ void issue(int j) {
         const int t = t0(j);
-        if (t < end && FX_Q4_PROBE != 5 && (FX_Q4_PROBE != 2 || j < S - 1 - FX_Q4_PAIR)) {
+        if (t < end && FX_Q4_PROBE != 5 && (FX_Q4_PROBE != 2 || j < S - 1)) {
             unsigned char* st = ring + (j % S) * STEP_B;
 #pragma unroll
             for (int n = 0; n < NU; ++n) {
@@ -361,7 +357,7 @@ __device__ __forceinline__ FxRing4<D, S, WARPS> fx_ring4(unsigned char* smem,
     r.lane = lane;
     r.init();
 #pragma unroll
-    for (int j = 0; j < S - 1 - FX_Q4_PAIR; ++j) r.issue(j);  // (FX_Q4_PAIR: two a pass)
+    for (int j = 0; j < S - 1; ++j) r.issue(j);
     return r;
 }
 // q for a 4-bit cache's fp16 mmas: as fx_load_q8 (each head's power of two), rotated first
@@ -515,138 +511,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                 oacc[u][hb][i][0] = oacc[u][hb][i][1] = oacc[u][hb][i][2] = oacc[u][hb][i][3] = 0.f;
     FxRunning ra[NT], rb[NT];  // heads 2tig (a) and 2tig + 1 (b): their online softmax
 
-    // (experiment, not yet run on a GPU: steps j and j + 1 in one pass, their K parts, one
-    // softmax for both, their V parts; its K and V parts repeat the loop's below, which
-    // would take them from here if it pays: docs/design.md)
-    if constexpr (NIB && FX_Q4_PAIR) {
-        static_assert(S >= 3, "two steps computed while two more are copied");
-        // S^T of one step (rows g, g + 8), as the loop below computes it
-        auto k_part = [&](const unsigned char* ks, float (&s)[NT][4], float (&s2)[NT][4]) {
-            constexpr int NKB = D / 32;
-            const unsigned char* ksc = ks + 32 * (D / 2);
-            unsigned wa[NKB], wc[NKB];
-            fx_k4_words<D>(ks, g, tig, wa);
-            fx_k4_words<D>(ks, g + 8, tig, wc);
-#pragma unroll
-            for (int u = 0; u < NT; ++u)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[u][e] = s2[u][e] = 0.f;
-            unsigned sk_a = 0, sk_c = 0;
-#pragma unroll
-            for (int kb = 0; kb < NKB; ++kb) {
-                const int c = tig * NKB + kb;
-                if (kb % PER4 == 0) {
-                    sk_a = fx_scale4<Q8>(ksc + g * (D / 16), c);
-                    sk_c = fx_scale4<Q8>(ksc + (g + 8) * (D / 16), c);
-                }
-                unsigned ka[4], kc[4];
-                fx_widen4<Q8>(wa[kb], sk_a, ka, nk);
-                fx_widen4<Q8>(wc[kb], sk_c, kc, nk);
-#pragma unroll
-                for (int u = 0; u < NT; ++u) {
-                    const uint4 qv = qf[u].at(kb, tig);
-                    FxMma<T>::run(s[u][0], s[u][1], s[u][2], s[u][3], ka[0], kc[0], ka[1], kc[1],
-                                  qv.x, qv.y);
-                    FxMma<T>::run(s2[u][0], s2[u][1], s2[u][2], s2[u][3], ka[2], kc[2], ka[3],
-                                  kc[3], qv.z, qv.w);
-                }
-            }
-        };
-        // O^T += V^T P^T of one step, as the loop below does it
-        auto v_part = [&](const unsigned char* ks, const unsigned (&p0)[NT],
-                          const unsigned (&p1)[NT]) {
-            constexpr int NHB = D / 64;
-            const unsigned char* vs = ks + 16 * (D / 2);
-            const unsigned char* vsc = ks + 32 * (D / 2) + 16 * (D / 16);
-            unsigned w4[4][NHB];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fx_v4_words<D>(vs, 2 * tig + (e & 1) + (e >> 1) * 8, g, w4[e]);
-            unsigned sv[2] = {0u, 0u};
-#pragma unroll
-            for (int hb = 0; hb < NHB; ++hb) {
-                unsigned r4[4][4];
-#pragma unroll
-                for (int p = 0; p < 2; ++p) {
-                    const int ta4 = 2 * tig + 8 * p, c4 = g * NHB + hb;
-                    if (hb % PER4 == 0)
-                        sv[p] = fx_scale4_pair<Q8>(vsc + ta4 * (D / 16), vsc + (ta4 + 1) * (D / 16),
-                                                   c4);
-                    fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x5410u), sv[p],
-                                  r4[2 * p], nk);
-                    fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x7632u), sv[p],
-                                  r4[2 * p + 1], nk);
-                }
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-#pragma unroll
-                    for (int u = 0; u < NT; ++u) {
-                        float* o = oacc[u][hb][i];
-                        FxMma<T>::run(o[0], o[1], o[2], o[3], r4[0][i], r4[1][i], r4[2][i],
-                                      r4[3][i], p0[u], p1[u]);
-                    }
-            }
-        };
-        for (int j = 0; wr.t0(j) < blk.end; j += 2) {
-            wr.issue(j + S - 2);
-            wr.issue(j + S - 1);
-            fx_cp_async_wait<S - 2>();
-            __syncwarp();
-            if constexpr (FX_Q4_PROBE == 1 || FX_Q4_PROBE == 4 || FX_Q4_PROBE == 5) continue;
-            // (a lone last step: j + 1's stage holds no copies; its scores are masked and
-            // its V part skipped)
-            const bool two = wr.t0(j + 1) < blk.end;
-            const unsigned char* k0 = wr.stage(j);
-            const unsigned char* k1 = wr.stage(j + 1);
-            float s[2][NT][4], s2[2][NT][4];
-            k_part(k0, s[0], s2[0]);
-            k_part(k1, s[1], s2[1]);
-            float alpha_a[NT], alpha_b[NT];
-            unsigned pb0[2][NT], pb1[2][NT];
-#pragma unroll
-            for (int u = 0; u < NT; ++u) {
-                float xa[4], xb[4];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int ta = wr.t0(j + h) + g, tc = ta + 8;
-                    xa[2 * h] = ta < blk.end ? sca[u](s[h][u][0] + s2[h][u][0], ta) : -INFINITY;
-                    xb[2 * h] = ta < blk.end ? scb[u](s[h][u][1] + s2[h][u][1], ta) : -INFINITY;
-                    xa[2 * h + 1] = tc < blk.end ? sca[u](s[h][u][2] + s2[h][u][2], tc) : -INFINITY;
-                    xb[2 * h + 1] = tc < blk.end ? scb[u](s[h][u][3] + s2[h][u][3], tc) : -INFINITY;
-                }
-                float pa[4], pb[4];
-                const float ma = fmaxf(fmaxf(xa[0], xa[1]), fmaxf(xa[2], xa[3]));
-                const float mb = fmaxf(fmaxf(xb[0], xb[1]), fmaxf(xb[2], xb[3]));
-                alpha_a[u] = ra[u].step(fx_lanes_max<4, 32>(ma), xa, pa);
-                alpha_b[u] = rb[u].step(fx_lanes_max<4, 32>(mb), xb, pb);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    pb0[h][u] = fx_movmatrix_trans(fx_pack2<T>(pa[2 * h], pb[2 * h]));
-                    pb1[h][u] = fx_movmatrix_trans(fx_pack2<T>(pa[2 * h + 1], pb[2 * h + 1]));
-                }
-            }
-            bool moved = false;
-#pragma unroll
-            for (int u = 0; u < NT; ++u) moved |= alpha_a[u] != 1.f || alpha_b[u] != 1.f;
-            if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-                for (int u = 0; u < NT; ++u)
-#pragma unroll
-                    for (int hb = 0; hb < D / 64; ++hb)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            float* o = oacc[u][hb][i];
-                            o[0] *= alpha_a[u];
-                            o[1] *= alpha_b[u];
-                            o[2] *= alpha_a[u];
-                            o[3] *= alpha_b[u];
-                        }
-            }
-            v_part(k0, pb0[0], pb1[0]);
-            if (two) v_part(k1, pb0[1], pb1[1]);
-            __syncwarp();
-        }
-    }
-    for (int j = 0; wr.t0(j) < blk.end && !(NIB && FX_Q4_PAIR); ++j) {
+    for (int j = 0; wr.t0(j) < blk.end; ++j) {
         wr.issue(j + S - 1);
         fx_cp_async_wait<S - 1>();
         __syncwarp();
