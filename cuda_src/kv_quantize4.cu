@@ -79,7 +79,8 @@ __device__ __forceinline__ void fx_quantize_nvfp4_lanes(const float (&x)[E], int
 }
 
 // Rows [first, first + n_rows) of a q4 cache (values [token][n_kv][D / 2], scales [token]
-// [n_kv][D / G]) from rows k_src, v_src of type QT ([n_rows][n_kv][D]), K rotated where
+// [n_kv][D / G]; head_rows > 0, head-major: [n_kv][head_rows][...], the split kernels'
+// FX_F_HND) from rows k_src, v_src of type QT ([n_rows][n_kv][D]), K rotated where
 // ROT_K; first as fx_quantize_rows's (kv_quantize.cu): -1, one row at the device's length
 // state[0], then bumped (ONE block); -2, n_rows rows at the device's length, not bumped
 // (rows past `capacity`: nothing written, the overflow flag state[1] set). A warp per
@@ -91,7 +92,7 @@ __device__ __forceinline__ void fx_quantize_q4_rows(
     const QT* __restrict__ k_src, const QT* __restrict__ v_src, unsigned char* __restrict__ k_vals,
     unsigned char* __restrict__ v_vals, void* __restrict__ k_scales, void* __restrict__ v_scales,
     int n_kv, int n_rows, int first, int* __restrict__ state, int capacity, float inv_sqrt_b,
-    const float* __restrict__ globals = nullptr) {
+    const float* __restrict__ globals, long long head_rows) {
     constexpr int E = D / 32;
     static_assert(D % 32 == 0 && (E & (E - 1)) == 0, "head_dim 32 x a power of two");
     const bool bump = first == -1;
@@ -100,7 +101,9 @@ __device__ __forceinline__ void fx_quantize_q4_rows(
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     for (long long w = (long long)blockIdx.x * warps + (threadIdx.x >> 5);
          w < (long long)n_rows * n_kv; w += (long long)gridDim.x * warps) {
-        const long long at = (long long)row0 * n_kv + w;  // the cache's (token, KV head) row
+        // the cache's (token, KV head) row
+        const long long at = head_rows ? (w % n_kv) * head_rows + row0 + w / n_kv
+                                       : (long long)row0 * n_kv + w;
 #pragma unroll
         for (int kv = 0; kv < 2; ++kv) {
             const QT* src = (kv ? v_src : k_src) + w * D + lane * E;
@@ -132,10 +135,11 @@ __device__ __forceinline__ void fx_quantize_q4_rows(
     extern "C" __global__ void NAME(const QT* k_src, const QT* v_src, unsigned char* k_vals,  \
                                     unsigned char* v_vals, fx_half* k_scales,               \
                                     fx_half* v_scales, int n_kv, int n_rows, int first,     \
-                                    int* state, int capacity, float inv_sqrt_b) {           \
+                                    int* state, int capacity, float inv_sqrt_b,             \
+                                    long long head_rows) {                                  \
         fx_quantize_q4_rows<QT, D, G, ROT_K>(k_src, v_src, k_vals, v_vals, k_scales,         \
                                              v_scales, n_kv, n_rows, first, state,          \
-                                             capacity, inv_sqrt_b);                         \
+                                             capacity, inv_sqrt_b, nullptr, head_rows);     \
     }
 
 // kv_quantize_nvfp4_<f32|f16|bf16>_d<D>[_rk]: globals, the KV heads' K then V scales
@@ -144,10 +148,10 @@ __device__ __forceinline__ void fx_quantize_q4_rows(
                                     unsigned char* v_vals, unsigned char* k_scales,         \
                                     unsigned char* v_scales, int n_kv, int n_rows,          \
                                     int first, int* state, int capacity, float inv_sqrt_b,  \
-                                    const float* globals) {                                 \
+                                    const float* globals, long long head_rows) {            \
         fx_quantize_q4_rows<QT, D, 0, ROT_K>(k_src, v_src, k_vals, v_vals, k_scales,         \
                                              v_scales, n_kv, n_rows, first, state,          \
-                                             capacity, inv_sqrt_b, globals);                \
+                                             capacity, inv_sqrt_b, globals, head_rows);     \
     }
 
 // K and V in formats of their own (e.g. e4m3 K and q4 V, as llama.cpp's q8_0 K and q4_0 V):
@@ -224,16 +228,17 @@ __device__ __forceinline__ void fx_quantize_mixed_rows(
 // kv_append4_<q4|nvfp4>_<f32|f16|bf16>_d<D>[_rk]_n<N> (KVCache.append of a 4-bit cache):
 // one token's K and V rows, N values each ([n_kv][D]), passed by value as one argument (as
 // kv_quantize.cu's FX_APPEND_ENTRY: no host-to-device copy, no staging), quantized into
-// row `at` as above (G 0: nvfp4, `globals` its scales); then state[0] = at + 1. Launch ONE
-// block of 32 x min(n_kv, 16) threads.
+// row `at` as above (G 0: nvfp4, `globals` its scales; head_rows as above); then state[0] =
+// at + 1. Launch ONE block of 32 x min(n_kv, 16) threads.
 #define FX_APPEND4_ENTRY(NAME, QT, D, G, ROT_K, N)                                          \
     extern "C" __global__ void NAME(const __grid_constant__ FxRowPair<QT, N> rows,           \
                                     unsigned char* k_vals, unsigned char* v_vals,             \
                                     void* k_scales, void* v_scales, int n_kv, int at,         \
-                                    int* state, float inv_sqrt_b, const float* globals) {     \
+                                    int* state, float inv_sqrt_b, const float* globals,       \
+                                    long long head_rows) {                                    \
         fx_quantize_q4_rows<QT, D, G, ROT_K>(rows.k, rows.v, k_vals, v_vals, k_scales,        \
                                              v_scales, n_kv, 1, at, state, at + 1,           \
-                                             inv_sqrt_b, globals);                           \
+                                             inv_sqrt_b, globals, head_rows);                \
         __syncthreads();                                                                    \
         if (threadIdx.x == 0) state[0] = at + 1;                                            \
     }

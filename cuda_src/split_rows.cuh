@@ -26,7 +26,7 @@
 // read as they read a 16-bit cache's; q is converted to fp16, each row scaled by a power of
 // two where it would pass fp16's range (as fx_load_q8 does), the K scale and that power
 // folded into the row's score scale, the V scale applied to the partial once. A q4 cache
-// (FX_Q4, kv_quantize4.cu; token-major only): the stages hold each token's nibbles and
+// (FX_Q4, kv_quantize4.cu; token- or head-major): the stages hold each token's nibbles and
 // float16 group scales, widened as ((nibble - 8) * scale) in fp16. An nvfp4 cache
 // (FX_NVFP4): e2m1 nibbles and an e4m3 scale per 16, widened exactly (their product has at
 // most 6 significant bits), the KV head's float32 scales folded as an fp8 cache's. With R, K was rotated
@@ -173,14 +173,19 @@ __device__ __forceinline__ void gqa_verify_rows(
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
-    const bool hnd = (F & FX_F_HND) != 0;  // (q4: token-major only)
+    // (F_HND: head-major rows, head_stride apart; a 4-bit cache's block scales too, as
+    // many rows apart; K and V in formats of their own: token-major only)
+    const bool hnd = (F & FX_F_HND) != 0;
+    static_assert(!MIX || !(F & FX_F_HND), "K and V in formats of their own: token-major");
     constexpr int RE = NIB ? D / 2 : D;    // a cache row's elements (K's)
     constexpr int VRE = VNIB ? D / 2 : D;  // (V's)
     const long long row = hnd ? (long long)RE : (long long)n_kv_heads * RE;
     const KT* kg = hnd ? k + g_kv * feat.head_stride : k + (long long)g_kv * RE;
     const KT* vg = hnd ? v + g_kv * feat.head_stride : v + (long long)g_kv * VRE;
-    const unsigned char* ksg = NIB ? k_sc + (long long)g_kv * SCB : nullptr;  // (bytes)
-    const unsigned char* vsg = VNIB ? v_sc + (long long)g_kv * VSCB : nullptr;
+    const long long srow = hnd ? (long long)SCB : (long long)n_kv_heads * SCB;  // (scale rows)
+    const long long sc_at = hnd ? g_kv * (feat.head_stride / RE) * SCB : (long long)g_kv * SCB;
+    const unsigned char* ksg = NIB ? k_sc + sc_at : nullptr;  // (bytes)
+    const unsigned char* vsg = VNIB ? v_sc + (MIX ? (long long)g_kv * VSCB : sc_at) : nullptr;
 
     // ---- stage j: tokens start + j TOK .. of K and V (rows past `end`: zeros)
     const int steps = (end - start + TOK - 1) / TOK;
@@ -222,7 +227,7 @@ __device__ __forceinline__ void gqa_verify_rows(
                 unsigned char* kss = ring + (j % S) * STAGE_B + 2 * TOK * RB;
                 for (int r = threadIdx.x; r < TOK; r += THREADS) {
                     const bool ok = t0 + r < end;
-                    const long long off = (long long)(ok ? t0 + r : start) * n_kv_heads * SCB;
+                    const long long off = (long long)(ok ? t0 + r : start) * srow;
                     fx_cp_async_small<SCB>(kss + r * SCB, ksg + off, ok);
                     fx_cp_async_small<SCB>(kss + (TOK + r) * SCB, vsg + off, ok);
                 }

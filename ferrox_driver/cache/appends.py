@@ -98,10 +98,7 @@ class Appends(CacheState):
                     kernel = by_value_append4_kernel(self.device, four.fmt, dtype_name(dt),
                                                      self.head_dim, four.rotate,
                                                      self.row_elems)  # fmt: skip
-                    args = (np.uint64(0), self._k, self._v, four.k_scales, four.v_scales,
-                            np.int32(self.n_kv_heads), np.int32(0), self.state,
-                            four.inv_sqrt, np.uint64(0) if self.kv_scales is None
-                            else self.kv_scales)  # fmt: skip
+                    args = four.by_value_args(self)
                     threads = quantize_grid(1, self.n_kv_heads)[1]
                 else:
                     kernel = by_value_append_kernel(self.fp8, self.device, dtype_name(dt),
@@ -480,9 +477,7 @@ class Appends(CacheState):
         """``block_scales``' side of format ``fmt`` (None: an fp8 side's)."""
         if fmt not in _FOUR_BIT:
             return None
-        shape = (seq, *scales.shape[1:])
-        out = np.zeros(shape, scales.dtype) if seq == 0 else scales.view(shape).to_host(
-            self.stream)  # fmt: skip
+        out = self.four_bit.tokens(scales, seq)
         if fmt == NVFP4_FORMAT:
             import ml_dtypes
 

@@ -297,7 +297,11 @@ class Decodes(CacheState):
         four = self.four_bit
         if four is None:
             return {}
-        return {"q4_scales": (four.k_scales, four.v_scales), "rotate": four.rotate}
+        return {
+            "q4_scales": (four.k_scales, four.v_scales),
+            "rotate": four.rotate,
+            "q4_head_stride": four.head_stride,
+        }
 
     def launch_decode(
         self,

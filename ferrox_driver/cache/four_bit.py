@@ -264,12 +264,19 @@ class FourBitStore:
         d, n_kv, cap = kv.head_dim, kv.n_kv_heads, kv.capacity
         self.n_kv, self.head_dim, self.capacity = n_kv, d, cap
         self.device, self.stream = kv.device, kv.stream
+        # head-major (one format): values and block scales [n_kv][capacity][...]; the
+        # kernels take the rows a head (the quantizers) or the values' bytes a head (the
+        # decodes' head stride); token-major (formats of their own): 0
+        self.head_rows = 0 if self.mixed else cap
+        self.head_stride = self.head_rows * (d // 2)
 
         def block_scales(side: str) -> DeviceArray:
+            per = d // (Q4_DEFAULT_GROUP if side == Q4_FORMAT else NVFP4_BLOCK)
+            shape = (n_kv, cap, per) if self.head_rows else (cap, n_kv, per)
             if side == Q4_FORMAT:
-                return empty((cap, n_kv, d // Q4_DEFAULT_GROUP), np.float16, device=kv.device)
+                return empty(shape, np.float16, device=kv.device)
             if side == NVFP4_FORMAT:
-                return empty((cap, n_kv, d // NVFP4_BLOCK), np.uint8, device=kv.device)
+                return empty(shape, np.uint8, device=kv.device)
             return empty((16,), np.uint8, device=kv.device)  # (an fp8 side: none)
 
         self.k_scales = block_scales(fmt)
@@ -302,7 +309,31 @@ class FourBitStore:
         )  # fmt: skip
         if self.fmt == NVFP4_FORMAT or self.mixed:  # (mixed: the fp8 and nvfp4 sides')
             args += (kv.kv_scales,)
+        if not self.mixed:  # (the rows a KV head: head-major)
+            args += (np.int64(self.head_rows),)
         return args
+
+    def by_value_args(self, kv: Any) -> tuple[Any, ...]:
+        """The by-value append kernel's arguments (``kv_append4_*``; the rows, slot 0,
+        and the position, slot 6, written per call)."""
+        return (np.uint64(0), kv.k_buffer, kv.v_buffer, self.k_scales, self.v_scales,
+                np.int32(self.n_kv), np.int32(0), kv.state, self.inv_sqrt,
+                np.uint64(0) if kv.kv_scales is None else kv.kv_scales,
+                np.int64(self.head_rows))  # fmt: skip
+
+    def tokens(self, arr: DeviceArray, seq: int) -> np.ndarray:
+        """The first ``seq`` tokens of a values or block-scales buffer of this cache on
+        the host, token-major ``(seq, n_kv_heads, ...)`` whatever the layout."""
+        per = arr.shape[-1]
+        if seq == 0:
+            return np.zeros((0, self.n_kv, per), arr.dtype)
+        if not self.head_rows:
+            return arr.view((seq, self.n_kv, per)).to_host(self.stream)
+        out = np.empty((seq, self.n_kv, per), arr.dtype)
+        for h in range(self.n_kv):  # (one copy a head: its first seq rows)
+            at = h * self.head_rows * per * arr.dtype.itemsize
+            out[:, h] = arr.view((seq, per), offset=at).to_host(self.stream)
+        return out
 
     def quantize(self, kv: Any, k_dev: DeviceArray, v_dev: DeviceArray, n: int, seq: int) -> None:
         """Queue the quantization of ``n`` device rows of K and V (one dtype of ROW_DTYPES,

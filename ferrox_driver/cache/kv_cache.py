@@ -193,7 +193,12 @@ class KVCache(Appends, Decodes):
         self._row_shapes = ((self.row_elems,), (self.n_kv_heads, self.head_dim),
                             (1, self.n_kv_heads, 1, self.head_dim))  # fmt: skip
         shape = (self.capacity, self.n_kv_heads, self.head_dim)
-        packed = (self.capacity, self.n_kv_heads, self.head_dim // 2)  # (4-bit: two a byte)
+        # 4-bit: two values a byte, head-major where K and V share the format (each KV
+        # head's rows in one run: the decode reads them at the memory's rate, where
+        # token-major rows of 64 bytes read at 76% of it; docs/design.md)
+        self.head_major = four in FOUR_BIT_FORMATS and mixed is None
+        packed = ((self.n_kv_heads, self.capacity, self.head_dim // 2) if self.head_major
+                  else (self.capacity, self.n_kv_heads, self.head_dim // 2))  # fmt: skip
 
         def values(fmt: str, dt: np.dtype) -> DeviceArray:
             four_bit = fmt in FOUR_BIT_FORMATS

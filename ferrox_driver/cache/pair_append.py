@@ -186,6 +186,7 @@ def four_bit_launches(
     )  # fmt: skip
     if sc is not None:  # nvfp4's per-head scales
         args += (wrap(sc, np.float32),)
+    args += (np.int64(0),)  # (token-major: no rows a head)
     grid, threads = quantize_grid(n, n_kv)
     launch = PackedLaunch(kernel, grid, threads, args, stream=stream)
     return append_sequence(dev, launch, state, n, capacity, stream)

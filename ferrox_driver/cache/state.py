@@ -346,13 +346,16 @@ class CacheState:
 
     @property
     def k_buffer(self) -> DeviceArray:
-        """The whole K buffer, (capacity, n_kv_heads, head_dim)."""
+        """The whole K buffer, (capacity, n_kv_heads, head_dim); a 4-bit cache's packed
+        values, uint8 (n_kv_heads, capacity, head_dim // 2), head-major (K and V in
+        formats of their own: (capacity, n_kv_heads, ...), token-major)."""
         self.check_open()
         return self._k
 
     @property
     def v_buffer(self) -> DeviceArray:
-        """The whole V buffer, (capacity, n_kv_heads, head_dim_v)."""
+        """The whole V buffer, (capacity, n_kv_heads, head_dim_v) (a 4-bit cache's: as
+        ``k_buffer``)."""
         self.check_open()
         return self._v
 
@@ -437,6 +440,8 @@ class CacheState:
         with self.lock:
             seq = self.seq_len
             k, v = self._k, self._v
+            if self.four_bit is not None and self.four_bit.head_rows:  # (head-major rows)
+                return self.four_bit.tokens(k, seq), self.four_bit.tokens(v, seq)
             return k.view((seq, *k.shape[1:])).to_host(self.stream), v.view(
                 (seq, *v.shape[1:])
             ).to_host(self.stream)

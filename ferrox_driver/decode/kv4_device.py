@@ -4,10 +4,11 @@ rows quantized by ``cuda_src/kv_quantize4.cu`` bit for bit as `kv4.quantize_q4` 
 decoded by the rows kernels (``records.launches_for(..., fp8="q4" or "nvfp4",
 q4_scales=..., rotate=...)``, an nvfp4 cache's per-head scales as ``kv_scales``).
 
-Internal: a KVCache of ``dtype="int4"`` or ``"nvfp4"`` comes with these (its storage:
-values ``uint8 (capacity, n_kv_heads, head_dim // 2)`` for K and for V, and scales
-``(capacity, n_kv_heads, head_dim // 32)`` float16 for q4, ``(capacity, n_kv_heads,
-head_dim // 16)`` e4m3 bytes for nvfp4).
+Internal: a KVCache of ``dtype="int4"`` or ``"nvfp4"`` comes with these (its storage,
+head-major: values ``uint8 (n_kv_heads, capacity, head_dim // 2)`` for K and for V, and
+scales ``(n_kv_heads, capacity, head_dim // 32)`` float16 for q4, ``(n_kv_heads,
+capacity, head_dim // 16)`` e4m3 bytes for nvfp4; the kernels take token-major
+``(capacity, n_kv_heads, ...)`` too).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def quantize_4bit_async(
     k_rows: DeviceArray, v_rows: DeviceArray, k_vals: DeviceArray, v_vals: DeviceArray,
     k_scales: DeviceArray, v_scales: DeviceArray, *, first: int, stream: Any,
     rotate_k: bool = True, state: DeviceArray | None = None, capacity: int = 0,
-    globals_: DeviceArray | None = None,
+    globals_: DeviceArray | None = None, head_rows: int = 0,
 ) -> None:  # fmt: skip
     """Queue the quantization of rows ``(n, n_kv_heads, head_dim)`` of K and V (float32,
     float16, bfloat16, C-contiguous, validated by the caller) into rows ``first ..`` of a
@@ -90,7 +91,9 @@ def quantize_4bit_async(
     they are e4m3 bytes (``globals_``: its float32 scales per KV head, K's then V's).
     ``first`` -1: one row at the device length ``state[0]``, then bumped; -2: at the device
     length, not bumped; ``capacity`` bounds both, past it the overflow flag ``state[1]`` is
-    set and nothing written."""
+    set and nothing written. ``head_rows``: the cache is head-major, this many rows a KV
+    head (values ``(n_kv_heads, head_rows, head_dim // 2)``, scales likewise); 0,
+    token-major."""
     n, n_kv, d = k_rows.shape
     rows, dev = dtype_name(k_rows.dtype), k_rows.device
     nvfp4 = k_scales.dtype.itemsize == 1
@@ -108,4 +111,5 @@ def quantize_4bit_async(
     )  # fmt: skip
     if nvfp4:
         args += (globals_,)
+    args += (np.int64(head_rows),)
     kernel.launch((grid, 1, 1), (32 * _WARPS, 1, 1), args, stream=stream)

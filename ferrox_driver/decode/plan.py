@@ -569,14 +569,14 @@ def four_bit_plan(
     """The split plan of a 4-bit cache's one-query decode on the swapped split kernels
     (``fmt`` "q4" or "nvfp4", K rotated where ``rotate``), or None where they do not take
     it (the rows kernel does: ``rows_plan``): fp32 q, head_dims other than 64/128/256,
-    groups past 16, a head-major cache, arrays not 16-byte aligned, GPUs before compute
+    groups past 16, arrays not 16-byte aligned, GPUs before compute
     capability 8.0 (8.9 for nvfp4's e4m3 scales), a ring past a block's shared memory, or
     ``overrides.four_bit_split`` off. Chunks fill one wave of resident blocks, merged on
     chip where the clusters fit, as ``plan``'s fp16/bf16 tensor-core plans are."""
     ov = OVERRIDES if overrides is None else overrides
     name = kernel_dtype(dtype)
     group = n_heads // n_kv_heads
-    if not ov.four_bit_split or name == "f32" or not aligned or features & F_HND:
+    if not ov.four_bit_split or name == "f32" or not aligned:
         return None
     if head_dim not in MMA_HEAD_DIMS or group > 16 or fmt not in FOUR_BIT_FORMATS:
         return None
@@ -914,8 +914,6 @@ def rows_plan(
     if head_dim not in ROWS_HEAD_DIMS or traits.compute_capability < TENSOR_CORES_FROM:
         return None
     if fp8 in FOUR_BIT_FORMATS:
-        if features & F_HND:  # (a 4-bit cache is a KVCache's: token-major)
-            return None
         if fp8 == NVFP4_FORMAT and traits.compute_capability < FP8_FROM:  # (e4m3 scales)
             return None
     elif fp8 and (fp8 not in FP8_FORMATS or traits.compute_capability < FP8_FROM):

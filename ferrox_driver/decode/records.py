@@ -10,6 +10,7 @@ once per plan (the buckets of one plan share it).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
@@ -386,6 +387,7 @@ def launches_for(
     mask_mode: int = 0,
     q4_scales: tuple[DeviceArray, DeviceArray] | None = None,
     rotate: bool = False,
+    q4_head_stride: int = 0,
 ) -> tuple[list[Launch], DeviceArray | None]:
     """THE plan -> workspace -> launches assembly that every decode entry point uses.
 
@@ -399,11 +401,14 @@ def launches_for(
     head ``kv_scales``, K rotated where ``rotate``): one query on the swapped split kernels
     where they take it (``launches.plan_four_bit``), else the rows kernel. K and V in
     formats of their own (``fp8`` a ``spec.mixed_format``, "e4m3+q4"; ``q4_scales`` the
-    4-bit sides' block scales): the rows kernel, for every n_q.
+    4-bit sides' block scales): the rows kernel, for every n_q. ``q4_head_stride``: a 4-bit
+    cache of one format stored head-major (values ``[n_kv][rows][head_dim / 2]``, block
+    scales ``[n_kv][rows][...]``), the bytes of values from one KV head's rows to the
+    next's (``rows * head_dim / 2``); 0, token-major.
 
     Raises:
         ValueError: a 4-bit decode the rows kernel does not take (a head_dim other than
-            64, 128 or 256, fp32 q, a head-major cache).
+            64, 128 or 256, fp32 q; K and V in formats of their own, head-major).
     """
     dims: dict[str, Any] = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
     if head_dim in WIDE_TC_HEAD_DIMS:
@@ -418,6 +423,13 @@ def launches_for(
     k_fmt, v_fmt = kv_formats(fp8)
     mixed = k_fmt != v_fmt  # (the rows kernel alone reads K and V of formats of their own)
     four_bit = fp8 in FOUR_BIT_FORMATS
+    if q4_head_stride:  # a head-major 4-bit cache: the kernels' head-major bit and stride
+        if not four_bit:
+            raise ValueError("q4_head_stride: a 4-bit cache of one format's (fp8 'q4', 'nvfp4')")
+        bits |= F_HND
+        features = dataclasses.replace(
+            features or FeatureArgs(scale=head_dim**-0.5), head_stride=q4_head_stride
+        )
     if four_bit and n_q == 1 and algorithm != "parity":  # the swapped split kernels, if they can
         qdt = q.dtype if dtype is None else dtype
         split4 = plan_four_bit(q.device, qdt, n_heads, n_kv_heads, head_dim, max(1, plan_seq),
@@ -446,8 +458,9 @@ def launches_for(
             what = "a 4-bit cache is" if four_bit else "K and V in formats of their own are"
             raise ValueError(
                 f"dtype: {what} read by the rows kernel alone, which takes fp16/bf16 q, "
-                f"head_dim 64, 128 or 256 and token-major rows (nvfp4 and fp8: compute "
-                f"capability 8.9 and up; got q {np.dtype(qdt)}, head_dim {head_dim})"
+                f"head_dim 64, 128 or 256 (K and V in formats of their own: token-major "
+                f"rows; nvfp4 and fp8: compute capability 8.9 and up; got q "
+                f"{np.dtype(qdt)}, head_dim {head_dim})"
             )
         if rows is not None:
             made = workspace(rows.workspace_floats(n_q * n_heads, head_dim)) if callable(

@@ -246,8 +246,8 @@ class KernelSpec:
                 return f"fp8 not one of {(*FP8_FORMATS, *FOUR_BIT_FORMATS)}"
             if self.rotate and self.fp8 not in FOUR_BIT_FORMATS:
                 return "rotate is a 4-bit cache's"
-            if {self.fp8, self.v_fp8} & set(FOUR_BIT_FORMATS) and self.features & F_HND:
-                return "a 4-bit cache is token-major"
+            if self.v_fp8 and self.features & F_HND:
+                return "K and V in formats of their own are token-major"
             if rows and (self.head_dim not in ROWS_HEAD_DIMS or self.row_warps > ROWS_MAX_WARPS):
                 return f"head_dim one of {ROWS_HEAD_DIMS}, 1 to {ROWS_MAX_WARPS} row warps"
             if rows and self.features & (F_SINKS | F_LSE):
@@ -303,8 +303,6 @@ class KernelSpec:
         if self.fp8 in FOUR_BIT_FORMATS:
             if dr != d or self.paired or self.wide or self.block_tiles != 1:
                 return "a 4-bit cache's kernels: their own head_dim, not paired or wide"
-            if self.features & F_HND:
-                return "a 4-bit cache is token-major"
         elif self.fp8 and self.fp8 not in FP8_FORMATS:
             return f"fp8 not one of {(*FP8_FORMATS, *FOUR_BIT_FORMATS)}"
         if self.tiles not in (1, 2):

@@ -92,6 +92,27 @@ def test_every_append_path_stores_what_the_helpers_compute(rng, dtype, rotate, h
         _check_stored(kv, k, v, **scales)
 
 
+@pytest.mark.parametrize("dtype,rotate", CASES)
+def test_a_4bit_cache_stores_each_kv_heads_rows_in_one_run(rng, dtype, rotate):
+    # head-major, [n_kv][capacity][...]: what the helpers compute for (token t, head h) is
+    # the buffer's row t of head h, values and block scales alike (read raw, whole)
+    n_kv, hd, cap, n = 3, 128, 40, 13
+    scales = {"k_scale": np.float32(0.02), "v_scale": np.float32(0.005)} if dtype == "nvfp4" else {}
+    k, v = _rows(rng, n, n_kv, hd)
+    with fd.KVCache(n_kv, hd, cap, dtype=dtype, rotate=rotate, **scales) as kv:
+        kv.extend(k, v)
+        kv.synchronize()
+        assert kv.k_buffer.shape == kv.v_buffer.shape == (n_kv, cap, hd // 2)
+        (kw, ksw), (vw, vsw) = _expected(kv, k, v, **scales)
+        raw = [
+            a.to_host(kv.stream)
+            for a in (kv.k_buffer, kv.v_buffer, kv.four_bit.k_scales, kv.four_bit.v_scales)
+        ]
+        for got, want in zip(raw, (kw, vw, ksw, vsw), strict=True):
+            assert got.shape[:2] == (n_kv, cap)
+            _same_bytes(got[:, :n].transpose(1, 0, 2), want)
+
+
 def _decode_checked(kv, q, n_heads, **features):
     """kv.decode(q) with its device output poisoned first, against the float64 reference
     on the dequantized cache."""

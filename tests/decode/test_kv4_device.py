@@ -61,8 +61,10 @@ def test_a_q4_decode_takes_the_rows_kernel_whatever_the_override_says():
     single = dataclasses.replace(off, rows4_warps=1)
     assert attention.rows_plan(_traits(), bf16, 1, 32, 8, 128, 32768, True, 0, "q4", single,
                                True).spec.row_warps == 1  # fmt: skip
-    for refused in ({"dtype": np.dtype(np.float32)}, {"head_dim": 80}, {"features": F_HND}):
+    for refused in ({"dtype": np.dtype(np.float32)}, {"head_dim": 80}):
         assert rows(**refused) is None, refused
+    # a head-major 4-bit cache (a KVCache's): its own kernel, the head-major bit in its name
+    assert rows(features=F_HND).spec.name == "gqa_verify_rows_bf16_q4r_d128_w2_x64"
     nv = attention.rows_plan(_traits(), bf16, 1, 32, 8, 128, 32768, True, 0, "nvfp4", off)
     assert nv is not None and nv.spec.name == "gqa_verify_rows_bf16_nvfp4_d128_w2_x0"
     assert nv.shared_bytes(2) == one.shared_bytes(2)  # (a scale byte per 16: q4's 2 per 32)
@@ -104,7 +106,9 @@ def test_the_4bit_split_kernels_names_entries_and_refusals():
         == "FX_MMA4_KERNELS(gqa_split_mma_f16_nvfp4_d64_t2_x1, fx_half, 4, 64, true, 1, 0, "
         "FX_WARPS4_D64, FX_STAGES4_D64)"
     )
-    for bad in ({"row_dim": 96}, {"features": F_HND}, {"block_tiles": 2, "tiles": 2}):
+    # a head-major cache (a 4-bit KVCache's rows): the head-major bit in the name
+    assert spec.but(features=F_HND).name == "gqa_split_mma_bf16_q4r_d128_x64"
+    for bad in ({"row_dim": 96}, {"block_tiles": 2, "tiles": 2}):
         with pytest.raises(ValueError):
             spec.but(**bad)
 
@@ -112,7 +116,8 @@ def test_the_4bit_split_kernels_names_entries_and_refusals():
 def test_the_4bit_split_kernels_compile_without_spills():
     specs = [KernelSpec("mma", "bf16", d, fp8=fmt, rotate=True, tiles=t, features=f)
              for d in (64, 128, 256) for fmt in ("q4", "nvfp4") for t in (1, 2)
-             for f in (0, F_WINDOW | 2 | 4 | 32) if not (d == 256 and t == 2)]  # fmt: skip
+             for f in (0, F_HND, F_WINDOW | 2 | 4 | 32 | F_HND)
+             if not (d == 256 and t == 2)]  # fmt: skip
     specs += [s.but(narrow=True) for s in specs]
     program = split_program(specs + [s.but(cluster=True) for s in specs], "sm_90")
     for spec in specs:
@@ -149,10 +154,10 @@ def test_a_4bit_one_query_decode_takes_the_split_kernels_where_they_can():
     assert not four(seq=512, ov=attention.Overrides(four_bit_narrow_to=0)).spec.narrow
     assert four(n_heads=128, n_kv=8).spec.tiles == 2  # groups of 16: two tiles of 8
     assert four(fmt="nvfp4").spec.name.startswith("gqa_split_mma_bf16_nvfp4r_d128")
+    assert four(features=F_HND).spec.name == "gqa_split_mma_bf16_q4r_d128_x64"  # (head-major)
     for refused in (
         four(n_heads=136, n_kv=8),  # groups past 16
         four(head_dim=96),
-        four(features=F_HND),
         four(aligned=False),
         four(fmt="nvfp4", traits=_traits((8, 0))),  # e4m3 scales: 8.9 and up
         four(ov=attention.Overrides(four_bit_split=False)),

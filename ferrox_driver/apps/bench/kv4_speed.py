@@ -42,21 +42,26 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 FLOOR_SOURCE = r"""
 // Block (chunk, kv head) reads tokens [start, end) of its head's K and V values (n16 16-byte
-// units a row) and block scales (nw 4-byte words a row); the xor keeps the loads alive.
+// units a row) and block scales (nw 4-byte words a row), rows token-major or (hm) head-major;
+// the xor keeps the loads alive.
 extern "C" __global__ void __launch_bounds__(256) read_4bit_rows(
     const uint4* k, const uint4* v, const unsigned* ks, const unsigned* vs, int seq,
-    int chunk, int n16, int nw, int n_kv, unsigned* sink) {
+    int chunk, int n16, int nw, int n_kv, int hm, unsigned* sink) {
     const int start = blockIdx.x * chunk, end = min(seq, start + chunk);
     unsigned acc = 0;
     const int units = (end - start) * n16, words = (end - start) * nw;
+    // (the block's first row)
+    const long long row_at = hm ? (long long)blockIdx.y * seq + start
+                                : (long long)start * n_kv + blockIdx.y;
+    const int step = hm ? 1 : n_kv;
 #pragma unroll 4
     for (int i = threadIdx.x; i < units; i += 256) {
-        const long long at = (long long)(start + i / n16) * n_kv * n16 + blockIdx.y * n16 + i % n16;
+        const long long at = (row_at + (long long)(i / n16) * step) * n16 + i % n16;
         const uint4 a = __ldcg(k + at), b = __ldcg(v + at);
         acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
     }
     for (int i = threadIdx.x; i < words; i += 256) {
-        const long long at = (long long)(start + i / nw) * n_kv * nw + blockIdx.y * nw + i % nw;
+        const long long at = (row_at + (long long)(i / nw) * step) * nw + i % nw;
         acc ^= __ldcg(ks + at) ^ __ldcg(vs + at);
     }
     if (acc == 0x9e3779b9u) sink[0] = acc;  // (never, in practice)
@@ -79,6 +84,7 @@ extern "C" __global__ void __launch_bounds__(256) read_4bit_flat(
     if (acc == 0x9e3779b9u) sink[0] = acc;  // (never, in practice)
 }
 """
+HEAD_MAJOR = True  # the buffers' layout: a 4-bit KVCache's (--token-major: as before it)
 FLOOR_SPLITS = (16, 32, 64, 128)  # chunks per KV head (read_4bit_rows)
 FLOOR_BLOCKS = (2, 4, 8, 16)  # blocks per multiprocessor (read_4bit_flat)
 
@@ -97,7 +103,10 @@ def four_bit_us(
     fill_uniform(q, 7, stream)
     nv = fmt == "nvfp4"
     sdt = np.uint8 if nv else np.float16
-    vals, scales = (seq, n_kv, d // 2), (seq, n_kv, d // (16 if nv else 32))
+    per = d // (16 if nv else 32)
+    # a 4-bit KVCache's layout: head-major (HEAD_MAJOR; else token-major, as before it)
+    vals, scales = (((n_kv, seq, d // 2), (n_kv, seq, per)) if HEAD_MAJOR
+                    else ((seq, n_kv, d // 2), (seq, n_kv, per)))  # fmt: skip
     one = seq * n_kv * (d // 2 + d // 16)  # bytes of K (or V): values and scales
     globals_ = zeros((2 * n_kv,), np.float32, device=dev)
     globals_.copy_from_host(np.ones(2 * n_kv, np.float32), stream)
@@ -128,6 +137,7 @@ def four_bit_us(
             q, kv_, vv, out, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, seq_len=seq,
             plan_seq=seq, aligned=True, dtype=BF16, fp8=fmt, q4_scales=(ks, vs), rotate=not nv,
             kv_scales=globals_, workspace=workspace, n_q=n_q,
+            q4_head_stride=seq * d // 2 if HEAD_MAJOR else 0,
         )[0]  # fmt: skip
         for launch in launches:
             launch.run(stream, dev)
@@ -149,7 +159,8 @@ def four_bit_us(
             def read(i: int, splits: int = splits) -> None:
                 kv_, vv, ks, vs = sets[i % len(sets)]
                 args = (kv_, vv, ks, vs, np.int32(seq), np.int32(-(-seq // splits)),
-                        np.int32(d // 32), np.int32(d // 64), np.int32(n_kv), sink)  # fmt: skip
+                        np.int32(d // 32), np.int32(d // 64), np.int32(n_kv),
+                        np.int32(HEAD_MAJOR), sink)  # fmt: skip
                 by_rows.launch((splits, n_kv), 256, args, stream=stream)
 
             floor_us = min(floor_us, rotated_graph_us(read, rotated, stream, iters))
@@ -233,7 +244,11 @@ def main() -> None:
     parser.add_argument("--traits", nargs="*", default=[], metavar="NAME=VALUE",
                         help="SPLIT_TRAITS changed for this process (e.g. FX_WARPS4_D128=8 "
                              "FX_STAGES4_D128=3), before any kernel is built")  # fmt: skip
+    parser.add_argument("--token-major", action="store_true",
+                        help="4-bit buffers token-major (a KVCache's: head-major)")  # fmt: skip
     args = parser.parse_args()
+    global HEAD_MAJOR
+    HEAD_MAJOR = not args.token_major
     set_traits(args.traits)
     speed_table(args.shapes, args.seqs, args.n_q, tuple(args.row_warps), args.rows)
 
