@@ -329,8 +329,22 @@ class CacheState:
 
     @property
     def k(self) -> DeviceArray:
-        """Device view of the ``seq_len`` K rows, shape (seq_len, n_kv_heads, head_dim)."""
+        """Device view of the ``seq_len`` K rows, shape (seq_len, n_kv_heads, head_dim).
+
+        Raises:
+            ValueError: a 4-bit cache (packed values and block scales: ``to_host``,
+                ``block_scales``, ``dequantized``, ``k_buffer``).
+        """
+        self._refuse_packed("k")
         return self._k.view((self.seq_len, self.n_kv_heads, self.head_dim))
+
+    def _refuse_packed(self, name: str) -> None:
+        if self.four_bit is not None:
+            raise ValueError(
+                f"{name}: a 4-bit cache's rows are packed values with block scales, not "
+                f"rows of head_dim elements: read them with to_host() and block_scales(), "
+                f"as float32 with dequantized(), or whole with {name}_buffer"
+            )
 
     @property
     def head_dim_v(self) -> int:
@@ -339,7 +353,9 @@ class CacheState:
 
     @property
     def v(self) -> DeviceArray:
-        """Device view of the ``seq_len`` V rows, shape (seq_len, n_kv_heads, head_dim_v)."""
+        """Device view of the ``seq_len`` V rows, shape (seq_len, n_kv_heads, head_dim_v)
+        (a 4-bit cache: ValueError, as ``k``)."""
+        self._refuse_packed("v")
         if self.own_v is not None:
             return self._v.view((self.seq_len, self.n_kv_heads, self.own_v.head_dim_v))
         return self._v.view((self.seq_len, self.n_kv_heads, self.head_dim))

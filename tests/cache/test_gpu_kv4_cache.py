@@ -103,6 +103,9 @@ def test_a_4bit_cache_stores_each_kv_heads_rows_in_one_run(rng, dtype, rotate):
         kv.extend(k, v)
         kv.synchronize()
         assert kv.k_buffer.shape == kv.v_buffer.shape == (n_kv, cap, hd // 2)
+        for name in ("k", "v"):  # (rows of head_dim elements: not what it holds)
+            with pytest.raises(ValueError, match=f"^{name}: a 4-bit cache"):
+                getattr(kv, name)
         (kw, ksw), (vw, vsw) = _expected(kv, k, v, **scales)
         raw = [
             a.to_host(kv.stream)
