@@ -5,10 +5,11 @@ tensors, CuPy arrays, DeviceArrays) and its ``state``, two int32 on the device (
 and an overflow flag), as a KVCache keeps them. One token or several: the rows go to
 ``[state[0], state[0] + n)``, then ``state[0] += n``; rows that would pass the capacity are
 not written and set the flag instead. fp8 pairs quantize on the way in with ``kv_scales``,
-as an fp8 KVCache does, and 4-bit pairs (``FourBitScales``: values and block scales as a
-4-bit KVCache stores them) with the quantizing kernels of decode/kv4_device.py, bit for bit
-as ``fd.quantize_int4`` / ``fd.quantize_nvfp4`` (of ``fd.hadamard(k)`` where K is
-rotated). No host work after a signature's first call: capturable.
+as an fp8 KVCache does, and 4-bit pairs (``FourBitScales``: values and block scales
+token-major or, ``kv_layout="HND"``, head-major as a 4-bit KVCache stores them) with the
+quantizing kernels of decode/kv4_device.py, bit for bit as ``fd.quantize_int4`` /
+``fd.quantize_nvfp4`` (of ``fd.hadamard(k)`` where K is rotated). No host work after a
+signature's first call: capturable.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..decode.checks import SUPPORTED_DTYPES, dtype_name
+from ..decode.checks import SUPPORTED_DTYPES, check_kv_layout, dtype_name
 from ..decode.fp8 import FP8_DTYPES, MIN_COMPUTE_CAPABILITY, ROW_DTYPES, quantize_kernel
 from ..decode.kv4_device import nvfp4_quantize_kernel, q4_quantize_kernel
 from ..decode.pair import FourBitScales, check_four_bit_capability, check_four_bit_pair
@@ -125,16 +126,17 @@ def _check(
 
 def _check_four_bit(
     pair: tuple[Any, ...], k_rows: Any, v_rows: Any, state: Any, kv_scales: Any,
-    four: FourBitScales,
+    four: FourBitScales, kv_layout: str = "NHD",
 ) -> tuple[tuple[Any, ...], int, int, int, np.dtype]:  # fmt: skip
-    """A 4-bit pair's append checked: (refs of k_cache, v_cache, k_rows, v_rows, state,
+    """A 4-bit pair's append checked, its values and block scales in layout ``kv_layout``
+    (``check_four_bit_pair``): (refs of k_cache, v_cache, k_rows, v_rows, state,
     k_block_scales, v_block_scales, kv_scales or None), capacity, n_kv_heads, the rows'
     count, their dtype.
 
     Raises:
         TypeError, ValueError: naming the argument.
     """
-    capacity, n_kv, hd, refs = check_four_bit_pair(pair, four, kv_scales)
+    capacity, n_kv, hd, refs = check_four_bit_pair(pair, four, kv_scales, kv_layout)
     kr, vr = _ref(k_rows, "k_rows"), _ref(v_rows, "v_rows")
     rshape = tuple(kr[1])
     n = 1 if len(rshape) == 2 else rshape[0] if len(rshape) == 3 else -1
@@ -160,11 +162,12 @@ def _check_four_bit(
 
 def four_bit_launches(
     dev: Device, refs: tuple[Any, ...], capacity: int, n_kv: int, n: int, rows_dtype: np.dtype,
-    four: FourBitScales, stream: Any,
+    four: FourBitScales, stream: Any, head_rows: int = 0,
 ) -> LaunchSequence:  # fmt: skip
     """A 4-bit pair's append packed once, as a 4-bit KVCache's ``kv_append_async`` makes it
     (``FourBitStore.device_append``): one launch that bumps the length for one row; for n,
-    the quantizing launch then the bump (roles k, v: the rows' addresses)."""
+    the quantizing launch then the bump (roles k, v: the rows' addresses). ``head_rows``:
+    the pair is head-major, this many rows a KV head (its capacity); 0, token-major."""
     kc, vc, _, _, st, ks, vs, sc = refs
     hd = 2 * kc[1][2]
 
@@ -186,7 +189,7 @@ def four_bit_launches(
     )  # fmt: skip
     if sc is not None:  # nvfp4's per-head scales
         args += (wrap(sc, np.float32),)
-    args += (np.int64(0),)  # (token-major: no rows a head)
+    args += (np.int64(head_rows),)  # (the rows a KV head, head-major; 0, token-major)
     grid, threads = quantize_grid(n, n_kv)
     launch = PackedLaunch(kernel, grid, threads, args, stream=stream)
     return append_sequence(dev, launch, state, n, capacity, stream)
@@ -228,13 +231,19 @@ def append_launches(
 
 def append_async_pair(
     pair: tuple[Any, ...], k_rows: Any, v_rows: Any, state: Any, kv_scales: Any, stream: Any,
-    torch_owned: bool = False, four_bit: FourBitScales | None = None,
+    torch_owned: bool = False, four_bit: FourBitScales | None = None, kv_layout: Any = "NHD",
 ) -> None:  # fmt: skip
     """Queue the append of ``k_rows``/``v_rows`` (one token ``(n_kv_heads, head_dim)`` or
     ``(n, n_kv_heads, head_dim)``) into ``pair`` at ``state[0]`` (see the module). A call of
     a signature seen before writes the rows' pointers and launches. ``torch_owned``: as
     ``decode.pair.decode_async_pair``'s. ``four_bit``: a 4-bit pair's block scales and
-    rotation (an nvfp4 pair's per-head scales in ``kv_scales``)."""
+    rotation (an nvfp4 pair's per-head scales in ``kv_scales``). ``kv_layout``: "NHD"
+    (token-major), or "HND" for a head-major 4-bit pair (other pairs' appends are
+    token-major).
+
+    Raises:
+        TypeError, ValueError: naming the argument.
+    """
     sid = stream_key(stream)
     key: Any = None
     if len(pair) == 2:  # the caches', state's and scales' addresses; the rows' signature
@@ -243,18 +252,26 @@ def append_async_pair(
         refs = [None if o is None else array_ref(o, "kv") for o in objs]
         if all(r is not None for r in refs[:5]):
             four = None if four_bit is None else (four_bit.fmt, four_bit.rotate)
-            key = (sid, four, *(None if r is None else
-                                (r[0] if i not in (2, 3) else (r[0] & 15) == 0, *r[1:5])
-                                for i, r in enumerate(refs)))  # fmt: skip
+            key = (sid, four, kv_layout, *(None if r is None else
+                                           (r[0] if i not in (2, 3) else (r[0] & 15) == 0,
+                                            *r[1:5])
+                                           for i, r in enumerate(refs)))  # fmt: skip
     try:
         entry = None if key is None else _appenders.get(key)
     except TypeError:
         entry = None
     if entry is None:
+        layout = check_kv_layout(kv_layout)
+        if four_bit is None and layout != "NHD":
+            raise ValueError("kv_layout: appends into a 16-bit, 32-bit or fp8 pair are "
+                             f"token-major ('NHD'); 'HND' is a 4-bit pair's; got "
+                             f"{layout!r}")  # fmt: skip
+        head_rows = 0
         if four_bit is not None:
             checked, capacity, n_kv, n, rows_dtype = _check_four_bit(
-                pair, k_rows, v_rows, state, kv_scales, four_bit)  # fmt: skip
+                pair, k_rows, v_rows, state, kv_scales, four_bit, layout)  # fmt: skip
             row, fp8 = n_kv, ""
+            head_rows = capacity if layout == "HND" else 0
         else:
             checked, capacity, row, n, fp8, rows_dtype = _check(pair, k_rows, v_rows, state,
                                                                  kv_scales)  # fmt: skip
@@ -271,7 +288,7 @@ def append_async_pair(
                 relaxed.enter_context(relaxed_capture())
             if four_bit is not None:
                 sequence = four_bit_launches(dev, checked, capacity, row, n, rows_dtype,
-                                             four_bit, stream_handle(sid))  # fmt: skip
+                                             four_bit, stream_handle(sid), head_rows)  # fmt: skip
             else:
                 sequence = append_launches(dev, checked, capacity, row, n, fp8, rows_dtype,
                                            stream_handle(sid))  # fmt: skip

@@ -181,10 +181,12 @@ def feature_ptr(obj: Any, name: str, n: int, ordinal: int) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class FourBitScales:
-    """What a 4-bit pair is read with besides its values (uint8 ``(capacity, n_kv_heads,
-    head_dim // 2)``, as a 4-bit KVCache stores them): ``fmt`` "q4" or "nvfp4", K's and
-    V's block scales (device arrays; q4: float16 ``(capacity, n_kv_heads, head_dim //
-    32)``, nvfp4: e4m3 bytes ``(capacity, n_kv_heads, head_dim // 16)``) and whether K is
+    """What a 4-bit pair is read with besides its values (uint8, token-major ``(capacity,
+    n_kv_heads, head_dim // 2)`` or, with ``kv_layout="HND"``, head-major ``(n_kv_heads,
+    capacity, head_dim // 2)``, as a 4-bit KVCache stores them): ``fmt`` "q4" or "nvfp4",
+    K's and V's block scales (device arrays in the values' layout; q4: float16
+    ``(capacity, n_kv_heads, head_dim // 32)``, nvfp4: e4m3 bytes ``(capacity, n_kv_heads,
+    head_dim // 16)``; head-major, ``(n_kv_heads, capacity, ...)``) and whether K is
     rotated (q then rotated in the decode). An nvfp4 pair's per-head scales are its
     ``kv_scales``."""
 
@@ -199,14 +201,20 @@ _FOUR_BIT_HEAD_DIMS = (64, 128, 256)  # the kernels' (decode.kv4_device.Q4_HEAD_
 
 
 def check_four_bit_pair(
-    pair: tuple[Any, ...], four: FourBitScales, kv_scales: Any
+    pair: tuple[Any, ...], four: FourBitScales, kv_scales: Any, kv_layout: Any = "NHD"
 ) -> tuple[int, int, int, tuple[ArrayRef, ...]]:
-    """A 4-bit pair's values, block scales and per-head scales checked on the host:
-    (capacity, n_kv_heads, head_dim, refs of k, v, the block scales and kv_scales or None).
+    """A 4-bit pair's values, block scales and per-head scales checked on the host, in
+    layout ``kv_layout`` ("NHD": token-major ``(capacity, n_kv_heads, ...)``; "HND":
+    head-major ``(n_kv_heads, capacity, ...)``, values and block scales alike): (capacity,
+    n_kv_heads, head_dim, refs of k, v, the block scales and kv_scales or None).
 
     Raises:
         TypeError, ValueError: naming the argument.
     """
+    layout = check_kv_layout(kv_layout)
+    hnd = layout == "HND"
+    form = ("(n_kv_heads, capacity, head_dim // 2), head-major" if hnd
+            else "(capacity, n_kv_heads, head_dim // 2), token-major")  # fmt: skip
     if four.fmt not in FOUR_BIT_FORMATS:
         raise ValueError(f"kv_format: expected 'int4' or 'nvfp4', got {four.fmt!r}")
     name = "int4" if four.fmt == Q4_FORMAT else four.fmt
@@ -220,11 +228,10 @@ def check_four_bit_pair(
     shape = tuple(kr[1])
     if kr[2] != np.uint8 or len(shape) != 3 or not kr[4]:
         raise ValueError(
-            f"k_cache: a {name} cache's values are C-contiguous uint8 (capacity, n_kv_heads, "
-            f"head_dim // 2), token-major; got shape {shape} of {kr[2]}"
-            f"{'' if kr[4] else ' (strided)'}"
+            f"k_cache: a {name} cache's values are C-contiguous uint8 {form} (kv_layout "
+            f"{layout!r}); got shape {shape} of {kr[2]}{'' if kr[4] else ' (strided)'}"
         )
-    capacity, n_kv, half = shape
+    n_kv, capacity, half = shape if hnd else (shape[1], shape[0], shape[2])
     hd = 2 * half
     if hd not in _FOUR_BIT_HEAD_DIMS:
         raise ValueError(f"k_cache: {name} caches take head_dim 64, 128 or 256 (k_cache's last "
@@ -243,10 +250,12 @@ def check_four_bit_pair(
         good = ref is not None and (
             ref[2] == np.float16 if four.fmt == Q4_FORMAT else ref[2].itemsize == 1
         )
-        if ref is None or not good or tuple(ref[1]) != (capacity, n_kv, per) or not ref[4]:
+        expected = (n_kv, capacity, per) if hnd else (capacity, n_kv, per)
+        if ref is None or not good or tuple(ref[1]) != expected or not ref[4]:
             got = "None" if ref is None else f"shape {tuple(ref[1])} of {ref[2]}"
             raise ValueError(f"{arg}: a {name} cache's block scales are contiguous {want} "
-                             f"{(capacity, n_kv, per)}, got {got}")  # fmt: skip
+                             f"{expected} (kv_layout {layout!r}, the values'), got "
+                             f"{got}")  # fmt: skip
         refs.append(ref)
     scales = None
     if four.fmt == NVFP4_FORMAT:
@@ -289,7 +298,9 @@ class _Pair:
     n_kv_heads: int
     head_dim: int
     capacity: int
-    head_stride: int  # elements from one KV head's rows to the next's (HND), else 0
+    # elements from one KV head's rows to the next's (HND; a 4-bit pair's: bytes of its
+    # values, capacity rows), else 0
+    head_stride: int
     layout: str
     fp8: str = ""  # an fp8 cache's format (its bytes read with kv_scales), else ""
 
@@ -300,13 +311,12 @@ def _check_pair(
 ) -> _Pair:  # fmt: skip
     """A ``(k_cache, v_cache)`` pair of device arrays in layout ``kv_layout``, checked
     (``fp8_ok``: kv_scales came with it, so an fp8 pair is read; ``four_bit``: a 4-bit
-    pair, its block scales and ``kv_scales`` checked too)."""
+    pair, its block scales and ``kv_scales`` checked too, token-major or head-major)."""
     layout = check_kv_layout(kv_layout)
-    if four_bit is not None:
-        if layout != "NHD":
-            raise ValueError(f"kv_layout: 4-bit caches are token-major ('NHD'), got {layout!r}")
-        capacity, n_kv, hd, refs = check_four_bit_pair(pair, four_bit, kv_scales)
-        return _Pair(refs[0], refs[1], n_kv, hd, capacity, 0, layout, four_bit.fmt)
+    if four_bit is not None:  # (head-major: a KV head's values capacity rows apart)
+        capacity, n_kv, hd, refs = check_four_bit_pair(pair, four_bit, kv_scales, layout)
+        stride = capacity * (hd // 2) if layout == "HND" else 0
+        return _Pair(refs[0], refs[1], n_kv, hd, capacity, stride, layout, four_bit.fmt)
     if len(pair) != 2:
         raise TypeError(
             f"kv: expected a KVCache or a pair (k_cache, v_cache), got {len(pair)} items"
@@ -398,7 +408,7 @@ def decode_async_pair(
     ``kv_scales``: an fp8 pair's scales (float32, n_kv K scales then n_kv V ones).
     ``tree_mask``: a verify's (q ``(n_q, n_heads, head_dim)``) mask on the device.
     ``four_bit``: a 4-bit pair's block scales and rotation (its per-head nvfp4 scales in
-    ``kv_scales``).
+    ``kv_scales``), token-major or, ``kv_layout="HND"``, head-major.
     ``torch_owned``: the arrays are PyTorch's and so are the graphs that capture this call
     (the torch ops): nothing is kept for a capture (PyTorch keeps what its graphs use), and a
     first call inside PyTorch's capture makes its record with the capture mode relaxed."""
@@ -541,7 +551,8 @@ def _pair_checked(
     if kv.layout == "HND":
         bits |= abi.F_HND
         fargs = dataclasses.replace(fargs, head_stride=kv.head_stride)
-    heads_at = kv.head_stride * dtype.itemsize  # (16-byte loads need whole heads aligned)
+    # (16-byte loads need whole heads aligned: the stride in the cache's bytes)
+    heads_at = kv.head_stride * np.dtype(kv.k[2]).itemsize
     aligned = ((q[0] | kv.k[0] | kv.v[0] | out[0] | heads_at) & 15) == 0
     foreign = sid != 0 and not isinstance(stream, Stream)
     dev.activate()  # this thread's context current before any driver call
@@ -607,13 +618,16 @@ def _pair_record(
         fp8 = dict(dtype=dtype, fp8=kv.fp8, kv_scales=DeviceArray._wrap(
             scales[0], (2 * n_kv,), np.dtype(np.float32), dev, None))  # fmt: skip
     if four_bit is not None:  # (as a 4-bit KVCache's decode_record passes its own)
-        per = (kv.capacity, n_kv, hd // _FOUR_BIT_GROUP[kv.fp8])
+        per = hd // _FOUR_BIT_GROUP[kv.fp8]  # the block scales in the values' layout
+        shape = (n_kv, kv.capacity, per) if kv.layout == "HND" else (kv.capacity, n_kv, per)
         sdt = np.dtype(np.float16 if kv.fp8 == Q4_FORMAT else np.uint8)
         block = tuple(
-            DeviceArray._wrap(array_ref(s, "block_scales")[0], per, sdt, dev, None)  # type: ignore[index]
+            DeviceArray._wrap(array_ref(s, "block_scales")[0], shape, sdt, dev, None)  # type: ignore[index]
             for s in _block_scales(four_bit)
         )  # fmt: skip
-        fp8 = dict(fp8, dtype=dtype, fp8=kv.fp8, q4_scales=block, rotate=bool(four_bit.rotate))
+        # head-major: the values' bytes from one KV head's rows to the next's (0: token-major)
+        fp8 = dict(fp8, dtype=dtype, fp8=kv.fp8, q4_scales=block, rotate=bool(four_bit.rotate),
+                   q4_head_stride=kv.head_stride)  # fmt: skip
         fp8.setdefault("kv_scales", None)
     record = _records.keep(key, assemble(
         q_d, k_d, v_d, out_d, stream=stream_handle(sid), keep_workspace=False, n_heads=n_heads,

@@ -32,7 +32,9 @@ stream and read every length on the device, so one captured graph serves every s
   tensors, uint8 values with ``k_block_scales``/``v_block_scales`` (and nvfp4's
   ``kv_scales``), K rotated where ``rotate_k`` (see ``torch_kv4``): ``kv_append`` quantizes
   rows into them (``torch.ops.ferrox.kv_append_4bit``), ``gqa_decode`` reads them over a
-  ``seq_len``; token-major only.
+  ``seq_len``; token-major ``(capacity, n_kv_heads, head_dim // 2)`` ("NHD") or
+  head-major ``(n_kv_heads, capacity, head_dim // 2)`` ("HND", a 4-bit KVCache's
+  layout), the block scales in the values' layout.
 - ``merge_states(outs, lses)``: the exact combine of partial attention (LSE-weighted).
 
 Needs PyTorch 2.4 or newer with CUDA.
@@ -341,26 +343,27 @@ def _append_4bit_op(
     kv_scales: torch.Tensor | None,
     kv_format: str,
     rotate_k: bool,
+    kv_layout: str = "NHD",
 ) -> None:
     if not k_cache.is_cuda:
         raise ValueError(f"k_cache: expected a CUDA tensor, got one on {k_cache.device}")
     four = four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
-                         "NHD", rotate_k)  # fmt: skip
-    check_rows(k, v, k_cache)
+                         kv_layout, rotate_k)  # fmt: skip
+    check_rows(k, v, k_cache, kv_layout)
     stream = _current_stream(k_cache.device)
     append_async_pair((k_cache, v_cache), k.contiguous(), v.contiguous(), state, kv_scales,
-                      stream, torch_owned=True, four_bit=four)  # fmt: skip
+                      stream, torch_owned=True, four_bit=four, kv_layout=kv_layout)  # fmt: skip
 
 
 @_append_4bit_op.register_fake
 def _append_4bit_fake(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     state: torch.Tensor, k_block_scales: torch.Tensor, v_block_scales: torch.Tensor,
-    kv_scales: torch.Tensor | None, kv_format: str, rotate_k: bool,
+    kv_scales: torch.Tensor | None, kv_format: str, rotate_k: bool, kv_layout: str = "NHD",
 ) -> None:  # fmt: skip
-    four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales, "NHD",
-                  rotate_k)  # fmt: skip
-    check_rows(k, v, k_cache)
+    four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
+                  kv_layout, rotate_k)  # fmt: skip
+    check_rows(k, v, k_cache, kv_layout)
     return None
 
 
@@ -423,7 +426,8 @@ def gqa_decode(
             head_dim)`` / ``(1, n_kv_heads, capacity, head_dim)`` ("HND", rows contiguous,
             heads any number of rows apart): float32, float16, bfloat16, or
             ``torch.float8_e4m3fn`` / ``float8_e5m2`` with ``kv_scales``, or a 4-bit cache's
-            values, uint8 ``(capacity, n_kv_heads, head_dim // 2)``, with ``kv_format``.
+            values with ``kv_format``, contiguous uint8 ``(capacity, n_kv_heads, head_dim
+            // 2)`` ("NHD") or ``(n_kv_heads, capacity, head_dim // 2)`` ("HND").
         v_cache: like ``k_cache``; or, with rows of a width of their own (``head_dim_v``:
             DeepSeek V2/V3's expanded heads, K 192 and V 128), the same tokens and heads of
             q's dtype (float16 or bfloat16), each token's row contiguous and 16-byte
@@ -444,12 +448,14 @@ def gqa_decode(
             ``(n_q, ceil(n_q / 8))`` (query t sees new token u where ``[t, u]``; its
             diagonal set), read on the device at each run.
         kv_format: ``"int4"`` or ``"nvfp4"``: the caches are 4-bit values (a 4-bit
-            ``KVCache``'s storage, token-major), read with their block scales (and nvfp4's
-            ``kv_scales``, float32 ``(2, n_kv_heads)``); q float16 or bfloat16; a
-            ``seq_len`` tensor. None: the caches' dtype says.
-        k_block_scales, v_block_scales: a 4-bit cache's block scales: int4 float16
-            ``(capacity, n_kv_heads, head_dim // 32)``, nvfp4 e4m3 bytes (uint8 or
-            ``torch.float8_e4m3fn``) ``(capacity, n_kv_heads, head_dim // 16)``.
+            ``KVCache``'s storage, token-major or, ``kv_layout="HND"``, head-major as a
+            KVCache holds it), read with their block scales (and nvfp4's ``kv_scales``,
+            float32 ``(2, n_kv_heads)``); q float16 or bfloat16; a ``seq_len`` tensor.
+            None: the caches' dtype says.
+        k_block_scales, v_block_scales: a 4-bit cache's block scales, in the values'
+            layout: int4 float16 ``(capacity, n_kv_heads, head_dim // 32)``, nvfp4 e4m3
+            bytes (uint8 or ``torch.float8_e4m3fn``) ``(capacity, n_kv_heads, head_dim //
+            16)``; head-major, ``(n_kv_heads, capacity, ...)``.
         rotate_k: whether the 4-bit K is Hadamard-rotated (q is rotated alike in the
             decode); None: the format's default, as ``KVCache(rotate=None)``'s (int4
             rotated, nvfp4 not).
@@ -508,6 +514,7 @@ def kv_append(
     k_block_scales: torch.Tensor | None = None,
     v_block_scales: torch.Tensor | None = None,
     rotate_k: bool | None = None,
+    kv_layout: str = "NHD",
 ) -> None:
     """Append one token's K and V rows ``(n_kv_heads, head_dim)``, or several ``(n,
     n_kv_heads, head_dim)``, to a token-major cache ``(capacity, n_kv_heads, head_dim)`` at
@@ -517,24 +524,31 @@ def kv_append(
     (``torch.float8_e4m3fn``/``float8_e5m2``) quantizes 16- or 32-bit rows with
     ``kv_scales`` (float32 ``(2, n_kv_heads)``: a value is stored as value / scale).
 
-    A 4-bit cache (``kv_format="int4"`` or ``"nvfp4"``: uint8 values ``(capacity,
-    n_kv_heads, head_dim // 2)`` and ``k_block_scales``/``v_block_scales``, as
-    ``gqa_decode`` takes them) quantizes float32, float16 or bfloat16 rows on the device
-    into the values and the block scales (nvfp4 with its ``kv_scales``; K rotated first
-    where ``rotate_k``, None: the format's default), the bytes ``fd.quantize_int4`` /
-    ``fd.quantize_nvfp4`` compute (of ``fd.hadamard(k)`` for a rotated K).
+    A 4-bit cache (``kv_format="int4"`` or ``"nvfp4"``: uint8 values and
+    ``k_block_scales``/``v_block_scales``, as ``gqa_decode`` takes them, token-major
+    ``(capacity, n_kv_heads, head_dim // 2)`` or, ``kv_layout="HND"``, head-major
+    ``(n_kv_heads, capacity, head_dim // 2)``) quantizes float32, float16 or bfloat16 rows
+    on the device into the values and the block scales (nvfp4 with its ``kv_scales``; K
+    rotated first where ``rotate_k``, None: the format's default), the bytes
+    ``fd.quantize_int4`` / ``fd.quantize_nvfp4`` compute (of ``fd.hadamard(k)`` for a
+    rotated K). The rows are token rows in either layout.
 
     Raises:
         ValueError, TypeError: naming the argument, before any device work.
     """
     four = four_bit_args(kv_format, k_cache, v_cache, k_block_scales, v_block_scales, kv_scales,
-                         "NHD", rotate_k)  # fmt: skip
+                         kv_layout, rotate_k)  # fmt: skip
     if four is None:
+        if kv_layout != "NHD":
+            raise ValueError(f"kv_layout: appends into a cache of k_cache's dtype "
+                             f"{k_cache.dtype} are token-major ('NHD'); 'HND' is a 4-bit "
+                             f"cache's (kv_format); got {kv_layout!r}")  # fmt: skip
         torch.ops.ferrox.kv_append(k_cache, v_cache, k, v, state, kv_scales)
         return
-    check_rows(k, v, k_cache)
+    check_rows(k, v, k_cache, kv_layout)
     torch.ops.ferrox.kv_append_4bit(k_cache, v_cache, k, v, state, k_block_scales,
-                                    v_block_scales, kv_scales, kv_format, four.rotate)  # fmt: skip
+                                    v_block_scales, kv_scales, kv_format, four.rotate,
+                                    kv_layout)  # fmt: skip
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -439,11 +439,13 @@ def bind_layers(model: Any, layers: list[Any], attr: str, cache: str) -> None:
 
 
 def quantized_step(
-    cache: str, what: str, query: Any, key: Any, dropout: float, kwargs: dict[str, Any]
-) -> tuple[int, int, int | None]:
+    cache: str, what: str, query: Any, key: Any, dropout: float, kwargs: dict[str, Any],
+    kv_layout: str = "NHD",
+) -> tuple[int, int, int | None]:  # fmt: skip
     """A decode step over a quantized cache's layer checked: (n_heads, head_dim, the
     window to read, None for the whole cache), or a ValueError naming what it has that
-    ferrox's decode of ``what`` (there is no other attention over its bytes) lacks."""
+    ferrox's decode of ``what`` (there is no other attention over its bytes) lacks.
+    ``kv_layout``: the layer's keys' ("NHD", capacity first; "HND", KV heads first)."""
     batch, n_heads, q_len, head_dim = query.shape
     why = None
     if batch != 1 or q_len != 1:
@@ -457,7 +459,7 @@ def quantized_step(
     if why:
         raise ValueError(f"{cache}: ferrox decodes one query token of a batch of one over "
                          f"{what}, without other features; got {why}")  # fmt: skip
-    cap = key.shape[0]
+    cap = key.shape[1 if kv_layout == "HND" else 0]
     window = kwargs.get("sliding_window")
     return n_heads, head_dim, None if window is None or window >= cap else int(window)
 

@@ -1,6 +1,7 @@
 """4-bit caches in the torch ops without a GPU: the formats decoded in torch bit for bit as
-the host helpers do, a decode layer over a 4-bit cache traced with fake tensors to the ops,
-the old call forms unchanged, and every bad 4-bit argument named before any device work."""
+the host helpers do (token-major and head-major), a decode layer over a 4-bit cache of
+either layout traced with fake tensors to the ops, the old call forms unchanged, and every
+bad 4-bit argument named before any device work."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ H, KV, D, CAP = 8, 2, 128, 32
 GROUP = {"int4": 32, "nvfp4": 16}
 
 
-def _cache(fmt, cap=CAP, d=D):
-    """A 4-bit cache's tensors on the CPU: values, block scales, nvfp4's kv_scales."""
-    vals = [torch.zeros(cap, KV, d // 2, dtype=torch.uint8) for _ in "kv"]
+def _cache(fmt, cap=CAP, d=D, layout="NHD"):
+    """A 4-bit cache's tensors on the CPU: values, block scales, nvfp4's kv_scales; rows
+    token-major ("NHD", (cap, KV, ...)) or head-major ("HND", (KV, cap, ...))."""
+    lead = (KV, cap) if layout == "HND" else (cap, KV)
+    vals = [torch.zeros(*lead, d // 2, dtype=torch.uint8) for _ in "kv"]
     sdt = torch.float16 if fmt == "int4" else torch.uint8
-    scales = [torch.zeros(cap, KV, d // GROUP[fmt], dtype=sdt) for _ in "kv"]
+    scales = [torch.zeros(*lead, d // GROUP[fmt], dtype=sdt) for _ in "kv"]
     kv_scales = torch.ones(2, KV) if fmt == "nvfp4" else None
     return vals, scales, kv_scales
 
@@ -75,28 +78,33 @@ def test_dequantize_names_its_bad_arguments():
         fxt.dequantize_4bit(vals.float(), torch.zeros(3, KV, 4, dtype=torch.float16), "int4")
 
 
-def _layer(fmt):
+def _layer(fmt, layout="NHD"):
     def layer(q, kc, vc, k, v, state, ks, vs, kv_scales):
-        kw = _kw(fmt, (ks, vs), kv_scales)
+        kw = _kw(fmt, (ks, vs), kv_scales, kv_layout=layout)
         fxt.kv_append(kc, vc, k, v, state, **kw)
         return fxt.gqa_decode(q, kc, vc, state[:1], return_lse=True, **kw)
 
     return layer
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
-def test_a_4bit_decode_layer_traces_with_fake_tensors_to_the_ops(fmt):
+def test_a_4bit_decode_layer_traces_with_fake_tensors_to_the_ops(fmt, layout):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    vals, scales, kv_scales = _cache(fmt)
+    vals, scales, kv_scales = _cache(fmt, layout=layout)
     args = (torch.randn(H, D, dtype=torch.bfloat16), *vals, torch.randn(KV, D),
             torch.randn(KV, D), torch.zeros(2, dtype=torch.int32), *scales, kv_scales)  # fmt: skip
-    graph = make_fx(_layer(fmt), tracing_mode="fake")(*args)
+    graph = make_fx(_layer(fmt, layout), tracing_mode="fake")(*args)
     calls = [n for n in graph.graph.nodes if n.op == "call_function"]
     names = [str(n.target) for n in calls]
     assert names.index("ferrox.kv_append_4bit.default") < names.index("ferrox.gqa_decode.default")
+    append = calls[names.index("ferrox.kv_append_4bit.default")]
+    # the layout reaches the append op (the trace leaves out a default: "NHD")
+    assert (*append.args[10:], "NHD")[0] == layout
     decode = calls[names.index("ferrox.gqa_decode.default")]
     assert decode.args[13] == fmt and decode.args[16] is (fmt == "int4")  # (rotate_k resolved)
+    assert decode.args[7] == layout
     out, lse = decode.meta["val"]
     assert tuple(out.shape) == (H, D) and out.dtype == torch.bfloat16
     assert tuple(lse.shape) == (H,)
@@ -112,21 +120,26 @@ def test_the_old_call_forms_keep_their_schemas_positions():
     assert all(a.has_default_value() for a in schema.arguments[12:])
     append = [a.name for a in torch.ops.ferrox.kv_append.default._schema.arguments]
     assert append == ["k_cache", "v_cache", "k", "v", "state", "kv_scales"]
+    four = torch.ops.ferrox.kv_append_4bit.default._schema.arguments
+    assert [a.name for a in four] == ["k_cache", "v_cache", "k", "v", "state", "k_block_scales",
+                                      "v_block_scales", "kv_scales", "kv_format", "rotate_k",
+                                      "kv_layout"]  # fmt: skip
+    assert four[-1].has_default_value()  # (the calls without kv_layout: token-major)
 
 
-def _decode(fmt, q=None, vals=None, seq=True, **kw):
-    v0, scales, kv_scales = _cache(fmt)
+def _decode(fmt, q=None, vals=None, seq=True, layout="NHD", **kw):
+    v0, scales, kv_scales = _cache(fmt, layout=layout)
     vals = v0 if vals is None else vals
     q = torch.zeros(H, D, dtype=torch.bfloat16) if q is None else q
     state = torch.zeros(1, dtype=torch.int32) if seq else None
     args = {**_kw(fmt, scales, kv_scales), **kw}
-    return fxt.gqa_decode(q, vals[0], vals[1], state, **args)
+    return fxt.gqa_decode(q, vals[0], vals[1], state, kv_layout=layout, **args)
 
 
 def test_bad_4bit_decode_arguments_are_named_before_any_device_work():
     _, scales, _ = _cache("int4")
     cases = [
-        (ValueError, "kv_layout", lambda: _decode("int4", kv_layout="HND")),
+        (ValueError, "kv_layout", lambda: _decode("int4", layout="NCHW")),
         (ValueError, "kv_format", lambda: _decode("int4", kv_format="int8")),
         (ValueError, "k_block_scales", lambda: _decode("int4", k_block_scales=None)),
         (ValueError, "v_block_scales", lambda: _decode("int4", v_block_scales=scales[1].float())),
@@ -149,6 +162,88 @@ def test_bad_4bit_decode_arguments_are_named_before_any_device_work():
     for error, match, call in cases:
         with pytest.raises(error, match=match):
             call()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_a_head_major_4bit_cache_is_checked_in_its_own_shapes(fmt):
+    from ferrox_driver.integrations.torch_kv4 import check_rows, four_bit_args
+
+    vals, scales, kv_scales = _cache(fmt, layout="HND")
+    four = four_bit_args(fmt, *vals, *scales, kv_scales, "HND", None)
+    assert four is not None and four.k_scales is scales[0] and four.v_scales is scales[1]
+    rows = torch.zeros(5, KV, D)
+    check_rows(rows, rows, vals[0], "HND")  # (token rows, whatever the cache's layout)
+    with pytest.raises(ValueError, match="k: expected"):
+        check_rows(torch.zeros(5, CAP, D), torch.zeros(5, CAP, D), vals[0], "HND")
+    # all good but on the CPU: the ops say so (the device work they would do)
+    q, seq = torch.zeros(H, D, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32)
+    kw = _kw(fmt, scales, kv_scales, kv_layout="HND")
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
+        fxt.gqa_decode(q, *vals, seq, n_kv_heads=KV, **kw)
+    with pytest.raises(ValueError, match="k_cache: expected a CUDA tensor"):
+        fxt.kv_append(*vals, rows, rows, fxt.new_state("cpu"), **kw)
+
+
+def test_bad_head_major_4bit_arguments_are_named_with_the_shape_they_need():
+    nhd, hnd = _cache("int4"), _cache("int4", layout="HND")
+    want = f"\\({KV}, {CAP}, {D // 32}\\) \\(kv_layout 'HND'"
+    cases = [
+        # token-major block scales with head-major values
+        (ValueError, f"k_block_scales: .*{want}",
+         lambda: _decode("int4", layout="HND", k_block_scales=nhd[1][0])),
+        (ValueError, f"v_block_scales: .*{want}",
+         lambda: _decode("int4", layout="HND", v_block_scales=nhd[1][1])),
+        (ValueError, "v_cache: expected k_cache's shape",
+         lambda: _decode("int4", layout="HND", vals=(hnd[0][0], hnd[0][1][:, :-1]))),
+        (ValueError, "k_cache: .*\\(n_kv_heads, capacity, head_dim // 2\\), head-major",
+         lambda: _decode("int4", layout="HND", vals=[torch.zeros(1, KV, CAP, D // 2,
+                                                                 dtype=torch.uint8)] * 2)),
+        (ValueError, "k_cache: .*strided",
+         lambda: _decode("int4", layout="HND", vals=[v.transpose(0, 1) for v in nhd[0]])),
+        (ValueError, "k_cache: .*head_dim 64, 128 or 256",
+         lambda: _decode("int4", layout="HND", vals=_cache("int4", d=96, layout="HND")[0])),
+        (ValueError, "n_kv_heads",
+         lambda: _decode("int4", layout="HND", n_kv_heads=CAP)),
+    ]  # fmt: skip
+    for error, match, call in cases:
+        with pytest.raises(error, match=match):
+            call()
+    vals, scales, kv_scales = _cache("nvfp4", layout="HND")
+    rows = torch.zeros(KV, D, dtype=torch.bfloat16)
+    kw = _kw("nvfp4", scales, kv_scales, kv_layout="HND")
+    with pytest.raises(ValueError, match=f"k_block_scales: .*\\({KV}, {CAP}, {D // 16}\\)"):
+        fxt.kv_append(*vals, rows, rows, fxt.new_state("cpu"),
+                      **{**kw, "k_block_scales": scales[0][:, :4]})  # fmt: skip
+    with pytest.raises(ValueError, match="k: expected"):
+        fxt.kv_append(*vals, torch.zeros(CAP, D), torch.zeros(CAP, D), fxt.new_state("cpu"), **kw)
+    bf16 = torch.zeros(KV, CAP, D, dtype=torch.bfloat16)  # (a head-major append: 4-bit only)
+    with pytest.raises(ValueError, match="kv_layout: appends into a cache of"):
+        fxt.kv_append(bf16, bf16, rows, rows, fxt.new_state("cpu"), kv_layout="HND")
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_head_major_dequantize_is_the_token_major_one_transposed(rotated, rng):
+    x = rng.standard_normal((7, KV, D)).astype(np.float32) * rng.uniform(0.1, 20, (1, KV, 1))
+    vals, scales = fd.quantize_int4(x)
+    nv_vals, blocks, g = fd.quantize_nvfp4(x)
+    cases = (
+        ("int4", torch.from_numpy(vals), torch.from_numpy(scales), None),
+        ("nvfp4", torch.from_numpy(nv_vals), torch.from_numpy(blocks.view(np.uint8)),
+         torch.from_numpy(g)),
+    )  # fmt: skip
+    for fmt, v, s, gs in cases:
+        want = fxt.dequantize_4bit(v, s, fmt, global_scale=gs, rotated=rotated)
+        got = fxt.dequantize_4bit(v.transpose(0, 1).contiguous(), s.transpose(0, 1).contiguous(),
+                                  fmt, global_scale=gs, rotated=rotated,
+                                  kv_layout="HND")  # fmt: skip
+        assert tuple(got.shape) == (KV, 7, D)
+        assert torch.equal(got, want.transpose(0, 1)), fmt
+    with pytest.raises(ValueError, match="values: expected uint8 \\(n_kv_heads, n"):
+        fxt.dequantize_4bit(torch.from_numpy(vals)[None], torch.from_numpy(scales)[None], "int4",
+                            kv_layout="HND")  # fmt: skip
+    with pytest.raises(ValueError, match="kv_layout"):
+        fxt.dequantize_4bit(torch.from_numpy(vals), torch.from_numpy(scales), "int4",
+                            kv_layout="NCHW")  # fmt: skip
 
 
 def test_4bit_arguments_without_a_4bit_format_are_named():
@@ -183,8 +278,9 @@ def test_bad_4bit_append_arguments_are_named_before_any_device_work():
         fxt.kv_append(*vals, rows, rows, state, **kw)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
-def test_dynamo_traces_a_4bit_decode_layer_whole(fmt):
+def test_dynamo_traces_a_4bit_decode_layer_whole(fmt, layout):
     """torch.compile(fullgraph=True) of a decode layer over a 4-bit cache: one graph with
     the append and the decode (a backend that keeps the graph and runs nothing: no GPU)."""
     graphs = []
@@ -195,11 +291,11 @@ def test_dynamo_traces_a_4bit_decode_layer_whole(fmt):
         fakes = [n.meta["example_value"] for n in outputs]  # (zeros of their shapes)
         return lambda *args: [torch.zeros(f.shape, dtype=f.dtype) for f in fakes]
 
-    vals, scales, kv_scales = _cache(fmt)
+    vals, scales, kv_scales = _cache(fmt, layout=layout)
     args = (torch.randn(H, D, dtype=torch.bfloat16), *vals, torch.randn(KV, D),
             torch.randn(KV, D), torch.zeros(2, dtype=torch.int32), *scales, kv_scales)  # fmt: skip
     torch._dynamo.reset()
-    torch.compile(_layer(fmt), backend=keep, fullgraph=True)(*args)
+    torch.compile(_layer(fmt, layout), backend=keep, fullgraph=True)(*args)
     (graph,) = graphs
     targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
     assert targets.index("ferrox.kv_append_4bit") < targets.index("ferrox.gqa_decode")

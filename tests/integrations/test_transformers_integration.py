@@ -456,8 +456,9 @@ def test_four_bit_keys_of_another_cache_or_of_no_cache_are_refused():
 
 
 def _host_append(kc, vc, k, v, state, kv_scales=None, kv_format=None, k_block_scales=None,
-                 v_block_scales=None, rotate_k=None):  # fmt: skip
-    """fxt.kv_append on the CPU, by the public numpy helpers (what the GPU stores)."""
+                 v_block_scales=None, rotate_k=None, kv_layout="NHD"):  # fmt: skip
+    """fxt.kv_append on the CPU, by the public numpy helpers (what the GPU stores), into a
+    token-major or (kv_layout "HND") head-major cache."""
     import ferrox_driver as fd
 
     kn, vn = (x.float().reshape(-1, *x.shape[-2:]).numpy() for x in (k, v))
@@ -469,8 +470,12 @@ def _host_append(kc, vc, k, v, state, kv_scales=None, kv_format=None, k_block_sc
         else:
             q, s, _ = fd.quantize_nvfp4(rows, kv_scales[i].numpy())
             s = s.view("uint8")
-        vals[at : at + n] = torch.from_numpy(q)
-        scales[at : at + n] = torch.from_numpy(s)
+        if kv_layout == "HND":  # (each KV head's rows at..at + n)
+            vals[:, at : at + n] = torch.from_numpy(q).transpose(0, 1)
+            scales[:, at : at + n] = torch.from_numpy(s).transpose(0, 1)
+        else:
+            vals[at : at + n] = torch.from_numpy(q)
+            scales[at : at + n] = torch.from_numpy(s)
     state[0] += n
 
 
@@ -494,6 +499,10 @@ def test_a_four_bit_layer_attends_over_its_dequantized_tokens_and_the_new_ones(f
     got_k, got_v = layer.update(k1, v1)
     assert got_k is k1 and got_v is v1  # the first chunk: itself, unquantized
     assert int(layer.state[0]) == 5 and int(layer.cumulative_length) == 5
+    # head-major, as a 4-bit KVCache: each KV head's rows in one run
+    per = 64 // (32 if fmt == "int4" else 16)
+    assert layer.keys.shape == layer.values.shape == (2, 16, 32)
+    assert layer.k_block_scales.shape == layer.v_block_scales.shape == (2, 16, per)
     if fmt == "nvfp4":  # each head's largest magnitude (K's rotated) x 2 at 6 x 448
         amax = np.abs(fd.hadamard(k1[0].transpose(0, 1).float().numpy())).max(axis=(0, 2))
         assert np.allclose(layer.kv_scales[0].numpy(), amax * 2 / 2688, rtol=1e-6)
