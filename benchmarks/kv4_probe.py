@@ -3,8 +3,8 @@ with parts of its loop taken out (FX_Q4_PROBE in split_mma_swapped.cuh: 1 copies
 compute only on the ring's first bytes, 3 one mask a pair in place of the widening, 4 the
 values' copies only, 5 neither copies nor compute: what is left is the fixed cost;
 FX_Q4_PAIR=1, the loop over two ring steps a pass, once kv4_pair.patch is applied, may join
-them) or other traits ("TM": the buffers token-major, as 4-bit caches were before they went
-head-major), and the read floor, in one process, graph-replayed, each variant timed
+them) or other traits ("NHD", "HND": the buffers token-major or head-major; else a 4-bit
+KVCache's default), and the read floor, in one process, graph-replayed, each variant timed
 twice, alternating (docs/design.md, issue 49).
 
     PYTHONPATH=. python benchmarks/kv4_probe.py [--shapes 32/8/128 8/1/256] [--seqs 131072]
@@ -29,6 +29,7 @@ import subprocess
 import sys
 
 from ferrox_driver.apps.bench import kv4_speed as ks
+from ferrox_driver.cache.four_bit import DEFAULT_LAYOUT
 from ferrox_driver.kernels import catalogue
 from ferrox_driver.kernels.traits import SPLIT_TRAITS
 
@@ -36,13 +37,15 @@ DEFAULTS = dict(SPLIT_TRAITS, FX_Q4_PROBE=0, FX_Q4_PAIR=0)
 
 
 def set_variant(spec: str) -> None:
-    """Traits as DEFAULTS but for ``spec`` (NAME=VALUE,...; "base": none; "TM": the
-    buffers token-major, not a KVCache's head-major), sources rebuilt."""
+    """Traits as DEFAULTS but for ``spec`` (NAME=VALUE,...; "base": none; "NHD" or
+    "HND": the buffers token-major or head-major, else a KVCache's default), sources
+    rebuilt."""
     SPLIT_TRAITS.clear()
     SPLIT_TRAITS.update(DEFAULTS)
-    pairs = [pair for pair in spec.split(",") if pair and pair not in ("base", "TM")]
-    ks.HEAD_MAJOR = "TM" not in spec.split(",")
-    ks.set_traits(pairs)
+    parts = spec.split(",")
+    layout = "HND" if "HND" in parts else "NHD" if "NHD" in parts else DEFAULT_LAYOUT
+    ks.HEAD_MAJOR = layout == "HND"
+    ks.set_traits([pair for pair in parts if pair and pair not in ("base", "NHD", "HND")])
     catalogue.kernel_source.cache_clear()
     catalogue._kernels.clear()
 

@@ -44,10 +44,12 @@ from ..kernels.spec import (
 )
 
 __all__ = [
+    "DEFAULT_LAYOUT",
     "FOUR_BIT_DTYPES",
     "FourBitStore",
     "MixedFormats",
     "check_four_bit",
+    "check_four_bit_layout",
     "check_mixed",
     "check_four_bit_device",
     "four_bit_format",
@@ -59,6 +61,32 @@ __all__ = [
 FOUR_BIT_DTYPES = {"int4": Q4_FORMAT, "q4": Q4_FORMAT, "nvfp4": NVFP4_FORMAT}
 # the measured defaults (docs/design.md, the kv4 accuracy table): q4's K rotated, nvfp4's not
 DEFAULT_ROTATE = {Q4_FORMAT: True, NVFP4_FORMAT: False}
+# KVCache(kv_layout=None)'s storage of a 4-bit cache of one format (and FourBitCache's):
+# token-major, the layout its decodes were checked in on a GPU. Head-major ("HND") read
+# 18% faster in a probe of the same reads (H100, 32/8/128 at 131072 tokens) and is not yet
+# run as the library on a GPU (docs/design.md): it becomes the default once it is.
+DEFAULT_LAYOUT = "NHD"
+
+
+def check_four_bit_layout(kv_layout: Any, four: str, mixed: bool) -> bool:
+    """Whether a KVCache of ``four`` (its 4-bit format, or "") stores its rows head-major,
+    from ``kv_layout`` (None: `DEFAULT_LAYOUT` for a 4-bit cache of one format).
+
+    Raises:
+        ValueError: naming ``kv_layout``: not None, "NHD" or "HND"; "HND" for a cache that
+            is not a 4-bit cache of one format.
+    """
+    if kv_layout not in (None, "NHD", "HND"):
+        raise ValueError(f"kv_layout: expected None, 'NHD' or 'HND', got {kv_layout!r}")
+    one_format = four in FOUR_BIT_FORMATS and not mixed
+    if kv_layout == "HND" and not one_format:
+        raise ValueError(
+            "kv_layout: a KVCache stores head-major ('HND') only as a 4-bit cache of one "
+            "format (dtype 'int4' or 'nvfp4', no v_dtype); others are token-major ('NHD')"
+        )
+    return one_format and (kv_layout or DEFAULT_LAYOUT) == "HND"
+
+
 _WARPS_MAX = 16  # a one-row append's block: a warp per KV head, up to this many
 
 
@@ -264,10 +292,10 @@ class FourBitStore:
         d, n_kv, cap = kv.head_dim, kv.n_kv_heads, kv.capacity
         self.n_kv, self.head_dim, self.capacity = n_kv, d, cap
         self.device, self.stream = kv.device, kv.stream
-        # head-major (one format): values and block scales [n_kv][capacity][...]; the
+        # head-major (kv.head_major): values and block scales [n_kv][capacity][...]; the
         # kernels take the rows a head (the quantizers) or the values' bytes a head (the
-        # decodes' head stride); token-major (formats of their own): 0
-        self.head_rows = 0 if self.mixed else cap
+        # decodes' head stride); token-major: 0
+        self.head_rows = cap if kv.head_major else 0
         self.head_stride = self.head_rows * (d // 2)
 
         def block_scales(side: str) -> DeviceArray:

@@ -13,7 +13,7 @@ from ..driver.memory import as_dtype
 from ..driver.stream import Stream
 from ..errors import ClosedError
 from ..types import DeviceLike, DTypeLike, HostArrayLike
-from .four_bit import check_mixed, four_bit_format
+from .four_bit import check_four_bit_layout, check_mixed, four_bit_format
 from .kv_cache import KVCache, check_kv_shape
 from .own_values import check_head_dim_v
 
@@ -37,6 +37,7 @@ class LayerKVCache:
         v_dtype: as `KVCache` (V's format where it is not K's).
         rotate: as `KVCache` (a 4-bit K's Hadamard rotation).
         head_dim_v: as `KVCache` (V rows of their own width, every layer's).
+        kv_layout: as `KVCache` (a 4-bit cache's storage, every layer's).
 
     Raises:
         TypeError, ValueError: an argument `KVCache` refuses, named (nothing is left
@@ -58,12 +59,15 @@ class LayerKVCache:
         v_dtype: DTypeLike = None,
         rotate: bool | None = None,
         head_dim_v: int | None = None,
+        kv_layout: str | None = None,
     ) -> None:
         n_layers = check_int(n_layers, "n_layers", 1)
         _, head_dim = check_kv_shape(n_kv_heads, head_dim)
         check_int(capacity, "capacity", 1, MAX_TOKENS)
-        check_mixed(dtype, v_dtype, head_dim, rotate, k_scale, v_scale)  # (before any stream)
+        # (all checked before any stream)
+        mixed = check_mixed(dtype, v_dtype, head_dim, rotate, k_scale, v_scale)
         check_head_dim_v(head_dim_v, head_dim, dtype, v_dtype, rotate)
+        check_four_bit_layout(kv_layout, four_bit_format(dtype), mixed is not None)
         if not four_bit_format(dtype) and not FP8_DTYPES.get(as_dtype(dtype, "dtype")):
             dtype = check_dtype(dtype, "dtype")
         self.device = resolve(device)
@@ -85,6 +89,7 @@ class LayerKVCache:
                         v_dtype=v_dtype,
                         rotate=rotate,
                         head_dim_v=head_dim_v,
+                        kv_layout=kv_layout,
                     )
                 )
         except BaseException:

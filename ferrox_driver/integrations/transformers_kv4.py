@@ -1,24 +1,28 @@
 """`FourBitCache`: a transformers static cache of 4-bit K and V (int4 or nvfp4), the
 sibling of `FP8Cache` (transformers.py), made on first use by that module's __getattr__.
 
-Each layer holds a 4-bit ``KVCache``'s storage as tensors (``torch_kv4``), head-major as
-a KVCache holds it (``kv_layout="HND"``: a KV head's rows in one run): K's and V's values,
-uint8 ``(n_kv_heads, max_cache_len, head_dim // 2)``, their block scales ``(n_kv_heads,
-max_cache_len, ...)``, nvfp4's scales per KV head (``kv_scales``) and the length on the
-device. Rows are quantized on the GPU by ``torch.ops.ferrox.kv_append_4bit``; a decode
-step's attention reads the bytes in place with ``torch.ops.ferrox.gqa_decode`` (eager and
-compiled: no graph break); the prompt attends in the model's dtype, as an FP8Cache's does.
+Each layer holds a 4-bit ``KVCache``'s storage as tensors (``torch_kv4``), in a
+KVCache's default layout (``LAYOUT``, ``cache.four_bit.DEFAULT_LAYOUT``: token-major,
+``"NHD"``, or head-major, ``"HND"``, a KV head's rows in one run): K's and V's values,
+uint8 ``(max_cache_len, n_kv_heads, head_dim // 2)`` (head-major: ``(n_kv_heads,
+max_cache_len, ...)``), their block scales alike, nvfp4's scales per KV head
+(``kv_scales``) and the length on the device. Rows are quantized on the GPU by
+``torch.ops.ferrox.kv_append_4bit``; a decode step's attention reads the bytes in place
+with ``torch.ops.ferrox.gqa_decode`` (eager and compiled: no graph break); the prompt
+attends in the model's dtype, as an FP8Cache's does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..cache.four_bit import DEFAULT_LAYOUT
 from .transformers import bind_layers, bound_layer, masked_step, quantized_step
 
 __all__ = ["four_bit_cache_class", "four_bit_forward"]
 
 _E2M1_MAX, _E4M3_MAX = 6.0, 448.0  # nvfp4's largest value: 6 times a block scale of 448
+LAYOUT = DEFAULT_LAYOUT  # the layers' storage, "NHD" or "HND"
 
 
 def four_bit_forward(
@@ -33,10 +37,10 @@ def four_bit_forward(
 
     layer = bound_layer(module, key, "ferrox_kv4_layer", "FourBitCache", "4-bit")
     n_heads, head_dim, window = quantized_step("FourBitCache", "a 4-bit cache", query, key,
-                                               dropout, kwargs, kv_layout="HND")  # fmt: skip
+                                               dropout, kwargs, kv_layout=LAYOUT)  # fmt: skip
     softcap = kwargs.get("softcap")
     out = fxt.gqa_decode(query.reshape(n_heads, head_dim), key, value, layer.state[:1],
-                         kv_layout="HND", kv_scales=layer.kv_scales, sinks=kwargs.get("s_aux"),
+                         kv_layout=LAYOUT, kv_scales=layer.kv_scales, sinks=kwargs.get("s_aux"),
                          scale=scaling, logits_soft_cap=float(softcap) if softcap else None,
                          sliding_window=window, kv_format=layer.kv_format,
                          k_block_scales=layer.k_block_scales,
@@ -58,11 +62,12 @@ def four_bit_cache_class() -> Any:
     default_rotate = {"int4": True, "nvfp4": False}  # KVCache(rotate=None)'s
 
     class FourBitLayer(StaticLayer):
-        """One layer of a `FourBitCache`: K and V values head-major, uint8 ``(n_kv_heads,
-        max_cache_len, head_dim // 2)``, their block scales likewise ``(n_kv_heads,
-        max_cache_len, head_dim // 32)`` (int4) or ``// 16`` (nvfp4), nvfp4's scales per KV
-        head (``kv_scales``, float32 ``(2, n_kv_heads)``; None for int4) and the length on
-        the device (``state``)."""
+        """One layer of a `FourBitCache`: K and V values in ``LAYOUT``, uint8
+        ``(max_cache_len, n_kv_heads, head_dim // 2)`` (head-major: ``(n_kv_heads,
+        max_cache_len, ...)``), their block scales alike (``head_dim // 32`` of them a row
+        for int4, ``// 16`` for nvfp4), nvfp4's scales per KV head (``kv_scales``,
+        float32 ``(2, n_kv_heads)``; None for int4) and the length on the device
+        (``state``)."""
 
         def __init__(self, max_cache_len: int, fmt: str, rotate: bool, k_scale: Any,
                      v_scale: Any, margin: float) -> None:  # fmt: skip
@@ -85,10 +90,11 @@ def four_bit_cache_class() -> Any:
                 raise ValueError(f"FourBitCache: a model in {self.dtype}: ferrox reads 4-bit "
                                  "caches with float16 or bfloat16 queries")  # fmt: skip
             cap, dev = self.max_cache_len, self.device
-            # head-major (kv_layout "HND"), values and block scales alike
-            self.keys = torch.zeros((n_kv, cap, head_dim // 2), dtype=torch.uint8, device=dev)
+            # values and block scales in LAYOUT
+            rows = (n_kv, cap) if LAYOUT == "HND" else (cap, n_kv)
+            self.keys = torch.zeros((*rows, head_dim // 2), dtype=torch.uint8, device=dev)
             self.values = torch.zeros_like(self.keys)
-            per = (n_kv, cap, head_dim // group[self.kv_format])
+            per = (*rows, head_dim // group[self.kv_format])
             sdt = torch.float16 if self.kv_format == "int4" else torch.uint8
             self.k_block_scales = torch.zeros(per, dtype=sdt, device=dev)
             self.v_block_scales = torch.zeros(per, dtype=sdt, device=dev)
@@ -115,7 +121,7 @@ def four_bit_cache_class() -> Any:
             fxt.kv_append(self.keys, self.values, k, v, self.state, kv_scales=self.kv_scales,
                           kv_format=self.kv_format, k_block_scales=self.k_block_scales,
                           v_block_scales=self.v_block_scales, rotate_k=self.rotate,
-                          kv_layout="HND")  # fmt: skip
+                          kv_layout=LAYOUT)  # fmt: skip
 
         def update(self, key_states: Any, value_states: Any, *args: Any,
                    **kwargs: Any) -> tuple[Any, Any]:  # fmt: skip
@@ -158,13 +164,15 @@ def four_bit_cache_class() -> Any:
         def _dequantized(self, which: int, n: int) -> Any:
             """K (0) or V (1) of the first ``n`` tokens in the model's dtype, ``[1,
             n_kv_heads, n, head_dim]``: the bytes decoded, K's rotation undone."""
-            values = (self.keys, self.values)[which][:, :n]  # (head-major: each head's first n)
-            scales = (self.k_block_scales, self.v_block_scales)[which][:, :n]
+            hnd = LAYOUT == "HND"  # (head-major: each head's first n rows)
+            values = (self.keys, self.values)[which]
+            scales = (self.k_block_scales, self.v_block_scales)[which]
+            values, scales = (values[:, :n], scales[:, :n]) if hnd else (values[:n], scales[:n])
             g = None if self.kv_scales is None else self.kv_scales[which]
             x = fxt.dequantize_4bit(values, scales, self.kv_format, global_scale=g,
                                     rotated=which == 0 and self.rotate,
-                                    kv_layout="HND")  # fmt: skip
-            return x.to(self.dtype)[None]
+                                    kv_layout=LAYOUT)  # fmt: skip
+            return (x if hnd else x.transpose(0, 1)).to(self.dtype)[None]
 
         def reset(self) -> None:
             super().reset()

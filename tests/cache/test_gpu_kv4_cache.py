@@ -63,15 +63,19 @@ def _check_stored(kv, k, v, **scales):
 CASES = [("int4", None), ("int4", False), ("nvfp4", None), ("nvfp4", True)]
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype,rotate", CASES)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("path", ["append", "extend", "device", "async", "async_rows"])
-def test_every_append_path_stores_what_the_helpers_compute(rng, dtype, rotate, head_dim, path):
+def test_every_append_path_stores_what_the_helpers_compute(
+    rng, dtype, rotate, head_dim, path, layout
+):
     n_kv, n = 3, 21
     scales = {"k_scale": np.float32(0.02), "v_scale": np.float32(0.005)} if dtype == "nvfp4" else {}
     rows_dt = {"append": BF16, "extend": np.float32, "device": np.float16}.get(path, BF16)
     k, v = _rows(rng, n, n_kv, head_dim, rows_dt)
-    with fd.KVCache(n_kv, head_dim, 64, dtype=dtype, rotate=rotate, **scales) as kv:
+    with fd.KVCache(n_kv, head_dim, 64, dtype=dtype, rotate=rotate, kv_layout=layout,
+                    **scales) as kv:  # fmt: skip
         assert kv.rotate == (dtype == "int4" if rotate is None else rotate)
         if path == "append":
             for t in range(n):
@@ -92,17 +96,21 @@ def test_every_append_path_stores_what_the_helpers_compute(rng, dtype, rotate, h
         _check_stored(kv, k, v, **scales)
 
 
+@pytest.mark.parametrize("layout", [None, "NHD", "HND"])
 @pytest.mark.parametrize("dtype,rotate", CASES)
-def test_a_4bit_cache_stores_each_kv_heads_rows_in_one_run(rng, dtype, rotate):
+def test_a_4bit_cache_stores_its_rows_in_its_layout(rng, dtype, rotate, layout):
     # head-major, [n_kv][capacity][...]: what the helpers compute for (token t, head h) is
-    # the buffer's row t of head h, values and block scales alike (read raw, whole)
+    # the buffer's row t of head h, values and block scales alike (read raw, whole);
+    # token-major (the default), [capacity][n_kv][...]
     n_kv, hd, cap, n = 3, 128, 40, 13
     scales = {"k_scale": np.float32(0.02), "v_scale": np.float32(0.005)} if dtype == "nvfp4" else {}
     k, v = _rows(rng, n, n_kv, hd)
-    with fd.KVCache(n_kv, hd, cap, dtype=dtype, rotate=rotate, **scales) as kv:
+    hnd = layout == "HND"
+    with fd.KVCache(n_kv, hd, cap, dtype=dtype, rotate=rotate, kv_layout=layout, **scales) as kv:
         kv.extend(k, v)
         kv.synchronize()
-        assert kv.k_buffer.shape == kv.v_buffer.shape == (n_kv, cap, hd // 2)
+        rows = (n_kv, cap) if hnd else (cap, n_kv)
+        assert kv.k_buffer.shape == kv.v_buffer.shape == (*rows, hd // 2)
         for name in ("k", "v"):  # (rows of head_dim elements: not what it holds)
             with pytest.raises(ValueError, match=f"^{name}: a 4-bit cache"):
                 getattr(kv, name)
@@ -112,8 +120,8 @@ def test_a_4bit_cache_stores_each_kv_heads_rows_in_one_run(rng, dtype, rotate):
             for a in (kv.k_buffer, kv.v_buffer, kv.four_bit.k_scales, kv.four_bit.v_scales)
         ]
         for got, want in zip(raw, (kw, vw, ksw, vsw), strict=True):
-            assert got.shape[:2] == (n_kv, cap)
-            _same_bytes(got[:, :n].transpose(1, 0, 2), want)
+            assert got.shape[:2] == rows
+            _same_bytes(got[:, :n].transpose(1, 0, 2) if hnd else got[:n], want)
 
 
 def _decode_checked(kv, q, n_heads, **features):
@@ -128,14 +136,15 @@ def _decode_checked(kv, q, n_heads, **features):
     return got, fd.reference_gqa_decode(q, k, v, **dims, **features)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype,rotate", CASES)
 @pytest.mark.parametrize("head_dim,n_heads,n_kv", [(64, 16, 2), (128, 32, 8), (128, 28, 4),
                                                    (256, 8, 1), (128, 8, 8)])  # fmt: skip
 @pytest.mark.parametrize("qdt", [BF16, np.dtype(np.float16)])
 def test_decode_matches_the_reference_on_the_dequantized_cache(
-    rng, dtype, rotate, head_dim, n_heads, n_kv, qdt
+    rng, dtype, rotate, head_dim, n_heads, n_kv, qdt, layout
 ):
-    with fd.KVCache(n_kv, head_dim, 5000, dtype=dtype, rotate=rotate) as kv:
+    with fd.KVCache(n_kv, head_dim, 5000, dtype=dtype, rotate=rotate, kv_layout=layout) as kv:
         q = rng.standard_normal((n_heads, head_dim)).astype(qdt)
         assert not kv.decode(q, n_heads=n_heads).astype(np.float32).any()  # seq_len 0
         done = 0
@@ -149,12 +158,13 @@ def test_decode_matches_the_reference_on_the_dequantized_cache(
             assert err < TOL, (seq, err)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", ["int4", "nvfp4"])
-def test_decode_with_every_feature(rng, dtype):
+def test_decode_with_every_feature(rng, dtype, layout):
     n_heads, n_kv, hd = 32, 8, 128
     sinks = rng.standard_normal(n_heads).astype(np.float32)
     slopes = (rng.uniform(0.0, 0.1, n_heads)).astype(np.float32)
-    with fd.KVCache(n_kv, hd, 3000, dtype=dtype) as kv:
+    with fd.KVCache(n_kv, hd, 3000, dtype=dtype, kv_layout=layout) as kv:
         k, v = _rows(rng, 2999, n_kv, hd)
         kv.extend(k, v)
         q = rng.standard_normal((n_heads, hd)).astype(BF16)
@@ -172,11 +182,12 @@ def test_decode_with_every_feature(rng, dtype):
             assert rel_err(got.astype(np.float64), ref) < TOL, feats
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", ["int4", "nvfp4"])
 @pytest.mark.parametrize("n_q", [1, 2, 3, 5, 8])
-def test_verify_of_several_queries(rng, dtype, n_q):
+def test_verify_of_several_queries(rng, dtype, n_q, layout):
     n_heads, n_kv, hd = 28, 4, 128
-    with fd.KVCache(n_kv, hd, 2048, dtype=dtype) as kv:
+    with fd.KVCache(n_kv, hd, 2048, dtype=dtype, kv_layout=layout) as kv:
         k, v = _rows(rng, 1337, n_kv, hd)
         kv.extend(k, v)
         q = rng.standard_normal((n_q, n_heads, hd)).astype(BF16)
@@ -188,14 +199,15 @@ def test_verify_of_several_queries(rng, dtype, n_q):
         assert rel_err(got.astype(np.float64), ref) < TOL
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", ["int4", "nvfp4"])
-def test_a_graph_of_appends_and_decodes_serves_every_token(rng, dtype):
+def test_a_graph_of_appends_and_decodes_serves_every_token(rng, dtype, layout):
     """kv_append_async and gqa_decode_async captured once at seq_len 1, replayed to 300."""
     n_heads, n_kv, hd, steps = 32, 8, 128, 300
     k, v = _rows(rng, steps, n_kv, hd, BF16)
     q = rng.standard_normal((n_heads, hd)).astype(BF16)
     dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd}
-    with fd.KVCache(n_kv, hd, steps, dtype=dtype) as kv, fd.Stream() as stream:
+    with fd.KVCache(n_kv, hd, steps, dtype=dtype, kv_layout=layout) as kv, fd.Stream() as stream:
         k_row, v_row = fd.empty((n_kv, hd), BF16), fd.empty((n_kv, hd), BF16)
         q_d, out = fd.to_device(q), fd.empty((n_heads, hd), BF16)
         kv.prepare(n_heads, q_dtype=BF16)
@@ -219,12 +231,13 @@ def test_a_graph_of_appends_and_decodes_serves_every_token(rng, dtype):
         step.close()
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", ["int4", "nvfp4"])
-def test_decode_graph_steps_a_four_bit_cache(rng, dtype):
+def test_decode_graph_steps_a_four_bit_cache(rng, dtype, layout):
     n_heads, n_kv, hd, steps = 16, 4, 64, 200
     sinks = rng.standard_normal(n_heads).astype(np.float32)
     dims = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd}
-    with fd.KVCache(n_kv, hd, steps, dtype=dtype) as kv:
+    with fd.KVCache(n_kv, hd, steps, dtype=dtype, kv_layout=layout) as kv:
         kv.extend(*_rows(rng, 10, n_kv, hd))
         with fd.DecodeGraph(kv, n_heads=n_heads, q_dtype=BF16, sliding_window=64, sinks=sinks,
                             return_lse=True) as graph:  # fmt: skip

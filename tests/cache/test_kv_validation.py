@@ -22,6 +22,19 @@ E4M3 = "float8_e4m3fn"  # (ml_dtypes' name: np.dtype reads it once ml_dtypes is 
         ((8, 128, 16), {"dtype": np.int8}, TypeError, "dtype"),
         ((8, 128, 16), {"stream": 5}, TypeError, "stream"),
         ((8, 96, 16), {"dtype": "int4"}, ValueError, "head_dim: int4 caches take head_dim 64"),
+        ((8, 128, 16), {"dtype": "int4", "kv_layout": "hnd"}, ValueError, "kv_layout: expected"),
+        (
+            (8, 128, 16),
+            {"dtype": np.float16, "kv_layout": "HND"},
+            ValueError,
+            "kv_layout: a KVCache stores head-major",
+        ),
+        (
+            (8, 128, 16),
+            {"dtype": E4M3, "v_dtype": "int4", "kv_layout": "HND"},
+            ValueError,
+            "kv_layout: a KVCache stores head-major",
+        ),
         ((8, 80, 16), {"dtype": "nvfp4"}, ValueError, "head_dim: nvfp4 caches take"),
         ((8, 128, 16), {"dtype": "int4", "k_scale": 2.0}, ValueError, "k_scale: an int4 cache"),
         (

@@ -479,17 +479,23 @@ def _host_append(kc, vc, k, v, state, kv_scales=None, kv_format=None, k_block_sc
     state[0] += n
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
-def test_a_four_bit_layer_attends_over_its_dequantized_tokens_and_the_new_ones(fmt, monkeypatch):
+def test_a_four_bit_layer_attends_over_its_dequantized_tokens_and_the_new_ones(
+    fmt, layout, monkeypatch
+):
     """A prompt's first chunk attends to itself in the model's dtype; a later chunk of
     several tokens to the cache so far, dequantized in torch (bit for bit the numpy
-    helpers', K's rotation undone), then itself. nvfp4's scales come from the first chunk."""
+    helpers', K's rotation undone), then itself. nvfp4's scales come from the first chunk.
+    Either storage layout (the module's LAYOUT)."""
     import numpy as np
 
     import ferrox_driver as fd
     import ferrox_driver.integrations.torch as fxt_torch
+    import ferrox_driver.integrations.transformers_kv4 as kv4_module
 
     monkeypatch.setattr(fxt_torch, "kv_append", _host_append)
+    monkeypatch.setattr(kv4_module, "LAYOUT", layout)
     model, _ = model_pair(tiny(transformers.LlamaConfig))  # (the layer: the rows' shapes)
     cache = fxt.FourBitCache(model, max_cache_len=16, fmt=fmt, rotate=True)
     layer = cache.layers[0]
@@ -499,10 +505,11 @@ def test_a_four_bit_layer_attends_over_its_dequantized_tokens_and_the_new_ones(f
     got_k, got_v = layer.update(k1, v1)
     assert got_k is k1 and got_v is v1  # the first chunk: itself, unquantized
     assert int(layer.state[0]) == 5 and int(layer.cumulative_length) == 5
-    # head-major, as a 4-bit KVCache: each KV head's rows in one run
+    # the layout's rows: head-major, each KV head's rows in one run; else token-major
     per = 64 // (32 if fmt == "int4" else 16)
-    assert layer.keys.shape == layer.values.shape == (2, 16, 32)
-    assert layer.k_block_scales.shape == layer.v_block_scales.shape == (2, 16, per)
+    rows_of = (2, 16) if layout == "HND" else (16, 2)
+    assert layer.keys.shape == layer.values.shape == (*rows_of, 32)
+    assert layer.k_block_scales.shape == layer.v_block_scales.shape == (*rows_of, per)
     if fmt == "nvfp4":  # each head's largest magnitude (K's rotated) x 2 at 6 x 448
         amax = np.abs(fd.hadamard(k1[0].transpose(0, 1).float().numpy())).max(axis=(0, 2))
         assert np.allclose(layer.kv_scales[0].numpy(), amax * 2 / 2688, rtol=1e-6)

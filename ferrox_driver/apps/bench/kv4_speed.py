@@ -23,6 +23,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
+from ...cache.four_bit import DEFAULT_LAYOUT
 from ...decode import plan as planner
 from ...decode.records import launches_for
 from ...driver.device import default_device
@@ -84,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(256) read_4bit_flat(
     if (acc == 0x9e3779b9u) sink[0] = acc;  // (never, in practice)
 }
 """
-HEAD_MAJOR = True  # the buffers' layout: a 4-bit KVCache's (--token-major: as before it)
+HEAD_MAJOR = DEFAULT_LAYOUT == "HND"  # the buffers' layout: a 4-bit KVCache's (--layout)
 FLOOR_SPLITS = (16, 32, 64, 128)  # chunks per KV head (read_4bit_rows)
 FLOOR_BLOCKS = (2, 4, 8, 16)  # blocks per multiprocessor (read_4bit_flat)
 
@@ -244,11 +245,11 @@ def main() -> None:
     parser.add_argument("--traits", nargs="*", default=[], metavar="NAME=VALUE",
                         help="SPLIT_TRAITS changed for this process (e.g. FX_WARPS4_D128=8 "
                              "FX_STAGES4_D128=3), before any kernel is built")  # fmt: skip
-    parser.add_argument("--token-major", action="store_true",
-                        help="4-bit buffers token-major (a KVCache's: head-major)")  # fmt: skip
+    parser.add_argument("--layout", choices=["NHD", "HND"], default=DEFAULT_LAYOUT,
+                        help="the 4-bit buffers' layout (default: a KVCache's)")  # fmt: skip
     args = parser.parse_args()
     global HEAD_MAJOR
-    HEAD_MAJOR = not args.token_major
+    HEAD_MAJOR = args.layout == "HND"
     set_traits(args.traits)
     speed_table(args.shapes, args.seqs, args.n_q, tuple(args.row_warps), args.rows)
 
