@@ -936,7 +936,8 @@ FX_MMA_ENTRY(gqa_split_mma_bf16_d256, fx_bf16, 256)
 // A 4-bit cache (Q8: FX_Q4 or FX_NVFP4; values: nibbles [token][n_kv_heads][D / 2], or with
 // FX_F_HND [n_kv_heads][head_stride / (D / 2)][D / 2], head_stride in bytes; k_scales /
 // v_scales: its block scales [token][n_kv_heads][...] (FX_F_HND: [n_kv_heads][...][...], as
-// many rows a head as the values) as bytes, q4 float16 per 32, nvfp4 e4m3 per 16; kv_scales: nvfp4's float32 per KV head, K's then V's, unread for q4)
+// many rows a head as the values) as bytes, q4 float16 per 32, nvfp4 e4m3 per 16;
+// kv_scales: nvfp4's float32 per KV head, K's then V's, unread for q4)
 // with q and the output of type QT, R: K rotated on append, W warps a block, S steps in each
 // warp's ring (FX_WARPS4_D<D> and FX_STAGES4_D<D>; the narrow kernels, for short contexts,
 // FX_WARPS4N_D<D> and FX_STAGES4N_D<D>):
