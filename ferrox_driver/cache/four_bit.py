@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..decode.checks import dtype_name
+from ..decode.checks import dtype_name, layout_shape
 from ..decode.fp8 import FP8_DTYPES, ROW_DTYPES
 from ..decode.kv4 import (
     NVFP4_BLOCK,
@@ -300,7 +300,7 @@ class FourBitStore:
 
         def block_scales(side: str) -> DeviceArray:
             per = d // (Q4_DEFAULT_GROUP if side == Q4_FORMAT else NVFP4_BLOCK)
-            shape = (n_kv, cap, per) if self.head_rows else (cap, n_kv, per)
+            shape = layout_shape("HND" if self.head_rows else "NHD", cap, n_kv, per)
             if side == Q4_FORMAT:
                 return empty(shape, np.float16, device=kv.device)
             if side == NVFP4_FORMAT:

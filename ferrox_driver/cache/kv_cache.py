@@ -18,6 +18,7 @@ from ..decode.checks import (
     MAX_TOKENS,
     check_dtype,
     check_int,
+    layout_shape,
 )
 from ..decode.fp8 import (
     FP8_DTYPES,
@@ -206,8 +207,8 @@ class KVCache(Appends, Decodes):
         # 4-bit: two values a byte; head-major (kv_layout "HND"): each KV head's rows in one
         # run, which the decode reads at the memory's rate where token-major rows of 64
         # bytes read at 76% of it (docs/design.md)
-        packed = ((self.n_kv_heads, self.capacity, self.head_dim // 2) if self.head_major
-                  else (self.capacity, self.n_kv_heads, self.head_dim // 2))  # fmt: skip
+        packed = layout_shape("HND" if self.head_major else "NHD", self.capacity,
+                              self.n_kv_heads, self.head_dim // 2)  # fmt: skip
 
         def values(fmt: str, dt: np.dtype) -> DeviceArray:
             four_bit = fmt in FOUR_BIT_FORMATS

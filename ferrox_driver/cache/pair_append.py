@@ -6,7 +6,8 @@ and an overflow flag), as a KVCache keeps them. One token or several: the rows g
 ``[state[0], state[0] + n)``, then ``state[0] += n``; rows that would pass the capacity are
 not written and set the flag instead. fp8 pairs quantize on the way in with ``kv_scales``,
 as an fp8 KVCache does, and 4-bit pairs (``FourBitScales``: values and block scales
-token-major or, ``kv_layout="HND"``, head-major as a 4-bit KVCache stores them) with the
+token-major or, ``kv_layout="HND"``, head-major, as a 4-bit KVCache of that layout stores
+them) with the
 quantizing kernels of decode/kv4_device.py, bit for bit as ``fd.quantize_int4`` /
 ``fd.quantize_nvfp4`` (of ``fd.hadamard(k)`` where K is rotated). No host work after a
 signature's first call: capturable.

@@ -363,8 +363,8 @@ class CacheState:
     @property
     def k_buffer(self) -> DeviceArray:
         """The whole K buffer, (capacity, n_kv_heads, head_dim); a 4-bit cache's packed
-        values, uint8 (n_kv_heads, capacity, head_dim // 2), head-major (K and V in
-        formats of their own: (capacity, n_kv_heads, ...), token-major)."""
+        values, uint8 (capacity, n_kv_heads, head_dim // 2), or (n_kv_heads, capacity,
+        head_dim // 2) where it was made with ``kv_layout="HND"``."""
         self.check_open()
         return self._k
 
@@ -456,7 +456,7 @@ class CacheState:
         with self.lock:
             seq = self.seq_len
             k, v = self._k, self._v
-            if self.four_bit is not None and self.four_bit.head_rows:  # (head-major rows)
+            if self.four_bit is not None:  # (its rows in either layout)
                 return self.four_bit.tokens(k, seq), self.four_bit.tokens(v, seq)
             return k.view((seq, *k.shape[1:])).to_host(self.stream), v.view(
                 (seq, *v.shape[1:])

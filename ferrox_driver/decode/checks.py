@@ -402,6 +402,18 @@ def check_kv_layout(value: Any) -> str:
     return value
 
 
+def layout_shape(layout: str, capacity: int, n_kv: int, last: int) -> tuple[int, int, int]:
+    """The shape of a cache's rows of ``last`` elements in ``layout``: ``(capacity, n_kv,
+    last)`` token-major ("NHD"), ``(n_kv, capacity, last)`` head-major ("HND")."""
+    return (n_kv, capacity, last) if layout == "HND" else (capacity, n_kv, last)
+
+
+def layout_dims(layout: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(capacity, n_kv) of a cache's 3-D ``shape`` in ``layout`` (`layout_shape`'s
+    inverse)."""
+    return (shape[1], shape[0]) if layout == "HND" else (shape[0], shape[1])
+
+
 def _element_strides(obj: Any, itemsize: int) -> tuple[int, ...] | None:
     """``obj``'s strides in elements, where it says (numpy, PyTorch, CUDA array interface);
     None: it does not say (read as C-contiguous where it is)."""

@@ -34,6 +34,8 @@ from .checks import (
     check_kv_layout,
     check_tokens,
     head_major_rows,
+    layout_dims,
+    layout_shape,
 )
 from .features import check_features
 from .fp8 import FP8_DTYPES, MIN_COMPUTE_CAPABILITY
@@ -183,8 +185,8 @@ def feature_ptr(obj: Any, name: str, n: int, ordinal: int) -> int | None:
 class FourBitScales:
     """What a 4-bit pair is read with besides its values (uint8, token-major ``(capacity,
     n_kv_heads, head_dim // 2)`` or, with ``kv_layout="HND"``, head-major ``(n_kv_heads,
-    capacity, head_dim // 2)``, as a 4-bit KVCache stores them): ``fmt`` "q4" or "nvfp4",
-    K's and V's block scales (device arrays in the values' layout; q4: float16
+    capacity, head_dim // 2)``, as a 4-bit KVCache of that layout stores them): ``fmt``
+    "q4" or "nvfp4", K's and V's block scales (device arrays in the values' layout; q4: float16
     ``(capacity, n_kv_heads, head_dim // 32)``, nvfp4: e4m3 bytes ``(capacity, n_kv_heads,
     head_dim // 16)``; head-major, ``(n_kv_heads, capacity, ...)``) and whether K is
     rotated (q then rotated in the decode). An nvfp4 pair's per-head scales are its
@@ -231,7 +233,7 @@ def check_four_bit_pair(
             f"k_cache: a {name} cache's values are C-contiguous uint8 {form} (kv_layout "
             f"{layout!r}); got shape {shape} of {kr[2]}{'' if kr[4] else ' (strided)'}"
         )
-    n_kv, capacity, half = shape if hnd else (shape[1], shape[0], shape[2])
+    (capacity, n_kv), half = layout_dims(layout, shape), shape[2]
     hd = 2 * half
     if hd not in _FOUR_BIT_HEAD_DIMS:
         raise ValueError(f"k_cache: {name} caches take head_dim 64, 128 or 256 (k_cache's last "
@@ -250,7 +252,7 @@ def check_four_bit_pair(
         good = ref is not None and (
             ref[2] == np.float16 if four.fmt == Q4_FORMAT else ref[2].itemsize == 1
         )
-        expected = (n_kv, capacity, per) if hnd else (capacity, n_kv, per)
+        expected = layout_shape(layout, capacity, n_kv, per)
         if ref is None or not good or tuple(ref[1]) != expected or not ref[4]:
             got = "None" if ref is None else f"shape {tuple(ref[1])} of {ref[2]}"
             raise ValueError(f"{arg}: a {name} cache's block scales are contiguous {want} "
@@ -619,7 +621,7 @@ def _pair_record(
             scales[0], (2 * n_kv,), np.dtype(np.float32), dev, None))  # fmt: skip
     if four_bit is not None:  # (as a 4-bit KVCache's decode_record passes its own)
         per = hd // _FOUR_BIT_GROUP[kv.fp8]  # the block scales in the values' layout
-        shape = (n_kv, kv.capacity, per) if kv.layout == "HND" else (kv.capacity, n_kv, per)
+        shape = layout_shape(kv.layout, kv.capacity, n_kv, per)
         sdt = np.dtype(np.float16 if kv.fp8 == Q4_FORMAT else np.uint8)
         block = tuple(
             DeviceArray._wrap(array_ref(s, "block_scales")[0], shape, sdt, dev, None)  # type: ignore[index]

@@ -5,9 +5,9 @@ decoded in torch (``dequantize_4bit``, ``hadamard``), bit for bit as ``fd.dequan
 A 4-bit cache is the storage of a ``KVCache(dtype="int4" | "nvfp4")``, as tensors of the
 caller's: K's and V's values, uint8 ``(capacity, n_kv_heads, head_dim // 2)``
 (token-major, ``kv_layout="NHD"``) or ``(n_kv_heads, capacity, head_dim // 2)``
-(head-major, ``kv_layout="HND"``, as a 4-bit KVCache stores them: a KV head's rows in
-one run), element 2i in the low nibble of byte i; their block scales, in the values'
-layout, ``k_block_scales`` and ``v_block_scales`` (int4: float16 ``(capacity,
+(head-major, ``kv_layout="HND"``, as a ``KVCache(..., kv_layout="HND")`` stores them: a
+KV head's rows in one run), element 2i in the low nibble of byte i; their block scales,
+in the values' layout, ``k_block_scales`` and ``v_block_scales`` (int4: float16 ``(capacity,
 n_kv_heads, head_dim // 32)``, ``amax / 7`` per group of 32; nvfp4: e4m3 bytes, uint8 or
 ``torch.float8_e4m3fn``, ``(capacity, n_kv_heads, head_dim // 16)``; head-major,
 ``(n_kv_heads, capacity, ...)``); nvfp4's float32 scales per KV head, ``kv_scales`` ``(2,
@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from ..decode.checks import layout_dims, layout_shape
 from ..decode.pair import FourBitScales
 
 __all__ = ["FORMATS", "check_rows", "dequantize_4bit", "four_bit_args", "hadamard"]
@@ -72,7 +73,6 @@ def four_bit_args(
         )
     if rotate_k is not None and not isinstance(rotate_k, bool):
         raise TypeError(f"rotate_k: expected None, True or False, got {type(rotate_k).__name__}")
-    hnd = kv_layout == "HND"
     shape = tuple(k_cache.shape)
     if k_cache.dtype != torch.uint8 or len(shape) != 3 or not k_cache.is_contiguous():
         raise ValueError(
@@ -80,7 +80,7 @@ def four_bit_args(
             f"(kv_layout {kv_layout!r}); got shape {shape} of {k_cache.dtype}"
             f"{'' if k_cache.is_contiguous() else ' (strided)'}"
         )
-    n_kv, capacity, half = shape if hnd else (shape[1], shape[0], shape[2])
+    (capacity, n_kv), half = layout_dims(kv_layout, shape), shape[2]
     if 2 * half not in _HEAD_DIMS:
         raise ValueError(f"k_cache: {kv_format} caches take head_dim 64, 128 or 256 (a last "
                          f"dimension of 32, 64 or 128 bytes), got {2 * half}")  # fmt: skip
@@ -89,7 +89,7 @@ def four_bit_args(
         raise ValueError(f"v_cache: expected k_cache's shape {shape} of uint8, contiguous; got "
                          f"{tuple(v_cache.shape)} of {v_cache.dtype}")  # fmt: skip
     per = 2 * half // _GROUP[fmt]
-    want = (n_kv, capacity, per) if hnd else (capacity, n_kv, per)  # (the values' layout)
+    want = layout_shape(kv_layout, capacity, n_kv, per)  # (the values' layout)
     blocks = []
     for name, s in (("k_block_scales", k_block_scales), ("v_block_scales", v_block_scales)):
         dtypes = (torch.float16,) if fmt == "q4" else (torch.uint8, torch.float8_e4m3fn)
@@ -126,7 +126,7 @@ def check_rows(
     Raises:
         TypeError, ValueError: naming ``k`` or ``v``.
     """
-    n_kv, hd = k_cache.shape[0 if kv_layout == "HND" else 1], 2 * k_cache.shape[2]
+    n_kv, hd = layout_dims(kv_layout, tuple(k_cache.shape))[1], 2 * k_cache.shape[2]
     if k.dim() not in (2, 3) or tuple(k.shape[-2:]) != (n_kv, hd) or k.numel() == 0:
         raise ValueError(f"k: expected ({n_kv}, {hd}) or (n, {n_kv}, {hd}) rows, n >= 1, got "
                          f"{tuple(k.shape)}")  # fmt: skip

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..decode.checks import MAX_HEAD_DIM
+from ..decode.checks import MAX_HEAD_DIM, layout_dims
 from ..decode.values import VALUES_MAX_HEAD_DIM_V, VALUES_MAX_QUERIES
 from ..kernels.spec import LATENT_MAX_HEAD_DIM
 
@@ -459,7 +459,7 @@ def quantized_step(
     if why:
         raise ValueError(f"{cache}: ferrox decodes one query token of a batch of one over "
                          f"{what}, without other features; got {why}")  # fmt: skip
-    cap = key.shape[1 if kv_layout == "HND" else 0]
+    cap = layout_dims(kv_layout, tuple(key.shape))[0]
     window = kwargs.get("sliding_window")
     return n_heads, head_dim, None if window is None or window >= cap else int(window)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..cache.four_bit import DEFAULT_LAYOUT
+from ..decode.checks import layout_shape
 from .transformers import bind_layers, bound_layer, masked_step, quantized_step
 
 __all__ = ["four_bit_cache_class", "four_bit_forward"]
@@ -91,10 +92,10 @@ def four_bit_cache_class() -> Any:
                                  "caches with float16 or bfloat16 queries")  # fmt: skip
             cap, dev = self.max_cache_len, self.device
             # values and block scales in LAYOUT
-            rows = (n_kv, cap) if LAYOUT == "HND" else (cap, n_kv)
-            self.keys = torch.zeros((*rows, head_dim // 2), dtype=torch.uint8, device=dev)
+            self.keys = torch.zeros(layout_shape(LAYOUT, cap, n_kv, head_dim // 2),
+                                    dtype=torch.uint8, device=dev)  # fmt: skip
             self.values = torch.zeros_like(self.keys)
-            per = (*rows, head_dim // group[self.kv_format])
+            per = layout_shape(LAYOUT, cap, n_kv, head_dim // group[self.kv_format])
             sdt = torch.float16 if self.kv_format == "int4" else torch.uint8
             self.k_block_scales = torch.zeros(per, dtype=sdt, device=dev)
             self.v_block_scales = torch.zeros(per, dtype=sdt, device=dev)

@@ -85,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(256) read_4bit_flat(
     if (acc == 0x9e3779b9u) sink[0] = acc;  // (never, in practice)
 }
 """
-HEAD_MAJOR = DEFAULT_LAYOUT == "HND"  # the buffers' layout: a 4-bit KVCache's (--layout)
+HEAD_MAJOR = DEFAULT_LAYOUT == "HND"  # the buffers' layout: a KVCache's default (--layout)
 FLOOR_SPLITS = (16, 32, 64, 128)  # chunks per KV head (read_4bit_rows)
 FLOOR_BLOCKS = (2, 4, 8, 16)  # blocks per multiprocessor (read_4bit_flat)
 
@@ -105,7 +105,7 @@ def four_bit_us(
     nv = fmt == "nvfp4"
     sdt = np.uint8 if nv else np.float16
     per = d // (16 if nv else 32)
-    # a 4-bit KVCache's layout: head-major (HEAD_MAJOR; else token-major, as before it)
+    # the buffers' layout: head-major where HEAD_MAJOR, else token-major
     vals, scales = (((n_kv, seq, d // 2), (n_kv, seq, per)) if HEAD_MAJOR
                     else ((seq, n_kv, d // 2), (seq, n_kv, per)))  # fmt: skip
     one = seq * n_kv * (d // 2 + d // 16)  # bytes of K (or V): values and scales
