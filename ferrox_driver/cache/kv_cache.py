@@ -113,8 +113,8 @@ class KVCache(Appends, Decodes):
             ``(capacity, n_kv_heads, head_dim // 2)``, block scales alike), or ``"HND"``,
             head-major (``(n_kv_heads, capacity, ...)``: each KV head's rows in one run,
             which the decode reads faster: 32/8/128 at 131072 tokens 58.8 against 71.8 us
-            in an H100 probe of the same reads). None: token-major (``four_bit.
-            DEFAULT_LAYOUT``). ``to_host`` and ``block_scales`` return token-major rows
+            in an H100 probe of the same reads). None: head-major for a 4-bit cache
+            of one format (``four_bit.DEFAULT_LAYOUT``), token-major otherwise. ``to_host`` and ``block_scales`` return token-major rows
             either way. Other caches take None or ``"NHD"``.
 
     Appends stage each row in page-locked memory and queue one ``cuMemcpyHtoDAsync`` per

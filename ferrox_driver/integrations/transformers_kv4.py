@@ -2,8 +2,8 @@
 sibling of `FP8Cache` (transformers.py), made on first use by that module's __getattr__.
 
 Each layer holds a 4-bit ``KVCache``'s storage as tensors (``torch_kv4``), in a
-KVCache's default layout (``LAYOUT``, ``cache.four_bit.DEFAULT_LAYOUT``: token-major,
-``"NHD"``, or head-major, ``"HND"``, a KV head's rows in one run): K's and V's values,
+KVCache's default layout (``LAYOUT``, ``cache.four_bit.DEFAULT_LAYOUT``: head-major,
+``"HND"``, a KV head's rows in one run, or token-major, ``"NHD"``): K's and V's values,
 uint8 ``(max_cache_len, n_kv_heads, head_dim // 2)`` (head-major: ``(n_kv_heads,
 max_cache_len, ...)``), their block scales alike, nvfp4's scales per KV head
 (``kv_scales``) and the length on the device. Rows are quantized on the GPU by
