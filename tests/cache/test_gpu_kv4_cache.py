@@ -101,11 +101,11 @@ def test_every_append_path_stores_what_the_helpers_compute(
 def test_a_4bit_cache_stores_its_rows_in_its_layout(rng, dtype, rotate, layout):
     # head-major, [n_kv][capacity][...]: what the helpers compute for (token t, head h) is
     # the buffer's row t of head h, values and block scales alike (read raw, whole);
-    # token-major (the default), [capacity][n_kv][...]
+    # token-major, [capacity][n_kv][...]; None: head-major, the default
     n_kv, hd, cap, n = 3, 128, 40, 13
     scales = {"k_scale": np.float32(0.02), "v_scale": np.float32(0.005)} if dtype == "nvfp4" else {}
     k, v = _rows(rng, n, n_kv, hd)
-    hnd = layout == "HND"
+    hnd = layout in ("HND", None)
     with fd.KVCache(n_kv, hd, cap, dtype=dtype, rotate=rotate, kv_layout=layout, **scales) as kv:
         kv.extend(k, v)
         kv.synchronize()
