@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ferrox_driver.cache import pair_append
-from ferrox_driver.decode import pair
+from ferrox_driver.decode import pair, records
 from ferrox_driver.decode.pair import FourBitScales
 from ferrox_driver.decode.records import Kept
 from ferrox_driver.kernels.abi import F_HND
@@ -201,3 +201,14 @@ def test_a_head_major_append_is_a_4bit_pairs_alone():
         pair_append._check_four_bit(hnd, FakeDevice((CAP, D), np.float16),
                                     FakeDevice((CAP, D), np.float16),
                                     FakeDevice((2,), np.int32), None, four, "HND")  # fmt: skip
+
+
+@pytest.mark.parametrize("n_kv", [1, 2, 8])
+def test_a_head_major_4bit_decode_reads_with_the_head_major_bit_but_for_one_kv_head(n_kv):
+    stride = CAP * D // 2
+    bits, got = records.four_bit_layout(True, n_kv, F_HND, stride)
+    # one KV head: head-major bytes are token-major's, read by the token-major kernels
+    assert (bits & F_HND, got) == ((0, 0) if n_kv == 1 else (F_HND, stride))
+    assert records.four_bit_layout(True, n_kv, 0, 0) == (0, 0)  # token-major stays so
+    # other caches keep the bits they came with (a 16-bit head-major pair's F_HND)
+    assert records.four_bit_layout(False, n_kv, F_HND, 0) == (F_HND, 0)
