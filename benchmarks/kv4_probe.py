@@ -2,8 +2,7 @@ r"""Where a 4-bit decode's time goes: the swapped q4 kernel as built against the
 with parts of its loop taken out (FX_Q4_PROBE in split_mma_swapped.cuh: 1 copies only, 2
 compute only on the ring's first bytes, 3 one mask a pair in place of the widening, 4 the
 values' copies only, 5 neither copies nor compute: what is left is the fixed cost;
-FX_Q4_PAIR=1, the loop over two ring steps a pass, once kv4_pair.patch is applied, may join
-them) or other traits ("NHD", "HND": the buffers token-major or head-major; else a 4-bit
+FX_Q4_PAIR=1, the loop over two ring steps a pass, may join them) or other traits ("NHD", "HND": the buffers token-major or head-major; else a 4-bit
 KVCache's default), and the read floor, in one process, graph-replayed, each variant timed
 twice, alternating (docs/design.md, issue 49).
 
@@ -16,7 +15,7 @@ decode's kernels, grids and blocks. Compute alone (FX_Q4_PROBE=2) takes the same
 H100 and an H200 (the same multiprocessors and clocks), so it is the H200's compute bound
 measured on either.
 
-The runs issue 49 still owes (docs/design.md) are benchmarks/kv4_owed.sh, one device
+The runs issue 49 still owes (docs/design.md) are in benchmarks/h200_tables.sh, one device
 command. --apart times each variant in a process of its own: in one process (after base)
 the 16- and 8-warp variants faulted (2026-12-07, H100; cause not yet found: run
 compute-sanitizer on one if a fresh process faults too).
