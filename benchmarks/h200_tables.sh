@@ -10,9 +10,11 @@
 #    131072 tokens;
 # 2. issue 50: head_dim 512 against 128 on equal bytes and SDPA (wide_speed.py), and MLA
 #    against its read floor and SDPA (mla_speed.py);
-# 3. FX_Q4_PAIR=1 (the 4-bit loop over two ring steps a pass; 0 in the library) against the
-#    library on head-major rows, each timing in a process of its own: the H200's 4-bit
-#    decode is bound by its compute, which PAIR cut by 11% on an H100; then its tests
+# 3. kv4_pair.patch applied (the swapped kernel's loop over NP ring steps a pass: with
+#    FX_Q4_PAIR=0 the kernels' code as the library's, compared on the CPU; applied for this
+#    part and taken out again): FX_Q4_PAIR=1 (two steps a pass for a 4-bit cache) against
+#    the library on head-major rows, each timing in a process of its own (the H200's 4-bit
+#    decode is bound by its compute, which PAIR cut by 11% on an H100), then its tests
 #    (benchmarks/trait_tests.py) where the time is left.
 set -u
 cd "$(dirname "$0")/.."
@@ -29,11 +31,14 @@ timeout 100 python3 benchmarks/wide_speed.py 2>&1 | grep -v compiling
 echo "== 2. MLA ($((SECONDS - T0)) s)"
 timeout 150 python3 benchmarks/mla_speed.py 2>&1 | grep -v compiling
 echo "== 3. FX_Q4_PAIR on head-major rows, us ($((SECONDS - T0)) s)"
-PYTHONPATH=.:benchmarks timeout 150 python3 benchmarks/kv4_probe.py --apart \
-  --variants HND FX_Q4_PAIR=1,HND --shapes 32/8/128 28/4/128 8/1/256 --seqs 131072 2>&1 \
-  | grep -v compiling
-echo "== 3. FX_Q4_PAIR's tests ($((SECONDS - T0)) s)"
-FERROX_TEST_TRAITS=FX_Q4_PAIR=1 PYTHONPATH=.:benchmarks timeout $((590 - SECONDS + T0)) \
-  python3 -m pytest -q -m gpu -p trait_tests -p no:cacheprovider tests/decode/test_gpu_kv4.py \
-  tests/cache/test_gpu_kv4_cache.py 2>&1 | tail -3
+git apply benchmarks/kv4_pair.patch && {
+  PYTHONPATH=.:benchmarks timeout 150 python3 benchmarks/kv4_probe.py --apart \
+    --variants HND FX_Q4_PAIR=1,HND --shapes 32/8/128 28/4/128 8/1/256 --seqs 131072 2>&1 \
+    | grep -v compiling
+  echo "== 3. FX_Q4_PAIR's tests ($((SECONDS - T0)) s)"
+  FERROX_TEST_TRAITS=FX_Q4_PAIR=1 PYTHONPATH=.:benchmarks timeout $((590 - SECONDS + T0)) \
+    python3 -m pytest -q -m gpu -p trait_tests -p no:cacheprovider \
+    tests/decode/test_gpu_kv4.py tests/cache/test_gpu_kv4_cache.py 2>&1 | tail -3
+  git apply -R benchmarks/kv4_pair.patch
+}
 echo "== end ($((SECONDS - T0)) s)"

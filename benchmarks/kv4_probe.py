@@ -2,7 +2,8 @@ r"""Where a 4-bit decode's time goes: the swapped q4 kernel as built against the
 with parts of its loop taken out (FX_Q4_PROBE in split_mma_swapped.cuh: 1 copies only, 2
 compute only on the ring's first bytes, 3 one mask a pair in place of the widening, 4 the
 values' copies only, 5 neither copies nor compute: what is left is the fixed cost;
-FX_Q4_PAIR=1, the loop over two ring steps a pass, may join them) or other traits ("NHD", "HND": the buffers token-major or head-major; else a 4-bit
+FX_Q4_PAIR=1, the loop over two ring steps a pass, once kv4_pair.patch is applied, may join
+them) or other traits ("NHD", "HND": the buffers token-major or head-major; else a 4-bit
 KVCache's default), and the read floor, in one process, graph-replayed, each variant timed
 twice, alternating (docs/design.md, issue 49).
 

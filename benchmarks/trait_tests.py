@@ -4,6 +4,7 @@ before any kernel is built. Names may be SPLIT_TRAITS' or the experiments' of
 kv4_probe.DEFAULTS (a kernel file's #ifndef defaults), so an experiment is tested as the
 library would ship it, with no file edited:
 
+    git apply benchmarks/kv4_pair.patch   # (FX_Q4_PAIR: not in the library; -R after)
     FERROX_TEST_TRAITS=FX_Q4_PAIR=1 PYTHONPATH=.:benchmarks FERROX_REQUIRE_GPU=1 \\
         python3 -m pytest -q -m gpu -p trait_tests tests/decode/test_gpu_kv4.py
 

@@ -29,10 +29,6 @@ __device__ __forceinline__ unsigned fx_movmatrix_trans(unsigned x) {
                       // 4 the values' copies only, 5 neither copies nor compute: the fixed costs)
 #define FX_Q4_PROBE 0
 #endif
-#ifndef FX_Q4_PAIR  // 1: a 4-bit loop takes two ring steps a pass, one softmax for both (each
-                    // warp twice the independent work in flight; docs/design.md)
-#define FX_Q4_PAIR 0
-#endif
 #define FX_NVFP4 4  // an nvfp4 cache: e2m1 nibbles, an e4m3 scale per 16, a float32 per head
 // (any quantized format, fp8 or 4-bit, is stored as bytes)
 template <class T, int Q8>
@@ -319,7 +315,7 @@ struct FxRing4 {
     }
     __device__ __forceinline__ void issue(int j) {
         const int t = t0(j);
-        if (t < end && FX_Q4_PROBE != 5 && (FX_Q4_PROBE != 2 || j < S - 1 - FX_Q4_PAIR)) {
+        if (t < end && FX_Q4_PROBE != 5 && (FX_Q4_PROBE != 2 || j < S - 1)) {
             unsigned char* st = ring + (j % S) * STEP_B;
 #pragma unroll
             for (int n = 0; n < NU; ++n) {
@@ -374,7 +370,7 @@ __device__ __forceinline__ FxRing4<D, S, WARPS> fx_ring4(unsigned char* smem,
     r.lane = lane;
     r.init();
 #pragma unroll
-    for (int j = 0; j < S - 1 - FX_Q4_PAIR; ++j) r.issue(j);  // (FX_Q4_PAIR: two a pass)
+    for (int j = 0; j < S - 1; ++j) r.issue(j);
     return r;
 }
 // q for a 4-bit cache's fp16 mmas: as fx_load_q8 (each head's power of two), rotated first
@@ -529,14 +525,9 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                 oacc[u][hb][i][0] = oacc[u][hb][i][1] = oacc[u][hb][i][2] = oacc[u][hb][i][3] = 0.f;
     FxRunning ra[NT], rb[NT];  // heads 2tig (a) and 2tig + 1 (b): their online softmax
 
-    // NP ring steps a pass: 1, or 2 for a 4-bit cache where FX_Q4_PAIR (their K parts, one
-    // softmax for both, their V parts)
-    constexpr int NP = NIB && FX_Q4_PAIR ? 2 : 1;
-    static_assert(NP == 1 || S >= 3, "two steps computed while two more are copied");
-    for (int j = 0; wr.t0(j) < blk.end; j += NP) {
-#pragma unroll
-        for (int h = 0; h < NP; ++h) wr.issue(j + S - NP + h);
-        fx_cp_async_wait<S - NP>();
+    for (int j = 0; wr.t0(j) < blk.end; ++j) {
+        wr.issue(j + S - 1);
+        fx_cp_async_wait<S - 1>();
         __syncwarp();
         if constexpr (NIB && (FX_Q4_PROBE == 1 || FX_Q4_PROBE == 4 || FX_Q4_PROBE == 5))
             continue;
@@ -552,43 +543,35 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
         }
         // ---- S^T = K Q^T: rows = tokens t0 + g (c0, c1) and t0 + g + 8 (c2, c3), columns
         // = heads 2tig, 2tig + 1; two chains (the 16-byte reads' halves)
-        float s[NP][NT][4], s2[NP][NT][4];  // (NP: a pass's steps)
+        float s[NT][4], s2[NT][4];
 #pragma unroll
-        for (int h = 0; h < NP; ++h)
+        for (int u = 0; u < NT; ++u)
 #pragma unroll
-            for (int u = 0; u < NT; ++u)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[h][u][e] = s2[h][u][e] = 0.f;
+            for (int e = 0; e < 4; ++e) s[u][e] = s2[u][e] = 0.f;
         if constexpr (NIB) {  // this lane's words of rows g and g + 8, widened per chunk
+            constexpr int NKB = D / 32;
+            const unsigned char* ksc = ks + 32 * (D / 2);  // K's scales, then V's
+            unsigned wa[NKB], wc[NKB];
+            fx_k4_words<D>(ks, g, tig, wa);
+            fx_k4_words<D>(ks, g + 8, tig, wc);
+            unsigned sk_a = 0, sk_c = 0;  // rows g and g + 8: the block scale of chunk c
 #pragma unroll
-            for (int h = 0; h < NP; ++h) {
-                constexpr int NKB = D / 32;
-                const unsigned char* kh = wr.stage(j + h);
-                const unsigned char* ksc = kh + 32 * (D / 2);  // K's scales, then V's
-                unsigned wa[NKB], wc[NKB];
-                fx_k4_words<D>(kh, g, tig, wa);
-                fx_k4_words<D>(kh, g + 8, tig, wc);
-                unsigned sk_a = 0, sk_c = 0;  // rows g and g + 8: the block scale of chunk c
+            for (int kb = 0; kb < NKB; ++kb) {
+                const int c = tig * NKB + kb;
+                if (kb % PER4 == 0) {  // (a scale's chunks: once)
+                    sk_a = fx_scale4<Q8>(ksc + g * (D / 16), c);
+                    sk_c = fx_scale4<Q8>(ksc + (g + 8) * (D / 16), c);
+                }
+                unsigned ka[4], kc[4];
+                fx_widen4<Q8>(wa[kb], sk_a, ka, nk);
+                fx_widen4<Q8>(wc[kb], sk_c, kc, nk);
 #pragma unroll
-                for (int kb = 0; kb < NKB; ++kb) {
-                    const int c = tig * NKB + kb;
-                    if (kb % PER4 == 0) {  // (a scale's chunks: once)
-                        sk_a = fx_scale4<Q8>(ksc + g * (D / 16), c);
-                        sk_c = fx_scale4<Q8>(ksc + (g + 8) * (D / 16), c);
-                    }
-                    unsigned ka[4], kc[4];
-                    fx_widen4<Q8>(wa[kb], sk_a, ka, nk);
-                    fx_widen4<Q8>(wc[kb], sk_c, kc, nk);
-#pragma unroll
-                    for (int u = 0; u < NT; ++u) {
-                        const uint4 qv = qf[u].at(kb, tig);
-                        float* sh = s[h][u];
-                        float* sh2 = s2[h][u];
-                        FxMma<T>::run(sh[0], sh[1], sh[2], sh[3], ka[0], kc[0], ka[1], kc[1], qv.x,
-                                      qv.y);
-                        FxMma<T>::run(sh2[0], sh2[1], sh2[2], sh2[3], ka[2], kc[2], ka[3], kc[3],
-                                      qv.z, qv.w);
-                    }
+                for (int u = 0; u < NT; ++u) {
+                    const uint4 qv = qf[u].at(kb, tig);
+                    FxMma<T>::run(s[u][0], s[u][1], s[u][2], s[u][3], ka[0], kc[0], ka[1], kc[1],
+                                  qv.x, qv.y);
+                    FxMma<T>::run(s2[u][0], s2[u][1], s2[u][2], s2[u][3], ka[2], kc[2], ka[3],
+                                  kc[3], qv.z, qv.w);
                 }
             }
         }
@@ -604,71 +587,40 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
 #pragma unroll
             for (int u = 0; u < NT; ++u) {
                 const uint4 qv = qf[u].at(kb, tig);
-                FxMma<T>::run(s[0][u][0], s[0][u][1], s[0][u][2], s[0][u][3], ka.x, kc.x, ka.y,
-                              kc.y, qv.x, qv.y);
-                FxMma<T>::run(s2[0][u][0], s2[0][u][1], s2[0][u][2], s2[0][u][3], ka.z, kc.z,
-                              ka.w, kc.w, qv.z, qv.w);
+                FxMma<T>::run(s[u][0], s[u][1], s[u][2], s[u][3], ka.x, kc.x, ka.y, kc.y, qv.x,
+                              qv.y);
+                FxMma<T>::run(s2[u][0], s2[u][1], s2[u][2], s2[u][3], ka.z, kc.z, ka.w, kc.w,
+                              qv.z, qv.w);
             }
         }
+        const int ta = t0 + g, tc = ta + 8;
         float alpha_a[NT], alpha_b[NT];
-        unsigned pb0[NP][NT], pb1[NP][NT];
+        unsigned pb0[NT], pb1[NT];
 #pragma unroll
         for (int u = 0; u < NT; ++u) {
+            float x[4];
+            x[0] = ta < blk.end ? sca[u](s[u][0] + s2[u][0], ta) : -INFINITY;  // head a
+            x[1] = ta < blk.end ? scb[u](s[u][1] + s2[u][1], ta) : -INFINITY;  // head b
+            x[2] = tc < blk.end ? sca[u](s[u][2] + s2[u][2], tc) : -INFINITY;  // head a
+            x[3] = tc < blk.end ? scb[u](s[u][3] + s2[u][3], tc) : -INFINITY;  // head b
+            const float xa[2] = {x[0], x[2]}, xb[2] = {x[1], x[3]};
+            float pa[2], pb[2];
+            alpha_a[u] = ra[u].step(fx_lanes_max<4, 32>(fmaxf(x[0], x[2])), xa, pa);
+            alpha_b[u] = rb[u].step(fx_lanes_max<4, 32>(fmaxf(x[1], x[3])), xb, pb);
             // P^T as the B operand: (tokens 2tig, 2tig + 1; head g) and (tokens 2tig + 8,
             // + 9; head g), each 8x8 block of P (token g; heads 2tig, 2tig + 1) transposed
-            if constexpr (NP == 1) {
-                const int ta = t0 + g, tc = ta + 8;
-                float x[4];
-                x[0] = ta < blk.end ? sca[u](s[0][u][0] + s2[0][u][0], ta) : -INFINITY;  // a
-                x[1] = ta < blk.end ? scb[u](s[0][u][1] + s2[0][u][1], ta) : -INFINITY;  // b
-                x[2] = tc < blk.end ? sca[u](s[0][u][2] + s2[0][u][2], tc) : -INFINITY;  // a
-                x[3] = tc < blk.end ? scb[u](s[0][u][3] + s2[0][u][3], tc) : -INFINITY;  // b
-                const float xa[2] = {x[0], x[2]}, xb[2] = {x[1], x[3]};
-                float pa[2], pb[2];
-                alpha_a[u] = ra[u].step(fx_lanes_max<4, 32>(fmaxf(x[0], x[2])), xa, pa);
-                alpha_b[u] = rb[u].step(fx_lanes_max<4, 32>(fmaxf(x[1], x[3])), xb, pb);
-                pb0[0][u] = fx_movmatrix_trans(fx_pack2<T>(pa[0], pb[0]));
-                pb1[0][u] = fx_movmatrix_trans(fx_pack2<T>(pa[1], pb[1]));
-            } else {  // two steps, one softmax: step h's tokens g (2h) and g + 8 (2h + 1)
-                float xa[2 * NP], xb[2 * NP], pa[2 * NP], pb[2 * NP];
-#pragma unroll
-                for (int h = 0; h < NP; ++h) {
-                    const int ta = wr.t0(j + h) + g, tc = ta + 8;
-                    const float* sh = s[h][u];
-                    const float* sh2 = s2[h][u];
-                    xa[2 * h] = ta < blk.end ? sca[u](sh[0] + sh2[0], ta) : -INFINITY;
-                    xb[2 * h] = ta < blk.end ? scb[u](sh[1] + sh2[1], ta) : -INFINITY;
-                    xa[2 * h + 1] = tc < blk.end ? sca[u](sh[2] + sh2[2], tc) : -INFINITY;
-                    xb[2 * h + 1] = tc < blk.end ? scb[u](sh[3] + sh2[3], tc) : -INFINITY;
-                }
-                float ma = xa[0], mb = xb[0];
-#pragma unroll
-                for (int i = 1; i < 2 * NP; ++i) {
-                    ma = fmaxf(ma, xa[i]);
-                    mb = fmaxf(mb, xb[i]);
-                }
-                alpha_a[u] = ra[u].step(fx_lanes_max<4, 32>(ma), xa, pa);
-                alpha_b[u] = rb[u].step(fx_lanes_max<4, 32>(mb), xb, pb);
-#pragma unroll
-                for (int h = 0; h < NP; ++h) {
-                    pb0[h][u] = fx_movmatrix_trans(fx_pack2<T>(pa[2 * h], pb[2 * h]));
-                    pb1[h][u] = fx_movmatrix_trans(fx_pack2<T>(pa[2 * h + 1], pb[2 * h + 1]));
-                }
-            }
+            pb0[u] = fx_movmatrix_trans(fx_pack2<T>(pa[0], pb[0]));
+            pb1[u] = fx_movmatrix_trans(fx_pack2<T>(pa[1], pb[1]));
         }
         // ---- O^T = O^T * alpha + V^T P^T; this lane's V rows are 2tig, 2tig+1, 2tig+8,
         // 2tig+9, at d = hb*64 + g*8 .. +8 (rows g and g + 8 of the mma: elements 2i, 2i+1)
         if constexpr (NIB) {  // (4-bit: chunk g * NHB + hb, rows g and g + 8: elements i, i + 4)
             constexpr int NHB = D / 64;
-            unsigned w4[NP][4][NHB];  // step h's tokens 2tig, 2tig + 1, 2tig + 8, 2tig + 9
-            auto v4_words = [&](int h) {
-                const unsigned char* vh = NP == 1 ? vs : wr.stage(j + h) + 16 * (D / 2);
+            const unsigned char* vsc = reinterpret_cast<const unsigned char*>(ks) +
+                                       32 * (D / 2) + 16 * (D / 16);  // V's scales
+            unsigned w4[4][NHB];  // tokens 2tig, 2tig + 1, 2tig + 8, 2tig + 9
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    fx_v4_words<D>(vh, 2 * tig + (e & 1) + (e >> 1) * 8, g, w4[h][e]);
-            };
-            if constexpr (NP == 1) v4_words(0);  // (read before the rescale's vote; two
-                                                 // steps' words after it, for registers)
+            for (int e = 0; e < 4; ++e) fx_v4_words<D>(vs, 2 * tig + (e & 1) + (e >> 1) * 8, g, w4[e]);
             {  // O rescaled only where a row's max moved
                 bool moved = false;
 #pragma unroll
@@ -688,41 +640,31 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                             }
                 }
             }
+            unsigned sv[2] = {0u, 0u};  // token pairs 2tig, + 1 and 2tig + 8, + 9: {s_a, s_b}
 #pragma unroll
-            for (int h = 0; h < NP; ++h) {
-                if (h && wr.t0(j + h) >= blk.end) break;  // (a lone last step: its scores masked)
-                if constexpr (NP > 1) v4_words(h);
-                const unsigned char* vsc = (NP == 1 ? reinterpret_cast<const unsigned char*>(ks)
-                                                    : wr.stage(j + h)) +
-                                           32 * (D / 2) + 16 * (D / 16);  // V's scales
-                unsigned sv[2] = {0u, 0u};  // token pairs 2tig, + 1 and 2tig + 8, + 9: {s_a, s_b}
+            for (int hb = 0; hb < NHB; ++hb) {
+                unsigned r4[4][4];
+                // tokens paired before widening: the halves of x hold elements 0-3 of
+                // tokens a and b (y: 4-7), so r4[2p][i] = {a's e_i, b's e_i} is the A
+                // operand's register as it comes, with the scales {s_a, s_b}
 #pragma unroll
-                for (int hb = 0; hb < NHB; ++hb) {
-                    unsigned r4[4][4];
-                    // tokens paired before widening: the halves of x hold elements 0-3 of
-                    // tokens a and b (y: 4-7), so r4[2p][i] = {a's e_i, b's e_i} is the A
-                    // operand's register as it comes, with the scales {s_a, s_b}
+                for (int p = 0; p < 2; ++p) {
+                    const int ta4 = 2 * tig + 8 * p, c4 = g * NHB + hb;
+                    if (hb % PER4 == 0)
+                        sv[p] = fx_scale4_pair<Q8>(vsc + ta4 * (D / 16), vsc + (ta4 + 1) * (D / 16),
+                                                   c4);
+                    fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x5410u), sv[p],
+                                  r4[2 * p], nk);
+                    fx_widen4<Q8>(__byte_perm(w4[2 * p][hb], w4[2 * p + 1][hb], 0x7632u), sv[p],
+                                  r4[2 * p + 1], nk);
+                }
 #pragma unroll
-                    for (int p = 0; p < 2; ++p) {
-                        const int ta4 = 2 * tig + 8 * p, c4 = g * NHB + hb;
-                        if (hb % PER4 == 0)
-                            sv[p] = fx_scale4_pair<Q8>(vsc + ta4 * (D / 16),
-                                                       vsc + (ta4 + 1) * (D / 16), c4);
-                        const unsigned* wp = w4[h][2 * p];
-                        const unsigned* wq = w4[h][2 * p + 1];
-                        const unsigned lo = __byte_perm(wp[hb], wq[hb], 0x5410u);
-                        const unsigned hi = __byte_perm(wp[hb], wq[hb], 0x7632u);
-                        fx_widen4<Q8>(lo, sv[p], r4[2 * p], nk);
-                        fx_widen4<Q8>(hi, sv[p], r4[2 * p + 1], nk);
-                    }
+                for (int i = 0; i < 4; ++i) {
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-                        for (int u = 0; u < NT; ++u) {
-                            float* o = oacc[u][hb][i];
-                            FxMma<T>::run(o[0], o[1], o[2], o[3], r4[0][i], r4[1][i], r4[2][i],
-                                          r4[3][i], pb0[h][u], pb1[h][u]);
-                        }
+                    for (int u = 0; u < NT; ++u) {
+                        float* o = oacc[u][hb][i];
+                        FxMma<T>::run(o[0], o[1], o[2], o[3], r4[0][i], r4[1][i], r4[2][i],
+                                      r4[3][i], pb0[u], pb1[u]);
                     }
                 }
             }
@@ -757,7 +699,7 @@ __device__ __forceinline__ void gqa_split_mma_swapped(
                     o[1] *= alpha_b[u];
                     o[2] *= alpha_a[u];
                     o[3] *= alpha_b[u];
-                    FxMma<T>::run(o[0], o[1], o[2], o[3], a0, a1, a2, a3, pb0[0][u], pb1[0][u]);
+                    FxMma<T>::run(o[0], o[1], o[2], o[3], a0, a1, a2, a3, pb0[u], pb1[u]);
                 }
             }
         }
