@@ -363,8 +363,9 @@ class CacheState:
     @property
     def k_buffer(self) -> DeviceArray:
         """The whole K buffer, (capacity, n_kv_heads, head_dim); a 4-bit cache's packed
-        values, uint8 (capacity, n_kv_heads, head_dim // 2), or (n_kv_heads, capacity,
-        head_dim // 2) where it was made with ``kv_layout="HND"``."""
+        values, uint8 (n_kv_heads, capacity, head_dim // 2), head-major (the default), or
+        (capacity, n_kv_heads, head_dim // 2) where it is token-major (``kv_layout="NHD"``,
+        or K and V in formats of their own)."""
         self.check_open()
         return self._k
 

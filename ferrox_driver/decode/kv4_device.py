@@ -4,11 +4,12 @@ rows quantized by ``cuda_src/kv_quantize4.cu`` bit for bit as `kv4.quantize_q4` 
 decoded by the rows kernels (``records.launches_for(..., fp8="q4" or "nvfp4",
 q4_scales=..., rotate=...)``, an nvfp4 cache's per-head scales as ``kv_scales``).
 
-Internal: a KVCache of ``dtype="int4"`` or ``"nvfp4"`` comes with these (its storage:
-values ``uint8 (capacity, n_kv_heads, head_dim // 2)`` for K and for V, and scales
-``(capacity, n_kv_heads, head_dim // 32)`` float16 for q4, ``(capacity, n_kv_heads,
-head_dim // 16)`` e4m3 bytes for nvfp4; with ``kv_layout="HND"``, head-major
-``(n_kv_heads, capacity, ...)``).
+Internal: a KVCache of ``dtype="int4"`` or ``"nvfp4"`` comes with these (its storage,
+head-major by default: values ``uint8 (n_kv_heads, capacity, head_dim // 2)`` for K and
+for V, and scales ``(n_kv_heads, capacity, head_dim // 32)`` float16 for q4,
+``(n_kv_heads, capacity, head_dim // 16)`` e4m3 bytes for nvfp4; with
+``kv_layout="NHD"``, or K and V in formats of their own, token-major ``(capacity,
+n_kv_heads, ...)``).
 """
 
 from __future__ import annotations
