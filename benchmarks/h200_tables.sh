@@ -7,7 +7,7 @@
 #     bash benchmarks/h200_tables.sh
 #
 # 1. bench --only kv4's table (head-major, the default, then token-major) at 32768 and
-#    131072 tokens;
+#    131072 tokens, and 32/8/128 at one million (head-major);
 # 2. issue 50: head_dim 512 against 128 on equal bytes and SDPA (wide_speed.py), and MLA
 #    against its read floor and SDPA (mla_speed.py);
 # 3. kv4_pair.patch applied (the swapped kernel's loop over NP ring steps a pass: with
@@ -26,6 +26,8 @@ for layout in HND NHD; do
   timeout 80 python3 benchmarks/kv4_speed.py --layout $layout --seqs 32768 131072 2>&1 \
     | grep -v compiling
 done
+echo "== 1. one million tokens of 32/8/128, head-major ($((SECONDS - T0)) s)"
+timeout 60 python3 benchmarks/kv4_speed.py --shapes 32/8/128 --seqs 1048576 2>&1 | grep -v compiling
 echo "== 2. head_dim 512 ($((SECONDS - T0)) s)"
 timeout 100 python3 benchmarks/wide_speed.py 2>&1 | grep -v compiling
 echo "== 2. MLA ($((SECONDS - T0)) s)"
