@@ -40,7 +40,8 @@ git apply benchmarks/kv4_pair.patch && {
   echo "== 3. FX_Q4_PAIR's tests ($((SECONDS - T0)) s)"
   FERROX_TEST_TRAITS=FX_Q4_PAIR=1 PYTHONPATH=.:benchmarks timeout $((590 - SECONDS + T0)) \
     python3 -m pytest -q -m gpu -p trait_tests -p no:cacheprovider \
-    tests/decode/test_gpu_kv4.py tests/cache/test_gpu_kv4_cache.py 2>&1 | tail -3
+    tests/decode/test_gpu_kv4.py tests/cache/test_gpu_kv4_cache.py \
+    tests/integrations/test_gpu_torch_kv4.py 2>&1 | tail -3
   git apply -R benchmarks/kv4_pair.patch
 }
 echo "== end ($((SECONDS - T0)) s)"
